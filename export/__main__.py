@@ -1,0 +1,41 @@
+"""specbeam-export: turn a local Hugging Face causal LM folder into a specbeam model folder.
+
+    python -m export -i path/to/hf_model -o models/my_model -p int8 --layout whole
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .core import PRECISIONS, export
+from .hf import ExportError
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="specbeam-export", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-i", "--input", required=True, help="local Hugging Face model folder (config.json, "
+                    "*.safetensors, tokenizer.json, generation_config.json)")
+    ap.add_argument("-o", "--output", required=True, help="output specbeam model folder")
+    ap.add_argument("-p", "--precision", choices=PRECISIONS, default="fp32",
+                    help="weight precision: fp32; fp16 storage; int8 (quantize_dynamic); int4 (MatMulNBits)")
+    ap.add_argument("--layout", choices=("whole", "split"), default="whole",
+                    help="one graph, or embed/layer/head graphs with per-layer weight files (for streaming)")
+    ap.add_argument("--output_kind", choices=("logits", "topk"), default="logits",
+                    help="full logits per node, or log-softmax top-k (k is a run-time input) for large vocabularies")
+    ap.add_argument("--block_size", type=int, default=32, help="int4 quantization block size")
+    ap.add_argument("--overwrite", action="store_true", help="replace the output folder if it exists")
+    ap.add_argument("-q", "--quiet", action="store_true", help="no progress display")
+    args = ap.parse_args(argv)
+    try:
+        out = export(args.input, args.output, precision=args.precision, layout=args.layout,
+                     output=args.output_kind, overwrite=args.overwrite, block_size=args.block_size, quiet=args.quiet)
+    except ExportError as e:
+        print(f"specbeam-export: error: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

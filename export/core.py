@@ -1,0 +1,188 @@
+"""Export a local Hugging Face folder to a specbeam model folder (DESIGN sections 3-5)."""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from . import graph
+from .hf import Arch, ExportError, global_weights, layer_weights, read_arch, read_weights
+
+PRECISIONS = ("fp32", "fp16", "int8", "int4")
+FORMAT_VERSION = 1
+_GEN_KEYS = ("num_beams", "max_new_tokens", "length_penalty", "early_stopping", "num_return_sequences",
+             "min_new_tokens", "do_sample", "temperature", "top_k", "top_p")
+
+
+class Progress:
+    """A one-line progress display on stderr (silent when quiet)."""
+
+    def __init__(self, total: int, quiet: bool):
+        self.total, self.done, self.quiet, self.t0 = total, 0, quiet, time.time()
+
+    def step(self, what: str):
+        self.done += 1
+        if not self.quiet:
+            print(f"\r[{self.done}/{self.total}] {what:<40} {time.time() - self.t0:6.1f}s", end="", file=sys.stderr,
+                  flush=True)
+
+    def close(self):
+        if not self.quiet:
+            print(file=sys.stderr)
+
+
+def _save(model: onnx.ModelProto, path: Path):
+    big = model.ByteSize() > 1_800_000_000
+    onnx.save_model(model, str(path), save_as_external_data=big, all_tensors_to_one_file=True,
+                    location=path.name + ".data" if big else None)
+
+
+def _quantize(src: Path, dst: Path, precision: str, block_size: int) -> dict:
+    logging.getLogger("onnxruntime.quantization").setLevel(logging.ERROR)
+    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.ERROR)
+    if precision == "int8":
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+
+        quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"],
+                         per_channel=True)
+        return {"method": "onnxruntime quantize_dynamic", "weight_type": "int8", "per_channel": True,
+                "ops": "MatMulInteger (all weight MatMuls incl. lm_head); embeddings fp32"}
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+
+    cfg = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=True, accuracy_level=4, bits=4)
+    q = MatMulNBitsQuantizer(onnx.load(str(src)), bits=4, block_size=block_size, is_symmetric=True,
+                             accuracy_level=4, algo_config=cfg)
+    q.process()
+    q.model.save_model_to_file(str(dst), use_external_data_format=False)
+    return {"method": "onnxruntime MatMulNBitsQuantizer (RTN)", "bits": 4, "block_size": block_size,
+            "symmetric": True, "accuracy_level": 4, "ops": "MatMulNBits (all weight MatMuls incl. lm_head)"}
+
+
+def _generation_defaults(src: Path) -> dict:
+    p = src / "generation_config.json"
+    gen = json.loads(p.read_text()) if p.is_file() else {}
+    return {k: gen[k] for k in _GEN_KEYS if k in gen}
+
+
+def _write_layer_weights(folder: Path, layers: list[dict], arch: Arch, precision: str) -> list[dict]:
+    """weights/layer_{i}.bin: each layer's tensors back to back (64-byte aligned); the manifest is shared."""
+    (folder / "weights").mkdir()
+    manifest = None
+    for i, w in enumerate(layers):
+        parts, entries, off = [], [], 0
+        for name in graph.layer_weight_names(arch):
+            arrays = [(name, w[name])]
+            if precision == "int8" and name in graph.MATMULS:
+                q, s = graph.quantize_int8(w[name])
+                arrays = [(name, q), (name + ".scale", s)]
+            elif precision == "fp16":
+                arrays = [(name, w[name].astype(np.float16))]
+            for n, a in arrays:
+                a = np.ascontiguousarray(a)
+                pad = (-off) % 64
+                parts.append(b"\0" * pad)
+                off += pad
+                entries.append({"name": n, "dtype": str(a.dtype), "shape": list(a.shape), "offset": off})
+                parts.append(a.tobytes())
+                off += a.nbytes
+        (folder / "weights" / f"layer_{i}.bin").write_bytes(b"".join(parts))
+        manifest = entries
+    return manifest
+
+
+def export(src: str | Path, dst: str | Path, *, precision: str = "fp32", layout: str = "whole",
+           output: str = "logits", overwrite: bool = False, block_size: int = 32, quiet: bool = False) -> Path:
+    """Export the HF folder `src` into the specbeam model folder `dst`; returns dst.
+
+    The folder is written to a temporary sibling and renamed at the end, so a failure leaves nothing behind.
+    """
+    src, dst = Path(src), Path(dst)
+    if precision not in PRECISIONS:
+        raise ExportError(f"precision {precision!r} is not one of {PRECISIONS}")
+    if layout not in ("whole", "split"):
+        raise ExportError(f"layout {layout!r} is not 'whole' or 'split'")
+    if output not in ("logits", "topk"):
+        raise ExportError(f"output {output!r} is not 'logits' or 'topk'")
+    if layout == "split" and precision == "int4":
+        raise ExportError("layout 'split' supports fp32, fp16 and int8 weights (int4 needs constant weights)")
+    if not src.is_dir():
+        raise ExportError(f"input folder {src} does not exist")
+    if dst.exists() and not overwrite:
+        raise ExportError(f"output folder {dst} exists; pass --overwrite to replace it")
+    if not (src / "tokenizer.json").is_file():
+        raise ExportError(f"{src}: no tokenizer.json (a `tokenizers` fast tokenizer is required)")
+    t0 = time.time()
+    arch = read_arch(src)
+    weights = read_weights(src)
+    prog = Progress(arch.layers + 4, quiet)
+    g = global_weights(weights, arch)
+    layers = []
+    for i in range(arch.layers):
+        layers.append(layer_weights(weights, arch, i))
+        prog.step(f"read layer {i}")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+    try:
+        files: dict = {}
+        quant = {"method": "none", "storage": precision}
+        if layout == "whole":
+            base = "fp16" if precision == "fp16" else "fp32"
+            model = graph.whole_model(arch, g, layers, base, output)
+            prog.step("build graph")
+            if precision in ("int8", "int4"):
+                raw = tmp / "model.fp32.onnx"
+                _save(model, raw)
+                quant = _quantize(raw, tmp / "model.onnx", precision, block_size)
+                raw.unlink()
+            else:
+                _save(model, tmp / "model.onnx")
+            prog.step(f"write model.onnx ({precision})")
+            files["model"] = "model.onnx"
+        else:
+            _save(graph.embed_model(arch, g, precision), tmp / "embed.onnx")
+            _save(graph.layer_model(arch, layers[0], precision), tmp / "layer.onnx")
+            _save(graph.head_model(arch, g, precision, output), tmp / "head.onnx")
+            prog.step("build graphs")
+            files.update(embed="embed.onnx", layer="layer.onnx", head="head.onnx",
+                         layer_weights="weights/layer_{i}.bin")
+            files["layer_manifest"] = _write_layer_weights(tmp, layers, arch, precision)
+            if precision == "int8":
+                quant = {"method": "specbeam per-channel symmetric int8 (DequantizeLinear + MatMul)",
+                         "weight_type": "int8", "per_channel": True}
+            prog.step("write layer weights")
+        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (src / f).is_file():
+                shutil.copy2(src / f, tmp / f)
+        cfg = {
+            "format_version": FORMAT_VERSION, "family": arch.family, "vocab_size": arch.vocab_size,
+            "hidden_size": arch.hidden, "num_layers": arch.layers, "num_heads": arch.heads,
+            "num_kv_heads": arch.kv_heads, "head_dim": arch.head_dim, "context_length": arch.context_length,
+            "bos_token_id": arch.bos_token_id, "eos_token_ids": arch.eos_token_ids, "pad_token_id": arch.pad_token_id,
+            "layout": layout, "precision": precision, "quantization": quant, "compute_dtype": "float32",
+            "mask": "additive_float32", "mask_value": float(np.finfo(np.float32).min), "present": "concat",
+            "output": output, "files": files, "rope": {k: v for k, v in arch.rope.items()},
+            "io": {"inputs": ["input_ids", "position_ids", "attention_mask", "past_key_values.{i}.key",
+                              "past_key_values.{i}.value"] + (["topk"] if output == "topk" else []),
+                   "outputs": (["topk_logprobs", "topk_ids"] if output == "topk" else ["logits"])
+                   + ["present.{i}.key", "present.{i}.value"]},
+            "generation": _generation_defaults(src),
+            "source": {"folder_name": src.name, "export_seconds": round(time.time() - t0, 2)},
+        }
+        (tmp / "specbeam_config.json").write_text(json.dumps(cfg, indent=2))
+        prog.step("write config")
+        if dst.exists():
+            shutil.rmtree(dst)
+        tmp.rename(dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        prog.close()
+    return dst

@@ -1,0 +1,132 @@
+"""Drafters: grow a token tree below the live beams with the draft model (DESIGN section 6, step 1).
+
+A drafter is any callable `(dcache, roots, root_scores) -> new tree nodes` (parents before children). The
+draft keeps its own TreeCache over the same TokenTree, so it only ever computes KV for nodes it has not seen.
+"""
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import numpy as np
+
+from .beam import log_softmax
+from .cache import TreeCache
+from .config import SpeculativeConfig
+
+
+class Drafter(Protocol):
+    def __call__(self, dcache: TreeCache, roots: list[int], root_scores: list[float]) -> list[int]: ...
+
+
+def _score_frontier(dcache: TreeCache, frontier: list[int]) -> dict[int, np.ndarray]:
+    """Draft log-probs at each frontier node (scoring missing ancestors in the same pass)."""
+    need = dcache.missing_ancestors(frontier)
+    rows = {}
+    if need:
+        logits = dcache.score(need)
+        index = {n: j for j, n in enumerate(need)}
+        for f in frontier:
+            if f in index:
+                rows[f] = logits[index[f]]
+    return rows
+
+
+class DraftBeamSearch:
+    """AtSpeed-style: a draft beam search of width W for up to `max_depth` levels from all live beams;
+    at each level the W best (beam score + draft log-prob) children join the tree."""
+
+    def __init__(self, spec: SpeculativeConfig, num_beams: int, eos_ids, context_length: int):
+        self.W = spec.draft_width or max(num_beams, spec.max_branch_width)
+        self.b = spec.max_branch_width
+        self.depth, self.budget = spec.max_depth, spec.budget
+        self.eos = set(int(e) for e in eos_ids)
+        self.ctx = context_length
+
+    def __call__(self, dcache, roots, root_scores):
+        tree = dcache.tree
+        frontier = list(dict.fromkeys(roots))
+        score = {}
+        for r, s in zip(roots, root_scores):
+            score[r] = max(score.get(r, -math.inf), float(s))
+        out, seen = [], set(frontier)
+        for _ in range(self.depth):
+            frontier = [f for f in frontier if tree.depth(f) + 1 < self.ctx]
+            if not frontier or len(out) >= self.budget:
+                break
+            rows = _score_frontier(dcache, frontier)
+            cands = []
+            for f in frontier:
+                row = rows.get(f)
+                if row is None:
+                    continue
+                lp = log_softmax(row)
+                top = np.argpartition(-lp, self.b - 1)[:self.b] if self.b < len(lp) else np.arange(len(lp))
+                cands.extend((score[f] + float(lp[t]), f, int(t)) for t in top)
+            cands.sort(key=lambda c: -c[0])
+            frontier = []
+            for s, f, t in cands[:min(self.W, self.budget - len(out))]:
+                n = tree.add(f, t)
+                if n not in seen:
+                    seen.add(n)
+                    out.append(n)
+                score[n] = s
+                if t not in self.eos:
+                    frontier.append(n)
+        return out
+
+
+class BestFirstDrafter:
+    """SpecExec-style: repeatedly expand the most probable leaves (cumulative draft log-prob plus
+    log(decay_factor) per level) until `budget` nodes; each expansion round is one draft pass."""
+
+    def __init__(self, spec: SpeculativeConfig, num_beams: int, eos_ids, context_length: int):
+        self.budget, self.depth, self.b = spec.budget, spec.max_depth, spec.max_branch_width
+        self.log_decay = math.log(spec.decay_factor)
+        self.chunk = max(num_beams, math.ceil(spec.budget / spec.max_depth))
+        self.eos = set(int(e) for e in eos_ids)
+        self.ctx = context_length
+
+    def __call__(self, dcache, roots, root_scores):
+        tree = dcache.tree
+        roots = list(dict.fromkeys(roots))
+        base = {r: tree.depth(r) for r in roots}
+        cum = {r: 0.0 for r in roots}
+        root_of = {r: r for r in roots}
+        out, seen, pool = [], set(roots), []
+        expand = roots
+        while expand:
+            expand = [e for e in expand if tree.depth(e) + 1 < self.ctx
+                      and tree.depth(e) - base[root_of[e]] < self.depth and tree.token(e) not in self.eos]
+            if not expand:
+                break
+            rows = _score_frontier(dcache, expand)
+            for e in expand:
+                row = rows.get(e)
+                if row is None:
+                    continue
+                lp = log_softmax(row)
+                top = np.argpartition(-lp, self.b - 1)[:self.b] if self.b < len(lp) else np.arange(len(lp))
+                pool.extend((cum[e] + self.log_decay + float(lp[t]), e, int(t)) for t in top)
+            room = self.budget - len(out)
+            if room <= 0 or not pool:
+                break
+            pool.sort(key=lambda c: -c[0])
+            take, pool = pool[:min(self.chunk, room)], pool[min(self.chunk, room):]
+            expand = []
+            for s, p, t in take:
+                n = tree.add(p, t)
+                if n in seen:
+                    continue
+                seen.add(n)
+                out.append(n)
+                cum[n], root_of[n] = s, root_of[p]
+                expand.append(n)
+            if len(out) >= self.budget:
+                break
+        return out
+
+
+def make_drafter(spec: SpeculativeConfig, num_beams: int, eos_ids, context_length: int) -> Drafter:
+    cls = {"beam": DraftBeamSearch, "best_first": BestFirstDrafter}[spec.drafter]
+    return cls(spec, num_beams, eos_ids, context_length)

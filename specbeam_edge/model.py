@@ -1,0 +1,124 @@
+"""An exported causal LM: onnxruntime sessions and one forward over a token tree (DESIGN section 4)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from .config import ModelConfig, ModelFolderError
+
+
+def _session(path: Path, threads: int | None, providers) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.intra_op_num_threads = threads or min(os.cpu_count() or 1, 8)
+    so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    try:
+        return ort.InferenceSession(str(path), so, providers=providers or ["CPUExecutionProvider"])
+    except Exception as e:  # onnxruntime raises several exception types for bad files
+        raise ModelFolderError(f"{path}: onnxruntime cannot load this graph ({str(e).splitlines()[0][:200]})") from None
+
+
+class OnnxCausalLM:
+    """Loads and validates a model folder; `forward` scores new tokens given a tree mask and past KV."""
+
+    def __init__(self, folder: str | Path, *, threads: int | None = None, providers=None):
+        self.cfg = cfg = ModelConfig.load(folder)
+        self.folder = Path(folder)
+        L = cfg.num_layers
+        self.past_names = [(f"past_key_values.{i}.key", f"past_key_values.{i}.value") for i in range(L)]
+        self.present_names = [(f"present.{i}.key", f"present.{i}.value") for i in range(L)]
+        self.out_names = ["topk_logprobs", "topk_ids"] if cfg.output == "topk" else ["logits"]
+        if cfg.layout == "whole":
+            self.sess = _session(self.folder / cfg.files["model"], threads, providers)
+            want_in = {"input_ids", "position_ids", "attention_mask", *[n for p in self.past_names for n in p]}
+            want_out = {*self.out_names, *[n for p in self.present_names for n in p]}
+            self._check_io(self.sess, want_in | ({"topk"} if cfg.output == "topk" else set()), want_out,
+                           cfg.files["model"])
+            self._run_names = self.out_names + [n for p in self.present_names for n in p]
+        else:
+            self.embed = _session(self.folder / cfg.files["embed"], threads, providers)
+            self.layer = _session(self.folder / cfg.files["layer"], threads, providers)
+            self.head = _session(self.folder / cfg.files["head"], threads, providers)
+            manifest = cfg.files["layer_manifest"]
+            self._check_io(self.embed, {"input_ids"}, {"hidden"}, cfg.files["embed"])
+            self._check_io(self.layer, {"hidden", "position_ids", "attention_mask", "past_key", "past_value",
+                                        *[m["name"] for m in manifest]},
+                           {"hidden_out", "present_key", "present_value"}, cfg.files["layer"])
+            self._check_io(self.head, {"hidden"} | ({"topk"} if cfg.output == "topk" else set()),
+                           set(self.out_names), cfg.files["head"])
+            self.layer_weights = [self._map_layer(i, manifest) for i in range(L)]
+        self._check_shapes()
+
+    @staticmethod
+    def _check_io(sess, want_in, want_out, name):
+        got_in = {i.name for i in sess.get_inputs()}
+        got_out = {o.name for o in sess.get_outputs()}
+        if got_in != want_in or not want_out <= got_out:
+            raise ModelFolderError(f"{name}: graph I/O does not match specbeam_config.json "
+                                   f"(missing inputs {sorted(want_in - got_in)}, unexpected inputs "
+                                   f"{sorted(got_in - want_in)}, missing outputs {sorted(want_out - got_out)})")
+
+    def _check_shapes(self):
+        c = self.cfg
+        sess = self.sess if c.layout == "whole" else self.layer
+        name = "past_key_values.0.key" if c.layout == "whole" else "past_key"
+        shape = next(i.shape for i in sess.get_inputs() if i.name == name)
+        if shape[1] != c.num_kv_heads or shape[3] != c.head_dim:
+            raise ModelFolderError(f"{self.folder}: graph KV shape {shape} does not match the config "
+                                   f"(num_kv_heads {c.num_kv_heads}, head_dim {c.head_dim})")
+
+    def _map_layer(self, i: int, manifest: list[dict]) -> dict[str, np.ndarray]:
+        """Memory-map one layer's weight file; checks its size so a truncated file fails here, not mid-run."""
+        path = self.folder / self.cfg.files["layer_weights"].format(i=i)
+        need = max(m["offset"] + int(np.prod(m["shape"])) * np.dtype(m["dtype"]).itemsize for m in manifest)
+        if path.stat().st_size < need:
+            raise ModelFolderError(f"{path}: truncated ({path.stat().st_size} bytes, the manifest needs {need})")
+        mm = np.memmap(path, dtype=np.uint8, mode="r")
+        return {m["name"]: np.frombuffer(mm, dtype=m["dtype"], count=int(np.prod(m["shape"])),
+                                         offset=m["offset"]).reshape(m["shape"]) for m in manifest}
+
+    def empty_past(self, batch: int = 1) -> list[tuple[np.ndarray, np.ndarray]]:
+        c = self.cfg
+        z = np.zeros((batch, c.num_kv_heads, 0, c.head_dim), np.float32)
+        return [(z, z) for _ in range(c.num_layers)]
+
+    def additive_mask(self, mask: np.ndarray) -> np.ndarray:
+        return np.where(mask, np.float32(0), np.float32(self.cfg.mask_value)).astype(np.float32)
+
+    def forward(self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray,
+                past: list[tuple[np.ndarray, np.ndarray]], topk: int | None = None):
+        """Score `n_new` tokens.
+
+        input_ids, position_ids: int64 [B, n_new]; tree_mask: bool [B, 1, n_new, n_past + n_new] (True = may
+        attend); past: per layer (key, value) [B, kv_heads, n_past, head_dim].
+        Returns (logits [B, n_new, V] fp32, or (topk_logprobs, topk_ids) for a top-k head; presents per layer
+        [B, kv_heads, n_past + n_new, head_dim]).
+        """
+        ids = np.ascontiguousarray(input_ids, dtype=np.int64)
+        pos = np.ascontiguousarray(position_ids, dtype=np.int64)
+        if pos.size and int(pos.max()) >= self.cfg.context_length:
+            raise ValueError(f"position {int(pos.max())} exceeds the model's context length {self.cfg.context_length}")
+        mask = self.additive_mask(tree_mask)
+        extra = {"topk": np.array([topk or 1], np.int64)} if self.cfg.output == "topk" else {}
+        if self.cfg.layout == "whole":
+            feed = {"input_ids": ids, "position_ids": pos, "attention_mask": mask, **extra}
+            for (kn, vn), (k, v) in zip(self.past_names, past):
+                feed[kn], feed[vn] = k, v
+            outs = self.sess.run(self._run_names, feed)
+            n = len(self.out_names)
+            head = outs[0] if n == 1 else tuple(outs[:n])
+            presents = [(outs[n + 2 * i], outs[n + 2 * i + 1]) for i in range(self.cfg.num_layers)]
+            return head, presents
+        hidden = self.embed.run(["hidden"], {"input_ids": ids})[0]
+        presents = []
+        for i, (k, v) in enumerate(past):
+            feed = {"hidden": hidden, "position_ids": pos, "attention_mask": mask, "past_key": k, "past_value": v,
+                    **self.layer_weights[i]}
+            hidden, pk, pv = self.layer.run(["hidden_out", "present_key", "present_value"], feed)
+            presents.append((pk, pv))
+        outs = self.head.run(self.out_names, {"hidden": hidden, **extra})
+        return (outs[0] if len(outs) == 1 else tuple(outs)), presents

@@ -1,0 +1,54 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from helpers import make_hf_model  # noqa: E402
+
+VARIANTS = {
+    # name: (family, kwargs)
+    "llama": ("llama", dict(kv_heads=2)),                                   # GQA
+    "llama3rope": ("llama", dict(kv_heads=4, rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                           "original_max_position_embeddings": 16})),
+    "qwen2": ("qwen2", dict(kv_heads=2)),                                   # qkv bias, tied embeddings
+    "mistral": ("mistral", dict(kv_heads=1)),
+}
+
+
+@pytest.fixture(scope="session")
+def hf_models(tmp_path_factory):
+    """Lazily built tiny random HF models: hf_models(name) -> (folder, torch model)."""
+    base = tmp_path_factory.mktemp("hf")
+    cache = {}
+
+    def get(name, **extra):
+        key = (name, tuple(sorted(extra.items())))
+        if key not in cache:
+            fam, kw = VARIANTS[name]
+            folder = base / f"{name}_{len(cache)}"
+            cache[key] = (folder, make_hf_model(folder, fam, **{**kw, **extra}))
+        return cache[key]
+    return get
+
+
+@pytest.fixture(scope="session")
+def exported(tmp_path_factory, hf_models):
+    """exported(name, precision, layout, output, **model_kwargs) -> specbeam folder (cached per session)."""
+    from export import export
+
+    base = tmp_path_factory.mktemp("sb")
+    cache = {}
+
+    def get(name, precision="fp32", layout="whole", output="logits", **extra):
+        key = (name, precision, layout, output, tuple(sorted(extra.items())))
+        if key not in cache:
+            src, _ = hf_models(name, **extra)
+            cache[key] = export(src, base / f"{name}_{precision}_{layout}_{output}_{len(cache)}",
+                                precision=precision, layout=layout, output=output, quiet=True)
+        return cache[key]
+    return get

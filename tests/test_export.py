@@ -1,0 +1,162 @@
+"""Export parity with PyTorch, split == whole, top-k head, and clear errors for bad input."""
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from export import ExportError, export
+from helpers import torch_path_logits
+from specbeam_edge.cache import TokenTree, TreeCache
+from specbeam_edge.config import ModelFolderError
+from specbeam_edge.model import OnnxCausalLM
+
+PROMPT = [5, 17, 33, 8, 99, 41, 7, 250, 61]
+# two roots and depth 3 below the prompt: parents index into this list (-1 = child of the prompt's last token)
+TREE_PARENTS = [-1, -1, 0, 0, 1, 2, 5]
+TREE_TOKENS = [11, 12, 13, 14, 15, 16, 17]
+# measured on these tiny random models (logit std ~0.6): max |diff| / max |logit|
+TOL = {"fp32": 1e-5, "fp16": 2e-3, "int8": 2e-2, "int4": 0.2}
+
+
+def tree_scenario(folder):
+    """Prefill, a branching tree step over the past, and a step after compaction to one path.
+    Returns [(ours [Q, V], token paths)] for the three phases."""
+    lm = OnnxCausalLM(folder)
+    tree = TokenTree()
+    prompt_nodes = tree.add_chain(PROMPT)
+    cache = TreeCache(lm, tree)
+    phases = [(cache.score(prompt_nodes), [PROMPT[:i + 1] for i in range(len(PROMPT))])]
+    nodes = []
+    for p, t in zip(TREE_PARENTS, TREE_TOKENS):
+        nodes.append(tree.add(prompt_nodes[-1] if p < 0 else nodes[p], t))
+    phases.append((cache.score(nodes), [tree.path(n) for n in nodes]))
+    keep = nodes[5]                       # path prompt -> 12 -> 15 -> 16
+    assert cache.compact([keep], min_dead_fraction=0.0)
+    assert len(cache) == len(PROMPT) + 3
+    nxt = [tree.add(keep, 40), tree.add(keep, 41)]
+    nxt.append(tree.add(nxt[0], 42))
+    phases.append((cache.score(nxt), [tree.path(n) for n in nxt]))
+    return phases
+
+
+@pytest.mark.parametrize("name", ["llama", "llama3rope", "qwen2", "mistral"])
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "int8", "int4"])
+def test_parity_with_torch(name, precision, hf_models, exported):
+    _, model = hf_models(name)
+    folder = exported(name, precision)
+    for ours, paths in tree_scenario(folder):
+        ref = torch_path_logits(model, paths)
+        err = np.abs(ours - ref).max() / np.abs(ref).max()
+        assert err < TOL[precision], (name, precision, err)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "int8"])
+def test_split_equals_whole(precision, exported, hf_models):
+    split = tree_scenario(exported("qwen2", precision, "split"))
+    if precision == "int8":
+        # split int8 is per-channel DequantizeLinear (weights streamable), whole int8 is quantize_dynamic:
+        # different quantizers, so split int8 is held to the fp32 reference instead.
+        _, model = hf_models("qwen2")
+        for ours, paths in split:
+            ref = torch_path_logits(model, paths)
+            assert np.abs(ours - ref).max() / np.abs(ref).max() < TOL["int8"]
+        return
+    whole = tree_scenario(exported("qwen2", precision, "whole"))
+    for (a, _), (b, _) in zip(split, whole):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("layout", ["whole", "split"])
+def test_topk_head_matches_full_logits(layout, exported):
+    full = OnnxCausalLM(exported("llama", "fp32", layout))
+    topk = OnnxCausalLM(exported("llama", "fp32", layout, output="topk"))
+    P = len(PROMPT)
+    ids, pos = np.array([PROMPT]), np.arange(P)[None]
+    mask = np.tril(np.ones((P, P), bool))[None, None]
+    logits, _ = full.forward(ids, pos, mask, full.empty_past())
+    (vals, idx), _ = topk.forward(ids, pos, mask, topk.empty_past(), topk=8)
+    lp = logits - logits.max(-1, keepdims=True)
+    lp = lp - np.log(np.exp(lp).sum(-1, keepdims=True))
+    ref_idx = np.argsort(-lp, axis=-1, kind="stable")[..., :8]
+    np.testing.assert_array_equal(idx, ref_idx)
+    np.testing.assert_allclose(vals, np.take_along_axis(lp, ref_idx, -1), atol=1e-5)
+
+
+def test_export_cli_and_config(hf_models, tmp_path):
+    from export.__main__ import main
+
+    src, _ = hf_models("llama")
+    out = tmp_path / "m"
+    assert main(["-i", str(src), "-o", str(out), "-p", "int8", "-q"]) == 0
+    cfg = json.loads((out / "specbeam_config.json").read_text())
+    assert cfg["precision"] == "int8" and "quantize_dynamic" in cfg["quantization"]["method"]
+    assert cfg["num_kv_heads"] == 2 and cfg["layout"] == "whole"
+    assert main(["-i", str(src), "-o", str(out), "-q"]) == 2          # exists: refused
+    assert main(["-i", str(src), "-o", str(out), "-q", "--overwrite"]) == 0
+
+
+def _no_leftovers(parent):
+    return not [p for p in parent.iterdir() if p.name.startswith(".")]
+
+
+def test_bad_inputs(hf_models, tmp_path):
+    src, _ = hf_models("llama")
+    # a folder without weights
+    nowt = tmp_path / "noweights"
+    shutil.copytree(src, nowt)
+    for f in nowt.glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(ExportError, match="safetensors"):
+        export(nowt, tmp_path / "o1", quiet=True)
+    # an unsupported architecture
+    gpt = tmp_path / "gpt"
+    shutil.copytree(src, gpt)
+    cfg = json.loads((gpt / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (gpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ExportError, match="not supported"):
+        export(gpt, tmp_path / "o2", quiet=True)
+    # a config whose shapes do not match the weights
+    bad = tmp_path / "badshape"
+    shutil.copytree(src, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["intermediate_size"] += 8
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ExportError, match="shape"):
+        export(bad, tmp_path / "o3", quiet=True)
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o3").exists()
+    assert _no_leftovers(tmp_path)
+    # an output folder that exists
+    (tmp_path / "exists").mkdir()
+    with pytest.raises(ExportError, match="overwrite"):
+        export(src, tmp_path / "exists", quiet=True)
+
+
+def test_loader_validation(exported, tmp_path):
+    good = exported("llama", "fp32", "split")
+    with pytest.raises(ModelFolderError, match="does not exist"):
+        OnnxCausalLM(tmp_path / "nope")
+    broken = tmp_path / "broken"
+    shutil.copytree(good, broken)
+    (broken / "weights" / "layer_1.bin").unlink()
+    with pytest.raises(ModelFolderError, match="layer_1.bin"):
+        OnnxCausalLM(broken)
+    trunc = tmp_path / "trunc"
+    shutil.copytree(good, trunc)
+    data = (trunc / "weights" / "layer_0.bin").read_bytes()
+    (trunc / "weights" / "layer_0.bin").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelFolderError, match="truncated"):
+        OnnxCausalLM(trunc)
+    nocfg = tmp_path / "nocfg"
+    shutil.copytree(good, nocfg)
+    (nocfg / "specbeam_config.json").unlink()
+    with pytest.raises(ModelFolderError, match="specbeam_config.json"):
+        OnnxCausalLM(nocfg)
+    wrong = tmp_path / "wrong"
+    shutil.copytree(exported("llama"), wrong)
+    cfg = json.loads((wrong / "specbeam_config.json").read_text())
+    cfg["num_layers"] = 3
+    (wrong / "specbeam_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelFolderError, match="I/O does not match"):
+        OnnxCausalLM(wrong)
