@@ -1,0 +1,77 @@
+"""Property tests of the token tree, the tree mask and the tree cache: any sequence of tree growth and
+accept/reject (compaction) keeps every scored node's logits equal to a from-scratch run over its path."""
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from specbeam_edge.cache import TokenTree, TreeCache
+from specbeam_edge.model import OnnxCausalLM
+
+
+@pytest.fixture(scope="module")
+def lm(exported):
+    return OnnxCausalLM(exported("qwen2"))
+
+
+def from_scratch(lm, path):
+    n = len(path)
+    logits, _ = lm.forward(np.array([path]), np.arange(n)[None], np.tril(np.ones((n, n), bool))[None, None],
+                           lm.empty_past())
+    return logits[0, -1]
+
+
+ops = st.lists(st.tuples(st.integers(0, 10 ** 6), st.integers(1, 5), st.integers(1, 300), st.booleans(),
+                         st.floats(0, 1)), min_size=1, max_size=6)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=st.lists(st.integers(1, 300), min_size=1, max_size=6), steps=ops)
+def test_cache_matches_recomputation(lm, prompt, steps):
+    tree = TokenTree()
+    cache = TreeCache(lm, tree)
+    nodes = tree.add_chain(prompt)
+    cache.score(nodes)
+    live = [nodes[-1]]
+    for pick, width, tok, compact, frac in steps:
+        # grow: `width` children below a random live node, and a grandchild below the first of them
+        parent = live[pick % len(live)]
+        new = [tree.add(parent, (tok + 7 * i) % 300 + 1) for i in range(width)]
+        new.append(tree.add(new[0], tok))
+        new = [n for n in dict.fromkeys(new) if n not in cache]
+        if not new:
+            continue
+        logits = cache.score(new)
+        for j, n in enumerate(new):
+            np.testing.assert_allclose(logits[j], from_scratch(lm, tree.path(n)), atol=2e-5)
+        live = list(dict.fromkeys(live + new))
+        if compact:
+            # accept a random subset of live nodes, reject the rest
+            keep = live[: max(1, int(frac * len(live)))]
+            cache.compact(keep, min_dead_fraction=0.0)
+            live = [n for n in live if n in cache]
+            assert all(n in cache for n in keep)
+            # the cache holds exactly the kept paths
+            want = set()
+            for n in keep:
+                while n >= 0:
+                    want.add(n)
+                    n = tree.parent(n)
+            assert set(cache.nodes) == want
+    assert cache.vis.shape == (len(cache), len(cache))
+    assert all(k.shape[2] == len(cache) for k, _ in cache.past)
+
+
+def test_tree_mask_rows_are_ancestors():
+    class Fake:
+        def empty_past(self):
+            return []
+    tree = TokenTree()
+    cache = TreeCache(Fake(), tree)
+    a = tree.add_chain([1, 2])
+    b, c = tree.add(a[-1], 3), tree.add(a[-1], 4)
+    d = tree.add(b, 5)
+    cache.slot = {a[0]: 0, a[1]: 1}
+    cache.nodes = list(a)
+    cache.vis = np.array([[1, 0], [1, 1]], bool)
+    m = cache.tree_mask([b, c, d])
+    np.testing.assert_array_equal(m.astype(int), [[1, 1, 1, 0, 0], [1, 1, 0, 1, 0], [1, 1, 1, 0, 1]])
