@@ -1,0 +1,135 @@
+"""`specbeam`: generate, chat, translate from the command line (a thin layer over the Python API).
+
+Data goes to stdout; logs, statistics and progress to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .config import ModelFolderError, SpeculativeConfig
+
+DEFAULT_MODELS = Path(__file__).resolve().parent.parent / "models"
+
+
+def add_search_args(ap: argparse.ArgumentParser, *, beams_flag: str = "--num_beams") -> None:
+    g = ap.add_argument_group("search")
+    g.add_argument(beams_flag, dest="num_beams", type=int, default=None, help="beam width K (1 = greedy)")
+    g.add_argument("--max_new_tokens", type=int, default=None, help="maximum generated tokens")
+    g.add_argument("--min_new_tokens", type=int, default=None, help="EOS is masked before this many tokens")
+    g.add_argument("--length_penalty", type=float, default=None, help="score = sum logp / length ** this")
+    g.add_argument("--early_stopping", default=None, choices=("true", "false", "never"),
+                   help="transformers' early_stopping")
+    g.add_argument("--num_return_sequences", type=int, default=None, help="hypotheses to return (<= beams)")
+    s = ap.add_argument_group("speculation")
+    s.add_argument("--draft", default=None, help="draft model folder (enables speculative beam search)")
+    s.add_argument("--no_draft", action="store_true", help="plain beam search even if a default draft exists")
+    s.add_argument("--drafter", choices=("beam", "best_first"), default="beam",
+                   help="tree growth: draft beam search (AtSpeed) or best-first by draft log-prob (SpecExec)")
+    s.add_argument("--budget", type=int, default=48, help="draft tree nodes per target pass")
+    s.add_argument("--max_depth", type=int, default=6, help="tree levels below each beam")
+    s.add_argument("--max_branch_width", type=int, default=4, help="children per expanded draft node")
+    s.add_argument("--draft_width", type=int, default=None, help="draft beam width W (default max(K, branch))")
+    ap.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")
+    ap.add_argument("--stats", action="store_true", help="print statistics (JSON) to stderr")
+
+
+def configs(args) -> tuple[dict, SpeculativeConfig | None]:
+    early = {"true": True, "false": False, "never": "never", None: None}[args.early_stopping]
+    overrides = dict(num_beams=args.num_beams, max_new_tokens=getattr(args, "max_new_tokens", None),
+                     min_new_tokens=args.min_new_tokens, length_penalty=args.length_penalty, early_stopping=early,
+                     num_return_sequences=args.num_return_sequences)
+    spec = None
+    if not args.no_draft and args.draft:
+        spec = SpeculativeConfig(drafter=args.drafter, budget=args.budget, max_depth=args.max_depth,
+                                 max_branch_width=args.max_branch_width, draft_width=args.draft_width)
+    return {k: v for k, v in overrides.items() if v is not None}, spec
+
+
+def _read_prompts(args) -> list[str]:
+    if args.prompt:
+        return args.prompt
+    src = open(args.file, encoding="utf-8") if args.file else sys.stdin
+    return [line.rstrip("\n") for line in src if line.strip()]
+
+
+def cmd_generate(args) -> int:
+    from .generate import Engine
+
+    overrides, spec = configs(args)
+    engine = Engine(args.model, draft=None if args.no_draft else args.draft, threads=args.threads)
+    for prompt in _read_prompts(args):
+        text = engine.tokenizer.format_prompt(prompt) if args.format else prompt
+        if args.stream:
+            for chunk in engine.stream(text, speculative=spec, **overrides):
+                print(chunk.text, end="", flush=True)
+            print()
+            result = chunk.result
+        else:
+            [result] = engine.generate(text, speculative=spec, **overrides)
+            for h in result.hypotheses:
+                print(f"{h.score:.4f} ||| {h.text}" if len(result.hypotheses) > 1 else h.text)
+        if args.stats:
+            print(json.dumps(result.stats.as_dict()), file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from .generate import Engine
+
+    overrides, spec = configs(args)
+    engine = Engine(args.model, draft=None if args.no_draft else args.draft, threads=args.threads)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("chat: empty line or Ctrl-D to quit", file=sys.stderr)
+    for line in sys.stdin:
+        line = line.strip()
+        if not line:
+            break
+        messages.append({"role": "user", "content": line})
+        if engine.tokenizer.chat_template:
+            prompt = engine.tokenizer.apply_chat_template(messages)
+        else:
+            prompt = engine.tokenizer.format_prompt(line)
+        answer = ""
+        for chunk in engine.stream(prompt, speculative=spec, **overrides):
+            answer += chunk.text
+            print(chunk.text, end="", flush=True)
+        print()
+        messages.append({"role": "assistant", "content": answer})
+        if args.stats:
+            print(json.dumps(chunk.result.stats.as_dict()), file=sys.stderr)
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="specbeam", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="generate from prompts (arguments, --file, or stdin)")
+    g.add_argument("prompt", nargs="*", help="prompts (default: one per line from --file or stdin)")
+    g.add_argument("--model", default=str(DEFAULT_MODELS / "ende" / "target"), help="target model folder")
+    g.add_argument("--file", default=None, help="read prompts from this file, one per line")
+    g.add_argument("--format", action="store_true", help="wrap prompts in the model's prompt_format")
+    g.add_argument("--stream", action="store_true", help="print text as soon as it is final")
+    add_search_args(g)
+    c = sub.add_parser("chat", help="terminal chat that streams the answer")
+    c.add_argument("--model", default=str(DEFAULT_MODELS / "ende" / "target"), help="target model folder")
+    c.add_argument("--system", default=None, help="system prompt")
+    add_search_args(c)
+    t = sub.add_parser("translate", help="batch translation (same as specbeam-translate)", add_help=False)
+    t.add_argument("rest", nargs=argparse.REMAINDER)
+    args = ap.parse_args(argv)
+    if args.cmd == "translate":
+        from apps.translate.__main__ import main as translate_main
+        return translate_main(args.rest)
+    try:
+        return {"generate": cmd_generate, "chat": cmd_chat}[args.cmd](args)
+    except (ModelFolderError, ValueError) as e:
+        print(f"specbeam: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

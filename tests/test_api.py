@@ -1,0 +1,86 @@
+"""The Python API and CLI: streaming, configuration validation, clear errors for bad input."""
+import json
+import shutil
+
+import pytest
+
+from specbeam_edge import Engine, GenerationConfig, ModelFolderError, SpeculativeConfig
+from specbeam_edge.cli import main as cli_main
+
+
+@pytest.fixture(scope="module")
+def engine(exported):
+    t = exported("llama", std=0.3, seed=3)
+    return Engine(t, draft=exported("llama", std=0.3, seed=11, layers=1))
+
+
+@pytest.mark.parametrize("K", [1, 3])
+@pytest.mark.parametrize("spec", [None, SpeculativeConfig(budget=24, max_depth=4)])
+def test_stream_prefixes_are_final(engine, K, spec):
+    pieces, shown = [], ""
+    for chunk in engine.stream("the quick brown fox", num_beams=K, max_new_tokens=20, speculative=spec):
+        shown += chunk.text
+        pieces.append(shown)
+    final = chunk.result.text
+    assert shown == final
+    assert all(final.startswith(p) for p in pieces)
+    [plain] = engine.generate("the quick brown fox", num_beams=K, max_new_tokens=20)
+    assert final == plain.text
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="num_return_sequences"):
+        GenerationConfig(num_beams=2, num_return_sequences=3)
+    with pytest.raises(ValueError, match="early_stopping"):
+        GenerationConfig(early_stopping="sometimes")
+    with pytest.raises(ValueError, match="num_beams"):
+        GenerationConfig(num_beams=0)
+    with pytest.raises(ValueError, match="drafter"):
+        SpeculativeConfig(drafter="magic")
+    with pytest.raises(ValueError, match="unknown generation option"):
+        GenerationConfig.from_dict({}, beams=3)
+
+
+def test_bad_requests(engine):
+    with pytest.raises(ValueError, match="budget"):
+        engine.generate("hello", num_beams=4, speculative=SpeculativeConfig(budget=2))
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate("", num_beams=2)
+    with pytest.raises(ValueError, match="context length"):
+        engine.generate([5] * 300, num_beams=2)
+    with pytest.raises(ValueError, match="num_return_sequences"):
+        engine.generate("hello", num_beams=2, num_return_sequences=3)
+
+
+def test_bad_folders(exported, tmp_path):
+    t = exported("llama", std=0.3, seed=3)
+    with pytest.raises(ModelFolderError, match="does not exist"):
+        Engine(t, draft=tmp_path / "missing")
+    other = tmp_path / "other_tok"
+    shutil.copytree(exported("llama", std=0.3, seed=11, layers=1), other)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ModelFolderError, match="tokenizer"):
+        Engine(t, draft=other)
+
+
+def test_chat_template(engine):
+    text = engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert text == "user: hi\nassistant:"
+
+
+def test_cli_generate_same_text_with_and_without_draft(exported, capsys):
+    t = exported("llama", std=0.3, seed=3)
+    d = exported("llama", std=0.3, seed=11, layers=1)
+    assert cli_main(["generate", "the lazy dog", "--model", str(t), "--num_beams", "4", "--max_new_tokens", "12"]) == 0
+    plain = capsys.readouterr().out
+    assert cli_main(["generate", "the lazy dog", "--model", str(t), "--draft", str(d), "--num_beams", "4",
+                     "--max_new_tokens", "12", "--stats"]) == 0
+    cap = capsys.readouterr()
+    assert cap.out == plain
+    stats = json.loads(cap.err.strip().splitlines()[-1])
+    assert stats["beam_steps_per_pass"] >= 1 and stats["target_passes"] >= 1
+    assert cli_main(["generate", "x", "--model", str(t) + "_nope"]) == 2

@@ -1,0 +1,127 @@
+"""The batch translation app: alignment, bad lines, resume after a crash (byte-identical), --eval."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from apps.translate.__main__ import main
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = "the quick brown fox jumps over lazy dog hello world this is a tiny test".split()
+
+
+@pytest.fixture(scope="module")
+def pair(exported):
+    return str(exported("llama", std=0.3, seed=3)), str(exported("llama", std=0.3, seed=11, layers=1))
+
+
+def corpus(n, seed=0):
+    import random
+    r = random.Random(seed)
+    return [" ".join(r.choice(WORDS) for _ in range(r.randint(1, 8))) for _ in range(n)]
+
+
+def run(pair, inp: Path, out: Path | None, *extra):
+    args = ["-i", str(inp), "--model", pair[0], "--draft", pair[1], "--max_decoding_length", "10", "-q", *extra]
+    if out:
+        args += ["-o", str(out)]
+    return main(args)
+
+
+def test_alignment_and_bad_lines(pair, tmp_path, capsysbinary):
+    inp = tmp_path / "in.txt"
+    lines = corpus(6)
+    raw = [l.encode() for l in lines]
+    raw[2] = b"broken \xff\xfe line"          # invalid UTF-8
+    raw[4] = " ".join(["fox"] * 400).encode()  # over-long
+    inp.write_bytes(b"\n".join(raw) + b"\n")
+    out = tmp_path / "out.txt"
+    assert run(pair, inp, out, "--on_error", "skip", "--max_input_length", "100") == 0
+    got = out.read_text().split("\n")[:-1]
+    assert len(got) == 6 and got[2] == "" and got[4] == ""
+    err = capsysbinary.readouterr().err.decode()
+    assert "line 3: invalid UTF-8" in err and "line 5:" in err
+    assert run(pair, inp, tmp_path / "o2.txt", "--on_error", "copy", "--max_input_length", "100") == 0
+    got2 = (tmp_path / "o2.txt").read_text().split("\n")[:-1]
+    assert got2[4] == raw[4].decode() and got2[2].startswith("broken")
+    assert [g for i, g in enumerate(got2) if i not in (2, 4)] == [g for i, g in enumerate(got) if i not in (2, 4)]
+    assert run(pair, inp, tmp_path / "o3.txt", "--on_error", "fail", "--max_input_length", "100") == 1
+
+
+def test_speculative_equals_plain_and_n_best(pair, tmp_path):
+    inp = tmp_path / "in.txt"
+    inp.write_text("\n".join(corpus(8, seed=1)) + "\n")
+    assert run(pair, inp, tmp_path / "a.txt") == 0
+    assert run(pair, inp, tmp_path / "b.txt", "--no_draft") == 0
+    assert (tmp_path / "a.txt").read_bytes() == (tmp_path / "b.txt").read_bytes()
+    assert run(pair, inp, tmp_path / "c.txt", "--n_best", "2", "--with_score") == 0
+    c = (tmp_path / "c.txt").read_text().splitlines()
+    assert len(c) == 16 and all(" ||| " in x for x in c)
+
+
+def test_resume_from_torn_journal_is_byte_identical(pair, tmp_path):
+    inp = tmp_path / "in.txt"
+    inp.write_text("\n".join(corpus(20, seed=2)) + "\n")
+    full = tmp_path / "full.txt"
+    assert run(pair, inp, full, "--batch_size", "4") == 0
+    out = tmp_path / "out.txt"
+    # a run that died after some batches: journal with 7 records and a torn 8th
+    assert run(pair, inp, tmp_path / "x.txt", "--batch_size", "4") == 0
+    journal = out.with_name("out.txt.journal")
+    head = {"input_lines": 20, "model": pair[0], "draft": pair[1], "beam_size": 4, "n_best": 1,
+            "with_score": False, "overrides": {"num_beams": 4, "max_new_tokens": 10, "num_return_sequences": 1},
+            "spec": {"drafter": "beam", "budget": 48, "max_depth": 6, "max_branch_width": 4, "draft_width": None,
+                     "decay_factor": 0.95}}
+    done = (tmp_path / "x.txt").read_text().split("\n")
+    recs = [json.dumps({"i": i, "out": [done[i]]}) for i in (0, 3, 5, 6, 10, 11, 19)]
+    journal.write_text(json.dumps(head) + "\n" + "\n".join(recs) + "\n" + '{"i": 7, "ou')
+    with pytest.raises(SystemExit):        # without --resume: refused, nothing lost
+        run(pair, inp, out, "--batch_size", "4")
+    assert run(pair, inp, out, "--batch_size", "4", "--resume") == 0
+    assert out.read_bytes() == full.read_bytes()
+    assert not journal.exists()
+
+
+@pytest.mark.slow
+def test_resume_after_kill_9(pair, tmp_path):
+    inp = tmp_path / "in.txt"
+    inp.write_text("\n".join(corpus(120, seed=3)) + "\n")
+    full, out = tmp_path / "full.txt", tmp_path / "out.txt"
+    base = [sys.executable, "-m", "apps.translate", "-i", str(inp), "--model", pair[0], "--draft", pair[1],
+            "--max_decoding_length", "24", "--batch_size", "4", "-q"]
+    subprocess.run(base + ["-o", str(full)], check=True, cwd=ROOT)
+    proc = subprocess.Popen(base + ["-o", str(out)], cwd=ROOT)
+    journal = out.with_name("out.txt.journal")
+    deadline = time.time() + 60
+    while time.time() < deadline and (not journal.exists() or journal.read_text().count("\n") < 5):
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert journal.exists() and not out.exists()
+    subprocess.run(base + ["-o", str(out), "--resume"], check=True, cwd=ROOT)
+    assert out.read_bytes() == full.read_bytes()
+
+
+def test_eval_and_stdout(pair, tmp_path, capsys):
+    inp = tmp_path / "in.txt"
+    src = corpus(4, seed=4)
+    inp.write_text("\n".join(src) + "\n")
+    assert run(pair, inp, None) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 4
+    ref = tmp_path / "ref.txt"
+    ref.write_text("\n".join(lines) + "\n")
+    assert run(pair, inp, None, "--eval", str(ref)) == 0
+    assert "chrF 100.00" in capsys.readouterr().err
+
+
+def test_bad_model_folder(tmp_path, capsys):
+    inp = tmp_path / "in.txt"
+    inp.write_text("hello\n")
+    assert main(["-i", str(inp), "--model", str(tmp_path / "nope"), "--no_draft", "-q"]) == 2
+    assert "does not exist" in capsys.readouterr().err
