@@ -1,0 +1,73 @@
+"""python -m bench: measured speed of specbeam-edge, ratios side by side in one run.
+
+    python -m bench                      # all scenarios on the shipped pair
+    python -m bench --scenario e2e --quick
+
+Writes bench/results/<scenario>.json and .png and prints a table. Numbers vary with machine load; the
+ratios are what to read (each ratio is the median over alternated runs in this one process).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from . import common
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scenario", default="e2e,cost,peers", help="comma list of: e2e, cost, peers")
+    ap.add_argument("--pair", default=str(ROOT / "models" / "ende"), help="pair folder (target/, draft/, hf/)")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"), help="output folder for JSON and PNG")
+    ap.add_argument("--quick", action="store_true", help="fewer prompts and settings (a smoke run)")
+    ap.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")
+    args = ap.parse_args(argv)
+    pair, out = Path(args.pair), Path(args.out)
+    info = common.machine()
+    print(f"machine: {info}", file=sys.stderr)
+    for sc in args.scenario.split(","):
+        if sc == "e2e":
+            from . import e2e
+            from specbeam_edge import SpeculativeConfig
+
+            if args.quick:
+                data = e2e.bench(pair, Ks=(1, 4), n_prompts=6, reps=2, max_new=64, threads=args.threads,
+                                 specs=[SpeculativeConfig(budget=32, max_depth=6),
+                                        SpeculativeConfig(drafter="best_first", budget=32, max_depth=8)])
+            else:
+                data = e2e.bench(pair, threads=args.threads)
+            data["machine"] = info
+            common.write(out, "e2e", data)
+            e2e.plot(data, out / "e2e.png")
+            print(common.table(data["rows"], ["K", "drafter", "budget", "max_depth", "speedup", "bspp",
+                                              "plain_tok_s", "spec_tok_s", "draft_share", "identical", "of"]))
+        elif sc == "cost":
+            from . import cost
+
+            folders = [pair / "target", pair / "draft"] + sorted(p for p in (pair / "variants").glob("*") if p.is_dir())
+            data = cost.bench(folders, sizes=cost.SIZES[:6] if args.quick else cost.SIZES, threads=args.threads)
+            data["machine"] = info
+            common.write(out, "cost", data)
+            cost.plot(data, out / "cost.png")
+            for name, d in data["models"].items():
+                print(name, d["ms"])
+        elif sc == "peers":
+            from . import peers
+
+            data = peers.bench(pair, n_prompts=4 if args.quick else 16, threads=args.threads)
+            data["machine"] = info
+            common.write(out, "peers", data)
+            peers.plot(data, out / "peers.png")
+            for k, v in data["tokens_per_second"].items():
+                print(f"{k:28s} {v:8.1f} tok/s   speculative is {data['specbeam_speculative_over'][k]:.2f}x")
+        else:
+            ap.error(f"unknown scenario {sc!r}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
