@@ -21,6 +21,15 @@ from .model import OnnxCausalLM
 from .tokenizer import Tokenizer, check_compatible
 
 
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process (VmHWM; ru_maxrss survives exec and can report a parent's)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(l.split()[1]) for l in f if l.startswith("VmHWM")) / 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 @dataclass
 class Stats:
     prompt_tokens: int = 0
@@ -35,6 +44,7 @@ class Stats:
     draft_seconds: float = 0.0
     time_to_first_token: float | None = None
     peak_memory_mb: float = 0.0
+    offload: dict | None = None       # bytes moved and load/wait/compute time per target pass, when streaming
 
     @property
     def beam_steps_per_pass(self) -> float:
@@ -52,7 +62,9 @@ class Stats:
 
     def add(self, other: "Stats") -> None:
         for k, v in asdict(other).items():
-            if k == "peak_memory_mb":
+            if k == "offload":
+                self.offload = v
+            elif k == "peak_memory_mb":
                 self.peak_memory_mb = max(self.peak_memory_mb, v)
             elif k == "time_to_first_token":
                 if self.time_to_first_token is None:
@@ -89,8 +101,11 @@ class StreamChunk:
 class Engine:
     """A target model, an optional draft model, and their tokenizer; `generate` and `stream`."""
 
-    def __init__(self, target: str | Path, draft: str | Path | None = None, *, threads: int | None = None):
-        self.target = OnnxCausalLM(target, threads=threads)
+    def __init__(self, target: str | Path, draft: str | Path | None = None, *, threads: int | None = None,
+                 max_memory: int | None = None, host_memory: int | None = 0, placement: list[str] | None = None):
+        """max_memory/host_memory/placement stream the target's layers (split layout; see offload.py)."""
+        self.target = OnnxCausalLM(target, threads=threads, max_memory=max_memory, host_memory=host_memory,
+                                   placement=placement)
         self.tokenizer = Tokenizer(target)
         self.draft = None
         if draft is not None:
@@ -175,7 +190,10 @@ class Engine:
             stats.seconds = time.perf_counter() - t0
             yield bs, stats
         stats.generated_tokens = bs.cur_len - P
-        stats.peak_memory_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        stats.peak_memory_mb = peak_rss_mb()
+        store = getattr(self.target, "store", None)
+        if store is not None and store.streamed:
+            stats.offload = {**store.stats.per_pass(), "placement": list(store.placement.places)}
         stats.seconds = time.perf_counter() - t0
 
     # -- public API ----------------------------------------------------------------------------------------

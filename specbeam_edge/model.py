@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
 from .config import ModelConfig, ModelFolderError
+from .offload import LayerStore, plan
 
 
 def _session(path: Path, threads: int | None, providers) -> ort.InferenceSession:
@@ -25,13 +27,20 @@ def _session(path: Path, threads: int | None, providers) -> ort.InferenceSession
 class OnnxCausalLM:
     """Loads and validates a model folder; `forward` scores new tokens given a tree mask and past KV."""
 
-    def __init__(self, folder: str | Path, *, threads: int | None = None, providers=None):
+    def __init__(self, folder: str | Path, *, threads: int | None = None, providers=None,
+                 max_memory: int | None = None, host_memory: int | None = 0, placement: list[str] | None = None):
+        """max_memory (bytes): budget for weights held in memory; in the split layout, layers that do not fit
+        are streamed per pass from host memory (up to host_memory bytes, None = unlimited) or from disk.
+        placement: an explicit list of 'resident' / 'host' / 'disk' per layer instead of the planner."""
         self.cfg = cfg = ModelConfig.load(folder)
         self.folder = Path(folder)
         L = cfg.num_layers
         self.past_names = [(f"past_key_values.{i}.key", f"past_key_values.{i}.value") for i in range(L)]
         self.present_names = [(f"present.{i}.key", f"present.{i}.value") for i in range(L)]
         self.out_names = ["topk_logprobs", "topk_ids"] if cfg.output == "topk" else ["logits"]
+        if cfg.layout == "whole" and (max_memory is not None or placement is not None):
+            raise ModelFolderError(f"{self.folder}: layer streaming (max_memory/placement) needs the split layout; "
+                                   f"export with --layout split")
         if cfg.layout == "whole":
             self.sess = _session(self.folder / cfg.files["model"], threads, providers)
             want_in = {"input_ids", "position_ids", "attention_mask", *[n for p in self.past_names for n in p]}
@@ -50,7 +59,15 @@ class OnnxCausalLM:
                            {"hidden_out", "present_key", "present_value"}, cfg.files["layer"])
             self._check_io(self.head, {"hidden"} | ({"topk"} if cfg.output == "topk" else set()),
                            set(self.out_names), cfg.files["head"])
-            self.layer_weights = [self._map_layer(i, manifest) for i in range(L)]
+            fixed = sum((self.folder / cfg.files[k]).stat().st_size for k in ("embed", "head"))
+            layer_bytes = max(m["offset"] + int(np.prod(m["shape"])) * np.dtype(m["dtype"]).itemsize
+                              for m in manifest)
+            self.placement = plan(L, layer_bytes, fixed, max_memory, host_memory, placement)
+            self.store = LayerStore(self.folder, cfg.files["layer_weights"], manifest, self.placement)
+            nxt = {}
+            for k, i in enumerate(self.store.streamed[:-1]):
+                nxt.update({j: self.store.streamed[k + 1] for j in range(i, self.store.streamed[k + 1])})
+            self._next_streamed = nxt
         self._check_shapes()
 
     @staticmethod
@@ -70,16 +87,6 @@ class OnnxCausalLM:
         if shape[1] != c.num_kv_heads or shape[3] != c.head_dim:
             raise ModelFolderError(f"{self.folder}: graph KV shape {shape} does not match the config "
                                    f"(num_kv_heads {c.num_kv_heads}, head_dim {c.head_dim})")
-
-    def _map_layer(self, i: int, manifest: list[dict]) -> dict[str, np.ndarray]:
-        """Memory-map one layer's weight file; checks its size so a truncated file fails here, not mid-run."""
-        path = self.folder / self.cfg.files["layer_weights"].format(i=i)
-        need = max(m["offset"] + int(np.prod(m["shape"])) * np.dtype(m["dtype"]).itemsize for m in manifest)
-        if path.stat().st_size < need:
-            raise ModelFolderError(f"{path}: truncated ({path.stat().st_size} bytes, the manifest needs {need})")
-        mm = np.memmap(path, dtype=np.uint8, mode="r")
-        return {m["name"]: np.frombuffer(mm, dtype=m["dtype"], count=int(np.prod(m["shape"])),
-                                         offset=m["offset"]).reshape(m["shape"]) for m in manifest}
 
     def empty_past(self, batch: int = 1) -> list[tuple[np.ndarray, np.ndarray]]:
         c = self.cfg
@@ -113,12 +120,21 @@ class OnnxCausalLM:
             head = outs[0] if n == 1 else tuple(outs[:n])
             presents = [(outs[n + 2 * i], outs[n + 2 * i + 1]) for i in range(self.cfg.num_layers)]
             return head, presents
+        store = self.store
+        if store.streamed:
+            store.prefetch(store.streamed[0])      # overlaps the embedding lookup
         hidden = self.embed.run(["hidden"], {"input_ids": ids})[0]
         presents = []
         for i, (k, v) in enumerate(past):
+            weights = store.get(i)
+            if i in self._next_streamed:
+                store.prefetch(self._next_streamed[i])   # the next streamed layer loads while this one computes
+            t0 = time.perf_counter()
             feed = {"hidden": hidden, "position_ids": pos, "attention_mask": mask, "past_key": k, "past_value": v,
-                    **self.layer_weights[i]}
+                    **weights}
             hidden, pk, pv = self.layer.run(["hidden_out", "present_key", "present_value"], feed)
+            store.stats.compute_seconds += time.perf_counter() - t0
             presents.append((pk, pv))
+        store.stats.passes += 1
         outs = self.head.run(self.out_names, {"hidden": hidden, **extra})
         return (outs[0] if len(outs) == 1 else tuple(outs)), presents

@@ -1,0 +1,148 @@
+"""Layer streaming for the split layout (DESIGN section 5; SpecExec-style offloading).
+
+Each decoder layer's weights live in `weights/layer_{i}.bin`. A placement plan puts every layer either
+`resident` (loaded once), `host` (kept in host memory, copied into a streaming buffer per pass: the path a
+GPU provider uses), or `disk` (read from the file per pass, its page-cache pages dropped after the read, so
+the memory budget really holds). Streamed layers go through two buffers: while layer i computes, a
+background thread loads the next streamed layer into the other buffer.
+"""
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .config import ModelFolderError
+
+PLACES = ("resident", "host", "disk")
+
+
+@dataclass
+class OffloadStats:
+    passes: int = 0
+    bytes_moved: int = 0
+    wait_seconds: float = 0.0      # time the compute waited for a layer load (transfer not hidden)
+    load_seconds: float = 0.0      # time spent loading in the background thread
+    compute_seconds: float = 0.0
+
+    def per_pass(self) -> dict:
+        n = max(1, self.passes)
+        return {"passes": self.passes, "bytes_moved_per_pass": self.bytes_moved // n,
+                "load_ms_per_pass": round(1e3 * self.load_seconds / n, 3),
+                "wait_ms_per_pass": round(1e3 * self.wait_seconds / n, 3),
+                "compute_ms_per_pass": round(1e3 * self.compute_seconds / n, 3)}
+
+
+@dataclass(frozen=True)
+class Placement:
+    places: tuple[str, ...]
+    layer_bytes: int
+    resident_minimum: int
+    budget: int | None
+    notes: dict = field(default_factory=dict)
+
+    def count(self, place: str) -> int:
+        return sum(p == place for p in self.places)
+
+
+def plan(num_layers: int, layer_bytes: int, fixed_bytes: int, max_memory: int | None,
+         host_memory: int | None = 0, places: list[str] | None = None) -> Placement:
+    """Resident layers first (as many as fit in max_memory after the embeddings/head and, if anything is
+    streamed, two layer buffers), then host layers up to host_memory (None = unlimited), then disk."""
+    if places is not None:
+        bad = [p for p in places if p not in PLACES]
+        if bad or len(places) != num_layers:
+            raise ValueError(f"placement must list {num_layers} of {PLACES}, got {places}")
+        streamed = any(p != "resident" for p in places)
+        minimum = fixed_bytes + (2 * layer_bytes if streamed else 0)
+        return Placement(tuple(places), layer_bytes, minimum, max_memory)
+    minimum = fixed_bytes + 2 * layer_bytes
+    if max_memory is None or max_memory >= fixed_bytes + num_layers * layer_bytes:
+        return Placement(("resident",) * num_layers, layer_bytes, fixed_bytes, max_memory)
+    if max_memory < minimum:
+        raise ValueError(f"max_memory {max_memory / 2**20:.1f} MiB is below the resident minimum "
+                         f"{minimum / 2**20:.1f} MiB (embeddings and head {fixed_bytes / 2**20:.1f} MiB + two "
+                         f"layer buffers of {layer_bytes / 2**20:.1f} MiB)")
+    n_res = min(num_layers - 1, (max_memory - minimum) // layer_bytes)
+    n_host = num_layers - n_res if host_memory is None else min(num_layers - n_res, host_memory // layer_bytes)
+    places = ["resident"] * n_res + ["host"] * n_host + ["disk"] * (num_layers - n_res - n_host)
+    return Placement(tuple(places), layer_bytes, minimum, max_memory)
+
+
+class LayerStore:
+    """Serves each layer's weights as {name: array}; streams non-resident layers through two buffers."""
+
+    def __init__(self, folder: Path, pattern: str, manifest: list[dict], placement: Placement):
+        self.manifest, self.placement = manifest, placement
+        self.nbytes = max(m["offset"] + int(np.prod(m["shape"])) * np.dtype(m["dtype"]).itemsize for m in manifest)
+        self.paths = [folder / pattern.format(i=i) for i in range(len(placement.places))]
+        for p in self.paths:
+            if not p.is_file():
+                raise ModelFolderError(f"{p}: layer weight file is missing")
+            if p.stat().st_size < self.nbytes:
+                raise ModelFolderError(f"{p}: truncated ({p.stat().st_size} bytes, the manifest needs {self.nbytes})")
+        self.stats = OffloadStats()
+        self.resident, self.host = {}, {}
+        for i, place in enumerate(placement.places):
+            if place == "resident":
+                self.resident[i] = self._views(self._read(i, np.empty(self.nbytes, np.uint8)))
+            elif place == "host":
+                self.host[i] = self._read(i, np.empty(self.nbytes, np.uint8))
+        self.streamed = [i for i, p in enumerate(placement.places) if p != "resident"]
+        self.buffers = [np.empty(self.nbytes, np.uint8) for _ in range(2 if self.streamed else 0)]
+        self.buffer_views = [self._views(b) for b in self.buffers]
+        self.slot = {i: k % 2 for k, i in enumerate(self.streamed)}
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="specbeam-stream") if self.streamed else None
+        self.pending: dict[int, object] = {}
+
+    def _views(self, buf: np.ndarray) -> dict[str, np.ndarray]:
+        return {m["name"]: np.frombuffer(buf, dtype=m["dtype"], count=int(np.prod(m["shape"])),
+                                         offset=m["offset"]).reshape(m["shape"]) for m in self.manifest}
+
+    def _read(self, i: int, buf: np.ndarray) -> np.ndarray:
+        fd = os.open(self.paths[i], os.O_RDONLY)
+        try:
+            view, off = memoryview(buf), 0
+            while off < self.nbytes:
+                n = os.preadv(fd, [view[off:]], off)
+                if n <= 0:
+                    raise ModelFolderError(f"{self.paths[i]}: read failed at byte {off} (file truncated?)")
+                off += n
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)   # release the page cache: budget holds
+        finally:
+            os.close(fd)
+        return buf
+
+    def _load(self, i: int) -> int:
+        t0 = time.perf_counter()
+        buf = self.buffers[self.slot[i]]
+        if i in self.host:
+            np.copyto(buf, self.host[i])
+        else:
+            self._read(i, buf)
+        self.stats.load_seconds += time.perf_counter() - t0
+        self.stats.bytes_moved += self.nbytes
+        return self.slot[i]
+
+    def prefetch(self, i: int) -> None:
+        """Start loading streamed layer i (if it is one) in the background."""
+        if i in self.slot and i not in self.pending:
+            self.pending[i] = self.pool.submit(self._load, i)
+
+    def next_streamed(self, i: int) -> int | None:
+        later = [j for j in self.streamed if j > i]
+        return later[0] if later else None
+
+    def get(self, i: int) -> dict[str, np.ndarray]:
+        if i in self.resident:
+            return self.resident[i]
+        t0 = time.perf_counter()
+        self.prefetch(i)
+        slot = self.pending.pop(i).result()
+        self.stats.wait_seconds += time.perf_counter() - t0
+        return self.buffer_views[slot]

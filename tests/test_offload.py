@@ -1,0 +1,123 @@
+"""Layer streaming: offloaded == resident, the memory budget holds, and bad budgets/files fail clearly."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from specbeam_edge import Engine, ModelFolderError, SpeculativeConfig
+from specbeam_edge.model import OnnxCausalLM
+from specbeam_edge.offload import plan
+
+PROMPT = [5, 17, 33, 8, 99, 41, 7]
+PLACEMENTS = [["disk"] * 4, ["host"] * 4, ["resident", "disk", "host", "disk"], ["disk", "resident", "resident", "host"]]
+
+
+@pytest.fixture(scope="module")
+def split4(exported):
+    return exported("llama", "fp32", "split", layers=4, std=0.3, seed=3)
+
+
+def run_tree(lm):
+    P = len(PROMPT)
+    mask = np.tril(np.ones((P, P), bool))[None, None]
+    a, past = lm.forward(np.array([PROMPT]), np.arange(P)[None], mask, lm.empty_past())
+    tm = np.ones((1, 1, 3, P + 3), bool)
+    tm[0, 0, 0, P + 1:] = False
+    tm[0, 0, 1, P + 2] = False
+    b, _ = lm.forward(np.array([[3, 4, 5]]), np.array([[P, P + 1, P + 2]]), tm, past)
+    return a, b
+
+
+@pytest.mark.parametrize("places", PLACEMENTS, ids=lambda p: "-".join(x[0] for x in p))
+def test_offloaded_equals_resident(split4, places):
+    ref = run_tree(OnnxCausalLM(split4))
+    lm = OnnxCausalLM(split4, placement=places)
+    for _ in range(2):                       # twice: buffers are reused across passes
+        got = run_tree(lm)
+        for x, y in zip(ref, got):
+            np.testing.assert_array_equal(x, y)
+    streamed = sum(p != "resident" for p in places)
+    assert lm.store.stats.bytes_moved == 4 * streamed * lm.store.nbytes
+
+
+def test_offloaded_generation_identical(split4):
+    ref = Engine(split4, draft=split4)
+    off = Engine(split4, draft=split4, placement=["disk", "host", "disk", "resident"])
+    spec = SpeculativeConfig(budget=24, max_depth=4)
+    for K in (1, 4):
+        a = ref.generate(PROMPT, num_beams=K, max_new_tokens=12, speculative=spec)[0]
+        b = off.generate(PROMPT, num_beams=K, max_new_tokens=12, speculative=spec)[0]
+        assert a.hypotheses[0].tokens == b.hypotheses[0].tokens and a.hypotheses[0].score == b.hypotheses[0].score
+        assert b.stats.offload["bytes_moved_per_pass"] == 3 * off.target.store.nbytes
+
+
+def test_planner_and_bad_budgets(split4, tmp_path):
+    p = plan(8, 100, 50, max_memory=50 + 200 + 300)
+    assert p.places == ("resident",) * 3 + ("disk",) * 5
+    assert plan(8, 100, 50, max_memory=None).places == ("resident",) * 8
+    assert plan(8, 100, 50, max_memory=400, host_memory=200).places == ("resident",) + ("host",) * 2 + ("disk",) * 5
+    with pytest.raises(ValueError, match="resident minimum"):
+        OnnxCausalLM(split4, max_memory=1000)
+
+
+
+def test_streaming_needs_split_layout(exported):
+    with pytest.raises(ModelFolderError, match="split layout"):
+        OnnxCausalLM(exported("llama"), max_memory=10**9)
+
+
+def test_truncated_or_missing_weight_file(split4, tmp_path):
+    import shutil
+    bad = tmp_path / "bad"
+    shutil.copytree(split4, bad)
+    f = bad / "weights" / "layer_2.bin"
+    f.write_bytes(f.read_bytes()[:100])
+    with pytest.raises(ModelFolderError, match="layer_2.bin: truncated"):
+        OnnxCausalLM(bad, placement=["disk"] * 4)
+    f.unlink()
+    with pytest.raises(ModelFolderError, match="layer_2.bin"):
+        OnnxCausalLM(bad, placement=["disk"] * 4)
+
+
+RSS_SCRIPT = """
+import json, sys
+import numpy as np
+sys.path.insert(0, {root!r})
+from specbeam_edge.model import OnnxCausalLM
+lm = OnnxCausalLM({folder!r}, max_memory={budget})
+P = 16
+mask = np.tril(np.ones((P, P), bool))[None, None]
+for _ in range(3):
+    lm.forward(np.arange(1, P + 1)[None], np.arange(P)[None], mask, lm.empty_past())
+# VmHWM, not ru_maxrss: the latter survives exec and would report the parent's (pytest + torch) peak
+hwm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM"))
+print(json.dumps({{"rss_mb": hwm / 1024,
+                  "places": list(lm.placement.places), "layer_mb": lm.store.nbytes / 2**20}}))
+"""
+
+
+@pytest.mark.slow
+def test_memory_budget_holds(hf_models, tmp_path):
+    """A budget of 3 resident layers + 2 streaming buffers out of 10 layers: the weights' share of peak RSS
+    (peak minus the all-resident peak less all 10 layers) stays within that budget + 12 MiB."""
+    from export import export
+
+    src, _ = hf_models("llama", layers=10, hidden=512, heads=8, kv_heads=4)
+    folder = export(src, tmp_path / "big", layout="split", quiet=True)
+    root = str(Path(__file__).resolve().parents[1])
+
+    def measure(budget):
+        out = subprocess.run([sys.executable, "-c", RSS_SCRIPT.format(root=root, folder=str(folder), budget=budget)],
+                             capture_output=True, text=True, check=True)
+        return json.loads(out.stdout)
+
+    full = measure(None)
+    layer = full["layer_mb"] * 2**20
+    fixed = sum((folder / f).stat().st_size for f in ("embed.onnx", "head.onnx"))
+    budgeted = measure(int(fixed + 2 * layer + 3 * layer))
+    assert budgeted["places"].count("resident") == 3
+    saved = full["rss_mb"] - budgeted["rss_mb"]
+    assert saved >= (10 - 3 - 2) * full["layer_mb"] - 12, (full, budgeted)
