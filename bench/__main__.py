@@ -20,11 +20,12 @@ ROOT = Path(__file__).resolve().parents[1]
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--scenario", default="e2e,cost,peers", help="comma list of: e2e, cost, peers")
+    ap.add_argument("--scenario", default="e2e,cost,peers", help="comma list of: e2e, cost, peers, offload")
     ap.add_argument("--pair", default=str(ROOT / "models" / "ende"), help="pair folder (target/, draft/, hf/)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"), help="output folder for JSON and PNG")
     ap.add_argument("--quick", action="store_true", help="fewer prompts and settings (a smoke run)")
     ap.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")
+    ap.add_argument("--provider", choices=("cpu", "cuda"), default="cpu", help="execution provider (offload)")
     args = ap.parse_args(argv)
     pair, out = Path(args.pair), Path(args.out)
     info = common.machine()
@@ -64,6 +65,18 @@ def main(argv=None) -> int:
             peers.plot(data, out / "peers.png")
             for k, v in data["tokens_per_second"].items():
                 print(f"{k:28s} {v:8.1f} tok/s   speculative is {data['specbeam_speculative_over'][k]:.2f}x")
+        elif sc == "offload":
+            from . import offload
+            from specbeam_edge.cli import PROVIDERS
+
+            data = offload.bench(pair, providers=PROVIDERS[args.provider], quick=args.quick,
+                                 n_prompts=4 if args.quick else 8)
+            data["machine"] = info
+            common.write(out, "offload", data)
+            offload.plot(data, out / "offload.png")
+            print(common.table(data["rows"], ["K", "drafter", "budget", "max_depth", "speedup", "bspp",
+                                              "bytes_moved_per_pass", "load_ms_per_pass", "wait_ms_per_pass",
+                                              "compute_ms_per_pass", "identical", "of"]))
         else:
             ap.error(f"unknown scenario {sc!r}")
     return 0

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from .config import ModelFolderError, SpeculativeConfig
 
+PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
 DEFAULT_MODELS = Path(__file__).resolve().parent.parent / "models"
 
 
@@ -34,6 +35,37 @@ def add_search_args(ap: argparse.ArgumentParser, *, beams_flag: str = "--num_bea
     s.add_argument("--draft_width", type=int, default=None, help="draft beam width W (default max(K, branch))")
     ap.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")
     ap.add_argument("--stats", action="store_true", help="print statistics (JSON) to stderr")
+    add_memory_args(ap)
+
+
+def parse_size(text: str | None) -> int | None:
+    """'512MB', '1.5GiB', '2e9' -> bytes."""
+    if text is None:
+        return None
+    t = text.strip().lower().replace("ib", "b")
+    for suffix, mult in (("tb", 2**40), ("gb", 2**30), ("mb", 2**20), ("kb", 2**10), ("b", 1)):
+        if t.endswith(suffix):
+            return int(float(t[: -len(suffix)]) * mult)
+    return int(float(t))
+
+
+def add_memory_args(ap: argparse.ArgumentParser) -> None:
+    m = ap.add_argument_group("memory (split-layout targets)")
+    m.add_argument("--max_memory", type=parse_size, default=None,
+                   help="budget for the target's weights in memory (e.g. 2GB); other layers are streamed per pass")
+    m.add_argument("--host_memory", type=parse_size, default=0,
+                   help="streamed layers kept in host memory (GPU providers); the rest stream from disk")
+    m.add_argument("--placement", default=None,
+                   help="explicit per-layer placement, comma list of resident/host/disk (overrides --max_memory)")
+    m.add_argument("--provider", choices=("cpu", "cuda"), default="cpu", help="onnxruntime execution provider")
+
+
+def engine_from_args(args, model: str, draft: str | None):
+    from .generate import Engine
+
+    placement = args.placement.split(",") if getattr(args, "placement", None) else None
+    return Engine(model, draft=draft, threads=args.threads, max_memory=args.max_memory,
+                  host_memory=args.host_memory, placement=placement, providers=PROVIDERS[args.provider])
 
 
 def configs(args) -> tuple[dict, SpeculativeConfig | None]:
@@ -56,10 +88,8 @@ def _read_prompts(args) -> list[str]:
 
 
 def cmd_generate(args) -> int:
-    from .generate import Engine
-
     overrides, spec = configs(args)
-    engine = Engine(args.model, draft=None if args.no_draft else args.draft, threads=args.threads)
+    engine = engine_from_args(args, args.model, None if args.no_draft else args.draft)
     for prompt in _read_prompts(args):
         text = engine.tokenizer.format_prompt(prompt) if args.format else prompt
         if args.stream:
@@ -77,10 +107,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    from .generate import Engine
-
     overrides, spec = configs(args)
-    engine = Engine(args.model, draft=None if args.no_draft else args.draft, threads=args.threads)
+    engine = engine_from_args(args, args.model, None if args.no_draft else args.draft)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("chat: empty line or Ctrl-D to quit", file=sys.stderr)
     for line in sys.stdin:

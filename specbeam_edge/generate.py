@@ -102,16 +102,18 @@ class Engine:
     """A target model, an optional draft model, and their tokenizer; `generate` and `stream`."""
 
     def __init__(self, target: str | Path, draft: str | Path | None = None, *, threads: int | None = None,
-                 max_memory: int | None = None, host_memory: int | None = 0, placement: list[str] | None = None):
-        """max_memory/host_memory/placement stream the target's layers (split layout; see offload.py)."""
+                 max_memory: int | None = None, host_memory: int | None = 0, placement: list[str] | None = None,
+                 providers: list[str] | None = None):
+        """max_memory/host_memory/placement stream the target's layers (split layout; see offload.py);
+        providers: onnxruntime execution providers (default CPU)."""
         self.target = OnnxCausalLM(target, threads=threads, max_memory=max_memory, host_memory=host_memory,
-                                   placement=placement)
+                                   placement=placement, providers=providers)
         self.tokenizer = Tokenizer(target)
         self.draft = None
         if draft is not None:
             if not Path(draft).is_dir():
                 raise ModelFolderError(f"draft model folder {draft} does not exist")
-            self.draft = OnnxCausalLM(draft, threads=threads)
+            self.draft = OnnxCausalLM(draft, threads=threads, providers=providers)
             check_compatible(self.tokenizer, Tokenizer(draft), self.draft.cfg.vocab_size)
             if self.draft.cfg.vocab_size > self.target.cfg.vocab_size:
                 raise ModelFolderError(f"draft vocabulary ({self.draft.cfg.vocab_size}) is larger than the "

@@ -63,7 +63,8 @@ class OnnxCausalLM:
             layer_bytes = max(m["offset"] + int(np.prod(m["shape"])) * np.dtype(m["dtype"]).itemsize
                               for m in manifest)
             self.placement = plan(L, layer_bytes, fixed, max_memory, host_memory, placement)
-            self.store = LayerStore(self.folder, cfg.files["layer_weights"], manifest, self.placement)
+            self.device = "cuda" if "CUDAExecutionProvider" in self.layer.get_providers() else "cpu"
+            self.store = LayerStore(self.folder, cfg.files["layer_weights"], manifest, self.placement, self.device)
             nxt = {}
             for k, i in enumerate(self.store.streamed[:-1]):
                 nxt.update({j: self.store.streamed[k + 1] for j in range(i, self.store.streamed[k + 1])})
@@ -130,9 +131,14 @@ class OnnxCausalLM:
             if i in self._next_streamed:
                 store.prefetch(self._next_streamed[i])   # the next streamed layer loads while this one computes
             t0 = time.perf_counter()
-            feed = {"hidden": hidden, "position_ids": pos, "attention_mask": mask, "past_key": k, "past_value": v,
-                    **weights}
-            hidden, pk, pv = self.layer.run(["hidden_out", "present_key", "present_value"], feed)
+            feed = {"hidden": hidden, "position_ids": pos, "attention_mask": mask, "past_key": k, "past_value": v}
+            if self.device == "cpu":
+                hidden, pk, pv = self.layer.run(["hidden_out", "present_key", "present_value"], {**feed, **weights})
+            else:  # device weights are OrtValues: run with OrtValues throughout
+                feed = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in feed.items()}
+                outs = self.layer.run_with_ort_values(["hidden_out", "present_key", "present_value"],
+                                                      {**feed, **weights})
+                hidden, pk, pv = (o.numpy() for o in outs)
             store.stats.compute_seconds += time.perf_counter() - t0
             presents.append((pk, pv))
         store.stats.passes += 1

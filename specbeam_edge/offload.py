@@ -76,8 +76,10 @@ def plan(num_layers: int, layer_bytes: int, fixed_bytes: int, max_memory: int | 
 class LayerStore:
     """Serves each layer's weights as {name: array}; streams non-resident layers through two buffers."""
 
-    def __init__(self, folder: Path, pattern: str, manifest: list[dict], placement: Placement):
-        self.manifest, self.placement = manifest, placement
+    def __init__(self, folder: Path, pattern: str, manifest: list[dict], placement: Placement, device: str = "cpu"):
+        """device 'cuda': resident layers become device OrtValues once; streamed layers are copied to the
+        device by the background thread (the host->device transfer overlaps the previous layer's compute)."""
+        self.manifest, self.placement, self.device = manifest, placement, device
         self.nbytes = max(m["offset"] + int(np.prod(m["shape"])) * np.dtype(m["dtype"]).itemsize for m in manifest)
         self.paths = [folder / pattern.format(i=i) for i in range(len(placement.places))]
         for p in self.paths:
@@ -89,7 +91,7 @@ class LayerStore:
         self.resident, self.host = {}, {}
         for i, place in enumerate(placement.places):
             if place == "resident":
-                self.resident[i] = self._views(self._read(i, np.empty(self.nbytes, np.uint8)))
+                self.resident[i] = self._to_device(self._views(self._read(i, np.empty(self.nbytes, np.uint8))))
             elif place == "host":
                 self.host[i] = self._read(i, np.empty(self.nbytes, np.uint8))
         self.streamed = [i for i, p in enumerate(placement.places) if p != "resident"]
@@ -98,6 +100,13 @@ class LayerStore:
         self.slot = {i: k % 2 for k, i in enumerate(self.streamed)}
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="specbeam-stream") if self.streamed else None
         self.pending: dict[int, object] = {}
+
+    def _to_device(self, views: dict[str, np.ndarray]) -> dict:
+        if self.device == "cpu":
+            return views
+        import onnxruntime as ort
+
+        return {k: ort.OrtValue.ortvalue_from_numpy(v, self.device, 0) for k, v in views.items()}
 
     def _views(self, buf: np.ndarray) -> dict[str, np.ndarray]:
         return {m["name"]: np.frombuffer(buf, dtype=m["dtype"], count=int(np.prod(m["shape"])),
@@ -125,9 +134,12 @@ class LayerStore:
             np.copyto(buf, self.host[i])
         else:
             self._read(i, buf)
+        views = self.buffer_views[self.slot[i]]
+        if self.device != "cpu":
+            views = self._to_device(views)
         self.stats.load_seconds += time.perf_counter() - t0
         self.stats.bytes_moved += self.nbytes
-        return self.slot[i]
+        return views
 
     def prefetch(self, i: int) -> None:
         """Start loading streamed layer i (if it is one) in the background."""
@@ -143,6 +155,6 @@ class LayerStore:
             return self.resident[i]
         t0 = time.perf_counter()
         self.prefetch(i)
-        slot = self.pending.pop(i).result()
+        views = self.pending.pop(i).result()
         self.stats.wait_seconds += time.perf_counter() - t0
-        return self.buffer_views[slot]
+        return views

@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from specbeam_edge.cli import DEFAULT_MODELS, configs
+from specbeam_edge.cli import DEFAULT_MODELS, add_memory_args, configs, engine_from_args
 from specbeam_edge.config import ModelFolderError
 
 
@@ -63,6 +63,7 @@ def parse_args(argv):
     ap.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")
     ap.add_argument("--stats", action="store_true", help="print aggregate statistics (JSON) to stderr")
     ap.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    add_memory_args(ap)
     args = ap.parse_args(argv)
     if args.resume and not args.output:
         ap.error("--resume needs -o/--output (the journal lives next to the output file)")
@@ -150,7 +151,7 @@ def progress(done, total, tokens, t0, quiet):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from specbeam_edge.generate import Engine, Stats
+    from specbeam_edge.generate import Stats
 
     raw = Path(args.input).read_bytes() if args.input else sys.stdin.buffer.read()
     lines = raw.split(b"\n")
@@ -158,8 +159,8 @@ def main(argv=None) -> int:
         lines.pop()
     try:
         draft = None if args.no_draft else args.draft
-        engine = Engine(args.model, draft=draft, threads=args.threads)
-    except ModelFolderError as e:
+        engine = engine_from_args(args, args.model, draft)
+    except (ModelFolderError, ValueError) as e:
         print(f"specbeam-translate: error: {e}", file=sys.stderr)
         return 2
     args.num_beams = args.beam_size
