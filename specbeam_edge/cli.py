@@ -24,15 +24,25 @@ def add_search_args(ap: argparse.ArgumentParser, *, beams_flag: str = "--num_bea
     g.add_argument("--early_stopping", default=None, choices=("true", "false", "never"),
                    help="transformers' early_stopping")
     g.add_argument("--num_return_sequences", type=int, default=None, help="hypotheses to return (<= beams)")
+    g.add_argument("--do_sample", action="store_true", help="beam sampling (speculative: DSBD) instead of search")
+    g.add_argument("--temperature", type=float, default=None, help="sampling temperature")
+    g.add_argument("--top_k", type=int, default=None, help="top-k on the joint (beam, token) scores")
+    g.add_argument("--top_p", type=float, default=None, help="top-p on the joint (beam, token) scores")
+    g.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     s = ap.add_argument_group("speculation")
     s.add_argument("--draft", default=None, help="draft model folder (enables speculative beam search)")
     s.add_argument("--no_draft", action="store_true", help="plain beam search even if a default draft exists")
-    s.add_argument("--drafter", choices=("beam", "best_first"), default="beam",
-                   help="tree growth: draft beam search (AtSpeed) or best-first by draft log-prob (SpecExec)")
+    s.add_argument("--drafter", choices=("beam", "best_first", "sample"), default=None,
+                   help="tree growth: draft beam search (AtSpeed), best-first by draft log-prob (SpecExec), or "
+                        "draft beam sampling (the only one for --do_sample; the default then)")
     s.add_argument("--budget", type=int, default=48, help="draft tree nodes per target pass")
     s.add_argument("--max_depth", type=int, default=6, help="tree levels below each beam")
     s.add_argument("--max_branch_width", type=int, default=4, help="children per expanded draft node")
     s.add_argument("--draft_width", type=int, default=None, help="draft beam width W (default max(K, branch))")
+    s.add_argument("--width_threshold", type=float, default=0.0,
+                   help="DSBD dynamic width: largest k with P(#accepted >= k) >= this (0: fixed width)")
+    s.add_argument("--min_num_beams", type=int, default=1, help="DSBD width floor")
+    s.add_argument("--single_sequence", action="store_true", help="DSBD memory-saving mode")
     ap.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")
     ap.add_argument("--stats", action="store_true", help="print statistics (JSON) to stderr")
     add_memory_args(ap)
@@ -70,13 +80,20 @@ def engine_from_args(args, model: str, draft: str | None):
 
 def configs(args) -> tuple[dict, SpeculativeConfig | None]:
     early = {"true": True, "false": False, "never": "never", None: None}[args.early_stopping]
+    sample = getattr(args, "do_sample", False)
     overrides = dict(num_beams=args.num_beams, max_new_tokens=getattr(args, "max_new_tokens", None),
                      min_new_tokens=args.min_new_tokens, length_penalty=args.length_penalty, early_stopping=early,
-                     num_return_sequences=args.num_return_sequences)
+                     num_return_sequences=args.num_return_sequences, do_sample=sample or None,
+                     temperature=getattr(args, "temperature", None), top_k=getattr(args, "top_k", None),
+                     top_p=getattr(args, "top_p", None), seed=getattr(args, "seed", None))
     spec = None
     if not args.no_draft and args.draft:
-        spec = SpeculativeConfig(drafter=args.drafter, budget=args.budget, max_depth=args.max_depth,
-                                 max_branch_width=args.max_branch_width, draft_width=args.draft_width)
+        drafter = args.drafter or ("sample" if sample else "beam")
+        spec = SpeculativeConfig(drafter=drafter, budget=args.budget, max_depth=args.max_depth,
+                                 max_branch_width=args.max_branch_width, draft_width=args.draft_width,
+                                 width_threshold=getattr(args, "width_threshold", 0.0),
+                                 min_num_beams=getattr(args, "min_num_beams", 1),
+                                 single_sequence=getattr(args, "single_sequence", False))
     return {k: v for k, v in overrides.items() if v is not None}, spec
 
 

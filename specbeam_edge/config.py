@@ -111,8 +111,6 @@ class GenerationConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.do_sample:
-            raise ValueError("do_sample=True (speculative beam sampling) is not available yet in this runtime")
 
     @classmethod
     def from_dict(cls, d: dict, **overrides) -> "GenerationConfig":
@@ -125,22 +123,34 @@ class GenerationConfig:
         return cls(**base)
 
 
-DRAFTERS = ("beam", "best_first")
+DRAFTERS = ("beam", "best_first", "sample")
 
 
 @dataclass(frozen=True, kw_only=True)
 class SpeculativeConfig:
     """Tree knobs. `budget`: draft nodes per target pass; `max_depth`: tree levels below each beam;
-    `max_branch_width`: children per expanded node; `drafter`: 'beam' (draft beam search, AtSpeed) or
-    'best_first' (cumulative draft log-prob with per-depth decay, SpecExec)."""
+    `max_branch_width`: children per expanded node; `drafter`: 'beam' (draft beam search, AtSpeed),
+    'best_first' (cumulative draft log-prob with per-depth decay, SpecExec), or 'sample' (draft beam
+    sampling, the only drafter whose trees may be verified with the p/q rule of do_sample=True).
+    Sampling knobs (DSBD): `draft_width` draft samples per level (default max(num_beams, max_branch_width)),
+    `width_threshold` t (level width = largest k with P(#accepted >= k) >= t; 0 keeps num_beams),
+    `min_num_beams` (width floor), `single_sequence` (keep one sequence between passes: the memory-saving
+    mode)."""
     drafter: str = "beam"
     budget: int = 48
     max_depth: int = 6
     max_branch_width: int = 4
     draft_width: int | None = None
     decay_factor: float = 0.95
+    width_threshold: float = 0.0
+    min_num_beams: int = 1
+    single_sequence: bool = False
 
     def __post_init__(self):
+        if not 0 <= self.width_threshold < 1:
+            raise ValueError(f"width_threshold must be in [0, 1), got {self.width_threshold}")
+        if self.min_num_beams < 1:
+            raise ValueError(f"min_num_beams must be >= 1, got {self.min_num_beams}")
         if self.drafter not in DRAFTERS:
             raise ValueError(f"drafter must be one of {DRAFTERS}, got {self.drafter!r}")
         if self.budget < 1:

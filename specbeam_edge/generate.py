@@ -18,6 +18,7 @@ from .cache import TokenTree, TreeCache
 from .config import GenerationConfig, ModelFolderError, SpeculativeConfig
 from .draft import make_drafter
 from .model import OnnxCausalLM
+from .sampling import SampleState, choose_width, draw, verify_level
 from .tokenizer import Tokenizer, check_compatible
 
 
@@ -45,6 +46,7 @@ class Stats:
     time_to_first_token: float | None = None
     peak_memory_mb: float = 0.0
     offload: dict | None = None       # bytes moved and load/wait/compute time per target pass, when streaming
+    widths: list = field(default_factory=list)   # beams kept per level (beam sampling)
 
     @property
     def beam_steps_per_pass(self) -> float:
@@ -101,6 +103,14 @@ class StreamChunk:
 class Engine:
     """A target model, an optional draft model, and their tokenizer; `generate` and `stream`."""
 
+    @classmethod
+    def from_models(cls, target, draft=None, tokenizer=None) -> "Engine":
+        """An engine over already-built model objects (OnnxCausalLM or anything with its interface)."""
+        self = cls.__new__(cls)
+        self.target, self.draft, self.tokenizer = target, draft, tokenizer
+        self.eos = list(target.cfg.eos_token_ids)
+        return self
+
     def __init__(self, target: str | Path, draft: str | Path | None = None, *, threads: int | None = None,
                  max_memory: int | None = None, host_memory: int | None = 0, placement: list[str] | None = None,
                  providers: list[str] | None = None):
@@ -123,7 +133,7 @@ class Engine:
     def generation_config(self, generation: GenerationConfig | None = None, **overrides) -> GenerationConfig:
         if generation is not None and not overrides:
             return generation
-        base = asdict(generation) if generation is not None else self.target.cfg.generation
+        base = asdict(generation) if generation is not None else dict(self.target.cfg.generation)
         return GenerationConfig.from_dict(base, **overrides)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -146,6 +156,13 @@ class Engine:
         use_draft = spec is not None and self.draft is not None
         if use_draft:
             spec.check_against(gen.num_beams)
+            if gen.do_sample != (spec.drafter == "sample"):
+                raise ValueError("do_sample=True needs drafter='sample': trees grown by draft beam search or "
+                                 "best-first are not samples, and the p/q rule would bias the output"
+                                 if gen.do_sample else "drafter='sample' is for do_sample=True")
+        if gen.do_sample:
+            yield from self._sample_search(ids, gen, spec if use_draft else None, eos, max_new)
+            return
         stats = Stats(prompt_tokens=len(ids))
         t0 = time.perf_counter()
         tree = TokenTree()
@@ -198,6 +215,89 @@ class Engine:
             stats.offload = {**store.stats.per_pass(), "placement": list(store.placement.places)}
         stats.seconds = time.perf_counter() - t0
 
+    def _sample_search(self, ids, gen: GenerationConfig, spec: SpeculativeConfig | None, eos, max_new):
+        """Beam sampling (spec None) or speculative beam sampling (DSBD) over the same tree caches."""
+        rng = np.random.default_rng(gen.seed)
+        stats = Stats(prompt_tokens=len(ids))
+        t0 = time.perf_counter()
+        tree = TokenTree()
+        P = len(ids)
+        st = SampleState(tree, tree.add_chain(ids)[-1], prompt_len=P, max_new_tokens=max_new, eos=eos,
+                         min_new_tokens=gen.min_new_tokens, temperature=gen.temperature, top_k=gen.top_k,
+                         top_p=gen.top_p)
+        target = TreeCache(self.target, tree)
+        draft = TreeCache(self.draft, tree) if spec else None
+        K = gen.num_beams
+        W = (spec.draft_width or max(K, spec.max_branch_width)) if spec else K
+        t_rows: dict[int, np.ndarray] = {}
+        d_rows: dict[int, np.ndarray] = {}
+
+        def scored(cache, rows, nodes):
+            new = cache.missing_ancestors(nodes)
+            if new:
+                lp = log_softmax(cache.score(new))
+                rows.update({n: lp[j] for j, n in enumerate(new) if tree.depth(n) >= P - 1})
+            return len(new)
+
+        while not st.done:
+            # 1. the draft samples gamma levels of beam sampling (i.i.d. draws, q recorded per level)
+            levels, parents, dscore = [], list(st.live), dict(st.score)
+            td = time.perf_counter()
+            for j in range(spec.max_depth if spec else 0):
+                if st.cur_len + j >= st.max_len or not parents:
+                    break
+                scored(draft, d_rows, parents)
+                stats.draft_passes += 1
+                space = sorted(set(parents))
+                q = st.joint(space, parents, d_rows.__getitem__, dscore, st.cur_len + j)
+                V = len(q) // len(space)
+                picks = draw(q, W, rng)
+                kids = [tree.add(space[i // V], i % V) for i in picks]
+                for i, c in zip(picks, kids):
+                    dscore[c] = dscore[space[i // V]] + float(d_rows[space[i // V]][i % V])
+                levels.append((space, q, picks))
+                parents = [c for c in kids if tree.token(c) not in st.eos]
+                stats.draft_tokens_proposed += len(set(kids))
+            stats.draft_seconds += time.perf_counter() - td
+            # 2. one target pass over the pending beams and every drafted node
+            drafted = [tree.add(sp[i // (len(q) // len(sp))], i % (len(q) // len(sp)))
+                       for sp, q, picks in levels for i in picks]
+            stats.target_tokens_scored += scored(target, t_rows, list(st.live) + drafted)
+            stats.target_passes += 1
+            # 3. verify level by level; a short level is completed from the residual and ends the pass
+            full = True
+            for space, q, picks in levels:
+                p = st.joint(space, st.live, t_rows.__getitem__, st.score, st.cur_len)
+                k = choose_width(p, q, W, spec.width_threshold, spec.min_num_beams, K)
+                out, accepted = verify_level(p, q, picks, k, rng)
+                full = accepted == k
+                st.advance(out, space, len(q) // len(space), t_rows.__getitem__)
+                stats.beam_steps += 1
+                stats.draft_tokens_accepted += accepted
+                if not full or st.done:
+                    break
+            if full and not st.done and all(n in t_rows for n in st.live):
+                space = sorted(set(st.live))
+                p = st.joint(space, st.live, t_rows.__getitem__, st.score, st.cur_len)
+                st.advance(draw(p, K, rng), space, len(p) // len(space), t_rows.__getitem__)
+                stats.beam_steps += 1
+            if spec and spec.single_sequence and st.live:
+                st.live = st.live[:1]          # memory-saving mode: one sequence between passes
+            # 4. commit
+            keep = list(st.live)
+            if target.compact(keep):
+                t_rows = {n: r for n, r in t_rows.items() if n in target}
+            if draft is not None and draft.compact(keep):
+                d_rows = {n: r for n, r in d_rows.items() if n in draft}
+            if stats.time_to_first_token is None:
+                stats.time_to_first_token = time.perf_counter() - t0
+            stats.seconds = time.perf_counter() - t0
+            yield st, stats
+        stats.widths = st.widths
+        stats.generated_tokens = st.cur_len - P
+        stats.peak_memory_mb = peak_rss_mb()
+        stats.seconds = time.perf_counter() - t0
+
     # -- public API ----------------------------------------------------------------------------------------
     def stream(self, prompt: str | list[int], generation: GenerationConfig | None = None,
                speculative: SpeculativeConfig | None = None, **overrides) -> Iterator[StreamChunk]:
@@ -233,6 +333,7 @@ class Engine:
 
     def _result(self, prompt, bs: BeamSearch, stats: Stats, gen: GenerationConfig) -> Result:
         eos = set(self.eos if gen.eos_token_id is None else np.atleast_1d(gen.eos_token_id).tolist())
-        hyps = [Hypothesis(self.tokenizer.decode([t for t in toks if t not in eos]), toks, score)
+        decode = self.tokenizer.decode if self.tokenizer else (lambda ids: "")
+        hyps = [Hypothesis(decode([t for t in toks if t not in eos]), toks, score)
                 for toks, score in bs.hypotheses(gen.num_return_sequences)]
         return Result(prompt, hyps, stats)

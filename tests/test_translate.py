@@ -64,23 +64,31 @@ def test_speculative_equals_plain_and_n_best(pair, tmp_path):
     assert len(c) == 16 and all(" ||| " in x for x in c)
 
 
-def test_resume_from_torn_journal_is_byte_identical(pair, tmp_path):
+def test_resume_after_ctrl_c_and_torn_journal_is_byte_identical(pair, tmp_path, monkeypatch):
+    from specbeam_edge.generate import Engine
+
     inp = tmp_path / "in.txt"
     inp.write_text("\n".join(corpus(20, seed=2)) + "\n")
     full = tmp_path / "full.txt"
     assert run(pair, inp, full, "--batch_size", "4") == 0
     out = tmp_path / "out.txt"
-    # a run that died after some batches: journal with 7 records and a torn 8th
-    assert run(pair, inp, tmp_path / "x.txt", "--batch_size", "4") == 0
     journal = out.with_name("out.txt.journal")
-    head = {"input_lines": 20, "model": pair[0], "draft": pair[1], "beam_size": 4, "n_best": 1,
-            "with_score": False, "overrides": {"num_beams": 4, "max_new_tokens": 10, "num_return_sequences": 1},
-            "spec": {"drafter": "beam", "budget": 48, "max_depth": 6, "max_branch_width": 4, "draft_width": None,
-                     "decay_factor": 0.95}}
-    done = (tmp_path / "x.txt").read_text().split("\n")
-    recs = [json.dumps({"i": i, "out": [done[i]]}) for i in (0, 3, 5, 6, 10, 11, 19)]
-    journal.write_text(json.dumps(head) + "\n" + "\n".join(recs) + "\n" + '{"i": 7, "ou')
-    with pytest.raises(SystemExit):        # without --resume: refused, nothing lost
+    real, calls = Engine.generate, []
+
+    def interrupted(self, *a, **kw):        # Ctrl-C during the third batch
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(Engine, "generate", interrupted)
+    assert run(pair, inp, out, "--batch_size", "4") == 130
+    monkeypatch.setattr(Engine, "generate", real)
+    assert journal.exists() and not out.exists()
+    assert journal.read_text().count("\n") == 1 + 8            # header + two batches of 4
+    with open(journal, "a") as f:                                # and a record torn by a crash
+        f.write('{"i": 7, "ou')
+    with pytest.raises(SystemExit):                              # without --resume: refused, nothing lost
         run(pair, inp, out, "--batch_size", "4")
     assert run(pair, inp, out, "--batch_size", "4", "--resume") == 0
     assert out.read_bytes() == full.read_bytes()
