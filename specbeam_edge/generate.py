@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import resource
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -146,8 +147,9 @@ class Engine:
         return ids
 
     # -- the decoding loop ---------------------------------------------------------------------------------
-    def _search(self, ids: list[int], gen: GenerationConfig, spec: SpeculativeConfig | None):
-        """Yields (beam search state, stats) after every target pass."""
+    def _search(self, ids: list[int], gen: GenerationConfig, spec: SpeculativeConfig | None, drafter=None):
+        """Yields (beam search state, stats) after every target pass. `drafter` overrides the policy named in
+        spec (any callable with the Drafter signature; see draft.py)."""
         ctx = self.target.cfg.context_length
         if len(ids) >= ctx:
             raise ValueError(f"the prompt has {len(ids)} tokens; the model's context length is {ctx}")
@@ -160,6 +162,11 @@ class Engine:
                 raise ValueError("do_sample=True needs drafter='sample': trees grown by draft beam search or "
                                  "best-first are not samples, and the p/q rule would bias the output"
                                  if gen.do_sample else "drafter='sample' is for do_sample=True")
+        if use_draft and not self.target.cfg.raw.get("batch_invariant", True):
+            warnings.warn(f"{self.target.folder}: this {self.target.cfg.precision} graph quantizes activations "
+                          "per pass, so tree passes round differently from single passes; speculative output can "
+                          "differ from plain beam search beyond near-ties. Use an fp32/fp16 (or split int8) "
+                          "export for exact results.", stacklevel=3)
         if gen.do_sample:
             yield from self._sample_search(ids, gen, spec if use_draft else None, eos, max_new)
             return
@@ -170,7 +177,9 @@ class Engine:
         P = len(ids)
         target = TreeCache(self.target, tree)
         draft = TreeCache(self.draft, tree) if use_draft else None
-        grow = make_drafter(spec, gen.num_beams, eos, min(ctx, self.draft.cfg.context_length)) if use_draft else None
+        grow = None
+        if use_draft:
+            grow = drafter or make_drafter(spec, gen.num_beams, eos, min(ctx, self.draft.cfg.context_length))
         bs = BeamSearch(tree, last, num_beams=gen.num_beams, prompt_len=P, max_new_tokens=max_new,
                         eos_token_ids=eos, length_penalty=gen.length_penalty,
                         early_stopping=gen.early_stopping, min_new_tokens=gen.min_new_tokens)
@@ -317,8 +326,9 @@ class Engine:
         yield StreamChunk(final[len(shown):] if final.startswith(shown) else "", stats, result)
 
     def generate(self, prompts, generation: GenerationConfig | None = None,
-                 speculative: SpeculativeConfig | None = None, **overrides) -> list[Result]:
-        """Generate for one prompt (str or token ids) or a list of them; returns one Result per prompt."""
+                 speculative: SpeculativeConfig | None = None, drafter=None, **overrides) -> list[Result]:
+        """Generate for one prompt (str or token ids) or a list of them; returns one Result per prompt.
+        drafter: a custom tree-growth callable (exact beam search only)."""
         single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, np.integer)))
         batch = [prompts] if single else list(prompts)
         gen = self.generation_config(generation, **overrides)
@@ -326,7 +336,7 @@ class Engine:
         for p in batch:
             ids = self.encode(p)
             bs = stats = None
-            for bs, stats in self._search(ids, gen, speculative):
+            for bs, stats in self._search(ids, gen, speculative, drafter):
                 pass
             out.append(self._result(p, bs, stats, gen))
         return out
