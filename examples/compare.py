@@ -13,4 +13,4 @@ for name, spec in (("plain", None), ("speculative", SpeculativeConfig(budget=48,
     [res] = engine.generate(prompt, num_beams=4, speculative=spec)
     s = res.stats
     print(f"{name:12s} {time.perf_counter() - t0:6.3f}s  passes {s.target_passes:3d}  "
-          f"steps/pass {s.beam_steps_per_pass:.2f}  {res.text}")
+          f"steps/pass {s.beam_steps_per_pass:.2f}\t{res.text}")

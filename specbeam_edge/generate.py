@@ -162,7 +162,7 @@ class Engine:
                 raise ValueError("do_sample=True needs drafter='sample': trees grown by draft beam search or "
                                  "best-first are not samples, and the p/q rule would bias the output"
                                  if gen.do_sample else "drafter='sample' is for do_sample=True")
-        if use_draft and not self.target.cfg.raw.get("batch_invariant", True):
+        if use_draft and not getattr(self.target.cfg, "raw", {}).get("batch_invariant", True):
             warnings.warn(f"{self.target.folder}: this {self.target.cfg.precision} graph quantizes activations "
                           "per pass, so tree passes round differently from single passes; speculative output can "
                           "differ from plain beam search beyond near-ties. Use an fp32/fp16 (or split int8) "

@@ -1,0 +1,53 @@
+"""Export the trained HF checkpoints into the shipped folders and write the held-out sample files.
+
+    python models/ship.py --data data --out models/ende
+
+models/ende/target   fp16 weights (fp32 compute): batch-invariant, so speculative output equals plain
+models/ende/draft    fp32
+models/ende/variants/target_int8   quantize_dynamic int8, for the cost curve (not batch-invariant)
+models/ende/hf/{target,draft}      the HF checkpoints in fp16 safetensors (peers benchmark, re-export)
+models/ende/test_sample.{en,de}    the first 200 held-out test pairs
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from export import export  # noqa: E402
+
+
+def fp16_copy(src: Path, dst: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float16)
+    m.save_pretrained(dst)
+    for f in ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "train_log.json"):
+        if (src / f).exists():
+            shutil.copy2(src / f, dst / f)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", default="data", help="folder with target/, draft/ and ende/test.tsv")
+    ap.add_argument("--out", default="models/ende", help="shipped pair folder")
+    args = ap.parse_args(argv)
+    data, out = Path(args.data), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("target", "draft"):
+        fp16_copy(data / name, out / "hf" / name)
+    export(out / "hf" / "target", out / "target", precision="fp16", overwrite=True)
+    export(out / "hf" / "draft", out / "draft", precision="fp32", overwrite=True)
+    export(out / "hf" / "target", out / "variants" / "target_int8", precision="int8", overwrite=True)
+    rows = [l.rstrip("\n").split("\t") for l in open(data / "ende" / "test.tsv", encoding="utf-8")][:200]
+    (out / "test_sample.en").write_text("".join(r[0] + "\n" for r in rows), encoding="utf-8")
+    (out / "test_sample.de").write_text("".join(r[1] + "\n" for r in rows), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

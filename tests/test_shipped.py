@@ -1,0 +1,72 @@
+"""The shipped en->de pair: loads and validates, tokenizer round-trips held-out text, draft/target
+compatibility, golden greedy outputs (any change to numerics or export shows up), speculative == plain,
+and the examples/ scripts run."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specbeam_edge import Engine, ModelFolderError, SpeculativeConfig
+from specbeam_edge.model import OnnxCausalLM
+from specbeam_edge.tokenizer import Tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+PAIR = ROOT / "models" / "ende"
+GOLDEN = Path(__file__).with_name("golden_ende.json")
+PROMPTS = ["Click the Save button.", "The file could not be opened.", "Select a cell range in the sheet."]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(PAIR / "target", draft=PAIR / "draft")
+
+
+def test_folders_load_and_validate():
+    for name in ("target", "draft", "variants/target_int8"):
+        lm = OnnxCausalLM(PAIR / name)
+        assert lm.cfg.vocab_size == 8192 and lm.cfg.eos_token_ids == (0,)
+
+
+def test_tokenizer_round_trips_held_out_text():
+    tok = Tokenizer(PAIR / "target")
+    for f in ("test_sample.en", "test_sample.de"):
+        for line in (PAIR / f).read_text("utf-8").splitlines():
+            assert tok.decode(tok.encode(line)) == line
+
+
+def test_pair_is_compatible_and_a_foreign_draft_is_refused(exported):
+    Engine(PAIR / "target", draft=PAIR / "draft")
+    with pytest.raises(ModelFolderError, match="tokenizer"):
+        Engine(PAIR / "target", draft=exported("llama"))
+
+
+def test_golden_greedy(engine):
+    got = {p: engine.generate(engine.tokenizer.format_prompt(p), num_beams=1, max_new_tokens=48)[0].text
+           for p in PROMPTS}
+    if not GOLDEN.exists():   # first run after re-training: write, then commit the file
+        GOLDEN.write_text(json.dumps(got, indent=1, ensure_ascii=False) + "\n")
+    assert got == json.loads(GOLDEN.read_text())
+
+
+@pytest.mark.parametrize("K", [1, 4])
+def test_speculative_equals_plain_on_shipped_pair(engine, K):
+    src = (PAIR / "test_sample.en").read_text("utf-8").splitlines()[:6]
+    prompts = [engine.tokenizer.format_prompt(s) for s in src]
+    plain = engine.generate(prompts, num_beams=K, max_new_tokens=96)
+    fast = engine.generate(prompts, num_beams=K, max_new_tokens=96, speculative=SpeculativeConfig())
+    assert [r.text for r in plain] == [r.text for r in fast]
+    steps = sum(r.stats.beam_steps for r in fast)
+    passes = sum(r.stats.target_passes for r in fast)
+    assert steps / passes > 1.5          # a trained draft covers several levels per pass
+
+
+@pytest.mark.parametrize("script", ["translate_list.py", "stream_answer.py", "compare.py"])
+def test_examples_run(script):
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / script)], capture_output=True, text=True,
+                         check=True, cwd=ROOT, timeout=300)
+    lines = out.stdout.strip().splitlines()
+    assert lines and all(l.strip() for l in lines)
+    if script == "compare.py":          # the same text with and without the draft
+        assert lines[0].split("\t")[1] == lines[1].split("\t")[1]
