@@ -19,17 +19,19 @@ class Drafter(Protocol):
     def __call__(self, dcache: TreeCache, roots: list[int], root_scores: list[float]) -> list[int]: ...
 
 
-def _score_frontier(dcache: TreeCache, frontier: list[int]) -> dict[int, np.ndarray]:
-    """Draft log-probs at each frontier node (scoring missing ancestors in the same pass)."""
+def _expand(dcache: TreeCache, frontier: list[int], width: int) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """One draft pass over the frontier (and any missing ancestors); returns (scored frontier nodes,
+    their top-`width` tokens [F, width], and those tokens' draft log-probs [F, width])."""
     need = dcache.missing_ancestors(frontier)
-    rows = {}
-    if need:
-        logits = dcache.score(need)
-        index = {n: j for j, n in enumerate(need)}
-        for f in frontier:
-            if f in index:
-                rows[f] = logits[index[f]]
-    return rows
+    index = {n: j for j, n in enumerate(need)}
+    nodes = [f for f in frontier if f in index]
+    if not nodes:
+        return [], np.zeros((0, width), np.int64), np.zeros((0, width), np.float32)
+    lp = log_softmax(dcache.score(need)[[index[f] for f in nodes]])          # [F, V]
+    width = min(width, lp.shape[1])
+    top = np.argpartition(-lp, width - 1, axis=1)[:, :width] if width < lp.shape[1] else \
+        np.tile(np.arange(lp.shape[1]), (len(nodes), 1))
+    return nodes, top, np.take_along_axis(lp, top, axis=1)
 
 
 class DraftBeamSearch:
@@ -54,18 +56,14 @@ class DraftBeamSearch:
             frontier = [f for f in frontier if tree.depth(f) + 1 < self.ctx]
             if not frontier or len(out) >= self.budget:
                 break
-            rows = _score_frontier(dcache, frontier)
-            cands = []
-            for f in frontier:
-                row = rows.get(f)
-                if row is None:
-                    continue
-                lp = log_softmax(row)
-                top = np.argpartition(-lp, self.b - 1)[:self.b] if self.b < len(lp) else np.arange(len(lp))
-                cands.extend((score[f] + float(lp[t]), f, int(t)) for t in top)
-            cands.sort(key=lambda c: -c[0])
+            nodes, top, lps = _expand(dcache, frontier, self.b)
+            if not nodes:
+                break
+            cum = np.array([score[f] for f in nodes])[:, None] + lps                 # [F, b]
+            order = np.argsort(-cum, axis=None, kind="stable")[:min(self.W, self.budget - len(out))]
+            cands = [(float(cum.flat[i]), nodes[i // top.shape[1]], int(top.flat[i])) for i in order]
             frontier = []
-            for s, f, t in cands[:min(self.W, self.budget - len(out))]:
+            for s, f, t in cands:
                 n = tree.add(f, t)
                 if n not in seen:
                     seen.add(n)
@@ -100,14 +98,10 @@ class BestFirstDrafter:
                       and tree.depth(e) - base[root_of[e]] < self.depth and tree.token(e) not in self.eos]
             if not expand:
                 break
-            rows = _score_frontier(dcache, expand)
-            for e in expand:
-                row = rows.get(e)
-                if row is None:
-                    continue
-                lp = log_softmax(row)
-                top = np.argpartition(-lp, self.b - 1)[:self.b] if self.b < len(lp) else np.arange(len(lp))
-                pool.extend((cum[e] + self.log_decay + float(lp[t]), e, int(t)) for t in top)
+            nodes, top, lps = _expand(dcache, expand, self.b)
+            base_scores = np.array([cum[e] for e in nodes])[:, None] + self.log_decay + lps
+            pool.extend((float(base_scores.flat[i]), nodes[i // top.shape[1]], int(top.flat[i]))
+                        for i in range(base_scores.size))
             room = self.budget - len(out)
             if room <= 0 or not pool:
                 break
