@@ -137,7 +137,8 @@ class SpeculativeConfig:
     `min_num_beams` (width floor), `single_sequence` (keep one sequence between passes: the memory-saving
     mode)."""
     drafter: str = "beam"
-    budget: int = 48
+    budget: int | str = 48          # or "auto": the largest tree whose measured pass cost stays within auto_slack
+    auto_slack: float = 1.6         # x the cost of a pass over the beams alone
     max_depth: int = 6
     max_branch_width: int = 4
     draft_width: int | None = None
@@ -153,8 +154,10 @@ class SpeculativeConfig:
             raise ValueError(f"min_num_beams must be >= 1, got {self.min_num_beams}")
         if self.drafter not in DRAFTERS:
             raise ValueError(f"drafter must be one of {DRAFTERS}, got {self.drafter!r}")
-        if self.budget < 1:
-            raise ValueError(f"budget must be >= 1, got {self.budget}")
+        if self.budget != "auto" and (not isinstance(self.budget, int) or self.budget < 1):
+            raise ValueError(f"budget must be an integer >= 1 or 'auto', got {self.budget!r}")
+        if self.auto_slack < 1:
+            raise ValueError(f"auto_slack must be >= 1, got {self.auto_slack}")
         if self.max_depth < 1:
             raise ValueError(f"max_depth must be >= 1, got {self.max_depth}")
         if self.max_branch_width < 1:
@@ -165,7 +168,7 @@ class SpeculativeConfig:
             raise ValueError(f"decay_factor must be in (0, 1], got {self.decay_factor}")
 
     def check_against(self, num_beams: int):
-        if self.budget < num_beams:
+        if self.budget != "auto" and self.budget < num_beams:
             raise ValueError(f"budget ({self.budget}) must be >= num_beams ({num_beams}): every beam needs a node")
         if self.draft_width is not None and self.draft_width < num_beams:
             raise ValueError(f"draft_width ({self.draft_width}) must be >= num_beams ({num_beams})")

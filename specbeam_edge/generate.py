@@ -8,7 +8,7 @@ from __future__ import annotations
 import resource
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -146,6 +146,40 @@ class Engine:
             raise ValueError("the prompt is empty")
         return ids
 
+    def cost_curve(self, sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), past: int = 32,
+                   reps: int = 3) -> dict[int, float]:
+        """Measured target pass time (s) over a tree of Q nodes on top of `past` cached tokens."""
+        lm, rng = self.target, np.random.default_rng(0)
+        ctx = lm.cfg.context_length
+        mask = np.tril(np.ones((past, past), bool))[None, None]
+        _, kv = lm.forward(rng.integers(1, lm.cfg.vocab_size, (1, past)), np.arange(past)[None], mask,
+                           lm.empty_past())
+        out = {}
+        for q in sizes:
+            if past + q > ctx:
+                break
+            m = np.ones((1, 1, q, past + q), bool)
+            m[0, 0, :, past:] = np.eye(q, dtype=bool)
+            ids, pos = rng.integers(1, lm.cfg.vocab_size, (1, q)), np.full((1, q), past)
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                lm.forward(ids, pos, m, kv)
+                times.append(time.perf_counter() - t0)
+            out[q] = float(np.median(times))
+        return out
+
+    def auto_budget(self, num_beams: int, slack: float = 1.6) -> int:
+        """Hardware-aware tree budget (as Sequoia): the largest tree whose pass costs at most `slack` times a
+        pass over the beams alone, on this machine and placement. Measured once per engine."""
+        if not hasattr(self, "_curve"):
+            self._curve = self.cost_curve()
+        base = min((t for q, t in self._curve.items() if q >= num_beams), default=None)
+        if base is None:
+            return num_beams
+        fits = [q for q, t in self._curve.items() if q >= num_beams and t <= slack * base]
+        return max(max(fits, default=num_beams), num_beams)
+
     # -- the decoding loop ---------------------------------------------------------------------------------
     def _search(self, ids: list[int], gen: GenerationConfig, spec: SpeculativeConfig | None, drafter=None):
         """Yields (beam search state, stats) after every target pass. `drafter` overrides the policy named in
@@ -178,6 +212,8 @@ class Engine:
         target = TreeCache(self.target, tree)
         draft = TreeCache(self.draft, tree) if use_draft else None
         grow = None
+        if use_draft and spec.budget == "auto":
+            spec = replace(spec, budget=self.auto_budget(gen.num_beams, spec.auto_slack))
         if use_draft:
             grow = drafter or make_drafter(spec, gen.num_beams, eos, min(ctx, self.draft.cfg.context_length))
         bs = BeamSearch(tree, last, num_beams=gen.num_beams, prompt_len=P, max_new_tokens=max_new,

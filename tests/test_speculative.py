@@ -61,3 +61,18 @@ def test_stats_fields(engines):
     assert s.target_passes >= 1 and s.draft_passes >= 1 and s.draft_tokens_proposed >= s.draft_tokens_accepted
     assert s.time_to_first_token is not None and s.tokens_per_second > 0 and s.peak_memory_mb > 0
     assert s.generated_tokens == s.beam_steps
+
+
+def test_auto_budget_from_cost_curve(engines):
+    eng = engines["random"]
+    curve = eng.cost_curve(sizes=(1, 2, 4, 8), reps=1)
+    assert set(curve) == {1, 2, 4, 8} and all(t > 0 for t in curve.values())
+    eng._curve = {1: 1.0, 2: 1.0, 4: 1.1, 8: 1.5, 16: 2.0, 32: 4.0, 64: 8.0}   # a CPU-like curve
+    assert eng.auto_budget(1, slack=1.6) == 8 and eng.auto_budget(4, slack=2.0) == 16
+    eng._curve = {q: 1.0 for q in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)}  # streamed weights: flat
+    assert eng.auto_budget(4) == 1024
+    eng._curve = {1: 1.0, 2: 1.0, 4: 1.1, 8: 1.5, 16: 2.0}
+    [plain] = eng.generate(PROMPTS[0], num_beams=2, max_new_tokens=MAX_NEW)
+    [auto] = eng.generate(PROMPTS[0], num_beams=2, max_new_tokens=MAX_NEW, speculative=SpeculativeConfig(budget="auto"))
+    assert auto.hypotheses[0].tokens == plain.hypotheses[0].tokens
+    del eng._curve
