@@ -35,7 +35,8 @@ def add_search_args(ap: argparse.ArgumentParser, *, beams_flag: str = "--num_bea
     s.add_argument("--drafter", choices=("beam", "best_first", "sample"), default=None,
                    help="tree growth: draft beam search (AtSpeed), best-first by draft log-prob (SpecExec), or "
                         "draft beam sampling (the only one for --do_sample; the default then)")
-    s.add_argument("--budget", type=int, default=48, help="draft tree nodes per target pass")
+    s.add_argument("--budget", type=budget_arg, default=48,
+                   help="draft tree nodes per target pass, or 'auto' (chosen from the measured pass-cost curve)")
     s.add_argument("--max_depth", type=int, default=6, help="tree levels below each beam")
     s.add_argument("--max_branch_width", type=int, default=4, help="children per expanded draft node")
     s.add_argument("--draft_width", type=int, default=None, help="draft beam width W (default max(K, branch))")
@@ -46,6 +47,10 @@ def add_search_args(ap: argparse.ArgumentParser, *, beams_flag: str = "--num_bea
     ap.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")
     ap.add_argument("--stats", action="store_true", help="print statistics (JSON) to stderr")
     add_memory_args(ap)
+
+
+def budget_arg(text: str):
+    return "auto" if text == "auto" else int(text)
 
 
 def parse_size(text: str | None) -> int | None:

@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from specbeam_edge.cli import DEFAULT_MODELS, add_memory_args, configs, engine_from_args
+from specbeam_edge.cli import DEFAULT_MODELS, add_memory_args, budget_arg, configs, engine_from_args
 from specbeam_edge.config import ModelFolderError
 
 
@@ -56,7 +56,7 @@ def parse_args(argv):
     ap.add_argument("--eval", default=None, metavar="REF", help="print BLEU and chrF against this reference file")
     s = ap.add_argument_group("speculation")
     s.add_argument("--drafter", choices=("beam", "best_first"), default=None, help="tree growth policy (default beam)")
-    s.add_argument("--budget", type=int, default=48, help="draft tree nodes per target pass")
+    s.add_argument("--budget", type=budget_arg, default=48, help="draft tree nodes per target pass, or 'auto'")
     s.add_argument("--max_depth", type=int, default=6, help="tree levels below each beam")
     s.add_argument("--max_branch_width", type=int, default=4, help="children per expanded draft node")
     s.add_argument("--draft_width", type=int, default=None, help="draft beam width W (default max(K, branch))")
