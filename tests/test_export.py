@@ -16,7 +16,7 @@ PROMPT = [5, 17, 33, 8, 99, 41, 7, 250, 61]
 TREE_PARENTS = [-1, -1, 0, 0, 1, 2, 5]
 TREE_TOKENS = [11, 12, 13, 14, 15, 16, 17]
 # measured on these tiny random models (logit std ~0.6): max |diff| / max |logit|
-TOL = {"fp32": 1e-5, "fp16": 2e-3, "int8": 2e-2, "int4": 0.2}
+TOL = {"fp32": 1e-5, "fp16": 2e-3, "int8": 3e-2, "int4": 0.2}
 
 
 def tree_scenario(folder):
