@@ -48,6 +48,7 @@ class Stats:
     peak_memory_mb: float = 0.0
     offload: dict | None = None       # bytes moved and load/wait/compute time per target pass, when streaming
     widths: list = field(default_factory=list)   # beams kept per level (beam sampling)
+    from_draft: list = field(default_factory=list)  # per beam step: covered by the draft tree (not the pass's own)
 
     @property
     def beam_steps_per_pass(self) -> float:
@@ -239,10 +240,13 @@ class Engine:
             stats.target_tokens_scored += len(new)
             # 3. replay beam search while every kept beam is a scored node
             in_tree = set(drafted)
+            first = True
             while not bs.done and all(n in rows for n in bs.running):
                 lp = log_softmax(np.stack([rows[n][0][rows[n][1]] for n in bs.running]))
                 bs.step(lp)
                 stats.beam_steps += 1
+                stats.from_draft.append(not first)
+                first = False
                 stats.draft_tokens_accepted += sum(n in in_tree for n in set(bs.running))
             # 4. commit: keep only the running beams' paths (lazily), in both caches
             if target.compact(bs.running):
@@ -318,6 +322,7 @@ class Engine:
                 full = accepted == k
                 st.advance(out, space, len(q) // len(space), t_rows.__getitem__)
                 stats.beam_steps += 1
+                stats.from_draft.append(full)
                 stats.draft_tokens_accepted += accepted
                 if not full or st.done:
                     break
@@ -326,6 +331,7 @@ class Engine:
                 p = st.joint(space, st.live, t_rows.__getitem__, st.score, st.cur_len)
                 st.advance(draw(p, K, rng), space, len(p) // len(space), t_rows.__getitem__)
                 stats.beam_steps += 1
+                stats.from_draft.append(False)
             if spec and spec.single_sequence and st.live:
                 st.live = st.live[:1]          # memory-saving mode: one sequence between passes
             # 4. commit

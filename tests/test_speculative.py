@@ -61,6 +61,8 @@ def test_stats_fields(engines):
     assert s.target_passes >= 1 and s.draft_passes >= 1 and s.draft_tokens_proposed >= s.draft_tokens_accepted
     assert s.time_to_first_token is not None and s.tokens_per_second > 0 and s.peak_memory_mb > 0
     assert s.generated_tokens == s.beam_steps
+    # one step per pass comes from the target's own scores; every other step was covered by the draft tree
+    assert len(s.from_draft) == s.beam_steps and s.from_draft.count(False) == s.target_passes
 
 
 def test_auto_budget_from_cost_curve(engines):

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from PySide6.QtCore import QObject, Qt, QThread, Signal, Slot
-from PySide6.QtWidgets import (QComboBox, QDoubleSpinBox, QFileDialog, QFormLayout, QHBoxLayout, QLabel,
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog, QFormLayout, QHBoxLayout, QLabel,
                                QLineEdit, QListWidget, QListWidgetItem, QMainWindow, QMessageBox, QPlainTextEdit,
                                QPushButton, QSpinBox, QSplitter, QTextBrowser, QVBoxLayout, QWidget)
 
@@ -36,6 +36,8 @@ class Worker(QObject):
             for c in self.engine.stream(self.prompt, speculative=self.spec, **self.kwargs):
                 text += c.text
                 stats = c.stats.as_dict()
+                if c.result is not None:
+                    stats["tokens"] = c.result.hypotheses[0].tokens
                 if c.text:
                     self.chunk.emit(c.text)
                 if self.stop_requested:
@@ -107,6 +109,9 @@ class ChatWindow(QMainWindow):
         self.budget.setValue(48)
         self.max_new.setRange(1, 1024)
         self.max_new.setValue(128)
+        self.highlight = QCheckBox("Highlight tokens from the draft")
+        self.highlight.setChecked(True)
+        self.highlight.toggled.connect(lambda *_: self._show_conversation())
         self.temperature = QDoubleSpinBox()
         self.temperature.setRange(0.05, 5.0)
         self.temperature.setValue(1.0)
@@ -122,6 +127,7 @@ class ChatWindow(QMainWindow):
         form.addRow("Tree budget", self.budget)
         form.addRow("Max new tokens", self.max_new)
         form.addRow("Temperature", self.temperature)
+        form.addRow("", self.highlight)
         split = QSplitter()
         for layout in (left, center, form):
             w = QWidget()
@@ -186,10 +192,25 @@ class ChatWindow(QMainWindow):
         parts = []
         for m in self.store.messages(cid):
             who = "You" if m["role"] == "user" else "Assistant"
-            parts.append(f"<p><b>{who}:</b> {html.escape(m['content'])}</p>")
+            parts.append(f"<p><b>{who}:</b> {self._render(m)}</p>")
         if self.partial:
             parts.append(f"<p><b>Assistant:</b> {html.escape(self.partial)}▌</p>")
         self.transcript.setHtml("".join(parts))
+
+    def _render(self, m: dict) -> str:
+        """Assistant text with the tokens that came from the draft tree highlighted (when known)."""
+        st = m.get("stats") or {}
+        toks, flags = st.get("tokens"), st.get("from_draft")
+        if not (toks and flags and self.engine and self.highlight.isChecked()) or st.get("stopped"):
+            return html.escape(m["content"])
+        dec, out, prev = self.engine.tokenizer.decode_stable, [], ""
+        for i in range(len(toks)):
+            cur = dec(toks[: i + 1])
+            piece = html.escape(cur[len(prev):])
+            prev = cur
+            drafted = i < len(flags) and flags[i]
+            out.append(f'<span style="background:#d8f0d8">{piece}</span>' if drafted and piece else piece)
+        return "".join(out)
 
     def export_markdown(self, path: str | None = None):
         path = path or QFileDialog.getSaveFileName(self, "Export", "chat.md", "Markdown (*.md)")[0]
