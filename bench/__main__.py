@@ -87,6 +87,10 @@ def main(argv=None) -> int:
                                               "compute_ms_per_pass", "identical", "of"]))
         else:
             ap.error(f"unknown scenario {sc!r}")
+    if out.resolve() == (ROOT / "bench" / "results").resolve():
+        from .report import render
+
+        render(out, ROOT / "bench" / "README.md", "python -m bench")
     return 0
 
 

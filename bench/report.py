@@ -1,0 +1,60 @@
+"""Render bench/README.md from the JSON results in bench/results (called at the end of `python -m bench`)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .common import table
+
+COLS = {
+    "e2e": ["K", "drafter", "budget", "max_depth", "speedup", "bspp", "plain_tok_s", "spec_tok_s", "draft_share",
+            "identical", "of"],
+    "synthetic": ["acceptance", "speedup", "bspp", "identical", "plain_s", "spec_s"],
+    "offload": ["K", "drafter", "budget", "max_depth", "speedup", "bspp", "bytes_moved_per_pass",
+                "load_ms_per_pass", "wait_ms_per_pass", "compute_ms_per_pass", "identical", "of"],
+}
+TITLES = {
+    "e2e": "Shipped en->de pair: exact speculative vs plain beam search (same runtime, A/B alternated)",
+    "cost": "Target pass cost vs tree size",
+    "peers": "Peers on the same weights (beam search, K=4)",
+    "synthetic": "Realistic scale: random large target, synthetic drafter with controlled acceptance",
+    "offload": "Target streamed from disk under a memory budget (same placement for both arms)",
+}
+
+
+def render(results: Path, readme: Path, command: str) -> None:
+    out = ["# Benchmarks", "",
+           "Every figure below was measured by one run of the command shown, on the machine named with it. "
+           "Ratios are medians over alternated runs (A B A B) inside that run; absolute times vary with load.", ""]
+    for name in ("e2e", "peers", "cost", "synthetic", "offload"):
+        path = results / f"{name}.json"
+        if not path.exists():
+            continue
+        d = json.loads(path.read_text())
+        m = d.get("machine", {})
+        out += [f"## {TITLES[name]}", "",
+                f"`{command} --scenario {name}` — {m.get('date', '?')}, {m.get('cpu', '?')}, {m.get('cores', '?')} "
+                f"cores, load at start {m.get('loadavg_at_start', '?')}, onnxruntime {m.get('onnxruntime', '?')}", ""]
+        if name in COLS:
+            out += [table_md(d["rows"], COLS[name]), ""]
+        elif name == "cost":
+            sizes = sorted({int(q) for v in d["models"].values() for q in v["ms"]})
+            rows = [{"model": k, **{str(q): v["ms"].get(str(q)) for q in sizes}} for k, v in d["models"].items()]
+            out += [f"Pass time in ms over a tree of Q nodes on {d['past_len']} cached tokens.", "",
+                    table_md(rows, ["model"] + [str(q) for q in sizes]), ""]
+        elif name == "peers":
+            rows = [{"system": k, "tokens/s": v, "speculative specbeam is": f"{d['specbeam_speculative_over'][k]}x"}
+                    for k, v in d["tokens_per_second"].items()]
+            out += [table_md(rows, ["system", "tokens/s", "speculative specbeam is"]), ""]
+            if d.get("notes"):
+                out += [f"Notes: {d['notes']}", ""]
+        if (results / f"{name}.png").exists():
+            out += [f"![{name}](results/{name}.png)", ""]
+    readme.write_text("\n".join(out))
+
+
+def table_md(rows, cols) -> str:
+    plain = table(rows, cols).splitlines()
+    head, body = plain[0], plain[2:]
+    fix = lambda line: "| " + " | ".join(c.strip() for c in line.split(" | ")) + " |"  # noqa: E731
+    return "\n".join([fix(head), "|" + "---|" * len(cols)] + [fix(b) for b in body])
