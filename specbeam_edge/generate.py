@@ -58,10 +58,16 @@ class Stats:
     def tokens_per_second(self) -> float:
         return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
 
-    def as_dict(self) -> dict:
+    def as_dict(self, per_step: bool = False) -> dict:
+        """Flat statistics; the per-step lists are summarised unless per_step=True."""
         d = asdict(self)
         d.update(beam_steps_per_pass=round(self.beam_steps_per_pass, 3),
                  tokens_per_second=round(self.tokens_per_second, 2))
+        if not per_step:
+            d["steps_from_draft"] = sum(d.pop("from_draft"))
+            widths = d.pop("widths")
+            if widths:
+                d["mean_width"] = round(sum(widths) / len(widths), 3)
         return d
 
     def add(self, other: "Stats") -> None:

@@ -35,7 +35,7 @@ class Worker(QObject):
         try:
             for c in self.engine.stream(self.prompt, speculative=self.spec, **self.kwargs):
                 text += c.text
-                stats = c.stats.as_dict()
+                stats = c.stats.as_dict(per_step=True)
                 if c.result is not None:
                     stats["tokens"] = c.result.hypotheses[0].tokens
                 if c.text:
