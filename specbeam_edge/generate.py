@@ -131,7 +131,8 @@ class Engine:
         if draft is not None:
             if not Path(draft).is_dir():
                 raise ModelFolderError(f"draft model folder {draft} does not exist")
-            self.draft = OnnxCausalLM(draft, threads=threads, providers=providers)
+            # the draft is small: one thread and no busy-waiting, so it does not steal the target's cores
+            self.draft = OnnxCausalLM(draft, threads=1, providers=providers, spin=False)
             check_compatible(self.tokenizer, Tokenizer(draft), self.draft.cfg.vocab_size)
             if self.draft.cfg.vocab_size > self.target.cfg.vocab_size:
                 raise ModelFolderError(f"draft vocabulary ({self.draft.cfg.vocab_size}) is larger than the "

@@ -12,12 +12,15 @@ from .config import ModelConfig, ModelFolderError
 from .offload import LayerStore, plan
 
 
-def _session(path: Path, threads: int | None, providers) -> ort.InferenceSession:
+def _session(path: Path, threads: int | None, providers, spin: bool = True) -> ort.InferenceSession:
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.intra_op_num_threads = threads or min(os.cpu_count() or 1, 8)
     so.inter_op_num_threads = 1
     so.log_severity_level = 3
+    # a draft session must not busy-wait between runs: draft and target alternate, and spinning threads of
+    # one session steal the cores from the other (measured: target pass 16.6 ms instead of 6.9 ms)
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
     try:
         return ort.InferenceSession(str(path), so, providers=providers or ["CPUExecutionProvider"])
     except Exception as e:  # onnxruntime raises several exception types for bad files
@@ -28,10 +31,12 @@ class OnnxCausalLM:
     """Loads and validates a model folder; `forward` scores new tokens given a tree mask and past KV."""
 
     def __init__(self, folder: str | Path, *, threads: int | None = None, providers=None,
-                 max_memory: int | None = None, host_memory: int | None = 0, placement: list[str] | None = None):
+                 max_memory: int | None = None, host_memory: int | None = 0, placement: list[str] | None = None,
+                 spin: bool = True):
         """max_memory (bytes): budget for weights held in memory; in the split layout, layers that do not fit
         are streamed per pass from host memory (up to host_memory bytes, None = unlimited) or from disk.
-        placement: an explicit list of 'resident' / 'host' / 'disk' per layer instead of the planner."""
+        placement: an explicit list of 'resident' / 'host' / 'disk' per layer instead of the planner.
+        spin: let onnxruntime's threads busy-wait between runs (faster back-to-back runs of one model)."""
         self.cfg = cfg = ModelConfig.load(folder)
         self.folder = Path(folder)
         L = cfg.num_layers
@@ -42,16 +47,16 @@ class OnnxCausalLM:
             raise ModelFolderError(f"{self.folder}: layer streaming (max_memory/placement) needs the split layout; "
                                    f"export with --layout split")
         if cfg.layout == "whole":
-            self.sess = _session(self.folder / cfg.files["model"], threads, providers)
+            self.sess = _session(self.folder / cfg.files["model"], threads, providers, spin)
             want_in = {"input_ids", "position_ids", "attention_mask", *[n for p in self.past_names for n in p]}
             want_out = {*self.out_names, *[n for p in self.present_names for n in p]}
             self._check_io(self.sess, want_in | ({"topk"} if cfg.output == "topk" else set()), want_out,
                            cfg.files["model"])
             self._run_names = self.out_names + [n for p in self.present_names for n in p]
         else:
-            self.embed = _session(self.folder / cfg.files["embed"], threads, providers)
-            self.layer = _session(self.folder / cfg.files["layer"], threads, providers)
-            self.head = _session(self.folder / cfg.files["head"], threads, providers)
+            self.embed = _session(self.folder / cfg.files["embed"], threads, providers, spin)
+            self.layer = _session(self.folder / cfg.files["layer"], threads, providers, spin)
+            self.head = _session(self.folder / cfg.files["head"], threads, providers, spin)
             manifest = cfg.files["layer_manifest"]
             self._check_io(self.embed, {"input_ids"}, {"hidden"}, cfg.files["embed"])
             self._check_io(self.layer, {"hidden", "position_ids", "attention_mask", "past_key", "past_value",
