@@ -296,7 +296,8 @@ class ChatWindow(QMainWindow):
         self._finish()
         self.store.add(self.gen_conv, "assistant", text, stats)
         self._show_conversation()
-        share = stats.get("draft_tokens_accepted", 0) / max(1, stats.get("beam_steps", 0) * self.beams.value())
+        flags = stats.get("from_draft") or []
+        share = sum(flags) / max(1, len(flags))          # beam steps whose tokens the draft tree supplied
         self.status.setText(f"{stats.get('tokens_per_second', 0):.1f} tok/s · "
                             f"{stats.get('beam_steps_per_pass', 0):.2f} beam steps/pass · "
                             f"draft share {share:.0%}" + (" · stopped" if stats.get("stopped") else ""))
