@@ -44,8 +44,8 @@ def main(argv=None) -> int:
             data["machine"] = info
             common.write(out, "e2e", data)
             e2e.plot(data, out / "e2e.png")
-            print(common.table(data["rows"], ["K", "drafter", "budget", "max_depth", "speedup", "bspp",
-                                              "plain_tok_s", "spec_tok_s", "draft_share", "identical", "of"]))
+            print(common.table(data["rows"], ["K", "drafter", "budget", "max_depth", "draft_width", "speedup",
+                                              "bspp", "plain_tok_s", "spec_tok_s", "draft_share", "identical", "of"]))
         elif sc == "cost":
             from . import cost
 

@@ -27,11 +27,14 @@ def run_once(engine, prompts, K, spec, max_new):
             "accepted": sum(r.stats.draft_tokens_accepted for r in res), "texts": [r.text for r in res]}
 
 
-def bench(pair: Path, *, Ks=(1, 2, 4, 8), specs=None, n_prompts=24, reps=3, max_new=128, threads=None):
+def bench(pair: Path, *, Ks=(1, 2, 4, 8), specs=None, n_prompts=12, reps=3, max_new=128, threads=None):
     engine = Engine(pair / "target", draft=pair / "draft", threads=threads)
     prompts = [engine.tokenizer.format_prompt(p) for p in load_prompts(pair, n_prompts)]
-    specs = specs or [SpeculativeConfig(drafter="beam", budget=b, max_depth=d) for b, d in ((16, 4), (32, 6), (64, 8))] \
-        + [SpeculativeConfig(drafter="best_first", budget=b, max_depth=d) for b, d in ((16, 6), (32, 8), (64, 10))]
+    specs = specs or [SpeculativeConfig(drafter="beam", budget=4, max_depth=4, draft_width=1),
+                      SpeculativeConfig(drafter="beam", budget=16, max_depth=4),
+                      SpeculativeConfig(drafter="beam", budget=32, max_depth=6),
+                      SpeculativeConfig(drafter="best_first", budget=16, max_depth=6),
+                      SpeculativeConfig(drafter="best_first", budget=32, max_depth=8)]
     engine.generate(prompts[:2], num_beams=4, max_new_tokens=16, speculative=specs[0])  # warm-up
     rows = []
     for K in Ks:
@@ -47,6 +50,7 @@ def bench(pair: Path, *, Ks=(1, 2, 4, 8), specs=None, n_prompts=24, reps=3, max_
                 b_runs.append(b)
             b0 = b_runs[0]
             row = {"K": K, "drafter": spec.drafter, "budget": spec.budget, "max_depth": spec.max_depth,
+                   "draft_width": spec.draft_width,
                    "plain_s": median([r["seconds"] for r in a_runs]), "spec_s": median([r["seconds"] for r in b_runs]),
                    "speedup": median(ratios), "bspp": b0["beam_steps"] / b0["target_passes"],
                    "target_passes": b0["target_passes"], "plain_passes": a_runs[0]["target_passes"],

@@ -7,7 +7,7 @@ from pathlib import Path
 from .common import table
 
 COLS = {
-    "e2e": ["K", "drafter", "budget", "max_depth", "speedup", "bspp", "plain_tok_s", "spec_tok_s", "draft_share",
+    "e2e": ["K", "drafter", "budget", "max_depth", "draft_width", "speedup", "bspp", "plain_tok_s", "spec_tok_s", "draft_share",
             "identical", "of"],
     "synthetic": ["acceptance", "speedup", "bspp", "identical", "plain_s", "spec_s"],
     "offload": ["K", "drafter", "budget", "max_depth", "speedup", "bspp", "bytes_moved_per_pass",
