@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--scenario", default="e2e,cost,peers", help="comma list of: e2e, cost, peers, synthetic, offload")
+    ap.add_argument("--scenario", default="e2e,cost,peers,sampling,synthetic,offload", help="comma list of: e2e, cost, peers, sampling, synthetic, offload")
     ap.add_argument("--pair", default=str(ROOT / "models" / "ende"), help="pair folder (target/, draft/, hf/)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"), help="output folder for JSON and PNG")
     ap.add_argument("--quick", action="store_true", help="fewer prompts and settings (a smoke run)")
@@ -65,6 +65,14 @@ def main(argv=None) -> int:
             peers.plot(data, out / "peers.png")
             for k, v in data["tokens_per_second"].items():
                 print(f"{k:28s} {v:8.1f} tok/s   speculative is {data['specbeam_speculative_over'][k]:.2f}x")
+        elif sc == "sampling":
+            from . import sampling
+
+            data = sampling.bench(pair, n_prompts=4 if args.quick else 12, reps=1 if args.quick else 2)
+            data["machine"] = info
+            common.write(out, "sampling", data)
+            print(common.table(data["rows"], ["W", "width_threshold", "speedup", "bspp", "plain_logp_per_token",
+                                              "spec_logp_per_token", "mean_width"]))
         elif sc == "synthetic":
             from . import synthetic
 

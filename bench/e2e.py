@@ -35,11 +35,11 @@ def bench(pair: Path, *, Ks=(1, 2, 4, 8), specs=None, n_prompts=12, reps=3, max_
                       SpeculativeConfig(drafter="beam", budget=32, max_depth=6),
                       SpeculativeConfig(drafter="best_first", budget=16, max_depth=6),
                       SpeculativeConfig(drafter="best_first", budget=32, max_depth=8)]
-    engine.generate(prompts[:2], num_beams=4, max_new_tokens=16, speculative=specs[0])  # warm-up
+    engine.generate(prompts[:2], num_beams=1, max_new_tokens=16, speculative=specs[0])  # warm-up
     rows = []
     for K in Ks:
         for spec in specs:
-            if spec.budget < K:
+            if spec.budget < K or (spec.draft_width or K) < K:
                 continue
             ratios, a_runs, b_runs = [], [], []
             for _ in range(reps):          # A B A B: plain then speculative, back to back

@@ -9,6 +9,8 @@ from .common import table
 COLS = {
     "e2e": ["K", "drafter", "budget", "max_depth", "draft_width", "speedup", "bspp", "plain_tok_s", "spec_tok_s", "draft_share",
             "identical", "of"],
+    "sampling": ["W", "width_threshold", "speedup", "bspp", "plain_logp_per_token", "spec_logp_per_token",
+                 "mean_width"],
     "synthetic": ["acceptance", "speedup", "bspp", "identical", "plain_s", "spec_s"],
     "offload": ["K", "drafter", "budget", "max_depth", "speedup", "bspp", "bytes_moved_per_pass",
                 "load_ms_per_pass", "wait_ms_per_pass", "compute_ms_per_pass", "identical", "of"],
@@ -17,6 +19,7 @@ TITLES = {
     "e2e": "Shipped en->de pair: exact speculative vs plain beam search (same runtime, A/B alternated)",
     "cost": "Target pass cost vs tree size",
     "peers": "Peers on the same weights (beam search, K=4)",
+    "sampling": "Speculative beam sampling (DSBD) vs plain beam sampling on the shipped pair",
     "synthetic": "Realistic scale: random large target, synthetic drafter with controlled acceptance",
     "offload": "Target streamed from disk under a memory budget (same placement for both arms)",
 }
@@ -26,7 +29,7 @@ def render(results: Path, readme: Path, command: str) -> None:
     out = ["# Benchmarks", "",
            "Every figure below was measured by one run of the command shown, on the machine named with it. "
            "Ratios are medians over alternated runs (A B A B) inside that run; absolute times vary with load.", ""]
-    for name in ("e2e", "peers", "cost", "synthetic", "offload"):
+    for name in ("e2e", "peers", "cost", "sampling", "synthetic", "offload"):
         path = results / f"{name}.json"
         if not path.exists():
             continue
