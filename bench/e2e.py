@@ -30,7 +30,8 @@ def run_once(engine, prompts, K, spec, max_new):
 def bench(pair: Path, *, Ks=(1, 2, 4, 8), specs=None, n_prompts=12, reps=3, max_new=128, threads=None):
     engine = Engine(pair / "target", draft=pair / "draft", threads=threads)
     prompts = [engine.tokenizer.format_prompt(p) for p in load_prompts(pair, n_prompts)]
-    specs = specs or [SpeculativeConfig(drafter="beam", budget=4, max_depth=4, draft_width=1),
+    specs = specs or [SpeculativeConfig(drafter="lookup", budget=16, max_depth=6, max_branch_width=2),
+                      SpeculativeConfig(drafter="beam", budget=4, max_depth=4, draft_width=1),
                       SpeculativeConfig(drafter="beam", budget=16, max_depth=4),
                       SpeculativeConfig(drafter="beam", budget=32, max_depth=6),
                       SpeculativeConfig(drafter="best_first", budget=16, max_depth=6),

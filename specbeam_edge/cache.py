@@ -67,7 +67,7 @@ class TreeCache:
 
     def __init__(self, model: OnnxCausalLM, tree: TokenTree):
         self.model, self.tree = model, tree
-        self.past = model.empty_past()
+        self.past = model.empty_past() if model is not None else []   # None: a tree view without a model
         self.slot: dict[int, int] = {}           # node -> slot
         self.nodes: list[int] = []               # slot -> node
         self.vis = np.zeros((0, 0), dtype=bool)  # [slots, slots]

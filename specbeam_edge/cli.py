@@ -32,9 +32,10 @@ def add_search_args(ap: argparse.ArgumentParser, *, beams_flag: str = "--num_bea
     s = ap.add_argument_group("speculation")
     s.add_argument("--draft", default=None, help="draft model folder (enables speculative beam search)")
     s.add_argument("--no_draft", action="store_true", help="plain beam search even if a default draft exists")
-    s.add_argument("--drafter", choices=("beam", "best_first", "sample"), default=None,
-                   help="tree growth: draft beam search (AtSpeed), best-first by draft log-prob (SpecExec), or "
-                        "draft beam sampling (the only one for --do_sample; the default then)")
+    s.add_argument("--drafter", choices=("beam", "best_first", "sample", "lookup"), default=None,
+                   help="tree growth: draft beam search (AtSpeed), best-first by draft log-prob (SpecExec), "
+                        "draft beam sampling (the only one for --do_sample; the default then), or prompt lookup "
+                        "(n-gram continuations; needs no draft model)")
     s.add_argument("--budget", type=budget_arg, default=48,
                    help="draft tree nodes per target pass, or 'auto' (chosen from the measured pass-cost curve)")
     s.add_argument("--max_depth", type=int, default=6, help="tree levels below each beam")
@@ -92,7 +93,7 @@ def configs(args) -> tuple[dict, SpeculativeConfig | None]:
                      temperature=getattr(args, "temperature", None), top_k=getattr(args, "top_k", None),
                      top_p=getattr(args, "top_p", None), seed=getattr(args, "seed", None))
     spec = None
-    if not args.no_draft and args.draft:
+    if not args.no_draft and (args.draft or args.drafter == "lookup"):
         drafter = args.drafter or ("sample" if sample else "beam")
         spec = SpeculativeConfig(drafter=drafter, budget=args.budget, max_depth=args.max_depth,
                                  max_branch_width=args.max_branch_width, draft_width=args.draft_width,

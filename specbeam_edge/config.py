@@ -71,9 +71,6 @@ class ModelConfig:
         return cfg
 
 
-_EARLY = (True, False, "never")
-
-
 @dataclass(frozen=True, kw_only=True)
 class GenerationConfig:
     """Search settings with Hugging Face names and semantics (transformers `generate`)."""
@@ -99,8 +96,7 @@ class GenerationConfig:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise ValueError(f"min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens}")
-        if self.early_stopping not in _EARLY or (self.early_stopping is not True and self.early_stopping is not False
-                                                 and self.early_stopping != "never"):
+        if not (self.early_stopping is True or self.early_stopping is False or self.early_stopping == "never"):
             raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
         if not 1 <= self.num_return_sequences <= self.num_beams:
             raise ValueError(f"num_return_sequences ({self.num_return_sequences}) must be between 1 and "
@@ -123,15 +119,16 @@ class GenerationConfig:
         return cls(**base)
 
 
-DRAFTERS = ("beam", "best_first", "sample")
+DRAFTERS = ("beam", "best_first", "sample", "lookup")
 
 
 @dataclass(frozen=True, kw_only=True)
 class SpeculativeConfig:
     """Tree knobs. `budget`: draft nodes per target pass; `max_depth`: tree levels below each beam;
     `max_branch_width`: children per expanded node; `drafter`: 'beam' (draft beam search, AtSpeed),
-    'best_first' (cumulative draft log-prob with per-depth decay, SpecExec), or 'sample' (draft beam
-    sampling, the only drafter whose trees may be verified with the p/q rule of do_sample=True).
+    'best_first' (cumulative draft log-prob with per-depth decay, SpecExec), 'sample' (draft beam
+    sampling, the only drafter whose trees may be verified with the p/q rule of do_sample=True), or
+    'lookup' (prompt lookup: n-gram continuations from the prompt and the beam itself; no draft model).
     Sampling knobs (DSBD): `draft_width` draft samples per level (default max(num_beams, max_branch_width)),
     `width_threshold` t (level width = largest k with P(#accepted >= k) >= t; 0 keeps num_beams),
     `min_num_beams` (width floor), `single_sequence` (keep one sequence between passes: the memory-saving

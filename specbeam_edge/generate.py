@@ -197,7 +197,7 @@ class Engine:
             raise ValueError(f"the prompt has {len(ids)} tokens; the model's context length is {ctx}")
         max_new = min(gen.max_new_tokens, ctx - len(ids))
         eos = self.eos if gen.eos_token_id is None else list(np.atleast_1d(gen.eos_token_id))
-        use_draft = spec is not None and self.draft is not None
+        use_draft = spec is not None and (self.draft is not None or spec.drafter == "lookup")
         if use_draft:
             spec.check_against(gen.num_beams)
             if gen.do_sample != (spec.drafter == "sample"):
@@ -210,6 +210,8 @@ class Engine:
                           "differ from plain beam search beyond near-ties. Use an fp32/fp16 (or split int8) "
                           "export for exact results.", stacklevel=3)
         if gen.do_sample:
+            if use_draft and self.draft is None:
+                raise ValueError("do_sample=True with speculation needs a draft model (drafter='sample')")
             yield from self._sample_search(ids, gen, spec if use_draft else None, eos, max_new)
             return
         stats = Stats(prompt_tokens=len(ids))
@@ -218,12 +220,14 @@ class Engine:
         last = tree.add_chain(ids)[-1]
         P = len(ids)
         target = TreeCache(self.target, tree)
+        # the draft's cache (a lookup drafter needs only the tree, which it reaches through this object)
         draft = TreeCache(self.draft, tree) if use_draft else None
         grow = None
         if use_draft and spec.budget == "auto":
             spec = replace(spec, budget=self.auto_budget(gen.num_beams, spec.auto_slack))
         if use_draft:
-            grow = drafter or make_drafter(spec, gen.num_beams, eos, min(ctx, self.draft.cfg.context_length))
+            dctx = self.draft.cfg.context_length if self.draft is not None else ctx
+            grow = drafter or make_drafter(spec, gen.num_beams, eos, min(ctx, dctx))
         bs = BeamSearch(tree, last, num_beams=gen.num_beams, prompt_len=P, max_new_tokens=max_new,
                         eos_token_ids=eos, length_penalty=gen.length_penalty,
                         early_stopping=gen.early_stopping, min_new_tokens=gen.min_new_tokens)

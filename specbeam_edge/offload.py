@@ -146,10 +146,6 @@ class LayerStore:
         if i in self.slot and i not in self.pending:
             self.pending[i] = self.pool.submit(self._load, i)
 
-    def next_streamed(self, i: int) -> int | None:
-        later = [j for j in self.streamed if j > i]
-        return later[0] if later else None
-
     def get(self, i: int) -> dict[str, np.ndarray]:
         if i in self.resident:
             return self.resident[i]

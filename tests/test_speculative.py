@@ -78,3 +78,16 @@ def test_auto_budget_from_cost_curve(engines):
     [auto] = eng.generate(PROMPTS[0], num_beams=2, max_new_tokens=MAX_NEW, speculative=SpeculativeConfig(budget="auto"))
     assert auto.hypotheses[0].tokens == plain.hypotheses[0].tokens
     del eng._curve
+
+
+@pytest.mark.parametrize("K", [1, 2, 4])
+def test_prompt_lookup_needs_no_draft_and_is_exact(exported, K):
+    eng = Engine(exported("llama", std=0.3, seed=3))          # no draft model at all
+    spec = SpeculativeConfig(drafter="lookup", budget=32, max_depth=6)
+    prompt = [3, 17, 33, 8, 99, 41, 7, 3, 17, 33, 8]            # repeats itself: lookups have material
+    [plain] = eng.generate(prompt, num_beams=K, max_new_tokens=24)
+    [fast] = eng.generate(prompt, num_beams=K, max_new_tokens=24, speculative=spec)
+    assert [h.tokens for h in fast.hypotheses] == [h.tokens for h in plain.hypotheses]
+    assert fast.stats.draft_passes == 0 and fast.stats.draft_tokens_proposed > 0
+    with pytest.raises(ValueError, match="drafter='sample'"):
+        eng.generate(prompt, num_beams=2, do_sample=True, speculative=SpeculativeConfig(drafter="lookup"))

@@ -55,7 +55,8 @@ def parse_args(argv):
     ap.add_argument("--resume", action="store_true", help="continue an interrupted run (needs -o)")
     ap.add_argument("--eval", default=None, metavar="REF", help="print BLEU and chrF against this reference file")
     s = ap.add_argument_group("speculation")
-    s.add_argument("--drafter", choices=("beam", "best_first"), default=None, help="tree growth policy (default beam)")
+    s.add_argument("--drafter", choices=("beam", "best_first", "lookup"), default=None,
+                   help="tree growth policy (default beam; lookup = prompt lookup, no draft model needed)")
     s.add_argument("--budget", type=budget_arg, default=48, help="draft tree nodes per target pass, or 'auto'")
     s.add_argument("--max_depth", type=int, default=6, help="tree levels below each beam")
     s.add_argument("--max_branch_width", type=int, default=4, help="children per expanded draft node")
