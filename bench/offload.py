@@ -44,8 +44,9 @@ def bench(pair: Path, *, providers=None, n_prompts=8, reps=2, max_new=96, Ks=(1,
     engine = Engine(folder, draft=pair / "draft", placement=placements["disk"], providers=providers)
     prompts = [engine.tokenizer.format_prompt(p) for p in load_prompts(pair, n_prompts)]
     rows = []
-    specs = [SpeculativeConfig(drafter="best_first", budget=b, max_depth=d, max_branch_width=4)
-             for b, d in ((64, 12), (256, 16))] + [SpeculativeConfig(drafter="beam", budget=96, max_depth=12)]
+    specs = [SpeculativeConfig(drafter="lookup", budget=32, max_depth=8, max_branch_width=4),
+             SpeculativeConfig(drafter="best_first", budget=64, max_depth=12, max_branch_width=4),
+             SpeculativeConfig(drafter="beam", budget=96, max_depth=12)]
     for K in Ks:
         for spec in specs[:1] if quick else specs:
             ratios, res = [], []
