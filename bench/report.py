@@ -46,9 +46,13 @@ def render(results: Path, readme: Path, command: str) -> None:
             out += [f"Pass time in ms over a tree of Q nodes on {d['past_len']} cached tokens.", "",
                     table_md(rows, ["model"] + [str(q) for q in sizes]), ""]
         elif name == "peers":
-            rows = [{"system": k, "tokens/s": v, "speculative specbeam is": f"{d['specbeam_speculative_over'][k]}x"}
-                    for k, v in d["tokens_per_second"].items()]
-            out += [table_md(rows, ["system", "tokens/s", "speculative specbeam is"]), ""]
+            tps = d["tokens_per_second"]
+            rows = [{"system": k, "tokens/s": v,
+                     "specbeam plain / this": f"{tps['specbeam plain'] / v:.2f}x",
+                     "specbeam speculative / this": f"{tps['specbeam speculative'] / v:.2f}x"}
+                    for k, v in tps.items()]
+            out += [table_md(rows, ["system", "tokens/s", "specbeam plain / this", "specbeam speculative / this"]),
+                    ""]
             if d.get("notes"):
                 out += [f"Notes: {d['notes']}", ""]
         if (results / f"{name}.png").exists():
