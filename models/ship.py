@@ -11,6 +11,7 @@ models/ende/test_sample.{en,de}    the first 200 held-out test pairs
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -26,9 +27,15 @@ def fp16_copy(src: Path, dst: Path):
 
     m = AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float16)
     m.save_pretrained(dst)
-    for f in ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "train_log.json"):
+    for f in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         if (src / f).exists():
             shutil.copy2(src / f, dst / f)
+    log = json.loads((src / "train_log.json").read_text())
+    args = log["summary"]["args"]
+    for k in ("data", "tokenizer", "out", "init", "teacher"):   # keep the log free of this machine's paths
+        if args.get(k):
+            args[k] = f"data/{Path(args[k]).name}"
+    (dst / "train_log.json").write_text(json.dumps(log, indent=1))
 
 
 def main(argv=None) -> int:
