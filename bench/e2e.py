@@ -63,7 +63,7 @@ def bench(pair: Path, *, Ks=(1, 2, 4, 8), specs=None, n_prompts=12, reps=3, max_
             rows.append(row)
             print(f"K={K} {spec.drafter:10s} budget={spec.budget:3d} speedup {row['speedup']:.2f}x "
                   f"bspp {row['bspp']:.2f} identical {row['identical']}/{len(prompts)}", file=sys.stderr)
-    return {"pair": str(pair), "prompts": len(prompts), "reps": reps, "max_new_tokens": max_new, "rows": rows}
+    return {"pair": pair.name, "prompts": len(prompts), "reps": reps, "max_new_tokens": max_new, "rows": rows}
 
 
 def plot(data: dict, path: Path):
