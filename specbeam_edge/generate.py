@@ -363,17 +363,20 @@ class Engine:
     # -- public API ----------------------------------------------------------------------------------------
     def stream(self, prompt: str | list[int], generation: GenerationConfig | None = None,
                speculative: SpeculativeConfig | None = None, **overrides) -> Iterator[StreamChunk]:
-        """Yield text as soon as it is final (the prefix shared by all live and finished beams); the last
-        chunk carries the Result."""
+        """Yield text as soon as it is final (the prefix shared by all live and finished beams), one chunk per
+        target pass (empty when nothing new became final); the last chunk carries the Result."""
         gen = self.generation_config(generation, **overrides)
         ids = self.encode(prompt)
-        shown = ""
+        shown, n_stable = "", 0
         bs = stats = None
         for bs, stats in self._search(ids, gen, speculative):
-            text = self.tokenizer.decode_stable(bs.stable_prefix())
-            if len(text) > len(shown) and text.startswith(shown):
-                yield StreamChunk(text[len(shown):], stats)
-                shown = text
+            prefix, delta = bs.stable_prefix(), ""
+            if len(prefix) > n_stable:        # decode only when more tokens became final
+                n_stable = len(prefix)
+                text = self.tokenizer.decode_stable(prefix)
+                if len(text) > len(shown) and text.startswith(shown):
+                    delta, shown = text[len(shown):], text
+            yield StreamChunk(delta, stats)   # one chunk per target pass (maybe empty): callers can stop here
         result = self._result(prompt, bs, stats, gen)
         final = result.text
         yield StreamChunk(final[len(shown):] if final.startswith(shown) else "", stats, result)

@@ -45,8 +45,9 @@ def test_pair_is_compatible_and_a_foreign_draft_is_refused(exported):
 def test_golden_greedy(engine):
     got = {p: engine.generate(engine.tokenizer.format_prompt(p), num_beams=1, max_new_tokens=48)[0].text
            for p in PROMPTS}
-    if not GOLDEN.exists():   # first run after re-training: write, then commit the file
+    if not GOLDEN.exists():   # after re-training: write the new golden file, and fail until it is committed
         GOLDEN.write_text(json.dumps(got, indent=1, ensure_ascii=False) + "\n")
+        pytest.fail(f"wrote {GOLDEN.name}; review and commit it")
     assert got == json.loads(GOLDEN.read_text())
 
 
