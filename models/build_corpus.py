@@ -16,6 +16,7 @@ import argparse
 import gettext
 import hashlib
 import html
+import json
 import os
 import random
 import re
@@ -108,15 +109,40 @@ def clean(s: str) -> str:
     return re.sub(r"\s+", " ", s).strip()
 
 
+def build_text(out: Path, work: Path, seed: int) -> int:
+    """The English prose + code corpus: the Python 3.11 documentation sources (reST: prose with code
+    samples), one document per file. Splits by file: 10 validation and 10 test files."""
+    root = work / "pydoc"
+    if not root.exists():
+        work.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["apt-get", "download", "python3.11-doc"], cwd=work, check=True)
+        subprocess.run(["dpkg-deb", "-x", str(next(work.glob("python3.11-doc_*.deb"))), str(root)], check=True)
+    files = sorted((root / "usr/share/doc/python3.11/html/_sources").rglob("*.rst.txt"))
+    rng = random.Random(seed)
+    rng.shuffle(files)
+    splits = {"test": files[:10], "valid": files[10:20], "train": files[20:]}
+    for name, fs in splits.items():
+        with open(out / f"{name}.txt", "w", encoding="utf-8") as f:
+            for p in fs:
+                doc = p.read_text("utf-8", "replace").replace("\x00", "")
+                f.write(json.dumps(doc) + "\n")        # one JSON string per line: documents keep newlines
+    print(f"text corpus: {', '.join(f'{k} {len(v)} files' for k, v in splits.items())}", file=sys.stderr)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="output folder for train/valid/test .tsv")
+    ap.add_argument("--out", required=True, help="output folder for train/valid/test .tsv (or .txt with --text)")
+    ap.add_argument("--text", action="store_true",
+                    help="build the English prose + code corpus (Python docs, PSF-2.0) instead of en->de pairs")
     ap.add_argument("--work", default=None, help="download/unpack folder (default: OUT/../debs)")
     ap.add_argument("--max_chars", type=int, default=400, help="drop pairs whose sides are longer than this")
     ap.add_argument("--seed", type=int, default=1234, help="split seed")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.text:
+        return build_text(out, Path(args.work) if args.work else out.parent / "debs", args.seed)
     root = fetch_debs(Path(args.work) if args.work else out.parent / "debs")
 
     seen: set[str] = set()

@@ -36,6 +36,11 @@ def train_tokenizer(data: Path, out: Path, vocab: int) -> None:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), min_frequency=2)
 
     def lines():
+        if (data / "train.txt").exists():            # text corpus: one JSON string (document) per line
+            with open(data / "train.txt", encoding="utf-8") as f:
+                for line in f:
+                    yield from json.loads(line).split("\n\n")
+            return
         with open(data / "train.tsv", encoding="utf-8") as f:
             for line in f:
                 en, de = line.rstrip("\n").split("\t")
@@ -45,9 +50,10 @@ def train_tokenizer(data: Path, out: Path, vocab: int) -> None:
     tok.train_from_iterator(lines(), trainer)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
+    text = (data / "train.txt").exists()
     (out / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": EOS, "eos_token": EOS, "pad_token": EOS, "model_max_length": 512,
-        "prompt_format": "<|endoftext|>{source}<|de|>",
+        "prompt_format": "<|endoftext|>{source}" if text else "<|endoftext|>{source}<|de|>",
     }, indent=2))
     print(f"tokenizer: {tok.get_vocab_size()} tokens -> {out}", file=sys.stderr)
 
@@ -57,6 +63,12 @@ def encode_corpus(data: Path, tok_dir: Path, split: str) -> np.ndarray:
 
     tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
     eos, sep = tok.token_to_id(EOS), tok.token_to_id(SEP)
+    if (data / f"{split}.txt").exists():            # text corpus: documents separated by EOS
+        docs = [json.loads(l) for l in open(data / f"{split}.txt", encoding="utf-8")]
+        ids = []
+        for enc in tok.encode_batch(docs, add_special_tokens=False):
+            ids += [eos, *enc.ids]
+        return np.asarray(ids + [eos], dtype=np.int64)
     pairs = [line.rstrip("\n").split("\t") for line in open(data / f"{split}.tsv", encoding="utf-8")]
     en = tok.encode_batch([p[0] for p in pairs], add_special_tokens=False)
     de = tok.encode_batch([p[1] for p in pairs], add_special_tokens=False)
