@@ -46,16 +46,18 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     data, out = Path(args.data), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    # the en->de pair ships its HF checkpoints (peers benchmark); the text pair keeps them in the data folder
+    hf = out / "hf" if args.kind == "ende" else data / "hf"
     for name in ("target", "draft"):
-        fp16_copy(data / name, out / "hf" / name)
-    export(out / "hf" / "target", out / "target", precision="fp16", overwrite=True)
-    export(out / "hf" / "draft", out / "draft", precision="int8", overwrite=True)
+        fp16_copy(data / name, hf / name)
+    export(hf / "target", out / "target", precision="fp16", overwrite=True)
+    export(hf / "draft", out / "draft", precision="int8", overwrite=True)
     if args.kind == "text":
         docs = [json.loads(l) for l in open(data / "text" / "test.txt", encoding="utf-8")]
         paras = [" ".join(p.split()) for d in docs for p in d.split("\n\n") if len(p.split()) >= 8]
         (out / "test_sample.txt").write_text("".join(p + "\n" for p in paras[:200]), encoding="utf-8")
         return 0
-    export(out / "hf" / "target", out / "variants" / "target_int8", precision="int8", overwrite=True)
+    export(hf / "target", out / "variants" / "target_int8", precision="int8", overwrite=True)
     rows = [l.rstrip("\n").split("\t") for l in open(data / "ende" / "test.tsv", encoding="utf-8")][:200]
     (out / "test_sample.en").write_text("".join(r[0] + "\n" for r in rows), encoding="utf-8")
     (out / "test_sample.de").write_text("".join(r[1] + "\n" for r in rows), encoding="utf-8")
