@@ -99,12 +99,8 @@ def oracle_beams(engine: Engine, prompt: list[int], K: int, max_new: int) -> lis
     gen = GenerationConfig(num_beams=K, max_new_tokens=max_new)
     steps = [[()]]
     for bs, _ in engine._search(prompt, gen, None):
-        steps.append([tuple(engine_tree_path(bs, n)) for n in bs.running])
+        steps.append([tuple(bs.tree.path(n)[bs.P:]) for n in bs.running])
     return steps
-
-
-def engine_tree_path(bs, node):
-    return bs.tree.path(node)[bs.P:]
 
 
 def bench(*, K=4, rates=(0.5, 0.7, 0.9), budget=32, depth=6, max_new=48, reps=3, n_prompts=3) -> dict:

@@ -1,6 +1,6 @@
 """Evaluate a shipped pair on the held-out translation test set.
 
-    python models/evaluate.py --pair models/ende --test data/ende/test.tsv --lines 300
+    python models/evaluate.py --pair models/ende --test data/ende/corpus/test.tsv --lines 300
 
 Reports BLEU/chrF (sacrebleu) of the target with greedy and beam-4 search and of the draft alone (greedy),
 teacher-forced draft/target agreement (greedy match, top-4 overlap, sum min(p, q)), and beam steps per target
@@ -35,7 +35,7 @@ def teacher_forced(engine: Engine, ids: list[int]):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", default="models/ende", help="folder with target/ and draft/")
-    ap.add_argument("--test", default="data/ende/test.tsv", help="held-out pairs (english<TAB>german)")
+    ap.add_argument("--test", default="data/ende/corpus/test.tsv", help="held-out pairs (english<TAB>german)")
     ap.add_argument("--lines", type=int, default=300, help="evaluate the first N test pairs")
     ap.add_argument("--max_new_tokens", type=int, default=160, help="generation limit")
     ap.add_argument("--out", default=None, help="write the JSON report here")

@@ -1,6 +1,6 @@
 """Export the trained HF checkpoints into the shipped folders and write the held-out sample files.
 
-    python models/ship.py --data data --out models/ende
+    python models/ship.py --kind ende --data data/ende --out models/ende     (models/build_pair.sh runs it)
 
 models/ende/target   fp16 weights (fp32 compute): batch-invariant, so speculative output equals plain
 models/ende/draft    int8 (quantize_dynamic: fastest here; the draft needs no batch invariance)
@@ -40,7 +40,7 @@ def fp16_copy(src: Path, dst: Path):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", default="data", help="folder with target/, draft/ and ende/test.tsv")
+    ap.add_argument("--data", default="data/ende", help="folder with target/, draft/ and corpus/ (test split)")
     ap.add_argument("--out", default="models/ende", help="shipped pair folder")
     ap.add_argument("--kind", choices=("ende", "text"), default="ende", help="translation pair or text pair")
     args = ap.parse_args(argv)
@@ -53,12 +53,12 @@ def main(argv=None) -> int:
     export(hf / "target", out / "target", precision="fp16", overwrite=True)
     export(hf / "draft", out / "draft", precision="int8", overwrite=True)
     if args.kind == "text":
-        docs = [json.loads(l) for l in open(data / "text" / "test.txt", encoding="utf-8")]
+        docs = [json.loads(l) for l in open(data / "corpus" / "test.txt", encoding="utf-8")]
         paras = [" ".join(p.split()) for d in docs for p in d.split("\n\n") if len(p.split()) >= 8]
         (out / "test_sample.txt").write_text("".join(p + "\n" for p in paras[:200]), encoding="utf-8")
         return 0
     export(hf / "target", out / "variants" / "target_int8", precision="int8", overwrite=True)
-    rows = [l.rstrip("\n").split("\t") for l in open(data / "ende" / "test.tsv", encoding="utf-8")][:200]
+    rows = [l.rstrip("\n").split("\t") for l in open(data / "corpus" / "test.tsv", encoding="utf-8")][:200]
     (out / "test_sample.en").write_text("".join(r[0] + "\n" for r in rows), encoding="utf-8")
     (out / "test_sample.de").write_text("".join(r[1] + "\n" for r in rows), encoding="utf-8")
     return 0
