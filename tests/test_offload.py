@@ -54,7 +54,7 @@ def test_offloaded_generation_identical(split4):
         assert b.stats.offload["bytes_moved_per_pass"] == 3 * off.target.store.nbytes
 
 
-def test_planner_and_bad_budgets(split4, tmp_path):
+def test_planner_and_bad_budgets(split4):
     p = plan(8, 100, 50, max_memory=50 + 200 + 300)
     assert p.places == ("resident",) * 3 + ("disk",) * 5
     assert plan(8, 100, 50, max_memory=None).places == ("resident",) * 8
