@@ -135,14 +135,14 @@ class TreeCache:
         return out[0]
 
     def live_slots(self, keep_nodes) -> np.ndarray:
-        """Slots on the paths to `keep_nodes` (each must be cached or have a cached parent)."""
+        """Slots on the paths to `keep_nodes` (up to each one's nearest cached ancestor: a draft cache that sat
+        out some passes keeps the part of the path it has)."""
         live = np.zeros(len(self.nodes), dtype=bool)
         for n in keep_nodes:
-            s = self.slot.get(n)
-            if s is None:
-                s = self.slot.get(self.tree.parent(n))
-            if s is not None:
-                live |= self.vis[s]
+            while n >= 0 and n not in self.slot:
+                n = self.tree.parent(n)
+            if n >= 0:
+                live |= self.vis[self.slot[n]]
         return live
 
     def compact(self, keep_nodes, min_dead_fraction: float = 0.25) -> bool:

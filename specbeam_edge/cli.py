@@ -39,6 +39,9 @@ def add_search_args(ap: argparse.ArgumentParser, *, beams_flag: str = "--num_bea
     s.add_argument("--budget", type=budget_arg, default=48,
                    help="draft tree nodes per target pass, or 'auto' (chosen from the measured pass-cost curve)")
     s.add_argument("--max_depth", type=int, default=6, help="tree levels below each beam")
+    s.add_argument("--always_speculate", action="store_true",
+                   help="draft on every pass; by default beam search measures both ways and drafts only while it "
+                        "pays (the output is the same)")
     s.add_argument("--max_branch_width", type=int, default=4, help="children per expanded draft node")
     s.add_argument("--draft_width", type=int, default=None, help="draft beam width W (default max(K, branch))")
     s.add_argument("--width_threshold", type=float, default=0.0,
@@ -99,7 +102,8 @@ def configs(args) -> tuple[dict, SpeculativeConfig | None]:
                                  max_branch_width=args.max_branch_width, draft_width=args.draft_width,
                                  width_threshold=getattr(args, "width_threshold", 0.0),
                                  min_num_beams=getattr(args, "min_num_beams", 1),
-                                 single_sequence=getattr(args, "single_sequence", False))
+                                 single_sequence=getattr(args, "single_sequence", False),
+                                 adaptive=not getattr(args, "always_speculate", False))
     return {k: v for k, v in overrides.items() if v is not None}, spec
 
 

@@ -132,7 +132,10 @@ class SpeculativeConfig:
     Sampling knobs (DSBD): `draft_width` draft samples per level (default max(num_beams, max_branch_width)),
     `width_threshold` t (level width = largest k with P(#accepted >= k) >= t; 0 keeps num_beams),
     `min_num_beams` (width floor), `single_sequence` (keep one sequence between passes: the memory-saving
-    mode)."""
+    mode).
+    `adaptive` (exact beam search): measure seconds per beam step with and without the tree and speculate only
+    while it pays, with a probe of the other choice now and then to keep the comparison current. The output is
+    the same either way, so a draft that does not pay on this machine costs a few probes instead of every pass."""
     drafter: str = "beam"
     budget: int | str = 48          # or "auto": the largest tree whose measured pass cost stays within auto_slack
     auto_slack: float = 1.6         # x the cost of a pass over the beams alone
@@ -143,6 +146,7 @@ class SpeculativeConfig:
     width_threshold: float = 0.0
     min_num_beams: int = 1
     single_sequence: bool = False
+    adaptive: bool = False
 
     def __post_init__(self):
         if not 0 <= self.width_threshold < 1:

@@ -37,6 +37,7 @@ class Stats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     target_passes: int = 0
+    plain_passes: int = 0             # passes without a tree (adaptive speculation chose not to draft)
     beam_steps: int = 0
     target_tokens_scored: int = 0
     draft_passes: int = 0
@@ -106,6 +107,49 @@ class StreamChunk:
     text: str                 # new final text since the previous chunk
     stats: Stats
     result: Result | None = None   # set on the last chunk
+
+
+class PassChooser:
+    """Adaptive speculation (SpeculativeConfig.adaptive): per target pass, speculate or not, by the measured
+    seconds per beam step of each choice (an exponential average). Each choice is tried `warmup` times first;
+    afterwards the slower one is probed now and then so that a change (longer contexts, another domain, a busy
+    machine) is noticed: every `probe_every` passes at first, the interval doubling (up to `max_interval`)
+    each time a probe confirms the choice. Passes that include the prompt's prefill are not counted."""
+
+    def __init__(self, warmup: int = 3, probe_every: int = 16, max_interval: int = 512, smoothing: float = 0.25):
+        self.warmup, self.probe_every, self.max_interval, self.smoothing = warmup, probe_every, max_interval, smoothing
+        self.rate: dict[bool, float] = {}
+        self.count = {True: 0, False: 0}
+        self.passes = 0
+        self.interval = probe_every
+        self.next_probe = None
+        self.probing = False
+
+    def best(self) -> bool:
+        return self.rate[True] <= self.rate[False]
+
+    def choose(self) -> bool:
+        self.passes += 1
+        for arm in (True, False):
+            if self.count[arm] < self.warmup:
+                return arm
+        if self.next_probe is None:
+            self.next_probe = self.passes + self.interval
+        self.probing = self.passes >= self.next_probe
+        return (not self.best()) if self.probing else self.best()
+
+    def update(self, speculated: bool, seconds: float, steps: int) -> None:
+        before = self.best() if len(self.rate) == 2 else None
+        r = seconds / max(1, steps)
+        old = self.rate.get(speculated)
+        # a probe is the first look at its choice in a while: its sample replaces the stale average
+        self.rate[speculated] = r if old is None or self.probing else old + self.smoothing * (r - old)
+        self.count[speculated] += 1
+        if self.probing:
+            self.probing = False
+            same = self.best() == before
+            self.interval = min(2 * self.interval, self.max_interval) if same else self.probe_every
+            self.next_probe = self.passes + self.interval
 
 
 class Engine:
@@ -188,6 +232,14 @@ class Engine:
         fits = [q for q, t in self._curve.items() if q >= num_beams and t <= slack * base]
         return max(max(fits, default=num_beams), num_beams)
 
+    def _chooser(self, gen: GenerationConfig, spec: SpeculativeConfig) -> PassChooser:
+        """One PassChooser per (beams, tree settings), kept across requests: what was learnt on earlier
+        prompts carries over (a batch job decides after a few lines)."""
+        if not hasattr(self, "_choosers"):
+            self._choosers = {}
+        key = (gen.num_beams, gen.length_penalty, replace(spec, adaptive=False))
+        return self._choosers.setdefault(key, PassChooser())
+
     # -- the decoding loop ---------------------------------------------------------------------------------
     def _search(self, ids: list[int], gen: GenerationConfig, spec: SpeculativeConfig | None, drafter=None):
         """Yields (beam search state, stats) after every target pass. `drafter` overrides the policy named in
@@ -232,10 +284,14 @@ class Engine:
                         eos_token_ids=eos, length_penalty=gen.length_penalty,
                         early_stopping=gen.early_stopping, min_new_tokens=gen.min_new_tokens)
         rows: dict[int, tuple[np.ndarray, int]] = {}   # scored node -> (pass logits, row)
+        chooser = self._chooser(gen, spec) if use_draft and spec.adaptive and drafter is None else None
         while not bs.done:
+            tp = time.perf_counter()
+            speculate = use_draft and (chooser is None or chooser.choose())
+            steps0 = stats.beam_steps
             # 1. grow a draft tree below every running beam
             drafted: list[int] = []
-            if use_draft:
+            if speculate:
                 td, d0 = time.perf_counter(), draft.passes
                 drafted = grow(draft, bs.running, list(bs.scores))
                 stats.draft_passes += draft.passes - d0
@@ -248,6 +304,7 @@ class Engine:
                 if tree.depth(n) >= P - 1:
                     rows[n] = (logits, j)
             stats.target_passes += 1
+            stats.plain_passes += use_draft and not speculate
             stats.target_tokens_scored += len(new)
             # 3. replay beam search while every kept beam is a scored node
             in_tree = set(drafted)
@@ -262,8 +319,10 @@ class Engine:
             # 4. commit: keep only the running beams' paths (lazily), in both caches
             if target.compact(bs.running):
                 rows = {n: r for n, r in rows.items() if n in target}
-            if draft is not None:
+            if speculate and draft is not None:    # a draft that sat this pass out catches up when next used
                 draft.compact(bs.running)
+            if chooser is not None and stats.target_passes > 1:   # the first pass carries the prefill
+                chooser.update(speculate, time.perf_counter() - tp, stats.beam_steps - steps0)
             if stats.time_to_first_token is None:
                 stats.time_to_first_token = time.perf_counter() - t0
             stats.seconds = time.perf_counter() - t0

@@ -91,3 +91,41 @@ def test_prompt_lookup_needs_no_draft_and_is_exact(exported, K):
     assert fast.stats.draft_passes == 0 and fast.stats.draft_tokens_proposed > 0
     with pytest.raises(ValueError, match="drafter='sample'"):
         eng.generate(prompt, num_beams=2, do_sample=True, speculative=SpeculativeConfig(drafter="lookup"))
+
+
+def test_pass_chooser_tries_both_then_keeps_the_faster_and_probes():
+    from specbeam_edge.generate import PassChooser
+
+    ch = PassChooser(warmup=2, probe_every=4, max_interval=16)
+    seen = []
+    for _ in range(80):
+        arm = ch.choose()
+        seen.append(arm)
+        ch.update(arm, seconds=3.0 if arm else 1.0, steps=1)    # speculating is 3x slower per step here
+    assert seen[:4] == [True, True, False, False]
+    probes = [i for i, arm in enumerate(seen) if arm and i >= 4]
+    assert len(probes) >= 3                                      # speculation is still probed now and then
+    gaps = np.diff(probes)
+    assert list(gaps) == sorted(gaps) and gaps[-1] == 16         # each confirming probe doubles the interval
+    # when speculation becomes the faster choice, a probe notices and the chooser switches
+    for _ in range(40):
+        arm = ch.choose()
+        ch.update(arm, seconds=0.2 if arm else 1.0, steps=1)
+    assert ch.choose() is True
+
+
+@pytest.mark.parametrize("draft", ["same", "random"])
+def test_adaptive_speculation_equals_plain(engines, draft):
+    """Adaptive passes mix tree passes and plain passes (the draft cache catches up after plain ones); the
+    output is plain beam search's whatever the mix, and the mix is reported."""
+    eng = engines[draft]
+    spec = SpeculativeConfig(budget=16, max_depth=3, adaptive=True)
+    for K in (1, 3):
+        for prompt in PROMPTS:
+            [plain] = eng.generate(prompt, num_beams=K, max_new_tokens=24)
+            [fast] = eng.generate(prompt, num_beams=K, max_new_tokens=24, speculative=spec)
+            assert [h.tokens for h in fast.hypotheses] == [h.tokens for h in plain.hypotheses]
+            assert 0 <= fast.stats.plain_passes <= fast.stats.target_passes
+    # the choosers are kept per setting on the engine; after these requests both choices were measured
+    chooser = eng._choosers[(3, 1.0, SpeculativeConfig(budget=16, max_depth=3))]
+    assert chooser.count[True] >= 3 and chooser.count[False] >= 3

@@ -257,7 +257,7 @@ class ChatWindow(QMainWindow):
         spec = None
         if self.engine.draft is not None:
             spec = SpeculativeConfig(drafter="sample" if sample else "beam",
-                                     budget=max(self.budget.value(), self.beams.value()))
+                                     budget=max(self.budget.value(), self.beams.value()), adaptive=True)
         self.partial = ""
         self.worker = Worker(self.engine, self._prompt(cid), kwargs, spec)
         self.thread = QThread()

@@ -59,6 +59,9 @@ def parse_args(argv):
                    help="tree growth policy (default beam; lookup = prompt lookup, no draft model needed)")
     s.add_argument("--budget", type=budget_arg, default=48, help="draft tree nodes per target pass, or 'auto'")
     s.add_argument("--max_depth", type=int, default=6, help="tree levels below each beam")
+    s.add_argument("--always_speculate", action="store_true",
+                   help="draft on every pass; by default the tool measures both ways and drafts only while it pays "
+                        "(the translations are the same)")
     s.add_argument("--max_branch_width", type=int, default=4, help="children per expanded draft node")
     s.add_argument("--draft_width", type=int, default=None, help="draft beam width W (default max(K, branch))")
     ap.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")
