@@ -76,21 +76,30 @@ def main(argv=None) -> int:
         elif sc == "synthetic":
             from . import synthetic
 
-            data = synthetic.bench(reps=1 if args.quick else 3, n_prompts=2 if args.quick else 3)
+            data = synthetic.bench(reps=1 if args.quick else 3, max_new=16 if args.quick else 48,
+                                   cache=ROOT / "bench" / "out" / "models")
             data["machine"] = info
             common.write(out, "synthetic", data)
             synthetic.plot(data, out / "synthetic.png")
-            print(common.table(data["rows"], ["acceptance", "speedup", "bspp", "plain_s", "spec_s"]))
+            from .report import COLS
+
+            print(common.table(data["rows"], COLS["synthetic"]))
         elif sc == "offload":
             from . import offload
             from specbeam_edge.cli import PROVIDERS
 
             data = offload.bench(pair, providers=PROVIDERS[args.provider], quick=args.quick,
                                  n_prompts=4 if args.quick else 8)
+            data["scale"] = offload.bench_scale(providers=PROVIDERS[args.provider], quick=args.quick,
+                                                cache=ROOT / "bench" / "out" / "models",
+                                                Ks=(1,) if args.quick else (1, 4),
+                                                rates=(0.9,) if args.quick else (0.7, 0.9, 0.95),
+                                                max_new=16 if args.quick else 48)
             data["machine"] = info
             common.write(out, "offload", data)
             offload.plot(data, out / "offload.png")
-            print(common.table(data["rows"], ["K", "drafter", "budget", "max_depth", "speedup", "bspp",
+            print(common.table(data["scale"]["rows"], offload.SCALE_COLS))
+            print(common.table(data["rows"], ["K", "draft", "drafter", "budget", "max_depth", "speedup", "bspp",
                                               "bytes_moved_per_pass", "load_ms_per_pass", "wait_ms_per_pass",
                                               "compute_ms_per_pass", "identical", "of"]))
         else:

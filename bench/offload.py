@@ -8,14 +8,19 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 from specbeam_edge import Engine, SpeculativeConfig
 from specbeam_edge.model import OnnxCausalLM
 
+from . import synthetic
 from .common import median
 from .cost import pass_time
 from .e2e import load_prompts
 
 SIZES = (1, 4, 16, 64, 256, 1024)
+SCALE_COLS = ["K", "acceptance", "budget", "max_depth", "speedup", "bspp", "plain_s", "spec_s", "draft_share",
+              "bytes_moved_per_pass", "load_ms_per_pass", "wait_ms_per_pass", "compute_ms_per_pass", "identical", "of"]
 
 
 def split_target(pair: Path) -> Path:
@@ -41,14 +46,24 @@ def bench(pair: Path, *, providers=None, n_prompts=8, reps=2, max_new=96, Ks=(1,
             pts[str(Q)] = round(1e3 * pass_time(lm, 32, Q, reps=3 if quick else 5), 3)
         curve[name] = {"ms": pts, "bytes_moved_per_pass": lm.store.stats.per_pass()["bytes_moved_per_pass"]}
         print(f"pass ms ({name}): {pts}", file=sys.stderr)
-    engine = Engine(folder, draft=pair / "draft", placement=placements["disk"], providers=providers)
-    prompts = [engine.tokenizer.format_prompt(p) for p in load_prompts(pair, n_prompts)]
+    engines = {"draft": Engine(folder, draft=pair / "draft", placement=placements["disk"], providers=providers)}
+    if (pair / "variants" / "target_int8").is_dir() and not quick:
+        # self-speculation: the target's own int8 copy (15 MB) is the resident draft while the fp32 target
+        # streams; the SpecExec regime in small (a pass moves the weights, the draft agrees most of the time)
+        engines["target_int8"] = Engine(folder, draft=pair / "variants" / "target_int8",
+                                        placement=placements["disk"], providers=providers)
+    prompts = [engines["draft"].tokenizer.format_prompt(p) for p in load_prompts(pair, n_prompts)]
     rows = []
-    specs = [SpeculativeConfig(drafter="lookup", budget=32, max_depth=8, max_branch_width=4),
-             SpeculativeConfig(drafter="best_first", budget=64, max_depth=12, max_branch_width=4),
-             SpeculativeConfig(drafter="beam", budget=96, max_depth=12)]
+    specs = [("draft", SpeculativeConfig(drafter="lookup", budget=32, max_depth=8, max_branch_width=4)),
+             ("draft", SpeculativeConfig(drafter="best_first", budget=64, max_depth=12, max_branch_width=4)),
+             ("draft", SpeculativeConfig(drafter="beam", budget=96, max_depth=12)),
+             ("target_int8", SpeculativeConfig(drafter="beam", budget=16, max_depth=12, draft_width=1)),
+             ("target_int8", SpeculativeConfig(drafter="beam", budget=64, max_depth=12))]
     for K in Ks:
-        for spec in specs[:1] if quick else specs:
+        for draft_name, spec in specs[:1] if quick else specs:
+            if draft_name not in engines or (spec.draft_width or K) < K or spec.budget < K:
+                continue
+            engine = engines[draft_name]
             ratios, res = [], []
             for _ in range(reps):
                 t0 = time.perf_counter()
@@ -63,7 +78,9 @@ def bench(pair: Path, *, providers=None, n_prompts=8, reps=2, max_new=96, Ks=(1,
             steps = sum(r.stats.beam_steps for r in b)
             passes = sum(r.stats.target_passes for r in b)
             off = b[-1].stats.offload or {}
-            row = {"K": K, "drafter": spec.drafter, "budget": spec.budget, "max_depth": spec.max_depth,
+            row = {"K": K, "draft": "none (prompt lookup)" if spec.drafter == "lookup" else draft_name,
+                   "drafter": spec.drafter, "budget": spec.budget, "max_depth": spec.max_depth,
+                   "draft_share": round(sum(r.stats.draft_seconds for r in b) / sum(r.stats.seconds for r in b), 3),
                    "speedup": round(median(ratios), 2), "bspp": round(steps / passes, 2),
                    "identical": sum(x.text == y.text for x, y in zip(a, b)), "of": len(prompts),
                    "bytes_moved_per_pass": off.get("bytes_moved_per_pass"),
@@ -74,18 +91,103 @@ def bench(pair: Path, *, providers=None, n_prompts=8, reps=2, max_new=96, Ks=(1,
     return {"placements": curve, "rows": rows, "layers": L, "providers": providers or ["CPUExecutionProvider"]}
 
 
+def bench_scale(*, hidden=1024, layers=16, Ks=(1, 4), rates=(0.7, 0.9), n_prompts=2, max_new=32, reps=1,
+                cache: Path | None = None, providers=None, quick=False) -> dict:
+    """The SpecExec regime at laptop scale: a random 16x1024 Llama (241M parameters, fp32 split layout,
+    0.97 GB) streamed from disk under a memory budget of ~40% of its size, against plain beam search under the
+    same placement. Drafts come from the synthetic drafter (the oracle's next beams with a controlled per-level
+    acceptance, the rest of the budget decoys), every node scored by a resident 1-layer draft model."""
+    target, draft = synthetic.build_models(hidden=hidden, layers=layers, precision="fp32", layout="split",
+                                           cache=cache)
+    probe = OnnxCausalLM(target, placement=["disk"] * layers)
+    minimum, layer_bytes = probe.placement.resident_minimum, probe.placement.layer_bytes
+    total = minimum - 2 * layer_bytes + layers * layer_bytes
+    del probe
+    budget = minimum + layer_bytes
+    engine = Engine(target, draft=draft, max_memory=budget, providers=providers)
+    store = engine.target.store
+    curve = {}
+    for Q in ((1, 16, 64) if quick else (1, 4, 16, 64, 256)):
+        store.stats.__init__()
+        curve[str(Q)] = round(1e3 * pass_time(engine.target, 32, Q, reps=2 if quick else 3), 1)
+    print(f"scale: pass ms (budget {budget / 2**20:.0f} MiB of {total / 2**20:.0f} MiB): {curve}", file=sys.stderr)
+    rng = np.random.default_rng(0)
+    prompts = [list(map(int, rng.integers(1, 300, size=12))) for _ in range(n_prompts)]
+    # the pass costs about the same up to ~100 nodes here: K=1 gets a deep tree (4 nodes per level), K=4 a
+    # draft-beam-shaped one with as many decoys as oracle beams per level
+    trees = {1: dict(budget=96, depth=24), 4: dict(budget=96, depth=12)}
+    rows = []
+    for K in Ks:
+        spec = SpeculativeConfig(budget=trees[K]["budget"], max_depth=trees[K]["depth"])
+        runs = {a: [] for a in rates}
+        plain_s, oracles = [], []
+        for r in range(reps):                      # A B A B: plain, then every acceptance rate, repeated
+            store.stats.__init__()
+            plain = [synthetic.plain_run(engine, p, K, max_new) for p in prompts]
+            plain_off = store.stats.per_pass()
+            plain_s.append(sum(x[1] for x in plain))
+            oracles = [x[0] for x in plain]
+            for a in rates:
+                store.stats.__init__()
+                t0 = time.perf_counter()
+                fast = [engine.generate(p, num_beams=K, max_new_tokens=max_new, speculative=spec,
+                                        drafter=synthetic.SyntheticDrafter(o, len(p), a, spec.budget,
+                                                                           spec.max_depth, seed=r))[0]
+                        for p, o in zip(prompts, oracles)]
+                runs[a].append((time.perf_counter() - t0, fast, store.stats.per_pass(), plain))
+        for a in rates:
+            secs = [x[0] for x in runs[a]]
+            _, fast, off, plain = runs[a][0]
+            steps = sum(f.stats.beam_steps for f in fast)
+            passes = sum(f.stats.target_passes for f in fast)
+            row = {"K": K, "acceptance": a, "budget": spec.budget, "max_depth": spec.max_depth,
+                   "speedup": round(median([p / s for p, s in zip(plain_s, secs)]), 2),
+                   "bspp": round(steps / passes, 2), "plain_s": round(median(plain_s), 2),
+                   "spec_s": round(median(secs), 2),
+                   "draft_share": round(sum(f.stats.draft_seconds for f in fast) / secs[0], 3),
+                   "identical": sum(f.hypotheses[0].tokens == p[2] for f, p in zip(fast, plain)), "of": len(prompts),
+                   "bytes_moved_per_pass": off["bytes_moved_per_pass"], "load_ms_per_pass": off["load_ms_per_pass"],
+                   "wait_ms_per_pass": off["wait_ms_per_pass"], "compute_ms_per_pass": off["compute_ms_per_pass"],
+                   "plain_compute_ms_per_pass": plain_off["compute_ms_per_pass"]}
+            rows.append(row)
+            print(f"scale K={K} acceptance {a}: {row}", file=sys.stderr)
+    return {"model": f"random Llama {layers}x{hidden}, vocab 32000, fp32 split layout",
+            "model_mib": round(total / 2**20), "max_memory_mib": round(budget / 2**20),
+            "placement": list(engine.target.placement.places), "pass_ms_by_tree_size": curve, "rows": rows}
+
+
 def plot(data: dict, path: Path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, d in data["placements"].items():
-        ax.plot([int(q) for q in d["ms"]], list(d["ms"].values()), marker="o", label=f"layers {name}")
+    scale = data.get("scale")
+    fig, axes = plt.subplots(1, 2 if scale else 1, figsize=(11 if scale else 6, 4), squeeze=False)
+    ax = axes[0][0]
+    for name, d in data.get("placements", {}).items():
+        ax.plot([int(q) for q in d["ms"]], list(d["ms"].values()), marker="o", label=f"shipped target, {name}")
+    if scale:
+        c = scale["pass_ms_by_tree_size"]
+        ax.plot([int(q) for q in c], list(c.values()), marker="s",
+                label=f"{scale['model_mib']} MiB target, {scale['max_memory_mib']} MiB budget (disk)")
     ax.set(xscale="log", yscale="log", xlabel="tree nodes in one target pass", ylabel="pass time (ms)",
            title="target pass cost by layer placement")
     ax.grid(alpha=0.3, which="both")
-    ax.legend()
+    ax.legend(fontsize=7)
+    if scale:
+        ax = axes[0][1]
+        for K, marker in ((1, "o"), (4, "s")):
+            rs = [r for r in scale["rows"] if r["K"] == K]
+            if rs:
+                ax.plot([r["acceptance"] for r in rs], [r["speedup"] for r in rs], marker=marker,
+                        label=f"K={K} speedup")
+                ax.plot([r["acceptance"] for r in rs], [r["bspp"] for r in rs], marker=marker, ls="--",
+                        label=f"K={K} beam steps per pass")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set(xlabel="per-level acceptance of the synthetic drafter", ylabel="x plain beam search (same placement)",
+               title=f"{scale['model_mib']} MiB target streamed, {scale['max_memory_mib']} MiB budget")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

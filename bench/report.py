@@ -5,14 +5,16 @@ import json
 from pathlib import Path
 
 from .common import table
+from .offload import SCALE_COLS
 
 COLS = {
     "e2e": ["K", "drafter", "budget", "max_depth", "draft_width", "speedup", "bspp", "plain_tok_s", "spec_tok_s", "draft_share",
             "identical", "of"],
     "sampling": ["W", "width_threshold", "speedup", "bspp", "plain_logp_per_token", "spec_logp_per_token",
                  "mean_width"],
-    "synthetic": ["acceptance", "speedup", "bspp", "identical", "plain_s", "spec_s"],
-    "offload": ["K", "drafter", "budget", "max_depth", "speedup", "bspp", "bytes_moved_per_pass",
+    "synthetic": ["acceptance", "budget", "max_depth", "tree", "speedup", "bspp", "identical", "draft_share",
+                  "plain_s", "spec_s"],
+    "offload": ["K", "draft", "drafter", "budget", "max_depth", "speedup", "bspp", "bytes_moved_per_pass",
                 "load_ms_per_pass", "wait_ms_per_pass", "compute_ms_per_pass", "identical", "of"],
 }
 TITLES = {
@@ -55,6 +57,17 @@ def render(results: Path, readme: Path, command: str) -> None:
                     ""]
             if d.get("notes"):
                 out += [f"Notes: {d['notes']}", ""]
+        if name == "synthetic" and d.get("pass_ms_by_tree_size"):
+            out += [f"Target: random Llama, {d['target_params_note']}, resident; K={d['K']}, {d['prompts']} prompts x "
+                    f"{d['max_new_tokens']} new tokens, {d['reps']} repetitions. Pass time by tree size (ms): "
+                    f"{d['pass_ms_by_tree_size']}.", ""]
+        if name == "offload" and d.get("scale"):
+            sc = d["scale"]
+            out += [f"At scale: {sc['model']} ({sc['model_mib']} MiB) under `max_memory` {sc['max_memory_mib']} MiB "
+                    f"(placement: {sc['placement'].count('disk')} layers streamed from disk), synthetic drafter "
+                    f"(the plain run's next beams with a per-level acceptance, the rest of the budget decoys, "
+                    f"every node scored by a resident 1-layer draft). Pass time by tree size (ms): "
+                    f"{sc['pass_ms_by_tree_size']}.", "", table_md(sc["rows"], SCALE_COLS), ""]
         if (results / f"{name}.png").exists():
             out += [f"![{name}](results/{name}.png)", ""]
     readme.write_text("\n".join(out))

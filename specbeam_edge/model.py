@@ -147,5 +147,7 @@ class OnnxCausalLM:
             store.stats.compute_seconds += time.perf_counter() - t0
             presents.append((pk, pv))
         store.stats.passes += 1
+        for i in store.streamed[:2]:   # both buffers are free: the next pass's first layers load during the
+            store.prefetch(i)          # head, the replay and the drafting of the next tree
         outs = self.head.run(self.out_names, {"hidden": hidden, **extra})
         return (outs[0] if len(outs) == 1 else tuple(outs)), presents

@@ -127,7 +127,7 @@ class LayerStore:
             os.close(fd)
         return buf
 
-    def _load(self, i: int) -> int:
+    def _load(self, i: int) -> tuple[dict, float]:
         t0 = time.perf_counter()
         buf = self.buffers[self.slot[i]]
         if i in self.host:
@@ -137,9 +137,7 @@ class LayerStore:
         views = self.buffer_views[self.slot[i]]
         if self.device != "cpu":
             views = self._to_device(views)
-        self.stats.load_seconds += time.perf_counter() - t0
-        self.stats.bytes_moved += self.nbytes
-        return views
+        return views, time.perf_counter() - t0
 
     def prefetch(self, i: int) -> None:
         """Start loading streamed layer i (if it is one) in the background."""
@@ -151,6 +149,8 @@ class LayerStore:
             return self.resident[i]
         t0 = time.perf_counter()
         self.prefetch(i)
-        views = self.pending.pop(i).result()
+        views, seconds = self.pending.pop(i).result()
         self.stats.wait_seconds += time.perf_counter() - t0
+        self.stats.load_seconds += seconds      # counted when used: a load started for the next pass
+        self.stats.bytes_moved += self.nbytes   # belongs to that pass
         return views
