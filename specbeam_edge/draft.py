@@ -27,7 +27,11 @@ def _expand(dcache: TreeCache, frontier: list[int], width: int) -> tuple[list[in
     nodes = [f for f in frontier if f in index]
     if not nodes:
         return [], np.zeros((0, width), np.int64), np.zeros((0, width), np.float32)
-    lp = log_softmax(dcache.score(need)[[index[f] for f in nodes]])          # [F, V]
+    rows = [index[f] for f in nodes]
+    if getattr(dcache.model.cfg, "output", "logits") == "topk":        # the head returns sorted top-k log-probs: no vocabulary here
+        vals, ids = dcache.score(need, topk=width)
+        return nodes, ids[rows], vals[rows]
+    lp = log_softmax(dcache.score(need)[rows])                                 # [F, V]
     width = min(width, lp.shape[1])
     top = np.argpartition(-lp, width - 1, axis=1)[:, :width] if width < lp.shape[1] else \
         np.tile(np.arange(lp.shape[1]), (len(nodes), 1))

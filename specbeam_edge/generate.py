@@ -23,6 +23,10 @@ from .sampling import SampleState, choose_width, draw, verify_level
 from .tokenizer import Tokenizer, check_compatible
 
 
+def _head(model) -> str:
+    return getattr(model.cfg, "output", "logits")
+
+
 def peak_rss_mb() -> float:
     """Peak resident memory of this process (VmHWM; ru_maxrss survives exec and can report a parent's)."""
     try:
@@ -232,6 +236,16 @@ class Engine:
         fits = [q for q, t in self._curve.items() if q >= num_beams and t <= slack * base]
         return max(max(fits, default=num_beams), num_beams)
 
+    def _beam_logprobs(self, rows, running, topk) -> np.ndarray:
+        """[beams, V] log-probs of the running beams from the pass outputs (dense; -inf outside the top-k)."""
+        if not topk:
+            return log_softmax(np.stack([rows[n][0][rows[n][1]] for n in running]))
+        lp = np.full((len(running), self.target.cfg.vocab_size), -np.inf, np.float32)
+        for b, n in enumerate(running):
+            (vals, ids), j = rows[n]
+            lp[b, ids[j]] = vals[j]
+        return lp
+
     def _chooser(self, gen: GenerationConfig, spec: SpeculativeConfig) -> PassChooser:
         """One PassChooser per (beams, tree settings), kept across requests: what was learnt on earlier
         prompts carries over (a batch job decides after a few lines)."""
@@ -262,6 +276,11 @@ class Engine:
                           "differ from plain beam search beyond near-ties. Use an fp32/fp16 (or split int8) "
                           "export for exact results.", stacklevel=3)
         if gen.do_sample:
+            heads = [m for m in (self.target, self.draft if use_draft else None) if m is not None]
+            if any(_head(m) == "topk" for m in heads):
+                raise ValueError("do_sample=True needs full distributions; "
+                                 f"{', '.join(str(m.folder) for m in heads if _head(m) == 'topk')} has a top-k "
+                                 "head (export with the default output 'logits' for sampling)")
             if use_draft and self.draft is None:
                 raise ValueError("do_sample=True with speculation needs a draft model (drafter='sample')")
             yield from self._sample_search(ids, gen, spec if use_draft else None, eos, max_new)
@@ -283,7 +302,10 @@ class Engine:
         bs = BeamSearch(tree, last, num_beams=gen.num_beams, prompt_len=P, max_new_tokens=max_new,
                         eos_token_ids=eos, length_penalty=gen.length_penalty,
                         early_stopping=gen.early_stopping, min_new_tokens=gen.min_new_tokens)
-        rows: dict[int, tuple[np.ndarray, int]] = {}   # scored node -> (pass logits, row)
+        rows: dict[int, tuple[np.ndarray, int]] = {}   # scored node -> (pass output, row)
+        # a top-k head returns each node's best log-probs only: 2K + #EOS + 1 per beam always hold the 2K
+        # candidates beam search keeps, even with EOS masked by min_new_tokens
+        topk = 2 * gen.num_beams + len(eos) + 1 if _head(self.target) == "topk" else None
         chooser = self._chooser(gen, spec) if use_draft and spec.adaptive and drafter is None else None
         while not bs.done:
             tp = time.perf_counter()
@@ -299,7 +321,7 @@ class Engine:
                 stats.draft_seconds += time.perf_counter() - td
             # 2. one target pass over every node that is not scored yet (pending beams and the tree)
             new = target.missing_ancestors(list(bs.running) + drafted)
-            logits = target.score(new)
+            logits = target.score(new, topk=topk) if topk else target.score(new)
             for j, n in enumerate(new):
                 if tree.depth(n) >= P - 1:
                     rows[n] = (logits, j)
@@ -310,7 +332,7 @@ class Engine:
             in_tree = set(drafted)
             first = True
             while not bs.done and all(n in rows for n in bs.running):
-                lp = log_softmax(np.stack([rows[n][0][rows[n][1]] for n in bs.running]))
+                lp = self._beam_logprobs(rows, bs.running, topk)
                 bs.step(lp)
                 stats.beam_steps += 1
                 stats.from_draft.append(not first)

@@ -1,0 +1,54 @@
+"""Top-k heads (export --output_kind topk): the graph returns each node's best log-probs instead of a full
+vocabulary row, so a 1,000-node tree does not move 1,000 x V floats out of the target. Beam search over them
+equals beam search over full logits; drafters read them directly."""
+import numpy as np
+import pytest
+
+from specbeam_edge import Engine, SpeculativeConfig
+
+PROMPTS = [[3, 17, 33, 8, 99, 41, 7], [250, 12, 9, 77]]
+
+
+@pytest.fixture(scope="module")
+def folders(exported):
+    kw = dict(std=0.3, seed=3)
+    return {"logits": exported("llama", **kw), "topk": exported("llama", output="topk", **kw),
+            "split_topk": exported("llama", layout="split", output="topk", **kw),
+            "draft_topk": exported("llama", output="topk", std=0.3, seed=11, layers=1)}
+
+
+@pytest.mark.parametrize("K", [1, 2, 4])
+def test_plain_beam_search_with_topk_head_equals_full_logits(folders, K):
+    full, topk = Engine(folders["logits"]), Engine(folders["topk"])
+    for prompt in PROMPTS:
+        for extra in ({}, {"min_new_tokens": 6, "length_penalty": 0.0}):
+            [a] = full.generate(prompt, num_beams=K, max_new_tokens=14, num_return_sequences=K, **extra)
+            [b] = topk.generate(prompt, num_beams=K, max_new_tokens=14, num_return_sequences=K, **extra)
+            assert [h.tokens for h in a.hypotheses] == [h.tokens for h in b.hypotheses]
+            np.testing.assert_allclose([h.score for h in a.hypotheses], [h.score for h in b.hypotheses], atol=1e-5)
+
+
+@pytest.mark.parametrize("target", ["topk", "split_topk"])
+@pytest.mark.parametrize("spec", [SpeculativeConfig(drafter="beam", budget=24, max_depth=4),
+                                  SpeculativeConfig(drafter="best_first", budget=64, max_depth=8)],
+                         ids=["beam", "best_first"])
+def test_speculative_with_topk_heads_equals_plain(folders, target, spec):
+    ref = Engine(folders["logits"])
+    places = {"split_topk": ["disk", "resident"]}.get(target)
+    engines = [Engine(folders[target], draft=folders["topk"], placement=places),        # draft == target
+               Engine(folders[target], draft=folders["draft_topk"], placement=places)]  # unrelated draft
+    for K in (1, 3):
+        for prompt in PROMPTS:
+            [plain] = ref.generate(prompt, num_beams=K, max_new_tokens=16)
+            for eng in engines:
+                [fast] = eng.generate(prompt, num_beams=K, max_new_tokens=16, speculative=spec)
+                assert fast.hypotheses[0].tokens == plain.hypotheses[0].tokens
+                assert abs(fast.hypotheses[0].score - plain.hypotheses[0].score) < 1e-5
+    [same] = engines[0].generate(PROMPTS[0], num_beams=1, max_new_tokens=16, speculative=spec)
+    assert same.stats.beam_steps_per_pass > 2          # the draft's top-k trees are used, not just scored
+
+
+def test_sampling_refuses_a_topk_head(folders):
+    eng = Engine(folders["topk"])
+    with pytest.raises(ValueError, match="top-k head"):
+        eng.generate(PROMPTS[0], num_beams=2, do_sample=True, max_new_tokens=4)
