@@ -44,8 +44,9 @@ def main(argv=None) -> int:
             data["machine"] = info
             common.write(out, "e2e", data)
             e2e.plot(data, out / "e2e.png")
-            print(common.table(data["rows"], ["K", "drafter", "budget", "max_depth", "draft_width", "speedup",
-                                              "bspp", "plain_tok_s", "spec_tok_s", "draft_share", "identical", "of"]))
+            from .report import COLS
+
+            print(common.table(data["rows"], COLS["e2e"]))
         elif sc == "cost":
             from . import cost
 
@@ -68,11 +69,13 @@ def main(argv=None) -> int:
         elif sc == "sampling":
             from . import sampling
 
-            data = sampling.bench(pair, n_prompts=4 if args.quick else 12, reps=1 if args.quick else 2)
+            from .report import COLS
+
+            data = sampling.bench(pair, n_prompts=4 if args.quick else 12, reps=1 if args.quick else 2,
+                                  streamed=not args.quick)
             data["machine"] = info
             common.write(out, "sampling", data)
-            print(common.table(data["rows"], ["W", "width_threshold", "speedup", "bspp", "plain_logp_per_token",
-                                              "spec_logp_per_token", "mean_width"]))
+            print(common.table(data["rows"], COLS["sampling"]))
         elif sc == "synthetic":
             from . import synthetic
 

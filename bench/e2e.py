@@ -35,7 +35,8 @@ def bench(pair: Path, *, Ks=(1, 2, 4, 8), specs=None, n_prompts=12, reps=3, max_
                       SpeculativeConfig(drafter="beam", budget=16, max_depth=4),
                       SpeculativeConfig(drafter="beam", budget=32, max_depth=6),
                       SpeculativeConfig(drafter="best_first", budget=16, max_depth=6),
-                      SpeculativeConfig(drafter="best_first", budget=32, max_depth=8)]
+                      SpeculativeConfig(drafter="best_first", budget=32, max_depth=8),
+                      SpeculativeConfig(drafter="beam", budget=48, max_depth=6, adaptive=True)]
     engine.generate(prompts[:2], num_beams=1, max_new_tokens=16, speculative=specs[0])  # warm-up
     rows = []
     for K in Ks:
@@ -51,7 +52,7 @@ def bench(pair: Path, *, Ks=(1, 2, 4, 8), specs=None, n_prompts=12, reps=3, max_
                 b_runs.append(b)
             b0 = b_runs[0]
             row = {"K": K, "drafter": spec.drafter, "budget": spec.budget, "max_depth": spec.max_depth,
-                   "draft_width": spec.draft_width,
+                   "draft_width": spec.draft_width, "adaptive": spec.adaptive or None,
                    "plain_s": median([r["seconds"] for r in a_runs]), "spec_s": median([r["seconds"] for r in b_runs]),
                    "speedup": median(ratios), "bspp": b0["beam_steps"] / b0["target_passes"],
                    "target_passes": b0["target_passes"], "plain_passes": a_runs[0]["target_passes"],
@@ -74,12 +75,17 @@ def plot(data: dict, path: Path):
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for drafter, marker in (("beam", "o"), ("best_first", "s")):
         for K in sorted({r["K"] for r in data["rows"]}):
-            rs = [r for r in data["rows"] if r["K"] == K and r["drafter"] == drafter]
+            rs = [r for r in data["rows"] if r["K"] == K and r["drafter"] == drafter and not r.get("adaptive")]
             if not rs:
                 continue
             axes[0].plot([r["budget"] for r in rs], [r["speedup"] for r in rs], marker=marker,
                          label=f"K={K} {drafter}")
             axes[1].plot([r["budget"] for r in rs], [r["bspp"] for r in rs], marker=marker, label=f"K={K} {drafter}")
+    ad = [r for r in data["rows"] if r.get("adaptive")]
+    if ad:
+        axes[0].scatter([r["budget"] for r in ad], [r["speedup"] for r in ad], marker="*", s=90, color="black",
+                        label="adaptive (apps' default)", zorder=3)
+        axes[0].legend(fontsize=7)
     axes[0].axhline(1.0, color="gray", lw=0.8)
     axes[0].set(xlabel="draft tree budget (nodes)", ylabel="wall-clock speedup vs plain beam search",
                 title="exact speculative beam search (median of A/B pairs)")

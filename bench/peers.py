@@ -66,6 +66,8 @@ def bench(pair: Path, *, K=4, n_prompts=16, max_new=128, threads=None) -> dict:
     rows = {}
     rows["specbeam plain"], _ = _ours(engine, prompts, K, None, max_new)
     rows["specbeam speculative"], _ = _ours(engine, prompts, K, spec, max_new)
+    # the apps' default: drafts only while it pays (learns on the first prompts; that cost is included)
+    rows["specbeam adaptive"], _ = _ours(engine, prompts, K, SpeculativeConfig(adaptive=True), max_new)
     notes = {}
     if hf.is_dir():
         rows["transformers (fp32, torch)"] = _transformers(hf, ids_list, K, max_new, list(engine.eos))

@@ -8,9 +8,9 @@ from .common import table
 from .offload import SCALE_COLS
 
 COLS = {
-    "e2e": ["K", "drafter", "budget", "max_depth", "draft_width", "speedup", "bspp", "plain_tok_s", "spec_tok_s", "draft_share",
+    "e2e": ["K", "drafter", "budget", "max_depth", "draft_width", "adaptive", "speedup", "bspp", "plain_tok_s", "spec_tok_s", "draft_share",
             "identical", "of"],
-    "sampling": ["W", "width_threshold", "speedup", "bspp", "plain_logp_per_token", "spec_logp_per_token",
+    "sampling": ["setup", "W", "width_threshold", "speedup", "bspp", "plain_logp_per_token", "spec_logp_per_token",
                  "mean_width"],
     "synthetic": ["acceptance", "budget", "max_depth", "tree", "speedup", "bspp", "identical", "draft_share",
                   "plain_s", "spec_s"],

@@ -69,6 +69,7 @@ class SyntheticDrafter:
                  depth: int, seed: int = 0):
         self.oracle, self.P, self.a, self.budget, self.depth = oracle, prompt_len, acceptance, budget, depth
         self.rng = np.random.default_rng(seed)
+        self.levels_covered = 0      # summed over calls: the drafter's side of beam steps per pass
 
     def __call__(self, dcache, roots, root_scores):
         tree = dcache.tree
@@ -85,6 +86,7 @@ class SyntheticDrafter:
             level = []
             covered = covered and step + lvl < len(self.oracle) and self.rng.random() < self.a
             if covered:
+                self.levels_covered += 1
                 for beam in self.oracle[step + lvl]:
                     n = base
                     for t in beam:
@@ -122,8 +124,8 @@ def plain_run(engine: Engine, prompt: list[int], K: int, max_new: int):
     return steps, seconds, bs.hypotheses(1)[0][0]
 
 
-def bench(*, K=4, rates=(0.5, 0.7, 0.9), trees=((12, 3), (16, 4), (32, 4)), max_new=48, reps=3, n_prompts=2,
-          hidden=1024, layers=16, cache: Path | None = None) -> dict:
+def bench(*, K=4, rates=(0.5, 0.7, 0.9), trees=((8, 2), (12, 3), (16, 4), (32, 4)), max_new=48, reps=3, seeds=3,
+          n_prompts=2, hidden=1024, layers=16, cache: Path | None = None) -> dict:
     """Exact speculative vs plain beam search on a random 16x1024 Llama (241M parameters, fp32, resident).
     trees: (budget, max_depth); budget = K * depth is the shape of a draft beam search of width K (each level
     the draft's K beams, all the target's with probability `acceptance`); a larger budget adds decoys, the
@@ -146,21 +148,26 @@ def bench(*, K=4, rates=(0.5, 0.7, 0.9), trees=((12, 3), (16, 4), (32, 4)), max_
         for budget, depth in trees:
             spec = SpeculativeConfig(budget=budget, max_depth=depth)
             for a in rates:
-                t0 = time.perf_counter()
-                fast = [engine.generate(p, num_beams=K, max_new_tokens=max_new, speculative=spec,
-                                        drafter=SyntheticDrafter(x[0], len(p), a, budget, depth, seed=r))[0]
-                        for p, x in zip(prompts, plain)]
-                runs.setdefault((budget, depth, a), []).append((time.perf_counter() - t0, fast, plain))
+                for sd in range(seeds):             # a few passes per run: average over drafter seeds
+                    t0 = time.perf_counter()
+                    fast = [engine.generate(p, num_beams=K, max_new_tokens=max_new, speculative=spec,
+                                            drafter=SyntheticDrafter(x[0], len(p), a, budget, depth,
+                                                                     seed=r * seeds + sd))[0]
+                            for p, x in zip(prompts, plain)]
+                    runs.setdefault((budget, depth, a), []).append((plain_s[-1] / (time.perf_counter() - t0),
+                                                                    fast, plain))
     rows = []
     for (budget, depth, a), rs in runs.items():
-        secs = [x[0] for x in rs]
-        _, fast, plain = rs[0]
+        ratios = [x[0] for x in rs]
+        fasts = [f for x in rs for f in x[1]]
+        secs = [sum(f.stats.seconds for f in x[1]) for x in rs]
         rows.append({"acceptance": a, "budget": budget, "max_depth": depth,
                      "tree": "draft beam, width K" if budget == K * depth else f"{budget - K * depth} decoys",
-                     "speedup": round(median([p / s for p, s in zip(plain_s, secs)]), 2),
-                     "bspp": round(sum(f.stats.beam_steps for f in fast) / sum(f.stats.target_passes for f in fast), 2),
-                     "identical": f"{sum(f.hypotheses[0].tokens == x[2] for f, x in zip(fast, plain))}/{len(prompts)}",
-                     "draft_share": round(sum(f.stats.draft_seconds for f in fast) / secs[0], 3),
+                     "speedup": round(median(ratios), 2),
+                     "bspp": round(sum(f.stats.beam_steps for f in fasts) / sum(f.stats.target_passes for f in fasts), 2),
+                     "identical": f"{sum(f.hypotheses[0].tokens == p[2] for x in rs for f, p in zip(x[1], x[2]))}"
+                                  f"/{len(fasts)}",
+                     "draft_share": round(sum(f.stats.draft_seconds for f in fasts) / sum(secs), 3),
                      "plain_s": round(median(plain_s), 3), "spec_s": round(median(secs), 3)})
         print(f"synthetic: {rows[-1]}", file=sys.stderr)
     lm = engine.target

@@ -84,3 +84,16 @@ def test_cli_generate_same_text_with_and_without_draft(exported, capsys):
     stats = json.loads(cap.err.strip().splitlines()[-1])
     assert stats["beam_steps_per_pass"] >= 1 and stats["target_passes"] >= 1
     assert cli_main(["generate", "x", "--model", str(t) + "_nope"]) == 2
+
+
+def test_cli_speculation_is_adaptive_unless_asked():
+    import argparse
+
+    from specbeam_edge.cli import add_search_args, configs
+
+    ap = argparse.ArgumentParser()
+    add_search_args(ap)
+    _, spec = configs(ap.parse_args(["--draft", "d"]))
+    assert spec.adaptive
+    _, spec = configs(ap.parse_args(["--draft", "d", "--always_speculate"]))
+    assert not spec.adaptive

@@ -58,7 +58,9 @@ def test_speculative_equals_plain_and_n_best(pair, tmp_path):
     inp.write_text("\n".join(corpus(8, seed=1)) + "\n")
     assert run(pair, inp, tmp_path / "a.txt") == 0
     assert run(pair, inp, tmp_path / "b.txt", "--no_draft") == 0
+    assert run(pair, inp, tmp_path / "d.txt", "--always_speculate") == 0      # default: adaptive
     assert (tmp_path / "a.txt").read_bytes() == (tmp_path / "b.txt").read_bytes()
+    assert (tmp_path / "d.txt").read_bytes() == (tmp_path / "b.txt").read_bytes()
     assert run(pair, inp, tmp_path / "c.txt", "--n_best", "2", "--with_score") == 0
     c = (tmp_path / "c.txt").read_text().splitlines()
     assert len(c) == 16 and all(" ||| " in x for x in c)
