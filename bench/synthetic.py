@@ -186,8 +186,9 @@ def plot(data: dict, path: Path):
     for tree in dict.fromkeys((r["budget"], r["max_depth"], r["tree"]) for r in data["rows"]):
         rs = [r for r in data["rows"] if (r["budget"], r["max_depth"], r["tree"]) == tree]
         label = f"budget {tree[0]}, depth {tree[1]} ({tree[2]})"
-        axes[0].plot([r["acceptance"] for r in rs], [r["speedup"] for r in rs], marker="o", label=label)
-        axes[0].plot([r["acceptance"] for r in rs], [r["bspp"] for r in rs], marker="s", ls="--", alpha=0.5)
+        line, = axes[0].plot([r["acceptance"] for r in rs], [r["speedup"] for r in rs], marker="o", label=label)
+        axes[0].plot([r["acceptance"] for r in rs], [r["bspp"] for r in rs], marker="s", ls="--", alpha=0.5,
+                     color=line.get_color())
     axes[0].axhline(1.0, color="gray", lw=0.8)
     axes[0].set(xlabel="per-level acceptance of the synthetic drafter", ylabel="speedup (solid), steps/pass (dashed)",
                 title=f"random {data['target_params_note'].split(',')[0]}, K={data['K']}")
