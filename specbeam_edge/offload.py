@@ -73,6 +73,17 @@ def plan(num_layers: int, layer_bytes: int, fixed_bytes: int, max_memory: int | 
     return Placement(tuple(places), layer_bytes, minimum, max_memory)
 
 
+PAGE = 4096
+
+
+def _aligned(nbytes: int) -> np.ndarray:
+    """A uint8 buffer of nbytes rounded up to whole pages, starting on a page boundary."""
+    n = -(-nbytes // PAGE) * PAGE
+    raw = np.empty(n + PAGE, np.uint8)
+    start = (-raw.ctypes.data) % PAGE
+    return raw[start:start + n]
+
+
 class LayerStore:
     """Serves each layer's weights as {name: array}; streams non-resident layers through two buffers."""
 
@@ -88,6 +99,9 @@ class LayerStore:
             if p.stat().st_size < self.nbytes:
                 raise ModelFolderError(f"{p}: truncated ({p.stat().st_size} bytes, the manifest needs {self.nbytes})")
         self.stats = OffloadStats()
+        # page-aligned buffers (whole pages) so disk layers can be read with O_DIRECT: the device writes into
+        # the buffer, no page cache is filled and no CPU copies it (a copy would take a core from the compute)
+        self.direct = hasattr(os, "O_DIRECT") and "disk" in placement.places
         self.resident, self.host = {}, {}
         for i, place in enumerate(placement.places):
             if place == "resident":
@@ -95,7 +109,7 @@ class LayerStore:
             elif place == "host":
                 self.host[i] = self._read(i, np.empty(self.nbytes, np.uint8))
         self.streamed = [i for i, p in enumerate(placement.places) if p != "resident"]
-        self.buffers = [np.empty(self.nbytes, np.uint8) for _ in range(2 if self.streamed else 0)]
+        self.buffers = [_aligned(self.nbytes) for _ in range(2 if self.streamed else 0)]
         self.buffer_views = [self._views(b) for b in self.buffers]
         self.slot = {i: k % 2 for k, i in enumerate(self.streamed)}
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="specbeam-stream") if self.streamed else None
@@ -112,7 +126,32 @@ class LayerStore:
         return {m["name"]: np.frombuffer(buf, dtype=m["dtype"], count=int(np.prod(m["shape"])),
                                          offset=m["offset"]).reshape(m["shape"]) for m in self.manifest}
 
+    def _read_direct(self, i: int, buf: np.ndarray) -> bool:
+        """Read layer i with O_DIRECT into a page-aligned buffer; False if the file system refuses it."""
+        try:
+            fd = os.open(self.paths[i], os.O_RDONLY | os.O_DIRECT)
+        except OSError:
+            return False
+        try:
+            view, off, chunk = memoryview(buf), 0, 8 << 20
+            while off < self.nbytes:
+                n = os.preadv(fd, [view[off:off + chunk]], off)
+                if n <= 0:
+                    raise ModelFolderError(f"{self.paths[i]}: read failed at byte {off} (file truncated?)")
+                off += n
+                if n % PAGE and off < self.nbytes:      # a short read that is not the end of the file
+                    raise ModelFolderError(f"{self.paths[i]}: read failed at byte {off} (file truncated?)")
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+
     def _read(self, i: int, buf: np.ndarray) -> np.ndarray:
+        if self.direct and buf.size % PAGE == 0 and buf.ctypes.data % PAGE == 0:
+            if self._read_direct(i, buf):
+                return buf
+            self.direct = False                          # e.g. tmpfs: fall back to buffered reads
         fd = os.open(self.paths[i], os.O_RDONLY)
         try:
             view, off = memoryview(buf), 0
@@ -131,7 +170,7 @@ class LayerStore:
         t0 = time.perf_counter()
         buf = self.buffers[self.slot[i]]
         if i in self.host:
-            np.copyto(buf, self.host[i])
+            np.copyto(buf[:self.nbytes], self.host[i])
         else:
             self._read(i, buf)
         views = self.buffer_views[self.slot[i]]

@@ -43,6 +43,23 @@ def test_offloaded_equals_resident(split4, places):
     assert lm.store.stats.bytes_moved == 4 * streamed * lm.store.nbytes
 
 
+def test_direct_and_buffered_disk_reads_agree(split4, monkeypatch):
+    """Disk layers are read with O_DIRECT into page-aligned buffers where the file system allows it, and with
+    buffered reads (page cache dropped) where it does not; both give the resident model's outputs."""
+    ref = run_tree(OnnxCausalLM(split4))
+    lm = OnnxCausalLM(split4, placement=["disk"] * 4)
+    assert all(b.ctypes.data % 4096 == 0 and b.size % 4096 == 0 for b in lm.store.buffers)
+    for x, y in zip(ref, run_tree(lm)):
+        np.testing.assert_array_equal(x, y)
+    from specbeam_edge.offload import LayerStore
+
+    monkeypatch.setattr(LayerStore, "_read_direct", lambda self, i, buf: False)   # e.g. tmpfs refuses O_DIRECT
+    lm = OnnxCausalLM(split4, placement=["disk"] * 4)
+    for x, y in zip(ref, run_tree(lm)):
+        np.testing.assert_array_equal(x, y)
+    assert lm.store.direct is False
+
+
 def test_offloaded_generation_identical(split4):
     ref = Engine(split4, draft=split4)
     off = Engine(split4, draft=split4, placement=["disk", "host", "disk", "resident"])
