@@ -321,7 +321,7 @@ class Engine:
                 stats.draft_seconds += time.perf_counter() - td
             # 2. one target pass over every node that is not scored yet (pending beams and the tree)
             new = target.missing_ancestors(list(bs.running) + drafted)
-            logits = target.score(new, topk=topk) if topk else target.score(new)
+            logits = target.score(new, topk=topk)
             for j, n in enumerate(new):
                 if tree.depth(n) >= P - 1:
                     rows[n] = (logits, j)
