@@ -28,7 +28,7 @@ def _expand(dcache: TreeCache, frontier: list[int], width: int) -> tuple[list[in
     if not nodes:
         return [], np.zeros((0, width), np.int64), np.zeros((0, width), np.float32)
     rows = [index[f] for f in nodes]
-    if getattr(dcache.model.cfg, "output", "logits") == "topk":        # the head returns sorted top-k log-probs: no vocabulary here
+    if dcache.model.cfg.output == "topk":     # the head returns sorted top-k log-probs: no vocabulary row here
         vals, ids = dcache.score(need, topk=width)
         return nodes, ids[rows], vals[rows]
     lp = log_softmax(dcache.score(need)[rows])                                 # [F, V]

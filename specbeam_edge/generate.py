@@ -23,10 +23,6 @@ from .sampling import SampleState, choose_width, draw, verify_level
 from .tokenizer import Tokenizer, check_compatible
 
 
-def _head(model) -> str:
-    return getattr(model.cfg, "output", "logits")
-
-
 def peak_rss_mb() -> float:
     """Peak resident memory of this process (VmHWM; ru_maxrss survives exec and can report a parent's)."""
     try:
@@ -276,10 +272,10 @@ class Engine:
                           "differ from plain beam search beyond near-ties. Use an fp32/fp16 (or split int8) "
                           "export for exact results.", stacklevel=3)
         if gen.do_sample:
-            heads = [m for m in (self.target, self.draft if use_draft else None) if m is not None]
-            if any(_head(m) == "topk" for m in heads):
-                raise ValueError("do_sample=True needs full distributions; "
-                                 f"{', '.join(str(m.folder) for m in heads if _head(m) == 'topk')} has a top-k "
+            topk = [str(m.folder) for m in (self.target, self.draft if use_draft else None)
+                    if m is not None and m.cfg.output == "topk"]
+            if topk:
+                raise ValueError(f"do_sample=True needs full distributions; {', '.join(topk)} has a top-k "
                                  "head (export with the default output 'logits' for sampling)")
             if use_draft and self.draft is None:
                 raise ValueError("do_sample=True with speculation needs a draft model (drafter='sample')")
@@ -305,7 +301,7 @@ class Engine:
         rows: dict[int, tuple[np.ndarray, int]] = {}   # scored node -> (pass output, row)
         # a top-k head returns each node's best log-probs only: 2K + #EOS + 1 per beam always hold the 2K
         # candidates beam search keeps, even with EOS masked by min_new_tokens
-        topk = 2 * gen.num_beams + len(eos) + 1 if _head(self.target) == "topk" else None
+        topk = 2 * gen.num_beams + len(eos) + 1 if self.target.cfg.output == "topk" else None
         chooser = self._chooser(gen, spec) if use_draft and spec.adaptive and drafter is None else None
         while not bs.done:
             tp = time.perf_counter()

@@ -99,15 +99,13 @@ class LayerStore:
             if p.stat().st_size < self.nbytes:
                 raise ModelFolderError(f"{p}: truncated ({p.stat().st_size} bytes, the manifest needs {self.nbytes})")
         self.stats = OffloadStats()
-        # page-aligned buffers (whole pages) so disk layers can be read with O_DIRECT: the device writes into
-        # the buffer, no page cache is filled and no CPU copies it (a copy would take a core from the compute)
-        self.direct = hasattr(os, "O_DIRECT") and "disk" in placement.places
+        self.direct = hasattr(os, "O_DIRECT")      # all buffers below are page-aligned (see _read)
         self.resident, self.host = {}, {}
         for i, place in enumerate(placement.places):
             if place == "resident":
-                self.resident[i] = self._to_device(self._views(self._read(i, np.empty(self.nbytes, np.uint8))))
+                self.resident[i] = self._to_device(self._views(self._read(i, _aligned(self.nbytes))))
             elif place == "host":
-                self.host[i] = self._read(i, np.empty(self.nbytes, np.uint8))
+                self.host[i] = self._read(i, _aligned(self.nbytes))
         self.streamed = [i for i, p in enumerate(placement.places) if p != "resident"]
         self.buffers = [_aligned(self.nbytes) for _ in range(2 if self.streamed else 0)]
         self.buffer_views = [self._views(b) for b in self.buffers]
@@ -126,41 +124,27 @@ class LayerStore:
         return {m["name"]: np.frombuffer(buf, dtype=m["dtype"], count=int(np.prod(m["shape"])),
                                          offset=m["offset"]).reshape(m["shape"]) for m in self.manifest}
 
-    def _read_direct(self, i: int, buf: np.ndarray) -> bool:
-        """Read layer i with O_DIRECT into a page-aligned buffer; False if the file system refuses it."""
-        try:
-            fd = os.open(self.paths[i], os.O_RDONLY | os.O_DIRECT)
-        except OSError:
-            return False
+    def _read(self, i: int, buf: np.ndarray) -> np.ndarray:
+        """Read layer i into buf: O_DIRECT where the file system allows it (page-aligned buffers of whole
+        pages; the device writes into the buffer, no page cache is filled and no CPU copies it), else a
+        buffered read whose page-cache pages are dropped afterwards; either way the budget holds."""
+        if self.direct:
+            try:
+                return self._read_with(i, buf, os.O_DIRECT)
+            except OSError:
+                self.direct = False                      # e.g. tmpfs refuses O_DIRECT: buffered from now on
+        return self._read_with(i, buf, 0)
+
+    def _read_with(self, i: int, buf: np.ndarray, flags: int) -> np.ndarray:
+        fd = os.open(self.paths[i], os.O_RDONLY | flags)
         try:
             view, off, chunk = memoryview(buf), 0, 8 << 20
             while off < self.nbytes:
                 n = os.preadv(fd, [view[off:off + chunk]], off)
-                if n <= 0:
+                if n <= 0 or (flags and n % PAGE and off + n < self.nbytes):   # O_DIRECT: short only at the end
                     raise ModelFolderError(f"{self.paths[i]}: read failed at byte {off} (file truncated?)")
                 off += n
-                if n % PAGE and off < self.nbytes:      # a short read that is not the end of the file
-                    raise ModelFolderError(f"{self.paths[i]}: read failed at byte {off} (file truncated?)")
-            return True
-        except OSError:
-            return False
-        finally:
-            os.close(fd)
-
-    def _read(self, i: int, buf: np.ndarray) -> np.ndarray:
-        if self.direct and buf.size % PAGE == 0 and buf.ctypes.data % PAGE == 0:
-            if self._read_direct(i, buf):
-                return buf
-            self.direct = False                          # e.g. tmpfs: fall back to buffered reads
-        fd = os.open(self.paths[i], os.O_RDONLY)
-        try:
-            view, off = memoryview(buf), 0
-            while off < self.nbytes:
-                n = os.preadv(fd, [view[off:]], off)
-                if n <= 0:
-                    raise ModelFolderError(f"{self.paths[i]}: read failed at byte {off} (file truncated?)")
-                off += n
-            if hasattr(os, "posix_fadvise"):
+            if not flags and hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)   # release the page cache: budget holds
         finally:
             os.close(fd)
@@ -170,7 +154,7 @@ class LayerStore:
         t0 = time.perf_counter()
         buf = self.buffers[self.slot[i]]
         if i in self.host:
-            np.copyto(buf[:self.nbytes], self.host[i])
+            np.copyto(buf, self.host[i])
         else:
             self._read(i, buf)
         views = self.buffer_views[self.slot[i]]

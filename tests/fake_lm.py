@@ -12,7 +12,8 @@ class FakeLM:
     def __init__(self, vocab: int, seed: int, sharpness: float = 1.5, eos=(0,), ctx: int = 64):
         rng = np.random.default_rng(seed)
         self.table = rng.normal(0, sharpness, size=(vocab + 1, vocab, vocab)).astype(np.float32)
-        self.cfg = SimpleNamespace(vocab_size=vocab, context_length=ctx, eos_token_ids=tuple(eos), generation={})
+        self.cfg = SimpleNamespace(vocab_size=vocab, context_length=ctx, eos_token_ids=tuple(eos), generation={},
+                                   output="logits")
 
     def empty_past(self):
         return [(np.zeros((1, 1, 0, 2), np.float32), np.zeros((1, 1, 0, 2), np.float32))]

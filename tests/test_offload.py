@@ -53,7 +53,14 @@ def test_direct_and_buffered_disk_reads_agree(split4, monkeypatch):
         np.testing.assert_array_equal(x, y)
     from specbeam_edge.offload import LayerStore
 
-    monkeypatch.setattr(LayerStore, "_read_direct", lambda self, i, buf: False)   # e.g. tmpfs refuses O_DIRECT
+    read_with = LayerStore._read_with
+
+    def refuse_direct(self, i, buf, flags):                   # e.g. tmpfs refuses O_DIRECT
+        if flags:
+            raise OSError(22, "Invalid argument")
+        return read_with(self, i, buf, flags)
+
+    monkeypatch.setattr(LayerStore, "_read_with", refuse_direct)
     lm = OnnxCausalLM(split4, placement=["disk"] * 4)
     for x, y in zip(ref, run_tree(lm)):
         np.testing.assert_array_equal(x, y)
