@@ -119,36 +119,14 @@ def bench_scale(*, hidden=1024, layers=16, Ks=(1, 4), rates=(0.7, 0.9), n_prompt
     rows = []
     for K in Ks:
         spec = SpeculativeConfig(budget=trees[K]["budget"], max_depth=trees[K]["depth"])
-        runs = {a: [] for a in rates}
-        plain_s, oracles = [], []
-        for r in range(reps):                      # A B A B: plain, then every acceptance rate, repeated
-            store.stats.__init__()
-            plain = [synthetic.plain_run(engine, p, K, max_new) for p in prompts]
-            plain_off = store.stats.per_pass()
-            plain_s.append(sum(x[1] for x in plain))
-            oracles = [x[0] for x in plain]
-            for a in rates:
-                for sd in range(seeds):            # a few passes per run: average over drafter seeds
-                    store.stats.__init__()
-                    t0 = time.perf_counter()
-                    fast = [engine.generate(p, num_beams=K, max_new_tokens=max_new, speculative=spec,
-                                            drafter=synthetic.SyntheticDrafter(o, len(p), a, spec.budget,
-                                                                               spec.max_depth, seed=r * seeds + sd))[0]
-                            for p, o in zip(prompts, oracles)]
-                    runs[a].append((plain_s[-1] / (time.perf_counter() - t0), fast, store.stats.per_pass(), plain))
+        plain_s, runs = synthetic.compare(engine, prompts, K, [spec], rates, reps=reps, seeds=seeds,
+                                          max_new=max_new, reset=store.stats.__init__, snapshot=store.stats.per_pass)
         for a in rates:
-            ratios = [x[0] for x in runs[a]]
-            _, fast, off, plain = runs[a][0]
-            steps = sum(f.stats.beam_steps for x in runs[a] for f in x[1])
-            passes = sum(f.stats.target_passes for x in runs[a] for f in x[1])
-            secs = [sum(f.stats.seconds for f in x[1]) for x in runs[a]]
+            rs = runs[(spec, a)]
+            plain_off, off = rs[0][3]
             row = {"K": K, "acceptance": a, "budget": spec.budget, "max_depth": spec.max_depth,
-                   "speedup": round(median(ratios), 2), "bspp": round(steps / passes, 2),
+                   **synthetic.summary(plain_s, rs),
                    "bspp_expected": round(1 + sum(a ** i for i in range(1, spec.max_depth + 1)), 2),
-                   "plain_s": round(median(plain_s), 2), "spec_s": round(median(secs), 2),
-                   "draft_share": round(sum(f.stats.draft_seconds for f in fast) / secs[0], 3),
-                   "identical": sum(f.hypotheses[0].tokens == p[2] for x in runs[a] for f, p in zip(x[1], x[3])),
-                   "of": len(prompts) * len(runs[a]),
                    "bytes_moved_per_pass": off["bytes_moved_per_pass"], "load_ms_per_pass": off["load_ms_per_pass"],
                    "wait_ms_per_pass": off["wait_ms_per_pass"], "compute_ms_per_pass": off["compute_ms_per_pass"],
                    "plain_compute_ms_per_pass": plain_off["compute_ms_per_pass"]}

@@ -12,7 +12,7 @@ COLS = {
             "identical", "of"],
     "sampling": ["setup", "W", "width_threshold", "speedup", "bspp", "plain_logp_per_token", "spec_logp_per_token",
                  "mean_width"],
-    "synthetic": ["acceptance", "budget", "max_depth", "tree", "speedup", "bspp", "identical", "draft_share",
+    "synthetic": ["acceptance", "budget", "max_depth", "tree", "speedup", "bspp", "identical", "of", "draft_share",
                   "plain_s", "spec_s"],
     "offload": ["K", "draft", "drafter", "budget", "max_depth", "speedup", "bspp", "bytes_moved_per_pass",
                 "load_ms_per_pass", "wait_ms_per_pass", "compute_ms_per_pass", "identical", "of"],

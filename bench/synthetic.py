@@ -105,10 +105,6 @@ class SyntheticDrafter:
         return [n for n in dict.fromkeys(out) if n not in roots]
 
 
-def oracle_beams(engine: Engine, prompt: list[int], K: int, max_new: int) -> list[list[tuple[int, ...]]]:
-    return plain_run(engine, prompt, K, max_new)[0]
-
-
 def plain_run(engine: Engine, prompt: list[int], K: int, max_new: int):
     """Plain beam search, recording the running beams after every step (the synthetic drafter's oracle).
     Returns (oracle, seconds, best hypothesis tokens)."""
@@ -122,6 +118,45 @@ def plain_run(engine: Engine, prompt: list[int], K: int, max_new: int):
         steps.append([tuple(bs.tree.path(n)[bs.P:]) for n in bs.running])
     seconds = time.perf_counter() - t0
     return steps, seconds, bs.hypotheses(1)[0][0]
+
+
+def compare(engine: Engine, prompts, K: int, specs, rates, *, reps: int, seeds: int, max_new: int,
+            reset=None, snapshot=None) -> tuple[list[float], dict]:
+    """Plain vs speculative with the synthetic drafter, A B A B: per repetition one plain run (which also
+    records the oracle), then every spec and rate with `seeds` drafter seeds (a run has only a handful of
+    passes). reset()/snapshot() bracket each run for extra counters (the offload statistics).
+    Returns (plain seconds per repetition, {(spec, rate): [(ratio, results, plain runs, snapshot)]})."""
+    plain_s, runs = [], {}
+    for r in range(reps):
+        if reset:
+            reset()
+        plain = [plain_run(engine, p, K, max_new) for p in prompts]
+        plain_s.append(sum(x[1] for x in plain))
+        plain_snap = snapshot() if snapshot else None
+        for spec in specs:
+            for a in rates:
+                for sd in range(seeds):
+                    if reset:
+                        reset()
+                    t0 = time.perf_counter()
+                    fast = [engine.generate(p, num_beams=K, max_new_tokens=max_new, speculative=spec,
+                                            drafter=SyntheticDrafter(x[0], len(p), a, spec.budget, spec.max_depth,
+                                                                     seed=r * seeds + sd))[0]
+                            for p, x in zip(prompts, plain)]
+                    runs.setdefault((spec, a), []).append((plain_s[-1] / (time.perf_counter() - t0), fast, plain,
+                                                           (plain_snap, snapshot() if snapshot else None)))
+    return plain_s, runs
+
+
+def summary(plain_s: list[float], rs: list) -> dict:
+    """The figures every synthetic row reports, over all repetitions and seeds of one (spec, rate)."""
+    fasts = [f for x in rs for f in x[1]]
+    secs = [sum(f.stats.seconds for f in x[1]) for x in rs]
+    return {"speedup": round(median([x[0] for x in rs]), 2),
+            "bspp": round(sum(f.stats.beam_steps for f in fasts) / sum(f.stats.target_passes for f in fasts), 2),
+            "identical": sum(f.hypotheses[0].tokens == p[2] for x in rs for f, p in zip(x[1], x[2])),
+            "of": len(fasts), "draft_share": round(sum(f.stats.draft_seconds for f in fasts) / sum(secs), 3),
+            "plain_s": round(median(plain_s), 3), "spec_s": round(median(secs), 3)}
 
 
 def bench(*, K=4, rates=(0.5, 0.7, 0.9), trees=((8, 2), (12, 3), (16, 4), (32, 4)), max_new=48, reps=3, seeds=3,
@@ -138,37 +173,15 @@ def bench(*, K=4, rates=(0.5, 0.7, 0.9), trees=((8, 2), (12, 3), (16, 4), (32, 4
     curve = engine.cost_curve(sizes=(1, 4, 8, 16, 32, 64, 128), reps=3)
     rng = np.random.default_rng(0)
     prompts = [list(map(int, rng.integers(1, 300, size=12))) for _ in range(n_prompts)]
-    runs: dict[tuple, list] = {}
-    plain_s = []
     for p in prompts:                                      # warm-up
         plain_run(engine, p, K, 8)
-    for r in range(reps):
-        plain = [plain_run(engine, p, K, max_new) for p in prompts]
-        plain_s.append(sum(x[1] for x in plain))
-        for budget, depth in trees:
-            spec = SpeculativeConfig(budget=budget, max_depth=depth)
-            for a in rates:
-                for sd in range(seeds):             # a few passes per run: average over drafter seeds
-                    t0 = time.perf_counter()
-                    fast = [engine.generate(p, num_beams=K, max_new_tokens=max_new, speculative=spec,
-                                            drafter=SyntheticDrafter(x[0], len(p), a, budget, depth,
-                                                                     seed=r * seeds + sd))[0]
-                            for p, x in zip(prompts, plain)]
-                    runs.setdefault((budget, depth, a), []).append((plain_s[-1] / (time.perf_counter() - t0),
-                                                                    fast, plain))
+    specs = [SpeculativeConfig(budget=budget, max_depth=depth) for budget, depth in trees]
+    plain_s, runs = compare(engine, prompts, K, specs, rates, reps=reps, seeds=seeds, max_new=max_new)
     rows = []
-    for (budget, depth, a), rs in runs.items():
-        ratios = [x[0] for x in rs]
-        fasts = [f for x in rs for f in x[1]]
-        secs = [sum(f.stats.seconds for f in x[1]) for x in rs]
-        rows.append({"acceptance": a, "budget": budget, "max_depth": depth,
-                     "tree": "draft beam, width K" if budget == K * depth else f"{budget - K * depth} decoys",
-                     "speedup": round(median(ratios), 2),
-                     "bspp": round(sum(f.stats.beam_steps for f in fasts) / sum(f.stats.target_passes for f in fasts), 2),
-                     "identical": f"{sum(f.hypotheses[0].tokens == p[2] for x in rs for f, p in zip(x[1], x[2]))}"
-                                  f"/{len(fasts)}",
-                     "draft_share": round(sum(f.stats.draft_seconds for f in fasts) / sum(secs), 3),
-                     "plain_s": round(median(plain_s), 3), "spec_s": round(median(secs), 3)})
+    for (spec, a), rs in runs.items():
+        extra = spec.budget - K * spec.max_depth
+        rows.append({"acceptance": a, "budget": spec.budget, "max_depth": spec.max_depth,
+                     "tree": f"{extra} decoys" if extra else "draft beam, width K", **summary(plain_s, rs)})
         print(f"synthetic: {rows[-1]}", file=sys.stderr)
     lm = engine.target
     return {"K": K, "max_new_tokens": max_new, "prompts": n_prompts, "reps": reps,
