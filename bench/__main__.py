@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from . import common
+from .report import COLS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--scenario", default="e2e,cost,peers,sampling,synthetic,offload", help="comma list of: e2e, cost, peers, sampling, synthetic, offload")
+    ap.add_argument("--scenario", default="e2e,cost,peers,sampling,synthetic,offload",
+                    help="comma list of: e2e, cost, peers, sampling, synthetic, offload")
     ap.add_argument("--pair", default=str(ROOT / "models" / "ende"), help="pair folder (target/, draft/, hf/)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"), help="output folder for JSON and PNG")
     ap.add_argument("--quick", action="store_true", help="fewer prompts and settings (a smoke run)")
@@ -44,8 +46,6 @@ def main(argv=None) -> int:
             data["machine"] = info
             common.write(out, "e2e", data)
             e2e.plot(data, out / "e2e.png")
-            from .report import COLS
-
             print(common.table(data["rows"], COLS["e2e"]))
         elif sc == "cost":
             from . import cost
@@ -69,8 +69,6 @@ def main(argv=None) -> int:
         elif sc == "sampling":
             from . import sampling
 
-            from .report import COLS
-
             data = sampling.bench(pair, n_prompts=4 if args.quick else 12, reps=1 if args.quick else 2,
                                   streamed=not args.quick)
             data["machine"] = info
@@ -84,8 +82,6 @@ def main(argv=None) -> int:
             data["machine"] = info
             common.write(out, "synthetic", data)
             synthetic.plot(data, out / "synthetic.png")
-            from .report import COLS
-
             print(common.table(data["rows"], COLS["synthetic"]))
         elif sc == "offload":
             from . import offload
@@ -102,9 +98,7 @@ def main(argv=None) -> int:
             common.write(out, "offload", data)
             offload.plot(data, out / "offload.png")
             print(common.table(data["scale"]["rows"], offload.SCALE_COLS))
-            print(common.table(data["rows"], ["K", "draft", "drafter", "budget", "max_depth", "speedup", "bspp",
-                                              "bytes_moved_per_pass", "load_ms_per_pass", "wait_ms_per_pass",
-                                              "compute_ms_per_pass", "identical", "of"]))
+            print(common.table(data["rows"], COLS["offload"]))
         else:
             ap.error(f"unknown scenario {sc!r}")
     if out.resolve() == (ROOT / "bench" / "results").resolve():

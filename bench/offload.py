@@ -19,8 +19,8 @@ from .cost import pass_time
 from .e2e import load_prompts
 
 SIZES = (1, 4, 16, 64, 256, 1024)
-SCALE_COLS = ["K", "acceptance", "budget", "max_depth", "speedup", "bspp", "bspp_expected", "plain_s", "spec_s", "draft_share",
-              "bytes_moved_per_pass", "load_ms_per_pass", "wait_ms_per_pass", "compute_ms_per_pass", "identical", "of"]
+SCALE_COLS = ["K", "acceptance", "budget", "max_depth", "speedup", "bspp", "bspp_expected", "plain_s", "spec_s",
+              "draft_share", "bytes_moved_per_pass", "load_ms_per_pass", "wait_ms_per_pass", "compute_ms_per_pass", "identical", "of"]
 
 
 def split_target(pair: Path) -> Path:

@@ -8,8 +8,8 @@ from .common import table
 from .offload import SCALE_COLS
 
 COLS = {
-    "e2e": ["K", "drafter", "budget", "max_depth", "draft_width", "adaptive", "speedup", "bspp", "plain_tok_s", "spec_tok_s", "draft_share",
-            "identical", "of"],
+    "e2e": ["K", "drafter", "budget", "max_depth", "draft_width", "adaptive", "speedup", "bspp", "plain_tok_s",
+            "spec_tok_s", "draft_share", "identical", "of"],
     "sampling": ["setup", "W", "width_threshold", "speedup", "bspp", "plain_logp_per_token", "spec_logp_per_token",
                  "mean_width"],
     "synthetic": ["acceptance", "budget", "max_depth", "tree", "speedup", "bspp", "identical", "of", "draft_share",
@@ -65,7 +65,7 @@ def render(results: Path, readme: Path, command: str) -> None:
             sc = d["scale"]
             out += [f"At scale: {sc['model']} ({sc['model_mib']} MiB) under `max_memory` {sc['max_memory_mib']} MiB "
                     f"(placement: {sc['placement'].count('disk')} layers streamed from disk), synthetic drafter "
-                    f"(the plain run's next beams with a per-level acceptance, the rest of the budget decoys, "
+                    f"(the plain run's next beams with a per-level acceptance, as many decoys as beams per level, "
                     f"every node scored by a resident 1-layer draft). Pass time by tree size (ms): "
                     f"{sc['pass_ms_by_tree_size']}.", "", table_md(sc["rows"], SCALE_COLS), ""]
         if (results / f"{name}.png").exists():
