@@ -474,6 +474,19 @@ class Engine:
             out.append(self._result(p, bs, stats, gen))
         return out
 
+    def generate_iter(self, prompts, generation: GenerationConfig | None = None,
+                      speculative: SpeculativeConfig | None = None, *, max_batch_size: int = 32,
+                      max_batch_tokens: int | None = None, **overrides) -> Iterator[tuple[int, Result]]:
+        """Yield (index into prompts, Result) in completion order; requests share target passes up to
+        max_batch_size requests / max_batch_tokens cached tokens."""
+        gen = self.generation_config(generation, **overrides)
+        for i, p in enumerate(prompts):
+            ids = self.encode(p)
+            bs = stats = None
+            for bs, stats in self._search(ids, gen, speculative):
+                pass
+            yield i, self._result(p, bs, stats, gen)
+
     def _result(self, prompt, bs: BeamSearch, stats: Stats, gen: GenerationConfig) -> Result:
         eos = set(self.eos if gen.eos_token_id is None else np.atleast_1d(gen.eos_token_id).tolist())
         decode = self.tokenizer.decode if self.tokenizer else (lambda ids: "")
