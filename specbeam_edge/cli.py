@@ -10,9 +10,8 @@ import sys
 from pathlib import Path
 
 from .config import ModelFolderError, SpeculativeConfig
-
-PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
-DEFAULT_MODELS = Path(__file__).resolve().parent.parent / "models"
+# shared with the apps (they import the runtime, never the reverse); re-exported for existing callers
+from .flags import DEFAULT_MODELS, PROVIDERS, add_memory_args, budget_arg, engine_from_args, parse_size  # noqa: F401
 
 
 def add_search_args(ap: argparse.ArgumentParser, *, beams_flag: str = "--num_beams") -> None:
@@ -51,40 +50,6 @@ def add_search_args(ap: argparse.ArgumentParser, *, beams_flag: str = "--num_bea
     ap.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")
     ap.add_argument("--stats", action="store_true", help="print statistics (JSON) to stderr")
     add_memory_args(ap)
-
-
-def budget_arg(text: str):
-    return "auto" if text == "auto" else int(text)
-
-
-def parse_size(text: str | None) -> int | None:
-    """'512MB', '1.5GiB', '2e9' -> bytes."""
-    if text is None:
-        return None
-    t = text.strip().lower().replace("ib", "b")
-    for suffix, mult in (("tb", 2**40), ("gb", 2**30), ("mb", 2**20), ("kb", 2**10), ("b", 1)):
-        if t.endswith(suffix):
-            return int(float(t[: -len(suffix)]) * mult)
-    return int(float(t))
-
-
-def add_memory_args(ap: argparse.ArgumentParser) -> None:
-    m = ap.add_argument_group("memory (split-layout targets)")
-    m.add_argument("--max_memory", type=parse_size, default=None,
-                   help="budget for the target's weights in memory (e.g. 2GB); other layers are streamed per pass")
-    m.add_argument("--host_memory", type=parse_size, default=0,
-                   help="streamed layers kept in host memory (GPU providers); the rest stream from disk")
-    m.add_argument("--placement", default=None,
-                   help="explicit per-layer placement, comma list of resident/host/disk (overrides --max_memory)")
-    m.add_argument("--provider", choices=("cpu", "cuda"), default="cpu", help="onnxruntime execution provider")
-
-
-def engine_from_args(args, model: str, draft: str | None):
-    from .generate import Engine
-
-    placement = args.placement.split(",") if getattr(args, "placement", None) else None
-    return Engine(model, draft=draft, threads=args.threads, max_memory=args.max_memory,
-                  host_memory=args.host_memory, placement=placement, providers=PROVIDERS[args.provider])
 
 
 def configs(args) -> tuple[dict, SpeculativeConfig | None]:
@@ -158,6 +123,19 @@ def cmd_chat(args) -> int:
     return 0
 
 
+def run_translate(argv: list[str]) -> int:
+    """`specbeam translate ...` runs the installed specbeam-translate tool: the apps import the runtime, never
+    the reverse, so the tool is found through its console-script entry point instead of an import."""
+    from importlib.metadata import entry_points
+
+    found = entry_points(group="console_scripts", name="specbeam-translate")
+    if not found:
+        print("specbeam: error: the translate tool is not installed; install the project (pip install -e .) "
+              "or run python -m apps.translate", file=sys.stderr)
+        return 2
+    return next(iter(found)).load()(argv)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="specbeam", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -175,10 +153,10 @@ def main(argv=None) -> int:
     add_search_args(c)
     t = sub.add_parser("translate", help="batch translation (same as specbeam-translate)", add_help=False)
     t.add_argument("rest", nargs=argparse.REMAINDER)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["translate"]:     # every later flag, --help included, belongs to the translate tool
+        return run_translate(argv[1:])
     args = ap.parse_args(argv)
-    if args.cmd == "translate":
-        from apps.translate.__main__ import main as translate_main
-        return translate_main(args.rest)
     try:
         return {"generate": cmd_generate, "chat": cmd_chat}[args.cmd](args)
     except (ModelFolderError, ValueError) as e:

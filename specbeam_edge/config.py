@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -10,6 +11,71 @@ FORMAT_VERSION = 1
 
 class ModelFolderError(ValueError):
     """A model folder that cannot be used; the message names the folder and the problem."""
+
+
+def _int(value, name: str, low: int | None = None, high: int | None = None) -> int:
+    """An integer setting (bool is not one) within [low, high]; the message names the setting."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be {bounds}, got {value}")
+    return value
+
+
+def _float(value, name: str) -> float:
+    """A finite real setting: nan or inf would pass every range check below and silently corrupt scores."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _read_json_object(path: Path) -> dict:
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelFolderError(f"{path}: not valid JSON ({e})") from None
+    except OSError as e:
+        raise ModelFolderError(f"{path}: cannot be read ({e.strerror})") from None
+    if not isinstance(raw, dict):
+        raise ModelFolderError(f"{path}: must hold a JSON object ({{...}}), found a {type(raw).__name__}")
+    return raw
+
+
+_MODEL_INTS = {"vocab_size": 1, "hidden_size": 1, "num_layers": 1, "num_heads": 1, "num_kv_heads": 1,
+               "head_dim": 1, "context_length": 2}
+
+
+def _model_fields(raw: dict, path: Path) -> dict:
+    """The typed fields of specbeam_config.json; a wrong value names the file, the key and the value."""
+    def bad(key, want):
+        return ModelFolderError(f"{path}: {key} must be {want}, got {raw[key]!r}; re-export the model")
+
+    out = {}
+    for key, low in _MODEL_INTS.items():
+        v = raw[key]
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise bad(key, f"an integer >= {low}")
+        out[key] = v
+    for key in ("bos_token_id", "pad_token_id"):
+        v = raw.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise bad(key, "a token id (integer >= 0) or null")
+    eos = raw.get("eos_token_ids") or []
+    if not isinstance(eos, list) or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in eos):
+        raise bad("eos_token_ids", "a list of token ids")
+    mv = raw["mask_value"]
+    if isinstance(mv, bool) or not isinstance(mv, (int, float)) or not math.isfinite(mv):
+        raise bad("mask_value", "a finite number")
+    for key in ("files", "generation"):
+        if key in raw and not isinstance(raw[key], dict):
+            raise bad(key, "a JSON object")
+    for key in ("family", "layout", "precision"):
+        if not isinstance(raw[key], str):
+            raise bad(key, "a string")
+    if out["num_heads"] % out["num_kv_heads"]:
+        raise bad("num_kv_heads", f"a divisor of num_heads ({out['num_heads']})")
+    return out
 
 
 @dataclass(frozen=True)
@@ -42,18 +108,13 @@ class ModelConfig:
         path = folder / "specbeam_config.json"
         if not path.is_file():
             raise ModelFolderError(f"{folder}: no specbeam_config.json; export the model with `python -m export`")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ModelFolderError(f"{path}: not valid JSON ({e})") from None
+        raw = _read_json_object(path)
         if raw.get("format_version") != FORMAT_VERSION:
             raise ModelFolderError(f"{path}: format_version {raw.get('format_version')!r}, this runtime reads "
                                    f"{FORMAT_VERSION}; re-export the model")
         try:
-            cfg = cls(folder=folder, family=raw["family"], vocab_size=int(raw["vocab_size"]),
-                      hidden_size=int(raw["hidden_size"]), num_layers=int(raw["num_layers"]),
-                      num_heads=int(raw["num_heads"]), num_kv_heads=int(raw["num_kv_heads"]),
-                      head_dim=int(raw["head_dim"]), context_length=int(raw["context_length"]),
+            ints = _model_fields(raw, path)
+            cfg = cls(folder=folder, family=raw["family"], **ints,
                       bos_token_id=raw.get("bos_token_id"), eos_token_ids=tuple(raw.get("eos_token_ids") or ()),
                       pad_token_id=raw.get("pad_token_id"), layout=raw["layout"], precision=raw["precision"],
                       output=raw.get("output", "logits"), mask_value=float(raw["mask_value"]), files=raw["files"],
@@ -62,13 +123,45 @@ class ModelConfig:
             raise ModelFolderError(f"{path}: missing key {e}") from None
         if cfg.layout not in ("whole", "split"):
             raise ModelFolderError(f"{path}: unknown layout {cfg.layout!r}")
-        needed = [cfg.files["model"]] if cfg.layout == "whole" else [cfg.files[k] for k in ("embed", "layer", "head")]
-        needed += [cfg.files["layer_weights"].format(i=i) for i in range(cfg.num_layers)] if cfg.layout == "split" else []
-        needed.append("tokenizer.json")
+        try:
+            needed = cls._needed_files(cfg)
+        except KeyError as e:
+            raise ModelFolderError(f"{path}: missing key files.{e.args[0]}; re-export the model") from None
         missing = [n for n in needed if not (folder / n).is_file()]
         if missing:
             raise ModelFolderError(f"{folder}: missing file(s) {', '.join(missing)}")
+        if (folder / "tokenizer_config.json").is_file():      # read later by the tokenizer: fail here, named
+            _read_json_object(folder / "tokenizer_config.json")
+        if cfg.layout == "split":
+            _check_manifest(cfg.files.get("layer_manifest"), path)
+            _check_checksums(cfg.files.get("layer_sha256"), cfg.num_layers, path)
         return cfg
+
+    @staticmethod
+    def _needed_files(cfg: "ModelConfig") -> list[str]:
+        needed = [cfg.files["model"]] if cfg.layout == "whole" else [cfg.files[k] for k in ("embed", "layer", "head")]
+        needed += [cfg.files["layer_weights"].format(i=i) for i in range(cfg.num_layers)] if cfg.layout == "split" else []
+        needed.append("tokenizer.json")
+        return needed
+
+
+def _check_manifest(manifest, path: Path) -> None:
+    """files.layer_manifest: [{name, dtype, shape, offset}...], the tensor layout every layer file shares."""
+    keys = {"name", "dtype", "shape", "offset"}
+    if not isinstance(manifest, list) or not manifest or not all(isinstance(m, dict) and keys <= m.keys()
+                                                                  for m in manifest):
+        raise ModelFolderError(f"{path}: files.layer_manifest must be a non-empty list of {{name, dtype, shape, "
+                               f"offset}} objects; re-export the model")
+
+
+def _check_checksums(sums, num_layers: int, path: Path) -> None:
+    """files.layer_sha256 (optional; older exports lack it): one hex SHA-256 per layer weight file."""
+    if sums is None:
+        return
+    if not isinstance(sums, list) or len(sums) != num_layers or not all(
+            isinstance(h, str) and len(h) == 64 and all(c in "0123456789abcdef" for c in h) for h in sums):
+        raise ModelFolderError(f"{path}: files.layer_sha256 must list {num_layers} hex SHA-256 digests (one per "
+                               f"layer file); re-export the model")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,23 +183,29 @@ class GenerationConfig:
     def __post_init__(self):
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
-        if not isinstance(self.num_beams, int) or self.num_beams < 1:
-            raise ValueError(f"num_beams must be an integer >= 1, got {self.num_beams!r}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            raise ValueError(f"min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens}")
+        _int(self.num_beams, "num_beams", 1)
+        _int(self.max_new_tokens, "max_new_tokens", 1)
+        _int(self.min_new_tokens, "min_new_tokens", 0, self.max_new_tokens)
+        _float(self.length_penalty, "length_penalty")
         if not (self.early_stopping is True or self.early_stopping is False or self.early_stopping == "never"):
             raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
+        _int(self.num_return_sequences, "num_return_sequences")
         if not 1 <= self.num_return_sequences <= self.num_beams:
             raise ValueError(f"num_return_sequences ({self.num_return_sequences}) must be between 1 and "
                              f"num_beams ({self.num_beams})")
-        if self.temperature <= 0:
+        if not isinstance(self.do_sample, bool):
+            raise ValueError(f"do_sample must be True or False, got {self.do_sample!r}")
+        if _float(self.temperature, "temperature") <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
+        if not 0 < _float(self.top_p, "top_p") <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        _int(self.top_k, "top_k", 0)
+        if self.seed is not None:
+            _int(self.seed, "seed", 0)
+        eos = self.eos_token_id
+        if eos is not None:
+            for t in (eos if isinstance(eos, tuple) else (eos,)):
+                _int(t, "eos_token_id", 0)
 
     @classmethod
     def from_dict(cls, d: dict, **overrides) -> "GenerationConfig":
@@ -149,24 +248,27 @@ class SpeculativeConfig:
     adaptive: bool = False
 
     def __post_init__(self):
-        if not 0 <= self.width_threshold < 1:
+        if not 0 <= _float(self.width_threshold, "width_threshold") < 1:
             raise ValueError(f"width_threshold must be in [0, 1), got {self.width_threshold}")
-        if self.min_num_beams < 1:
-            raise ValueError(f"min_num_beams must be >= 1, got {self.min_num_beams}")
+        _int(self.min_num_beams, "min_num_beams", 1)
         if self.drafter not in DRAFTERS:
             raise ValueError(f"drafter must be one of {DRAFTERS}, got {self.drafter!r}")
-        if self.budget != "auto" and (not isinstance(self.budget, int) or self.budget < 1):
-            raise ValueError(f"budget must be an integer >= 1 or 'auto', got {self.budget!r}")
-        if self.auto_slack < 1:
+        if self.budget != "auto":
+            try:
+                _int(self.budget, "budget", 1)
+            except ValueError:
+                raise ValueError(f"budget must be an integer >= 1 or 'auto', got {self.budget!r}") from None
+        if _float(self.auto_slack, "auto_slack") < 1:
             raise ValueError(f"auto_slack must be >= 1, got {self.auto_slack}")
-        if self.max_depth < 1:
-            raise ValueError(f"max_depth must be >= 1, got {self.max_depth}")
-        if self.max_branch_width < 1:
-            raise ValueError(f"max_branch_width must be >= 1, got {self.max_branch_width}")
-        if self.draft_width is not None and self.draft_width < 1:
-            raise ValueError(f"draft_width must be >= 1, got {self.draft_width}")
-        if not 0 < self.decay_factor <= 1:
+        _int(self.max_depth, "max_depth", 1)
+        _int(self.max_branch_width, "max_branch_width", 1)
+        if self.draft_width is not None:
+            _int(self.draft_width, "draft_width", 1)
+        if not 0 < _float(self.decay_factor, "decay_factor") <= 1:
             raise ValueError(f"decay_factor must be in (0, 1], got {self.decay_factor}")
+        for name in ("single_sequence", "adaptive"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     def check_against(self, num_beams: int):
         if self.budget != "auto" and self.budget < num_beams:

@@ -1,0 +1,93 @@
+"""Command-line pieces shared by every tool (the `specbeam` CLI and the apps): memory flags, speculation
+settings, engine construction, default model folders. Tools import this module; it imports no tool."""
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+from .config import SpeculativeConfig
+
+PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
+DEFAULT_MODELS = Path(__file__).resolve().parent.parent / "models"
+_UNITS = (("tb", 2**40), ("gb", 2**30), ("mb", 2**20), ("kb", 2**10), ("b", 1))
+
+
+def budget_arg(text: str):
+    """--budget: a positive integer or 'auto'."""
+    if text == "auto":
+        return "auto"
+    value = positive_int(text)
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An argparse type for counts that must be >= 1 (beam sizes, lengths, batch sizes)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
+def finite_float(text: str) -> float:
+    """An argparse type for floats that must be finite (nan and inf would silently corrupt scores)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def parse_size(text: str | None) -> int | None:
+    """'512MB', '1.5GiB', '2e9' -> bytes; inf, nan and negative sizes are refused with the reason."""
+    if text is None:
+        return None
+    t = text.strip().lower().replace("ib", "b")
+    mult = 1
+    for suffix, m in _UNITS:
+        if t.endswith(suffix):
+            t, mult = t[: -len(suffix)], m
+            break
+    try:
+        value = float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (examples: 512MB, 1.5GiB, 2e9)") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: it must be a finite number >= 0 "
+                                         f"(examples: 512MB, 1.5GiB, 2e9)")
+    return int(value * mult)
+
+
+def add_memory_args(ap: argparse.ArgumentParser) -> None:
+    m = ap.add_argument_group("memory (split-layout targets)")
+    m.add_argument("--max_memory", type=parse_size, default=None,
+                   help="budget for the target's weights in memory (e.g. 2GB); other layers are streamed per pass")
+    m.add_argument("--host_memory", type=parse_size, default=0,
+                   help="streamed layers kept in host memory (GPU providers); the rest stream from disk")
+    m.add_argument("--placement", default=None,
+                   help="explicit per-layer placement, comma list of resident/host/disk (overrides --max_memory)")
+    m.add_argument("--provider", choices=("cpu", "cuda"), default="cpu", help="onnxruntime execution provider")
+
+
+def engine_from_args(args, model: str, draft: str | None):
+    """An Engine from the memory flags of add_memory_args plus --threads."""
+    from .generate import Engine
+
+    placement = args.placement.split(",") if args.placement else None
+    return Engine(model, draft=draft, threads=args.threads, max_memory=args.max_memory,
+                  host_memory=args.host_memory, placement=placement, providers=PROVIDERS[args.provider])
+
+
+def speculative_config(*, drafter: str, budget, max_depth: int, max_branch_width: int, draft_width: int | None,
+                       always_speculate: bool, width_threshold: float = 0.0, min_num_beams: int = 1,
+                       single_sequence: bool = False) -> SpeculativeConfig:
+    """The speculation flags every tool shares -> SpeculativeConfig (adaptive unless --always_speculate)."""
+    return SpeculativeConfig(drafter=drafter, budget=budget, max_depth=max_depth,
+                             max_branch_width=max_branch_width, draft_width=draft_width,
+                             width_threshold=width_threshold, min_num_beams=min_num_beams,
+                             single_sequence=single_sequence, adaptive=not always_speculate)
