@@ -5,7 +5,8 @@ Sources (licences recorded in models/ende/README.md):
   - LibreOffice help, aligned paragraph by paragraph through shared `id="par_id..."` attributes
   - GIMP help, aligned block by block within files that have the same number of blocks
 
-Writes train.tsv, valid.tsv, test.tsv (english<TAB>german, one pair a line) into --out.
+Writes train.tsv, valid.tsv, test.tsv (english<TAB>german, one pair a line) into --out, and next to each a
+.source file naming each line's source (libreoffice, gimp, mo) for train.py --mix.
 The test set is 1,000 LibreOffice help paragraphs (>= 6 English words) that no training run sees.
 
     python models/build_corpus.py --out data/ende
@@ -167,17 +168,19 @@ def main(argv=None) -> int:
     long_ids = [i for i, (en, _) in enumerate(lo) if len(en.split()) >= 6]
     test_ids = set(long_ids[:1000])
     valid_ids = set(long_ids[1000:1500])
-    test = [lo[i] for i in sorted(test_ids)]
-    valid = [lo[i] for i in sorted(valid_ids)]
-    train = [p for i, p in enumerate(lo) if i not in test_ids and i not in valid_ids]
+    test = [("libreoffice", *lo[i]) for i in sorted(test_ids)]
+    valid = [("libreoffice", *lo[i]) for i in sorted(valid_ids)]
+    train = [("libreoffice", *p) for i, p in enumerate(lo) if i not in test_ids and i not in valid_ids]
     for src, pairs in by_source.items():
         if src != "libreoffice":
-            train.extend(pairs)
+            train.extend((src, *p) for p in pairs)
     rng.shuffle(train)
-    for name, pairs in (("train", train), ("valid", valid), ("test", test)):
+    for name, rows in (("train", train), ("valid", valid), ("test", test)):
         with open(out / f"{name}.tsv", "w", encoding="utf-8") as f:
-            for en, de in pairs:
+            for _, en, de in rows:
                 f.write(f"{en}\t{de}\n")
+        # one source name a line, aligned with the .tsv: train.py --mix weights the sources by it
+        (out / f"{name}.source").write_text("".join(f"{src}\n" for src, _, _ in rows), encoding="utf-8")
     counts = {k: len(v) for k, v in by_source.items()}
     digest = hashlib.sha256((out / "test.tsv").read_bytes()).hexdigest()[:16]
     print(f"pairs by source {counts}; train {len(train)} valid {len(valid)} test {len(test)}; "
