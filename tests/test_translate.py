@@ -66,7 +66,7 @@ def test_speculative_equals_plain_and_n_best(pair, tmp_path):
     assert len(c) == 16 and all(" ||| " in x for x in c)
 
 
-def test_resume_after_ctrl_c_and_torn_journal_is_byte_identical(pair, tmp_path, monkeypatch):
+def test_resume_after_ctrl_c_and_torn_journal_is_byte_identical(pair, tmp_path, monkeypatch, capsys):
     from specbeam_edge.generate import Engine
 
     inp = tmp_path / "in.txt"
@@ -75,24 +75,27 @@ def test_resume_after_ctrl_c_and_torn_journal_is_byte_identical(pair, tmp_path, 
     assert run(pair, inp, full, "--batch_size", "4") == 0
     out = tmp_path / "out.txt"
     journal = out.with_name("out.txt.journal")
-    real, calls = Engine.generate, []
+    real = Engine.generate_iter
 
-    def interrupted(self, *a, **kw):        # Ctrl-C during the third batch
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real(self, *a, **kw)
+    def interrupted(self, *a, **kw):        # Ctrl-C after eight finished lines
+        for n, item in enumerate(real(self, *a, **kw)):
+            if n == 8:
+                raise KeyboardInterrupt
+            yield item
 
-    monkeypatch.setattr(Engine, "generate", interrupted)
+    monkeypatch.setattr(Engine, "generate_iter", interrupted)
     assert run(pair, inp, out, "--batch_size", "4") == 130
-    monkeypatch.setattr(Engine, "generate", real)
+    monkeypatch.setattr(Engine, "generate_iter", real)
+    assert "interrupted; finished lines are kept: rerun with --resume to continue" in capsys.readouterr().err
     assert journal.exists() and not out.exists()
-    assert journal.read_text().count("\n") == 1 + 8            # header + two batches of 4
+    assert journal.read_text().count("\n") == 1 + 8            # header + one record per finished line
     with open(journal, "a") as f:                                # and a record torn by a crash
-        f.write('{"i": 7, "ou')
-    with pytest.raises(SystemExit):                              # without --resume: refused, nothing lost
-        run(pair, inp, out, "--batch_size", "4")
+        f.write('0badc0de {"i": 7, "ou')
+    assert run(pair, inp, out, "--batch_size", "4") == 2        # without --resume: refused, nothing lost
+    assert "holds 8 finished line(s) of an interrupted run; pass --resume" in capsys.readouterr().err
     assert run(pair, inp, out, "--batch_size", "4", "--resume") == 0
+    err = capsys.readouterr().err
+    assert "dropped a torn tail of 1 record(s)" in err and "resuming, 8 lines already done" in err
     assert out.read_bytes() == full.read_bytes()
     assert not journal.exists()
 

@@ -2,26 +2,47 @@
 
     specbeam-translate -i input.en -o output.de --beam_size 4 --resume
 
-Reads stdin or -i, writes stdout or -o; logs and progress go to stderr. With -o, results are journalled
-(flushed and fsynced per batch) so an interrupted run continues with --resume, and the final file is written
-through a temporary file and renamed: byte-identical to an uninterrupted run.
+Reads stdin or -i, writes stdout or -o; logs, progress and the summary go to stderr. Lines are decoded in
+batches; each line is written as soon as it and every line before it are done (stdout is flushed per line, so
+an interrupt loses no finished line). With -o, every finished line is journalled (fsynced) as it completes, an
+interrupted run continues with --resume (the journal refuses a changed input or changed settings), and the
+final file is written through a temporary file and renamed: byte-identical to an uninterrupted run. A lock
+file (<output>.lock) keeps a second process off the same output. CRLF input is read as LF.
+Exit codes: 0 done, 1 failed (--on_error fail, I/O error while running), 2 usage or unusable input/model,
+130 interrupted (SIGINT), 143 terminated (SIGTERM).
 """
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
+import hashlib
 import os
+import json
+import signal
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
-from specbeam_edge.cli import DEFAULT_MODELS, add_memory_args, budget_arg, configs, engine_from_args
 from specbeam_edge.config import ModelFolderError
+from specbeam_edge.flags import (DEFAULT_MODELS, add_memory_args, budget_arg, engine_from_args, finite_float,
+                                 positive_int, speculative_config)
+
+from .journal import Journal, JournalError, OutputLock
+
+PROG = "specbeam-translate"
 
 
 class LineError(ValueError):
     pass
+
+
+class UsageError(Exception):
+    """Bad arguments or unusable input found after parsing: exit code 2, one line."""
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised like KeyboardInterrupt so finished lines are kept the same way."""
 
 
 _BREAKS = str.maketrans({c: " " for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"})
@@ -32,42 +53,55 @@ def one_line(text: str) -> str:
     return text.translate(_BREAKS)
 
 
-def parse_args(argv):
-    ap = argparse.ArgumentParser(prog="specbeam-translate", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=_Help)
     ap.add_argument("-i", "--input", default=None, help="input file, one sentence per line (default: stdin)")
     ap.add_argument("-o", "--output", default=None, help="output file (default: stdout)")
     ap.add_argument("--model", default=str(DEFAULT_MODELS / "ende" / "target"), help="target model folder")
     ap.add_argument("--draft", default=str(DEFAULT_MODELS / "ende" / "draft"),
                     help="draft model folder (speculative beam search); --no_draft for plain beam search")
     ap.add_argument("--no_draft", action="store_true", help="plain beam search")
-    ap.add_argument("--beam_size", type=int, default=4, help="beam width")
-    ap.add_argument("--n_best", type=int, default=1, help="hypotheses written per input line (each on its own line)")
+    ap.add_argument("--beam_size", type=positive_int, default=4, help="beam width")
+    ap.add_argument("--n_best", type=positive_int, default=1,
+                    help="hypotheses written per input line (each on its own line)")
     ap.add_argument("--with_score", action="store_true", help="write 'score ||| text'")
-    ap.add_argument("--batch_size", type=int, default=32, help="examples (or tokens) per batch")
+    ap.add_argument("--batch_size", type=positive_int, default=32,
+                    help="examples (or source tokens) decoded together")
     ap.add_argument("--batch_type", choices=("examples", "tokens"), default="examples",
                     help="batch_size counts examples or source tokens")
-    ap.add_argument("--max_decoding_length", type=int, default=200, help="maximum generated tokens per line")
-    ap.add_argument("--max_input_length", type=int, default=256, help="longer source lines (tokens) are errors")
-    ap.add_argument("--length_penalty", type=float, default=None, help="score = sum logp / length ** this")
+    ap.add_argument("--max_decoding_length", type=positive_int, default=200, help="maximum generated tokens per line")
+    ap.add_argument("--max_input_length", type=positive_int, default=256,
+                    help="longer source lines (tokens) are errors")
+    ap.add_argument("--length_penalty", type=finite_float, default=None,
+                    help="score = sum logp / length ** this (default: the model's)")
     ap.add_argument("--on_error", choices=("skip", "copy", "fail"), default="skip",
                     help="a bad line (invalid UTF-8, too long): write an empty line, copy the source, or stop")
     ap.add_argument("--resume", action="store_true", help="continue an interrupted run (needs -o)")
     ap.add_argument("--eval", default=None, metavar="REF", help="print BLEU and chrF against this reference file")
     s = ap.add_argument_group("speculation")
-    s.add_argument("--drafter", choices=("beam", "best_first", "lookup"), default=None,
-                   help="tree growth policy (default beam; lookup = prompt lookup, no draft model needed)")
+    s.add_argument("--drafter", choices=("beam", "best_first", "lookup"), default="beam",
+                   help="tree growth policy (lookup = prompt lookup, no draft model needed)")
     s.add_argument("--budget", type=budget_arg, default=48, help="draft tree nodes per target pass, or 'auto'")
-    s.add_argument("--max_depth", type=int, default=6, help="tree levels below each beam")
+    s.add_argument("--max_depth", type=positive_int, default=6, help="tree levels below each beam")
     s.add_argument("--always_speculate", action="store_true",
                    help="draft on every pass; by default the tool measures both ways and drafts only while it pays "
                         "(the translations are the same)")
-    s.add_argument("--max_branch_width", type=int, default=4, help="children per expanded draft node")
-    s.add_argument("--draft_width", type=int, default=None, help="draft beam width W (default max(K, branch))")
-    ap.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")
-    ap.add_argument("--stats", action="store_true", help="print aggregate statistics (JSON) to stderr")
-    ap.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    s.add_argument("--max_branch_width", type=positive_int, default=4, help="children per expanded draft node")
+    s.add_argument("--draft_width", type=positive_int, default=None,
+                   help="draft beam width W (default max(K, branch))")
+    ap.add_argument("--threads", type=positive_int, default=None, help="onnxruntime intra-op threads")
+    ap.add_argument("--stats", action="store_true", help="also print the aggregate statistics as JSON to stderr")
+    ap.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary line")
     add_memory_args(ap)
+    return ap
+
+
+def parse_args(argv):
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.resume and not args.output:
         ap.error("--resume needs -o/--output (the journal lives next to the output file)")
@@ -76,204 +110,253 @@ def parse_args(argv):
     return args
 
 
-class Journal:
-    """Append-only record of finished lines: one JSON object per line, fsynced per batch."""
-
-    def __init__(self, output: Path, resume: bool, meta: dict):
-        self.path = output.with_name(output.name + ".journal")
-        self.done: dict[int, list[str]] = {}
-        if self.path.exists():
-            if not resume:
-                raise SystemExit(f"specbeam-translate: {self.path} exists from an interrupted run; "
-                                 f"pass --resume to continue it, or delete it")
-            lines = self.path.read_bytes().split(b"\n")
-            head = json.loads(lines[0])
-            if head != meta:
-                raise SystemExit(f"specbeam-translate: {self.path} was written with other settings {head}; "
-                                 f"delete it to start over")
-            for raw in lines[1:]:
-                try:
-                    rec = json.loads(raw)
-                    self.done[rec["i"]] = rec["out"]
-                except (ValueError, KeyError):
-                    break  # a torn last record from a crash: that line is redone
-            self.f = open(self.path, "r+b")
-            valid = b"\n".join(lines[:1 + len(self.done)]) + b"\n"
-            self.f.truncate(len(valid))
-            self.f.seek(len(valid))
-        else:
-            self.f = open(self.path, "wb")
-            self.f.write(json.dumps(meta).encode() + b"\n")
-
-    def add(self, items: list[tuple[int, list[str]]]):
-        for i, out in items:
-            self.f.write(json.dumps({"i": i, "out": out}, ensure_ascii=False).encode() + b"\n")
-            self.done[i] = out
-        self.f.flush()
-        os.fsync(self.f.fileno())
-
-    def finish(self, output: Path, n: int):
-        tmp = output.with_name(output.name + ".tmp")
-        with open(tmp, "wb") as f:
-            for i in range(n):
-                for line in self.done[i]:
-                    f.write(line.encode("utf-8") + b"\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, output)
-        self.f.close()
-        self.path.unlink()
+def generation_overrides(args) -> dict:
+    """This tool's flags -> GenerationConfig overrides (the rest come from the model's defaults)."""
+    out = dict(num_beams=args.beam_size, num_return_sequences=args.n_best, max_new_tokens=args.max_decoding_length)
+    if args.length_penalty is not None:
+        out["length_penalty"] = args.length_penalty
+    return out
 
 
-def batches(items, size: int, by_tokens: bool):
-    """Group (index, ids) items, sorted by length inside a window of 8 batches; yields lists of items."""
-    window = max(1, size) * 8 if not by_tokens else 256
-    for w in range(0, len(items), window):
-        chunk = sorted(items[w:w + window], key=lambda it: len(it[1]))
-        cur, cur_tokens = [], 0
-        for it in chunk:
-            n = len(it[1]) if by_tokens else 1
-            if cur and cur_tokens + n > size:
-                yield cur
-                cur, cur_tokens = [], 0
-            cur.append(it)
-            cur_tokens += n
-        if cur:
-            yield cur
+def speculation(args):
+    if args.no_draft:
+        return None
+    return speculative_config(drafter=args.drafter, budget=args.budget, max_depth=args.max_depth,
+                              max_branch_width=args.max_branch_width, draft_width=args.draft_width,
+                              always_speculate=args.always_speculate)
 
 
-def progress(done, total, tokens, t0, quiet):
-    if quiet:
-        return
-    el = time.time() - t0
-    rate = tokens / el if el > 0 else 0.0
-    eta = (total - done) * el / done if done else 0.0
-    bar = "#" * int(30 * done / max(1, total))
-    print(f"\r[{bar:<30}] {done}/{total} lines  {rate:6.1f} tok/s  ETA {eta:5.0f}s", end="", file=sys.stderr,
-          flush=True)
+# -- input and output ---------------------------------------------------------------------------------------
+def read_input(args) -> bytes:
+    if args.input is None:
+        if sys.stdin is None:
+            raise UsageError("stdin is closed; pass -i FILE")
+        try:
+            return sys.stdin.buffer.read()
+        except OSError as e:
+            raise UsageError(f"cannot read stdin ({e.strerror or e}); pass -i FILE") from None
+    path = Path(args.input)
+    if path.is_dir():
+        raise UsageError(f"input {path} is a directory; pass a text file, one sentence per line")
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise UsageError(f"cannot read input {path}: {e.strerror}") from None
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    from specbeam_edge.generate import Stats
-
-    raw = Path(args.input).read_bytes() if args.input else sys.stdin.buffer.read()
+def split_lines(raw: bytes) -> list[bytes]:
+    """Lines as `wc -l` counts them; a CRLF (or a trailing CR) ends a line like LF: the CR never reaches
+    the model."""
     lines = raw.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()
-    try:
-        draft = None if args.no_draft else args.draft
-        engine = engine_from_args(args, args.model, draft)
-    except (ModelFolderError, ValueError) as e:
-        print(f"specbeam-translate: error: {e}", file=sys.stderr)
-        return 2
-    args.num_beams = args.beam_size
-    args.min_new_tokens = None
-    args.early_stopping = None
-    args.num_return_sequences = args.n_best
-    args.max_new_tokens = args.max_decoding_length
-    overrides, spec = configs(args)
-    tok = engine.tokenizer
+    return [b[:-1] if b.endswith(b"\r") else b for b in lines]
 
-    # validate every line first: bad lines are reported with their numbers and handled by --on_error
+
+def check_output(args) -> None:
+    """Fail before the model loads (seconds) rather than after the translation (minutes)."""
+    if args.output is None:
+        if sys.stdout is None:
+            raise UsageError("stdout is closed; pass -o FILE")
+        return
+    out = Path(args.output)
+    if out.is_dir():
+        raise UsageError(f"output {out} is a directory; pass a file path")
+    if not out.parent.is_dir():
+        raise UsageError(f"the output's directory {out.parent} does not exist; create it first")
+
+
+def settings(args, engine) -> dict:
+    """What decides the output's bytes (speculation knobs do not: the output is the same), for the journal."""
+    cfg = (Path(args.model) / "specbeam_config.json").read_bytes()
+    gen = asdict(engine.generation_config(**generation_overrides(args)))
+    gen["eos_token_id"] = list(gen["eos_token_id"]) if isinstance(gen["eos_token_id"], tuple) else gen["eos_token_id"]
+    return {"model": str(Path(args.model).resolve()), "model_config_sha256": hashlib.sha256(cfg).hexdigest(),
+            "generation": gen, "with_score": args.with_score, "max_input_length": args.max_input_length,
+            "on_error": args.on_error}
+
+
+class InOrder:
+    """Writes each input line's outputs as soon as it and all lines before it are done; flushes per line."""
+
+    def __init__(self, stream):
+        self.stream, self.next, self.pending = stream, 0, {}
+
+    def add(self, i: int, out: list[str]) -> None:
+        self.pending[i] = out
+        while self.next in self.pending:
+            for line in self.pending.pop(self.next):
+                self.stream.write(line.encode("utf-8") + b"\n")
+            self.stream.flush()
+            self.next += 1
+
+
+# -- the run ------------------------------------------------------------------------------------------------
+def prepare(args, engine, lines: list[bytes]):
+    """Validate every line first: returns (items to translate [(index, ids)], fixed outputs {index: lines},
+    number of bad lines); bad lines are reported with their numbers and handled by --on_error."""
+    tok, ctx = engine.tokenizer, engine.target.cfg.context_length
     items, fixed, bad = [], {}, 0
     for i, b in enumerate(lines):
         try:
             text = b.decode("utf-8")
-            ids = engine.encode(tok.format_prompt(text))
-            n_src = len(tok.encode(text))
-            if n_src > args.max_input_length:
-                raise LineError(f"{n_src} tokens, over --max_input_length {args.max_input_length}")
-            if len(ids) + 1 >= engine.target.cfg.context_length:
-                raise LineError(f"{len(ids)} prompt tokens, over the model's context {engine.target.cfg.context_length}")
             if not text.strip():
                 fixed[i] = [""] * args.n_best
                 continue
+            n_src = len(tok.encode(text))
+            if n_src > args.max_input_length:
+                raise LineError(f"{n_src} tokens, over --max_input_length {args.max_input_length}")
+            ids = engine.encode(tok.format_prompt(text))
+            if len(ids) + 1 >= ctx:
+                raise LineError(f"{len(ids)} prompt tokens, over the model's context {ctx}")
             items.append((i, ids))
         except (UnicodeDecodeError, LineError) as e:
             bad += 1
             why = "invalid UTF-8" if isinstance(e, UnicodeDecodeError) else str(e)
-            print(f"specbeam-translate: line {i + 1}: {why}", file=sys.stderr)
+            print(f"{PROG}: line {i + 1}: {why}", file=sys.stderr)
             if args.on_error == "fail":
-                print(f"specbeam-translate: stopping (--on_error fail)", file=sys.stderr)
-                return 1
+                return None, None, bad
             copy = one_line(b.decode("utf-8", errors="replace")) if args.on_error == "copy" else ""
             fixed[i] = [copy] * args.n_best
+    return items, fixed, bad
 
-    meta = {"input_lines": len(lines), "model": str(args.model), "draft": str(draft), "beam_size": args.beam_size,
-            "n_best": args.n_best, "with_score": args.with_score, "overrides": overrides,
-            "spec": None if spec is None else asdict(spec)}
-    journal = Journal(Path(args.output), args.resume, meta) if args.output else None
-    if journal:
-        todo = [it for it in items if it[0] not in journal.done]
-        if len(todo) < len(items):
-            print(f"specbeam-translate: resuming, {len(items) - len(todo)} lines already done", file=sys.stderr)
-    else:
-        todo = items
+
+def translate(args, engine, todo, on_line, progress):
+    """Decode `todo` [(index, ids)] in batches; on_line(index, outputs) as each line completes."""
+    from specbeam_edge.generate import Stats
+
     total = Stats()
-    results: dict[int, list[str]] = dict(fixed)
-    t0, done = time.time(), len(lines) - len(todo)
-    try:
-        for batch in batches(todo, args.batch_size, args.batch_type == "tokens"):
-            out = engine.generate([ids for _, ids in batch], speculative=spec, **overrides)
-            recs = []
-            for (i, _), res in zip(batch, out):
-                hyps = [f"{h.score:.4f} ||| {h.text}" if args.with_score else h.text for h in res.hypotheses]
-                hyps = [one_line(h) for h in hyps]
-                recs.append((i, hyps))
-                total.add(res.stats)
-            done += len(batch)
-            if journal:
-                journal.add(recs)
-            else:
-                results.update(recs)
-            progress(done, len(lines), total.generated_tokens, t0, args.quiet)
-    except KeyboardInterrupt:
-        print("\nspecbeam-translate: interrupted" + ("; rerun with --resume to continue" if journal else ""),
-              file=sys.stderr)
-        return 130
-    if not args.quiet:
-        print(file=sys.stderr)
-    if journal:
-        journal.add([(i, v) for i, v in fixed.items() if i not in journal.done])
-        journal.finish(Path(args.output), len(lines))
+    by_tokens = args.batch_type == "tokens"
+    results = engine.generate_iter([ids for _, ids in todo], speculative=speculation(args),
+                                   max_batch_size=args.batch_size if not by_tokens else max(1, len(todo)),
+                                   max_batch_tokens=args.batch_size if by_tokens else None,
+                                   **generation_overrides(args))
+    for k, res in results:
+        hyps = [f"{h.score:.4f} ||| {h.text}" if args.with_score else h.text for h in res.hypotheses]
+        on_line(todo[k][0], [one_line(h) for h in hyps])
+        total.add(res.stats)
+        progress.update(1)
+        progress.set_postfix_str(f"{total.generated_tokens} tok", refresh=False)
+    return total
+
+
+def summary(stats, lines: int, seconds: float) -> str:
+    tok = stats.generated_tokens
+    return (f"{PROG}: {lines} lines, {tok} tokens in {seconds:.1f} s ({lines / max(seconds, 1e-9):.2f} lines/s, "
+            f"{tok / max(seconds, 1e-9):.1f} tok/s); {stats.target_passes} target passes, "
+            f"{stats.beam_steps_per_pass:.2f} beam steps per pass")
+
+
+def run(args) -> int:
+    check_output(args)
+    lines = split_lines(read_input(args))
+    with OutputLock(Path(args.output)) if args.output else contextlib.nullcontext():
+        return run_locked(args, lines)
+
+
+def run_locked(args, lines: list[bytes]) -> int:
+    from tqdm import tqdm
+
+    engine = engine_from_args(args, args.model, None if args.no_draft else args.draft)
+    engine.generation_config(**generation_overrides(args))       # bad settings fail before any work
+    items, fixed, bad = prepare(args, engine, lines)
+    if items is None:
+        print(f"{PROG}: stopping (--on_error fail)", file=sys.stderr)
+        return 1
+    journal = writer = None
+    if args.output:
+        journal = Journal(Path(args.output), hashlib.sha256(b"\n".join(lines)).hexdigest(), settings(args, engine),
+                          args.resume)
+        for note in journal.notes:
+            print(f"{PROG}: {note}", file=sys.stderr)
     else:
-        for i in range(len(lines)):
-            for line in results[i]:
-                sys.stdout.write(line + "\n")
-        sys.stdout.flush()
-    total.seconds = time.time() - t0
+        writer = InOrder(sys.stdout.buffer)
+        for i, out in fixed.items():
+            writer.add(i, out)
+    todo = [it for it in items if not journal or it[0] not in journal.done]
+    if len(todo) < len(items):
+        print(f"{PROG}: resuming, {len(items) - len(todo)} lines already done", file=sys.stderr)
+    outputs: dict[int, list[str]] = dict(fixed) if writer else journal.done
+
+    def on_line(i, out):
+        if journal:
+            journal.add(i, out)
+        else:
+            outputs[i] = out
+            writer.add(i, out)
+
+    t0 = time.time()
+    progress = tqdm(total=len(lines), initial=len(lines) - len(todo), unit="line", file=sys.stderr,
+                    disable=args.quiet, dynamic_ncols=True)
+    try:
+        stats = translate(args, engine, todo, on_line, progress)
+    finally:
+        progress.close()
+    stats.seconds = time.time() - t0
+    if journal:
+        journal.done.update(fixed)
+        journal.finish(Path(args.output), len(lines))
     if bad:
-        print(f"specbeam-translate: {bad} bad line(s) handled by --on_error {args.on_error}", file=sys.stderr)
+        print(f"{PROG}: {bad} bad line(s) handled by --on_error {args.on_error}", file=sys.stderr)
+    if not args.quiet:
+        print(summary(stats, len(todo), stats.seconds), file=sys.stderr)
     if args.stats:
-        print(json.dumps(total.as_dict()), file=sys.stderr)
-    if args.eval:
-        return evaluate(args, lines, results if not journal else None)
-    return 0
+        print(json.dumps(stats.as_dict()), file=sys.stderr)
+    return evaluate(args, outputs, len(lines)) if args.eval else 0
 
 
-def evaluate(args, lines, results) -> int:
+def evaluate(args, outputs: dict[int, list[str]], n: int) -> int:
     try:
         import sacrebleu
     except ImportError:
-        print("specbeam-translate: --eval needs sacrebleu (pip install sacrebleu)", file=sys.stderr)
+        print(f"{PROG}: --eval needs sacrebleu (pip install sacrebleu)", file=sys.stderr)
         return 2
-    if results is None:
-        hyp = Path(args.output).read_text("utf-8").splitlines()
-    else:
-        hyp = [results[i][0] for i in range(len(lines))]
-    if args.n_best > 1:
-        hyp = hyp[:: args.n_best]
+    hyp = [outputs[i][0] for i in range(n)]
     if args.with_score:
         hyp = [h.split(" ||| ", 1)[-1] for h in hyp]
-    ref = Path(args.eval).read_text("utf-8").splitlines()
+    try:
+        ref = [line.decode("utf-8") for line in split_lines(Path(args.eval).read_bytes())]
+    except (OSError, UnicodeDecodeError) as e:
+        print(f"{PROG}: --eval: cannot read {args.eval} ({getattr(e, 'strerror', None) or e})", file=sys.stderr)
+        return 2
     if len(ref) != len(hyp):
-        print(f"specbeam-translate: --eval: {len(ref)} reference lines for {len(hyp)} outputs", file=sys.stderr)
+        print(f"{PROG}: --eval: {len(ref)} reference lines for {len(hyp)} outputs", file=sys.stderr)
         return 2
     bleu = sacrebleu.corpus_bleu(hyp, [ref])
     chrf = sacrebleu.corpus_chrf(hyp, [ref])
     print(f"BLEU {bleu.score:.2f}  chrF {chrf.score:.2f}", file=sys.stderr)
     return 0
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
+def main(argv=None) -> int:
+    """Every failure ends as one line on stderr and an exit code (see the module docstring)."""
+    args = parse_args(argv)
+    old = signal.signal(signal.SIGTERM, _terminate)
+    done_hint = "; finished lines are kept: rerun with --resume to continue" if args.output else ""
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        print(f"\n{PROG}: interrupted{done_hint}", file=sys.stderr)
+        return 130
+    except Terminated:
+        print(f"\n{PROG}: terminated{done_hint}", file=sys.stderr)
+        return 143
+    except (UsageError, JournalError, ModelFolderError, ValueError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:         # the reader went away (e.g. `| head`): nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # so the exit-time flush stays quiet
+        return 141
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename else ""
+        print(f"{PROG}: error: {e.strerror or e}{where}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 if __name__ == "__main__":

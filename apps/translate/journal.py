@@ -1,0 +1,164 @@
+"""The resume journal of the translate tool and the lock that keeps one writer per output file.
+
+Format (`<output>.journal`): a header line, then one record per finished input line, each
+`<crc32 as 8 hex digits> <json>\n`. The header (`{"journal": 1, "input_sha256": ..., "settings": {...}}`) is
+written to a temporary file, fsynced and renamed into place, so the journal is valid from its first byte. A
+record is valid only with its newline and a matching checksum: a crash mid-write leaves a torn tail, which
+resume cuts off (those lines are translated again).
+"""
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from pathlib import Path
+
+import filelock
+
+VERSION = 1
+
+
+class JournalError(Exception):
+    """The journal cannot be used as it is; the message says why and what to do."""
+
+
+def _line(obj) -> bytes:
+    body = json.dumps(obj, ensure_ascii=False, sort_keys=True).encode("utf-8")
+    return b"%08x %s\n" % (zlib.crc32(body), body)
+
+
+def _parse(raw: bytes):
+    """The object of one journal line, or None if the line is torn or corrupted."""
+    if not raw.endswith(b"\n") or len(raw) < 10 or raw[8:9] != b" ":
+        return None
+    body = raw[9:-1]
+    try:
+        if int(raw[:8], 16) != zlib.crc32(body):
+            return None
+        return json.loads(body)
+    except ValueError:
+        return None
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename durable (the directory entry is data too)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write through a temporary sibling, fsync, rename: readers see the old file or the whole new one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+
+
+class OutputLock:
+    """`<output>.lock`: one process writes an output (and its journal) at a time; the holder writes its pid
+    into the file so a refused second writer can name it. The file stays after release (removing a lock
+    file races with a process that is opening it)."""
+
+    def __init__(self, output: Path):
+        self.path = output.with_name(output.name + ".lock")
+        self.lock = filelock.FileLock(self.path, timeout=0)
+
+    def __enter__(self):
+        try:
+            self.lock.acquire()
+        except filelock.Timeout:
+            try:
+                holder = self.path.read_text().strip() or "another process"
+            except OSError:
+                holder = "another process"
+            raise JournalError(f"{self.path.with_suffix('')} is being written by {holder}; wait for it to finish "
+                               f"or write to another -o") from None
+        with open(self.path, "w") as f:
+            f.write(f"pid {os.getpid()}\n")
+        return self
+
+    def __exit__(self, *exc):
+        self.lock.release()
+
+
+class Journal:
+    """Finished lines of one output file: `done` maps input line index -> output lines."""
+
+    def __init__(self, output: Path, input_sha256: str, settings: dict, resume: bool):
+        self.path = output.with_name(output.name + ".journal")
+        self.header = {"journal": VERSION, "input_sha256": input_sha256, "settings": settings}
+        self.done: dict[int, list[str]] = {}
+        self.notes: list[str] = []
+        if self.path.exists() and self._load(resume):
+            self.f = open(self.path, "r+b")
+            self.f.seek(self.valid_bytes)
+            self.f.truncate()
+        else:
+            atomic_write(self.path, _line(self.header))
+            self.f = open(self.path, "ab")
+
+    def _load(self, resume: bool) -> bool:
+        """Read an existing journal; True to continue it, False to start over (it holds no work)."""
+        try:
+            raw = self.path.read_bytes()
+        except OSError as e:
+            raise JournalError(f"{self.path}: cannot be read ({e.strerror})") from None
+        lines = raw.splitlines(keepends=True)
+        head = _parse(lines[0]) if lines else None
+        if not isinstance(head, dict) or head.get("journal") != VERSION:
+            self.notes.append(f"{self.path} holds no usable header (an interrupted start); starting over")
+            return False
+        records = []
+        for line in lines[1:]:
+            rec = _parse(line)
+            if not (isinstance(rec, dict) and isinstance(rec.get("i"), int) and isinstance(rec.get("out"), list)):
+                break
+            records.append(rec)
+        if not records and not resume:
+            self.notes.append(f"{self.path} holds no finished lines; starting over")
+            return False
+        if not resume:
+            raise JournalError(f"{self.path} holds {len(records)} finished line(s) of an interrupted run; pass "
+                               f"--resume to continue it, or delete it to start over")
+        if head.get("input_sha256") != self.header["input_sha256"]:
+            raise JournalError(f"the input changed since the interrupted run ({self.path} was written for other "
+                               f"input); restore the input, or delete the journal to start over")
+        old = head.get("settings") or {}
+        changed = sorted(k for k in set(old) | set(self.header["settings"])
+                         if old.get(k) != self.header["settings"].get(k))
+        if changed:
+            diff = ", ".join(f"{k}: {old.get(k)!r} -> {self.header['settings'].get(k)!r}" for k in changed)
+            raise JournalError(f"{self.path} was written with other settings ({diff}); rerun with the same "
+                               f"settings, or delete the journal to start over")
+        self.done = {rec["i"]: rec["out"] for rec in records}
+        self.valid_bytes = sum(len(line) for line in lines[:1 + len(records)])
+        if len(lines) > 1 + len(records):
+            self.notes.append(f"{self.path}: dropped a torn tail of {len(lines) - 1 - len(records)} record(s) "
+                              f"(those lines are translated again)")
+        return True
+
+    def add(self, i: int, out: list[str]) -> None:
+        """Record one finished input line durably (written, flushed and fsynced before returning)."""
+        self.f.write(_line({"i": i, "out": out}))
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.done[i] = out
+
+    def finish(self, output: Path, n: int) -> None:
+        """Write the output file atomically from the records (in input order), then drop the journal."""
+        data = b"".join(line.encode("utf-8") + b"\n" for i in range(n) for line in self.done[i])
+        atomic_write(output, data)
+        self.f.close()
+        self.path.unlink()
+
+    def close(self) -> None:
+        self.f.close()
