@@ -1,28 +1,77 @@
 """specbeam chat: the desktop chat app (PySide6).
 
-    python -m apps.chat [--db PATH]
+    python -m apps.chat [--db PATH] [--settings PATH]
+
+On Linux, Qt's X11 plugin needs a few system libraries (Debian/Ubuntu: apt-get install libxcb-cursor0
+libxkbcommon-x11-0 libegl1 libgl1); without a display run it under `xvfb-run`, or set
+QT_QPA_PLATFORM=offscreen to render without showing anything.
 """
 import argparse
+import ctypes.util
+import os
+import re
 import sys
+
+# library (as ctypes.util.find_library names it) -> Debian/Ubuntu package
+XCB_LIBRARIES = {"xcb-cursor": "libxcb-cursor0", "xkbcommon-x11": "libxkbcommon-x11-0"}
+SONAME_PACKAGES = {"libEGL": "libegl1", "libGL": "libgl1", "libOpenGL": "libopengl0", "libxkbcommon": "libxkbcommon0",
+                   "libfontconfig": "libfontconfig1", "libdbus-1": "libdbus-1-3", "libglib-2.0": "libglib2.0-0"}
+
+
+def display_problem(environ=os.environ, platform=sys.platform, find_library=ctypes.util.find_library) -> str | None:
+    """Why Qt's X11 plugin would abort at start-up (it prints a hint and exits with SIGABRT), or None."""
+    qpa = environ.get("QT_QPA_PLATFORM", "")
+    if not platform.startswith("linux") or (qpa and not qpa.startswith("xcb")):
+        return None
+    if not qpa and environ.get("WAYLAND_DISPLAY"):
+        return None
+    missing = [pkg for lib, pkg in XCB_LIBRARIES.items() if find_library(lib) is None]
+    if missing:
+        return (f"Qt's X11 plugin needs system libraries that are not installed: {', '.join(missing)} "
+                f"(Debian/Ubuntu: sudo apt-get install {' '.join(missing)})")
+    if not environ.get("DISPLAY"):
+        return ("no display: DISPLAY is not set. Run the app in a desktop session, under `xvfb-run python -m "
+                "apps.chat`, or with QT_QPA_PLATFORM=offscreen (renders without showing a window)")
+    return None
+
+
+def import_problem(error: ImportError) -> str:
+    """PySide6 is missing, or a system library that Qt links against is (e.g. libEGL.so.1)."""
+    lib = re.search(r"(lib[\w.+-]+?)\.so", str(error))
+    if lib is None:
+        return f"the chat app needs PySide6: pip install -e '.[app]' ({error})"
+    pkg = SONAME_PACKAGES.get(lib.group(1))
+    hint = f" (Debian/Ubuntu: sudo apt-get install {pkg})" if pkg else ""
+    return f"Qt cannot load the system library {lib.group(1)}: {error}{hint}"
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m apps.chat", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--db", default=None, help="conversation database (default: the user's data folder)")
+    ap.add_argument("--settings", default=None,
+                    help="settings file (INI; default: Qt's per-user settings for specbeam-edge/chat)")
     args = ap.parse_args(argv)
     try:
+        from PySide6.QtCore import QSettings
         from PySide6.QtWidgets import QApplication
-    except ImportError:
-        print("the chat app needs PySide6: pip install -e '.[app]'", file=sys.stderr)
+    except ImportError as e:
+        print(f"specbeam chat: {import_problem(e)}", file=sys.stderr)
+        return 2
+    problem = display_problem()
+    if problem:
+        print(f"specbeam chat: {problem}", file=sys.stderr)
         return 2
     from .store import ChatStore
     from .window import ChatWindow
 
     app = QApplication(sys.argv[:1])
-    win = ChatWindow(ChatStore(args.db))
+    settings = QSettings(args.settings, QSettings.Format.IniFormat) if args.settings else None
+    win = ChatWindow(ChatStore(args.db), settings=settings)
     win.show()
-    return app.exec()
+    code = app.exec()
+    del win          # the window (and its thread) go before the application object
+    return code
 
 
 if __name__ == "__main__":

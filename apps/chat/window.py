@@ -1,89 +1,92 @@
-"""The chat window: streams the answer (the stable prefix of the beams) off the UI thread, Stop within one
-target pass, Regenerate, system prompt, model/draft pickers, decoding settings, and a status line."""
+"""The chat window: streams the answer (the stable prefix of the beams) off the UI thread as Markdown with the
+draft's characters highlighted, Stop within one target pass, Regenerate, system prompt, model/draft pickers,
+decoding settings (remembered in QSettings), and a status line."""
 from __future__ import annotations
 
-import html
 import time
 from pathlib import Path
 
-from PySide6.QtCore import QObject, Qt, QThread, Signal, Slot
+from PySide6.QtCore import QByteArray, QSettings, Qt, Signal
+from PySide6.QtGui import QTextCharFormat, QTextCursor
 from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog, QFormLayout, QHBoxLayout, QLabel,
                                QLineEdit, QListWidget, QListWidgetItem, QMainWindow, QMessageBox, QPlainTextEdit,
                                QPushButton, QSpinBox, QSplitter, QTextBrowser, QVBoxLayout, QWidget)
 
 from specbeam_edge import Engine, SpeculativeConfig
 
+from .render import CURSOR, insert_answer
 from .store import ChatStore
+from .worker import Answer, Generation
 
 DEFAULT_MODELS = Path(__file__).resolve().parents[2] / "models" / "ende"
+MODES = ("beam search (exact)", "beam sampling (DSBD)")
+NO_TEMPLATE = ("This model has no chat template: each message is sent alone in the model's prompt format, "
+               "so a system prompt would have no effect.")
 
 
-class Worker(QObject):
-    """Runs Engine.stream in a QThread; `stop` takes effect at the next target pass."""
-    chunk = Signal(str)
-    done = Signal(str, dict)
-    failed = Signal(str)
+def pair_name(model: str, draft: str) -> str:
+    """'ende (target + draft)' for a shipped pair; 'qwen + qwen-draft' for two unrelated folders."""
+    m = Path(model)
+    base = m.parent.name if m.name == "target" else m.name
+    if not draft:
+        return f"{base} (no draft)"
+    d = Path(draft)
+    return f"{base} ({m.name} + {d.name})" if d.parent == m.parent else f"{base} + {d.name}"
 
-    def __init__(self, engine, prompt, kwargs, spec):
-        super().__init__()
-        self.engine, self.prompt, self.kwargs, self.spec = engine, prompt, kwargs, spec
-        self.stop_requested = False
 
-    @Slot()
-    def run(self):
-        text, stats = "", {}
-        try:
-            for c in self.engine.stream(self.prompt, speculative=self.spec, **self.kwargs):
-                text += c.text
-                stats = c.stats.as_dict(per_step=True)
-                if c.result is not None:
-                    stats["tokens"] = c.result.hypotheses[0].tokens
-                if c.text:
-                    self.chunk.emit(c.text)
-                if self.stop_requested:
-                    stats["stopped"] = True
-                    break
-        except Exception as e:  # shown in the window, never a crash of the UI
-            self.failed.emit(f"{type(e).__name__}: {e}")
+class MessageEdit(QPlainTextEdit):
+    """The message box: Enter sends, Shift+Enter starts a new line."""
+    submitted = Signal()
+
+    def keyPressEvent(self, event):
+        enter = event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter)
+        if enter and not event.modifiers() & Qt.KeyboardModifier.ShiftModifier:
+            self.submitted.emit()
             return
-        self.done.emit(text, stats)
+        super().keyPressEvent(event)
 
 
 class ChatWindow(QMainWindow):
-    def __init__(self, store: ChatStore | None = None, engine_factory=Engine):
+    def __init__(self, store: ChatStore | None = None, engine_factory=Engine, settings: QSettings | None = None):
         super().__init__()
         self.store = store or ChatStore()
-        self.engine_factory, self.engine = engine_factory, None
-        self.thread = self.worker = None
-        self.partial = ""
+        self.settings = settings or QSettings("specbeam-edge", "chat")
+        self.engine_factory, self.engine, self.engine_name = engine_factory, None, ""
+        self.gen: Generation | None = None
+        self.partial = Answer()
+        self._answer_at = 0            # document position where the streaming answer starts
         self.setWindowTitle("specbeam chat")
         self.resize(980, 640)
         self._build()
+        self._restore_settings()
         self._load_conversations()
         self.load_models()
+        self.input.setFocus()
 
     # -- layout ----------------------------------------------------------------------------------------------
     def _build(self):
         self.convs = QListWidget()
-        self.convs.currentItemChanged.connect(lambda *_: self._show_conversation())
+        self.convs.currentItemChanged.connect(self._show_conversation)
         new_btn = QPushButton("New chat")
         new_btn.clicked.connect(self.new_chat)
         export_btn = QPushButton("Export Markdown…")
-        export_btn.clicked.connect(self.export_markdown)
+        export_btn.clicked.connect(self._export_clicked)
         left = QVBoxLayout()
         for w in (new_btn, self.convs, export_btn):
             left.addWidget(w)
         self.transcript = QTextBrowser()
+        self.transcript.setOpenExternalLinks(True)
         self.system = QLineEdit()
         self.system.setPlaceholderText("System prompt (optional)")
         self.system.editingFinished.connect(self._save_system)
-        self.input = QPlainTextEdit()
-        self.input.setPlaceholderText("Type a message…")
+        self.input = MessageEdit()
+        self.input.setPlaceholderText("Type a message… (Enter sends, Shift+Enter adds a line)")
         self.input.setMaximumHeight(90)
+        self.input.submitted.connect(self.send)
         self.send_btn, self.stop_btn, self.regen_btn = QPushButton("Send"), QPushButton("Stop"), QPushButton("Regenerate")
-        self.send_btn.clicked.connect(self.send)
-        self.stop_btn.clicked.connect(self.stop)
-        self.regen_btn.clicked.connect(self.regenerate)
+        for b, slot in ((self.send_btn, self.send), (self.stop_btn, self.stop), (self.regen_btn, self.regenerate)):
+            b.clicked.connect(slot)
+            b.setFocusPolicy(Qt.FocusPolicy.TabFocus)   # a click leaves the focus in the message box
         self.stop_btn.setEnabled(False)
         buttons = QHBoxLayout()
         for b in (self.send_btn, self.stop_btn, self.regen_btn):
@@ -92,29 +95,38 @@ class ChatWindow(QMainWindow):
         for w in (self.system, self.transcript, self.input):
             center.addWidget(w)
         center.addLayout(buttons)
-        # settings
-        self.model_edit = QLineEdit(self.store.get("model", str(DEFAULT_MODELS / "target")))
-        self.draft_edit = QLineEdit(self.store.get("draft", str(DEFAULT_MODELS / "draft")))
+        self.split = QSplitter()
+        for layout in (left, center, self._build_settings()):
+            w = QWidget()
+            w.setLayout(layout)
+            self.split.addWidget(w)
+        self.split.setSizes([200, 560, 280])
+        self.setCentralWidget(self.split)
+        self.status = QLabel("")
+        self.statusBar().addWidget(self.status)
+
+    def _build_settings(self) -> QFormLayout:
+        self.model_edit, self.draft_edit = QLineEdit(), QLineEdit()
         pick_m, pick_d = QPushButton("…"), QPushButton("…")
-        pick_m.clicked.connect(lambda: self._pick(self.model_edit))
-        pick_d.clicked.connect(lambda: self._pick(self.draft_edit))
+        pick_m.clicked.connect(self._pick_model)
+        pick_d.clicked.connect(self._pick_draft)
         load_btn = QPushButton("Load models")
         load_btn.clicked.connect(self.load_models)
+        self.pair = QLabel("no model loaded")
+        self.speculate = QCheckBox("Speculate with the draft model")
+        self.speculate.setToolTip("Off: plain beam search on the target alone (same output, for comparison)")
         self.mode = QComboBox()
-        self.mode.addItems(["beam search (exact)", "beam sampling (DSBD)"])
+        self.mode.addItems(MODES)
+        self.mode.currentIndexChanged.connect(self._mode_changed)
         self.beams, self.budget, self.max_new = QSpinBox(), QSpinBox(), QSpinBox()
         self.beams.setRange(1, 16)
-        self.beams.setValue(4)
         self.budget.setRange(1, 1024)
-        self.budget.setValue(48)
         self.max_new.setRange(1, 1024)
-        self.max_new.setValue(128)
-        self.highlight = QCheckBox("Highlight tokens from the draft")
-        self.highlight.setChecked(True)
-        self.highlight.toggled.connect(lambda *_: self._show_conversation())
         self.temperature = QDoubleSpinBox()
         self.temperature.setRange(0.05, 5.0)
-        self.temperature.setValue(1.0)
+        self.temperature.setSingleStep(0.05)
+        self.highlight = QCheckBox("Highlight text from the draft")
+        self.highlight.toggled.connect(self._show_conversation)
         form = QFormLayout()
         for label, w, btn in (("Model", self.model_edit, pick_m), ("Draft", self.draft_edit, pick_d)):
             row = QHBoxLayout()
@@ -122,48 +134,91 @@ class ChatWindow(QMainWindow):
             row.addWidget(btn)
             form.addRow(label, row)
         form.addRow("", load_btn)
+        form.addRow("Loaded", self.pair)
+        form.addRow("", self.speculate)
         form.addRow("Mode", self.mode)
         form.addRow("Beams", self.beams)
         form.addRow("Tree budget", self.budget)
         form.addRow("Max new tokens", self.max_new)
         form.addRow("Temperature", self.temperature)
         form.addRow("", self.highlight)
-        split = QSplitter()
-        for layout in (left, center, form):
-            w = QWidget()
-            w.setLayout(layout)
-            split.addWidget(w)
-        split.setSizes([200, 560, 280])
-        self.setCentralWidget(split)
-        self.status = QLabel("")
-        self.statusBar().addWidget(self.status)
+        return form
+
+    def _pick_model(self):
+        self._pick(self.model_edit)
+
+    def _pick_draft(self):
+        self._pick(self.draft_edit)
 
     def _pick(self, edit: QLineEdit):
         folder = QFileDialog.getExistingDirectory(self, "Model folder", edit.text())
         if folder:
             edit.setText(folder)
 
+    def _mode_changed(self, index: int):
+        self.temperature.setEnabled(index == 1)     # exact beam search has no temperature
+
+    # -- settings (QSettings: the platform's usual place) --------------------------------------------------
+    def _restore_settings(self):
+        s = self.settings
+        self.model_edit.setText(str(s.value("model", DEFAULT_MODELS / "target")))
+        self.draft_edit.setText(str(s.value("draft", DEFAULT_MODELS / "draft")))
+        self.mode.setCurrentIndex(int(s.value("mode", 0)))
+        self.beams.setValue(int(s.value("beams", 4)))
+        self.budget.setValue(int(s.value("budget", 48)))
+        self.max_new.setValue(int(s.value("max_new_tokens", 128)))
+        self.temperature.setValue(float(s.value("temperature", 1.0)))
+        self.highlight.setChecked(_bool(s.value("highlight", True)))
+        self.speculate.setChecked(_bool(s.value("speculate", True)))
+        self._mode_changed(self.mode.currentIndex())
+        if isinstance(s.value("geometry"), QByteArray):
+            self.restoreGeometry(s.value("geometry"))
+            self.split.restoreState(s.value("splitter"))
+
+    def save_settings(self):
+        s = self.settings
+        for key, value in (("mode", self.mode.currentIndex()), ("beams", self.beams.value()),
+                           ("budget", self.budget.value()), ("max_new_tokens", self.max_new.value()),
+                           ("temperature", self.temperature.value()), ("highlight", self.highlight.isChecked()),
+                           ("speculate", self.speculate.isChecked()), ("geometry", self.saveGeometry()),
+                           ("splitter", self.split.saveState())):
+            s.setValue(key, value)
+        s.sync()
+
     # -- models ----------------------------------------------------------------------------------------------
     def load_models(self) -> bool:
+        """Load the folders in the Model/Draft fields; on failure the models loaded before stay in use."""
         model, draft = self.model_edit.text().strip(), self.draft_edit.text().strip()
+        self.status.setText(f"loading {pair_name(model, draft)}…")
         try:
-            self.engine = self.engine_factory(model, draft=draft or None)
+            engine = self.engine_factory(model, draft=draft or None)
         except Exception as e:
-            self.engine = None
-            QMessageBox.critical(self, "Cannot load the model", f"Folder: {model}\n\n{e}")
-            self.status.setText("no model loaded")
+            kept = f"Still using {self.engine_name}." if self.engine else "No model is loaded."
+            QMessageBox.critical(self, "Cannot load the models", f"{e}\n\n{kept}")
+            self.status.setText(f"could not load {pair_name(model, draft)}; "
+                                + (f"still using {self.engine_name}" if self.engine else "no model loaded"))
             return False
-        self.store.put("model", model)
-        self.store.put("draft", draft)
-        self.status.setText(f"loaded {Path(model).name}" + (f" + draft {Path(draft).name}" if draft else ""))
+        self.engine, self.engine_name = engine, pair_name(model, draft)
+        self.settings.setValue("model", model)
+        self.settings.setValue("draft", draft)
+        self.pair.setText(self.engine_name)
+        self.speculate.setEnabled(engine.draft is not None)
+        self._template_changed()
+        self.status.setText(f"ready: {self.engine_name}")
         return True
+
+    def _template_changed(self):
+        has = bool(self.engine.tokenizer.chat_template)
+        self.system.setEnabled(has)
+        self.system.setToolTip("" if has else NO_TEMPLATE)
+        self.system.setPlaceholderText("System prompt (optional)" if has else NO_TEMPLATE)
 
     # -- conversations ---------------------------------------------------------------------------------------
     def _load_conversations(self):
         self.convs.clear()
         for cid, title in self.store.conversations():
             item = QListWidgetItem(title)
-            item.setData(Qt.UserRole, cid)
+            item.setData(Qt.ItemDataRole.UserRole, cid)
             self.convs.addItem(item)
         if self.convs.count() == 0:
             self.new_chat()
@@ -171,46 +226,60 @@ class ChatWindow(QMainWindow):
             self.convs.setCurrentRow(0)
 
     def current(self) -> int:
-        return self.convs.currentItem().data(Qt.UserRole)
+        return self.convs.currentItem().data(Qt.ItemDataRole.UserRole)
 
     def new_chat(self):
         cid = self.store.new_conversation()
         item = QListWidgetItem("New chat")
-        item.setData(Qt.UserRole, cid)
+        item.setData(Qt.ItemDataRole.UserRole, cid)
         self.convs.insertItem(0, item)
         self.convs.setCurrentRow(0)
+        self.input.setFocus()
 
     def _save_system(self):
         if self.convs.currentItem():
             self.store.set_system(self.current(), self.system.text())
 
-    def _show_conversation(self):
+    def _show_conversation(self, *_):
         if not self.convs.currentItem():
             return
         cid = self.current()
         self.system.setText(self.store.system(cid))
-        parts = []
+        self.transcript.clear()
+        cursor = QTextCursor(self.transcript.document())
         for m in self.store.messages(cid):
-            who = "You" if m["role"] == "user" else "Assistant"
-            parts.append(f"<p><b>{who}:</b> {self._render(m)}</p>")
-        if self.partial:
-            parts.append(f"<p><b>Assistant:</b> {html.escape(self.partial)}▌</p>")
-        self.transcript.setHtml("".join(parts))
+            self._insert_message(cursor, m["role"], m["content"], (m["stats"] or {}).get("draft_spans", []))
+        self._answer_at = cursor.position()
+        if self.gen is not None and self.gen_conv == cid:
+            self._show_partial()
+        self._scroll_to_end()
 
-    def _render(self, m: dict) -> str:
-        """Assistant text with the tokens that came from the draft tree highlighted (when known)."""
-        st = m.get("stats") or {}
-        toks, flags = st.get("tokens"), st.get("from_draft")
-        if not (toks and flags and self.engine and self.highlight.isChecked()) or st.get("stopped"):
-            return html.escape(m["content"])
-        dec, out, prev = self.engine.tokenizer.decode_stable, [], ""
-        for i in range(len(toks)):
-            cur = dec(toks[: i + 1])
-            piece = html.escape(cur[len(prev):])
-            prev = cur
-            drafted = i < len(flags) and flags[i]
-            out.append(f'<span style="background:#d8f0d8">{piece}</span>' if drafted and piece else piece)
-        return "".join(out)
+    def _insert_message(self, cursor: QTextCursor, role: str, text: str, spans: list):
+        if cursor.position() > 0:
+            cursor.insertBlock()
+        cursor.insertHtml("<b>You:</b>" if role == "user" else "<b>Assistant:</b>")
+        cursor.insertBlock()
+        cursor.setCharFormat(QTextCharFormat())    # the header's bold stops here
+        if role == "user":
+            cursor.insertText(text)          # what was typed, as typed
+        else:
+            insert_answer(cursor, text, spans, self.highlight.isChecked())
+
+    def _show_partial(self):
+        """Replace the streaming answer at the end of the transcript with its latest text."""
+        doc = self.transcript.document()
+        cursor = QTextCursor(doc)
+        cursor.setPosition(min(self._answer_at, doc.characterCount() - 1))
+        cursor.movePosition(QTextCursor.MoveOperation.End, QTextCursor.MoveMode.KeepAnchor)
+        cursor.removeSelectedText()
+        self._insert_message(cursor, "assistant", self.partial.text + CURSOR, self.partial.spans)
+
+    def _scroll_to_end(self):
+        bar = self.transcript.verticalScrollBar()
+        bar.setValue(bar.maximum())
+
+    def _export_clicked(self):
+        self.export_markdown()
 
     def export_markdown(self, path: str | None = None):
         path = path or QFileDialog.getSaveFileName(self, "Export", "chat.md", "Markdown (*.md)")[0]
@@ -224,11 +293,12 @@ class ChatWindow(QMainWindow):
         if tok.chat_template:
             system = self.store.system(cid)
             return tok.apply_chat_template(([{"role": "system", "content": system}] if system else []) + msgs)
-        return tok.format_prompt(msgs[-1]["content"])   # a translation model: translate the last message
+        return tok.format_prompt(msgs[-1]["content"])   # e.g. a translation model: the last message alone
 
     def send(self):
         text = self.input.toPlainText().strip()
-        if not text or self.thread is not None:
+        self.input.setFocus()
+        if not text or self.gen is not None:
             return
         cid = self.current()
         if not self.store.messages(cid):
@@ -239,7 +309,8 @@ class ChatWindow(QMainWindow):
         self._generate(cid)
 
     def regenerate(self):
-        if self.thread is not None:
+        self.input.setFocus()
+        if self.gen is not None:
             return
         cid = self.current()
         msgs = self.store.messages(cid)
@@ -250,60 +321,93 @@ class ChatWindow(QMainWindow):
 
     def _generate(self, cid: int):
         if self.engine is None and not self.load_models():
+            self._show_conversation()
             return
         sample = self.mode.currentIndex() == 1
-        kwargs = dict(num_beams=self.beams.value(), max_new_tokens=self.max_new.value(), do_sample=sample,
-                      temperature=self.temperature.value(), seed=int(time.time()) if sample else None)
+        kwargs = dict(num_beams=self.beams.value(), max_new_tokens=self.max_new.value(), do_sample=sample)
+        if sample:
+            kwargs.update(temperature=self.temperature.value(), seed=int(time.time()))
         spec = None
-        if self.engine.draft is not None:
+        if self.engine.draft is not None and self.speculate.isChecked():
             spec = SpeculativeConfig(drafter="sample" if sample else "beam",
                                      budget=max(self.budget.value(), self.beams.value()), adaptive=True)
-        self.partial = ""
-        self.worker = Worker(self.engine, self._prompt(cid), kwargs, spec)
-        self.thread = QThread()
-        self.worker.moveToThread(self.thread)
-        self.thread.started.connect(self.worker.run)
-        self.worker.chunk.connect(self._on_chunk)
-        self.gen_conv = cid
-        self.worker.done.connect(self._on_done)      # bound slots: queued to the UI thread
-        self.worker.failed.connect(self._on_failed)
-        self.send_btn.setEnabled(False)
-        self.regen_btn.setEnabled(False)
-        self.stop_btn.setEnabled(True)
-        self.status.setText("generating…")
-        self.thread.start()
+        self.save_settings()
+        self.gen_conv, self.partial = cid, Answer()
+        self.gen = Generation(self.engine, self._prompt(cid), kwargs, spec, self.engine_name)
+        self.gen.progress.connect(self._on_progress)
+        self.gen.answered.connect(self._on_answered)
+        self._show_conversation()
+        self._set_busy(True)
+        self.status.setText(f"generating with {self.engine_name}" + ("" if spec else " (no speculation)") + "…")
+        self.gen.start()
+
+    def _set_busy(self, busy: bool):
+        self.send_btn.setEnabled(not busy)
+        self.regen_btn.setEnabled(not busy)
+        self.stop_btn.setEnabled(busy)
 
     def stop(self):
-        if self.worker is not None:
-            self.worker.stop_requested = True
+        self.input.setFocus()
+        if self.gen is not None:
+            self.gen.stop()
+            self.status.setText("stopping after this target pass…")
 
-    @Slot(str)
-    def _on_chunk(self, text: str):
-        self.partial += text
+    def _on_progress(self, text: str, spans: list):
+        if self.gen is None:
+            return
+        self.partial = Answer(text, spans)
+        if self.convs.currentItem() and self.current() == self.gen_conv:
+            self._show_partial()
+            self._scroll_to_end()
+
+    def _on_answered(self):
+        if self.gen is None:                   # already collected (the window was closed meanwhile)
+            return
+        self._collect()
         self._show_conversation()
 
-    def _finish(self):
-        self.thread.quit()
-        self.thread.wait()
-        self.thread = self.worker = None
-        self.partial = ""
-        self.send_btn.setEnabled(True)
-        self.regen_btn.setEnabled(True)
-        self.stop_btn.setEnabled(False)
+    def _collect(self) -> Answer:
+        """Wait for the generation thread, store its answer (also a stopped or failed one's partial text)."""
+        gen, self.gen = self.gen, None
+        gen.wait()
+        answer, self.partial = gen.answer, Answer()
+        self._set_busy(False)
+        if answer.text:
+            stats = dict(answer.stats, draft_spans=answer.spans)
+            if answer.error:
+                stats["error"] = answer.error
+            self.store.add(self.gen_conv, "assistant", answer.text, stats)
+        if answer.error:
+            self.status.setText("generation failed")
+            QMessageBox.warning(self, "Generation failed", answer.error)
+        else:
+            self.status.setText(status_text(answer.stats))
+        return answer
 
-    @Slot(str, dict)
-    def _on_done(self, text: str, stats: dict):
-        self._finish()
-        self.store.add(self.gen_conv, "assistant", text, stats)
-        self._show_conversation()
-        flags = stats.get("from_draft") or []
-        share = sum(flags) / max(1, len(flags))          # beam steps whose tokens the draft tree supplied
-        self.status.setText(f"{stats.get('tokens_per_second', 0):.1f} tok/s · "
-                            f"{stats.get('beam_steps_per_pass', 0):.2f} beam steps/pass · "
-                            f"draft share {share:.0%}" + (" · stopped" if stats.get("stopped") else ""))
+    def closeEvent(self, event):
+        """Stop a running answer and keep what was streamed, remember the settings, close the database."""
+        if self.gen is not None:
+            self.gen.stop()
+            self._collect()
+        self.save_settings()
+        self.store.close()
+        super().closeEvent(event)
 
-    @Slot(str)
-    def _on_failed(self, message: str):
-        self._finish()
-        QMessageBox.warning(self, "Generation failed", message)
-        self.status.setText("generation failed")
+
+def status_text(stats: dict) -> str:
+    """One line about the last answer, with the numbers it really had (a stopped answer counts its tokens)."""
+    n, tps = stats.get("generated_tokens", 0), stats.get("tokens_per_second", 0.0)
+    parts = [f"{n} tokens in {stats.get('wall_seconds', 0):.1f} s ({tps:.1f} tok/s)"]
+    if stats.get("speculative"):
+        steps = max(1, stats.get("beam_steps", 0))
+        parts += [f"{stats.get('beam_steps_per_pass', 0):.2f} beam steps per target pass",
+                  f"draft supplied {stats.get('steps_from_draft', 0) / steps:.0%} of steps"]
+    else:
+        parts.append("no speculation")
+    text = " · ".join(parts)
+    return f"stopped after {text}" if stats.get("stopped") else text
+
+
+def _bool(value) -> bool:
+    """QSettings' INI files give booleans back as the strings 'true'/'false'."""
+    return value if isinstance(value, bool) else str(value).lower() == "true"

@@ -1,0 +1,105 @@
+"""Answers as Markdown in the transcript, with the characters that came from the draft tree highlighted.
+
+Draft marks are stored as character spans of the answer's own text, so an answer renders the same after a
+restart or a model switch: nothing is re-tokenised at display time.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from PySide6.QtGui import QColor, QTextCharFormat, QTextCursor
+
+DRAFT_COLOUR = QColor("#d8f0d8")
+CURSOR = "▌"                     # shown at the end of an answer that is still streaming
+_FENCE = ("```", "~~~")
+_SEPARATORS = "\u2029\u2028\ufffc"   # block/line separators and objects in QTextDocument text: no source char
+_LOOKAHEAD = 200                 # markup skipped between two shown characters (a link's URL) stays below this
+
+
+def draft_spans(decode: Callable[[list[int]], str], tokens: Sequence[int], flags: Sequence[bool],
+                offset: int = 0) -> list[list[int]]:
+    """[start, end) character spans of decode(tokens) covered by tokens whose flag is set, shifted by offset.
+    flags[i] belongs to tokens[i] (beam step i produced token i of the answer); missing flags count as False."""
+    spans, prev = [], 0
+    for i in range(len(tokens)):
+        end = len(decode(list(tokens[: i + 1])))
+        if i < len(flags) and flags[i] and end > prev:
+            if spans and spans[-1][1] == offset + prev:
+                spans[-1][1] = offset + end
+            else:
+                spans.append([offset + prev, offset + end])
+        prev = max(prev, end)
+    return spans
+
+
+def char_flags(text: str, spans: Sequence[Sequence[int]]) -> list[bool]:
+    flags = [False] * len(text)
+    for start, end in spans:
+        for i in range(max(0, start), min(end, len(text))):
+            flags[i] = True
+    return flags
+
+
+def hard_breaks(text: str, flags: list[bool]) -> tuple[str, list[bool]]:
+    """Single newlines outside code fences become Markdown hard breaks: a model's line-per-item output (code
+    without fences, short lists) keeps its lines instead of running together into one paragraph."""
+    out, out_flags, in_fence = [], [], False
+    lines = text.split("\n")
+    pos = 0
+    for n, line in enumerate(lines):
+        out.append(line)
+        out_flags += flags[pos:pos + len(line)]
+        pos += len(line)
+        if line.lstrip().startswith(_FENCE):
+            in_fence = not in_fence
+        if n < len(lines) - 1:
+            brk = "\n" if in_fence or not line.strip() else "  \n"
+            out.append(brk)
+            out_flags += [flags[pos]] * len(brk)
+            pos += 1
+    return "".join(out), out_flags
+
+
+def insert_answer(cursor: QTextCursor, text: str, spans: Sequence[Sequence[int]], highlight: bool) -> None:
+    """Insert `text` as Markdown at the cursor and paint the characters inside `spans`."""
+    source, flags = hard_breaks(text, char_flags(text, spans))
+    start = cursor.position()
+    cursor.insertMarkdown(source)
+    end = cursor.position()
+    if not highlight or not any(flags):
+        return
+    cursor.setPosition(start)
+    cursor.setPosition(end, QTextCursor.MoveMode.KeepAnchor)
+    shown = cursor.selectedText()
+    fmt = QTextCharFormat()
+    fmt.setBackground(DRAFT_COLOUR)
+    for a, b in _runs(_align(shown, source, flags)):
+        cursor.setPosition(start + a)
+        cursor.setPosition(start + b, QTextCursor.MoveMode.KeepAnchor)
+        cursor.mergeCharFormat(fmt)
+    cursor.setPosition(end)
+
+
+def _align(shown: str, source: str, flags: list[bool]) -> list[bool]:
+    """Flags of the shown characters: Markdown drops markup but keeps the order of the text, so each shown
+    character is the next equal character of the source (separators have none)."""
+    out, p = [], 0
+    for ch in shown:
+        j = -1 if ch in _SEPARATORS else source.find(ch, p, p + _LOOKAHEAD)
+        if j < 0:
+            out.append(False)
+            continue
+        out.append(flags[j])
+        p = j + 1
+    return out
+
+
+def _runs(flags: list[bool]) -> list[tuple[int, int]]:
+    runs, start = [], None
+    for i, f in enumerate(flags + [False]):
+        if f and start is None:
+            start = i
+        elif not f and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
