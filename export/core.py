@@ -1,6 +1,7 @@
 """Export a local Hugging Face folder to a specbeam model folder (DESIGN sections 3-5)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import shutil
@@ -97,6 +98,13 @@ def _write_layer_weights(folder: Path, layers: list[dict], arch: Arch, precision
     return manifest
 
 
+def _layer_checksums(folder: Path, num_layers: int) -> list[str]:
+    """SHA-256 of each weights/layer_{i}.bin: the runtime verifies a file once, when it first reads it, so
+    corrupted bytes of the right size fail loudly instead of giving fluent wrong text."""
+    return [hashlib.sha256((folder / "weights" / f"layer_{i}.bin").read_bytes()).hexdigest()
+            for i in range(num_layers)]
+
+
 def export(src: str | Path, dst: str | Path, *, precision: str = "fp32", layout: str = "whole",
            output: str = "logits", overwrite: bool = False, block_size: int = 32, quiet: bool = False) -> Path:
     """Export the HF folder `src` into the specbeam model folder `dst`; returns dst.
@@ -153,6 +161,7 @@ def export(src: str | Path, dst: str | Path, *, precision: str = "fp32", layout:
             files.update(embed="embed.onnx", layer="layer.onnx", head="head.onnx",
                          layer_weights="weights/layer_{i}.bin")
             files["layer_manifest"] = _write_layer_weights(tmp, layers, arch, precision)
+            files["layer_sha256"] = _layer_checksums(tmp, arch.layers)
             if precision == "int8":
                 quant = {"method": "specbeam per-channel symmetric int8 (DequantizeLinear + MatMul)",
                          "weight_type": "int8", "per_channel": True}

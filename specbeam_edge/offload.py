@@ -5,10 +5,19 @@ Each decoder layer's weights live in `weights/layer_{i}.bin`. A placement plan p
 GPU provider uses), or `disk` (read from the file per pass, its page-cache pages dropped after the read, so
 the memory budget really holds). Streamed layers go through two buffers: while layer i computes, a
 background thread loads the next streamed layer into the other buffer.
+
+Integrity: each layer file's SHA-256 (files.layer_sha256 in specbeam_config.json) is verified once per file,
+the first time it is read (at load for resident and host layers, on its first stream for disk layers), and
+every streamed read checks the file's size: a corrupted or truncated file fails with its name instead of
+giving fluent wrong text. Threads: a lock guards the prefetch bookkeeping; one forward pass at a time owns the
+two stream buffers (OnnxCausalLM serialises its streamed passes).
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -87,17 +96,23 @@ def _aligned(nbytes: int) -> np.ndarray:
 class LayerStore:
     """Serves each layer's weights as {name: array}; streams non-resident layers through two buffers."""
 
-    def __init__(self, folder: Path, pattern: str, manifest: list[dict], placement: Placement, device: str = "cpu"):
+    def __init__(self, folder: Path, pattern: str, manifest: list[dict], placement: Placement, device: str = "cpu",
+                 checksums: list[str] | None = None):
         """device 'cuda': resident layers become device OrtValues once; streamed layers are copied to the
-        device by the background thread (the host->device transfer overlaps the previous layer's compute)."""
+        device by the background thread (the host->device transfer overlaps the previous layer's compute).
+        checksums: hex SHA-256 per layer file (default: files.layer_sha256 of the folder's config; exports
+        older than the checksums have none and are checked for size only)."""
         self.manifest, self.placement, self.device = manifest, placement, device
         self.nbytes = max(m["offset"] + int(np.prod(m["shape"])) * np.dtype(m["dtype"]).itemsize for m in manifest)
         self.paths = [folder / pattern.format(i=i) for i in range(len(placement.places))]
+        self.checksums = checksums if checksums is not None else _config_checksums(folder)
+        self.unverified = set(range(len(self.paths))) if self.checksums else set()
         for p in self.paths:
             if not p.is_file():
                 raise ModelFolderError(f"{p}: layer weight file is missing")
             if p.stat().st_size < self.nbytes:
                 raise ModelFolderError(f"{p}: truncated ({p.stat().st_size} bytes, the manifest needs {self.nbytes})")
+        self.lock = threading.Lock()      # pending and stats: the compute thread and the loader both touch them
         self.stats = OffloadStats()
         self.direct = hasattr(os, "O_DIRECT")      # all buffers below are page-aligned (see _read)
         self.resident, self.host = {}, {}
@@ -135,9 +150,24 @@ class LayerStore:
                 self.direct = False                      # e.g. tmpfs refuses O_DIRECT: buffered from now on
         return self._read_with(i, buf, 0)
 
+    def _verify(self, i: int, buf: np.ndarray) -> None:
+        """Check layer i against its checksum the first time it is read (once per file: cheap)."""
+        if i not in self.unverified:
+            return
+        digest = hashlib.sha256(memoryview(buf)[:self.nbytes]).hexdigest()
+        if digest != self.checksums[i]:
+            raise ModelFolderError(f"{self.paths[i]}: SHA-256 {digest[:12]}... does not match the manifest "
+                                   f"({self.checksums[i][:12]}...): the file is corrupted or changed since export; "
+                                   f"restore it or re-export the model")
+        self.unverified.discard(i)
+
     def _read_with(self, i: int, buf: np.ndarray, flags: int) -> np.ndarray:
         fd = os.open(self.paths[i], os.O_RDONLY | flags)
         try:
+            size = os.fstat(fd).st_size
+            if size < self.nbytes or (self.checksums and size != self.nbytes):
+                raise ModelFolderError(f"{self.paths[i]}: {size} bytes, the manifest needs {self.nbytes} (the file "
+                                       f"was truncated or replaced after loading); restore it or re-export the model")
             view, off, chunk = memoryview(buf), 0, 8 << 20
             while off < self.nbytes:
                 n = os.preadv(fd, [view[off:off + chunk]], off)
@@ -148,6 +178,7 @@ class LayerStore:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)   # release the page cache: budget holds
         finally:
             os.close(fd)
+        self._verify(i, buf)
         return buf
 
     def _load(self, i: int) -> tuple[dict, float]:
@@ -164,16 +195,28 @@ class LayerStore:
 
     def prefetch(self, i: int) -> None:
         """Start loading streamed layer i (if it is one) in the background."""
-        if i in self.slot and i not in self.pending:
-            self.pending[i] = self.pool.submit(self._load, i)
+        with self.lock:
+            if i in self.slot and i not in self.pending:
+                self.pending[i] = self.pool.submit(self._load, i)
 
     def get(self, i: int) -> dict[str, np.ndarray]:
         if i in self.resident:
             return self.resident[i]
         t0 = time.perf_counter()
         self.prefetch(i)
-        views, seconds = self.pending.pop(i).result()
-        self.stats.wait_seconds += time.perf_counter() - t0
-        self.stats.load_seconds += seconds      # counted when used: a load started for the next pass
-        self.stats.bytes_moved += self.nbytes   # belongs to that pass
+        with self.lock:
+            future = self.pending.pop(i)
+        views, seconds = future.result()
+        with self.lock:
+            self.stats.wait_seconds += time.perf_counter() - t0
+            self.stats.load_seconds += seconds      # counted when used: a load started for the next pass
+            self.stats.bytes_moved += self.nbytes   # belongs to that pass
         return views
+
+
+def _config_checksums(folder: Path) -> list[str] | None:
+    """files.layer_sha256 of a model folder (validated by ModelConfig.load), or None for older exports."""
+    try:
+        return json.loads((folder / "specbeam_config.json").read_text())["files"].get("layer_sha256")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
