@@ -98,6 +98,17 @@ def _write_layer_weights(folder: Path, layers: list[dict], arch: Arch, precision
     return manifest
 
 
+def _layer_info(arch: Arch) -> dict:
+    """Rope of each kind and, per layer, its rope kind (None: no rope) and attention kind (the window)."""
+    ropes = {k: {**r.params, "attention_scaling": r.attention_scaling} for k, r in arch.ropes.items()}
+    info = {"rope": ropes["global"] if list(ropes) == ["global"] else ropes,
+            "layer_rope": list(arch.layer_rope),
+            "layer_types": ["sliding_attention" if s else "full_attention" for s in arch.layer_sliding]}
+    if any(arch.layer_sliding):
+        info["sliding_window"] = arch.sliding_window
+    return info
+
+
 def _layer_checksums(folder: Path, num_layers: int) -> list[str]:
     """SHA-256 of each weights/layer_{i}.bin: the runtime verifies a file once, when it first reads it, so
     corrupted bytes of the right size fail loudly instead of giving fluent wrong text."""
@@ -166,7 +177,7 @@ def export(src: str | Path, dst: str | Path, *, precision: str = "fp32", layout:
                 quant = {"method": "specbeam per-channel symmetric int8 (DequantizeLinear + MatMul)",
                          "weight_type": "int8", "per_channel": True}
             prog.step("write layer weights")
-        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
             if (src / f).is_file():
                 shutil.copy2(src / f, tmp / f)
         cfg = {
@@ -179,9 +190,10 @@ def export(src: str | Path, dst: str | Path, *, precision: str = "fp32", layout:
             # the other nodes in the same pass (measured up to 1e-2), so tree and single passes disagree
             "batch_invariant": not (layout == "whole" and precision in ("int8", "int4")),
             "mask": "additive_float32", "mask_value": float(np.finfo(np.float32).min), "present": "concat",
-            "output": output, "files": files, "rope": {k: v for k, v in arch.rope.items()},
-            "io": {"inputs": ["input_ids", "position_ids", "attention_mask", "past_key_values.{i}.key",
-                              "past_key_values.{i}.value"] + (["topk"] if output == "topk" else []),
+            "output": output, "files": files, **_layer_info(arch),
+            "io": {"inputs": ["input_ids", "position_ids", "attention_mask"]
+                   + ([graph.KEY_POSITIONS] if any(arch.layer_sliding) else [])
+                   + ["past_key_values.{i}.key", "past_key_values.{i}.value"] + (["topk"] if output == "topk" else []),
                    "outputs": (["topk_logprobs", "topk_ids"] if output == "topk" else ["logits"])
                    + ["present.{i}.key", "present.{i}.value"]},
             "generation": _generation_defaults(src),

@@ -1,4 +1,4 @@
-"""Build ONNX graphs of a Llama-family decoder directly from its weights (opset 23 fused ops).
+"""Build ONNX graphs of a decoder (Llama and the families in export/families/) directly from its weights (opset 23 fused ops).
 
 One decoder-layer function serves both layouts: in "whole" the weights are initializers; in "split" they are
 graph inputs, so one `layer.onnx` runs every layer with that layer's weight buffers bound (DESIGN section 5).
@@ -9,24 +9,39 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper as oh, numpy_helper as onh
 
-from .hf import Arch
+from .hf import Arch, Rope
 
 OPSET = 23
 MATMULS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 NORMS = ("input_layernorm", "post_attention_layernorm")
 BIASES = ("q_proj_bias", "k_proj_bias", "v_proj_bias")
+FLAGS = ("rope_select", "sliding")
 F32 = TensorProto.FLOAT
 
 
+KEY_POSITIONS = "key_position_ids"     # [batch, n_total]: the position of every key column (sliding windows)
+
+
 def layer_weight_names(arch: Arch) -> list[str]:
-    return list(NORMS) + list(MATMULS) + (list(BIASES) if arch.qkv_bias else [])
+    """The per-layer tensors (and, for layers that differ, the flags of hf.layer_flags), in storage order."""
+    names = list(NORMS) + list(MATMULS) + (list(BIASES) if arch.qkv_bias else [])
+    names += ["q_norm", "k_norm"] if arch.qk_norm else []
+    names += ["pre_feedforward_layernorm", "post_feedforward_layernorm"] if arch.sandwich_norms else []
+    return names + (list(FLAGS) if arch.heterogeneous else [])
 
 
-def rope_tables(arch: Arch) -> tuple[np.ndarray, np.ndarray]:
-    t = np.arange(arch.context_length, dtype=np.float32)
-    freqs = np.outer(t, arch.inv_freq.astype(np.float32))          # [ctx, hd/2]
-    return ((np.cos(freqs) * arch.attention_scaling).astype(np.float32),
-            (np.sin(freqs) * arch.attention_scaling).astype(np.float32))
+def rope_tables(arch: Arch, rope: Rope) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin [context, rotary_dim / 2] as transformers forms them (fp32 products, torch cos/sin). LongRoPE:
+    rows from original_max on use the long factors, as transformers does for a forward that reaches them."""
+    import torch
+
+    t = torch.arange(arch.context_length, dtype=torch.int64).float()
+    freqs = torch.outer(t, torch.from_numpy(rope.inv_freq))
+    if rope.long_inv_freq is not None:
+        long = torch.outer(t, torch.from_numpy(rope.long_inv_freq))
+        freqs = torch.where((t >= rope.original_max)[:, None], long, freqs)
+    return ((freqs.cos() * rope.attention_scaling).numpy().astype(np.float32),
+            (freqs.sin() * rope.attention_scaling).numpy().astype(np.float32))
 
 
 class Builder:
@@ -84,55 +99,137 @@ def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q, scale.astype(np.float32)
 
 
+def _rms(b: Builder, arch: Arch, x: str, w: str, out: str) -> str:
+    return b.node("RMSNormalization", [x, w], [out], axis=-1, epsilon=arch.rms_eps)
+
+
+def _head_norm(b: Builder, arch: Arch, x: str, w: str, heads: int, p: str) -> str:
+    """RMSNorm over each head's head_dim slice of x [B, S, heads * head_dim] (Qwen3/Gemma 3 q/k norms)."""
+    shape = b.init(p + "heads_shape", np.array([0, 0, heads, arch.head_dim], np.int64))
+    flat = b.init(p + "flat_shape", np.array([0, 0, heads * arch.head_dim], np.int64))
+    r = b.node("Reshape", [x, shape], [p + "r"])
+    return b.node("Reshape", [_rms(b, arch, r, w, p + "n"), flat], [p + "out"])
+
+
+def _rotate(b: Builder, arch: Arch, x: str, kind: str | None, heads: int, p: str) -> str:
+    if kind is None:
+        return x
+    return b.node("RotaryEmbedding", [x, f"cos_{kind}", f"sin_{kind}", "position_ids"], [p + kind],
+                  num_heads=heads, rotary_embedding_dim=arch.rotary_dim)
+
+
+def _select(b: Builder, choices: list[str], select: str, p: str) -> str:
+    """sum_j select[j] * choices[j] for a one-hot `select`: exactly the chosen tensor (x*1 = x, x*0 = 0)."""
+    acc = None
+    for j, c in enumerate(choices):
+        idx = b.init(f"{p}idx{j}", np.array([j], np.int64))
+        term = b.node("Mul", [c, b.node("Gather", [select, idx], [f"{p}s{j}"], axis=0)], [f"{p}t{j}"])
+        acc = term if acc is None else b.node("Add", [acc, term], [f"{p}acc{j}"])
+    return acc
+
+
+def _rope_and_mask(b: Builder, arch: Arch, i: int, q: str, k: str, W: dict, dynamic: bool, p: str):
+    """Rotate q, k as layer i's kind wants and pick its mask. In the split layout of a model whose layers differ,
+    the shared graph computes every kind and selects with the layer's flags (`rope_select`, `sliding`)."""
+    if not dynamic:
+        kind = arch.layer_rope[i]
+        mask = "sliding_mask" if arch.layer_sliding[i] else "attention_mask"
+        return _rotate(b, arch, q, kind, arch.heads, p + "q_"), _rotate(b, arch, k, kind, arch.kv_heads, p + "k_"), mask
+    kinds = arch.rope_kinds + [None]
+    q = _select(b, [_rotate(b, arch, q, kd, arch.heads, p + "q_") for kd in kinds], W["rope_select"], p + "qsel.")
+    k = _select(b, [_rotate(b, arch, k, kd, arch.kv_heads, p + "k_") for kd in kinds], W["rope_select"], p + "ksel.")
+    if not any(arch.layer_sliding):
+        return q, k, "attention_mask"
+    half = b.init(p + "half", np.array(0.5, np.float32))
+    is_sliding = b.node("Greater", [W["sliding"], half], [p + "is_sliding"])
+    return q, k, b.node("Where", [is_sliding, "sliding_mask", "attention_mask"], [p + "mask"])
+
+
+def _mlp(b: Builder, arch: Arch, h: str, W: dict, p: str) -> str:
+    g = b.node("MatMul", [h, W["gate_proj"]], [p + "gate"])
+    u = b.node("MatMul", [h, W["up_proj"]], [p + "up"])
+    if arch.activation == "gelu_tanh":
+        a = b.node("Gelu", [g], [p + "gelu"], approximate="tanh")
+    else:
+        a = b.node("Mul", [g, b.node("Sigmoid", [g], [p + "sig"])], [p + "silu"])
+    return b.node("MatMul", [b.node("Mul", [a, u], [p + "au"]), W["down_proj"]], [p + "down"])
+
+
 def decoder_layer(b: Builder, arch: Arch, i: int, x: str, weights: dict | None, precision: str, as_input: bool,
                   past_k: str, past_v: str, present_k: str, present_v: str) -> str:
-    """Emit one pre-norm Llama decoder layer on hidden state `x` [B, S, H]; returns the output hidden name."""
+    """Emit one pre-norm decoder layer on hidden state `x` [B, S, H]; returns the output hidden name.
+    Family features (q/k norms, sandwich norms, partial/absent/per-kind rope, windows, soft-capping, GeGLU)
+    come from `arch`."""
+    names = [n for n in layer_weight_names(arch) if as_input or n not in FLAGS]   # whole: layer kinds are static
     W = {k: weight_value(b, arch, i, k, None if weights is None else weights[k], precision, as_input)
-         for k in layer_weight_names(arch)} if weights is not None else None
+         for k in names}
     p = f"l{i}."
-    h = b.node("RMSNormalization", [x, W["input_layernorm"]], [p + "h"], axis=-1, epsilon=arch.rms_eps)
+    h = _rms(b, arch, x, W["input_layernorm"], p + "h")
     proj = {}
     for k in ("q_proj", "k_proj", "v_proj"):
         proj[k] = b.node("MatMul", [h, W[k]], [p + k])
         if arch.qkv_bias:
             proj[k] = b.node("Add", [proj[k], W[k + "_bias"]], [p + k + "_b"])
-    q = b.node("RotaryEmbedding", [proj["q_proj"], "cos_cache", "sin_cache", "position_ids"], [p + "q_rot"],
-               num_heads=arch.heads)
-    k = b.node("RotaryEmbedding", [proj["k_proj"], "cos_cache", "sin_cache", "position_ids"], [p + "k_rot"],
-               num_heads=arch.kv_heads)
-    a = b.node("Attention", [q, k, proj["v_proj"], "attention_mask", past_k, past_v],
-               [p + "attn", present_k, present_v], q_num_heads=arch.heads, kv_num_heads=arch.kv_heads)[0]
+    q, k = proj["q_proj"], proj["k_proj"]
+    if arch.qk_norm:
+        q = _head_norm(b, arch, q, W["q_norm"], arch.heads, p + "qn.")
+        k = _head_norm(b, arch, k, W["k_norm"], arch.kv_heads, p + "kn.")
+    q, k, mask = _rope_and_mask(b, arch, i, q, k, W, as_input and arch.heterogeneous, p)
+    attrs = {"q_num_heads": arch.heads, "kv_num_heads": arch.kv_heads}
+    if arch.attn_scale is not None:
+        attrs["scale"] = float(arch.attn_scale)
+    if arch.attn_softcap:
+        attrs["softcap"] = float(arch.attn_softcap)
+    a = b.node("Attention", [q, k, proj["v_proj"], mask, past_k, past_v], [p + "attn", present_k, present_v],
+               **attrs)[0]
     o = b.node("MatMul", [a, W["o_proj"]], [p + "o"])
-    x = b.node("Add", [x, o], [p + "x1"])
-    h2 = b.node("RMSNormalization", [x, W["post_attention_layernorm"]], [p + "h2"], axis=-1, epsilon=arch.rms_eps)
-    g = b.node("MatMul", [h2, W["gate_proj"]], [p + "gate"])
-    u = b.node("MatMul", [h2, W["up_proj"]], [p + "up"])
-    s = b.node("Mul", [g, b.node("Sigmoid", [g], [p + "sig"])], [p + "silu"])
-    d = b.node("MatMul", [b.node("Mul", [s, u], [p + "su"]), W["down_proj"]], [p + "down"])
+    if arch.sandwich_norms:
+        o = _rms(b, arch, o, W["post_attention_layernorm"], p + "o_n")
+        x = b.node("Add", [x, o], [p + "x1"])
+        d = _mlp(b, arch, _rms(b, arch, x, W["pre_feedforward_layernorm"], p + "h2"), W, p)
+        d = _rms(b, arch, d, W["post_feedforward_layernorm"], p + "down_n")
+    else:
+        x = b.node("Add", [x, o], [p + "x1"])
+        d = _mlp(b, arch, _rms(b, arch, x, W["post_attention_layernorm"], p + "h2"), W, p)
     return b.node("Add", [x, d], [p + "out"])
 
 
 def _common_inputs(b: Builder, arch: Arch, with_ids: bool):
+    """Token inputs, the rope tables of every kind, and (for sliding-window layers) key_position_ids and the
+    sliding mask: the tree mask AND query_position - key_position < window (transformers'
+    `kv_idx > q_idx - sliding_window`), so the window follows each node's own path in the tree."""
     if with_ids:
         b.inputs.append(_vi("input_ids", TensorProto.INT64, ["batch", "n_new"]))
     b.inputs.append(_vi("position_ids", TensorProto.INT64, ["batch", "n_new"]))
     b.inputs.append(_vi("attention_mask", F32, ["batch", 1, "n_new", "n_total"]))
-    cos, sin = rope_tables(arch)
-    b.init("cos_cache", cos)
-    b.init("sin_cache", sin)
+    for kind in arch.rope_kinds:
+        cos, sin = rope_tables(arch, arch.ropes[kind])
+        b.init(f"cos_{kind}", cos)
+        b.init(f"sin_{kind}", sin)
+    if any(arch.layer_sliding):
+        b.inputs.append(_vi(KEY_POSITIONS, TensorProto.INT64, ["batch", "n_total"]))
+        qpos = b.node("Unsqueeze", ["position_ids", b.init("axes_q", np.array([1, 3], np.int64))], ["q_pos"])
+        kpos = b.node("Unsqueeze", [KEY_POSITIONS, b.init("axes_k", np.array([1, 2], np.int64))], ["k_pos"])
+        dist = b.node("Sub", [qpos, kpos], ["q_minus_k"])                   # [B, 1, n_new, n_total]
+        inside = b.node("Less", [dist, b.init("window", np.array(arch.sliding_window, np.int64))], ["in_window"])
+        floor = b.init("mask_floor", np.array(np.finfo(np.float32).min, np.float32))
+        b.node("Where", [inside, "attention_mask", floor], ["sliding_mask"])
 
 
 def _head(b: Builder, arch: Arch, x: str, norm, lm_head, output: str, precision: str):
     h = b.node("RMSNormalization", [x, norm], ["final_h"], axis=-1, epsilon=arch.rms_eps)
+    logits = b.node("MatMul", [h, lm_head], ["head_logits" if output == "topk" or arch.final_softcap else "logits"])
+    if arch.final_softcap:
+        cap = b.init("final_softcap", np.array(arch.final_softcap, np.float32))
+        t = b.node("Tanh", [b.node("Div", [logits, cap], ["capped_in"])], ["capped_tanh"])
+        logits = b.node("Mul", [t, cap], ["logits" if output != "topk" else "capped_logits"])
     if output == "topk":
         b.inputs.append(_vi("topk", TensorProto.INT64, [1]))
-        logits = b.node("MatMul", [h, lm_head], ["head_logits"])
         lp = b.node("LogSoftmax", [logits], ["head_logprobs"], axis=-1)
         b.node("TopK", [lp, "topk"], ["topk_logprobs", "topk_ids"], axis=-1, largest=1, sorted=1)
         b.outputs += [_vi("topk_logprobs", F32, ["batch", "n_new", "k"]),
                       _vi("topk_ids", TensorProto.INT64, ["batch", "n_new", "k"])]
     else:
-        b.node("MatMul", [h, lm_head], ["logits"])
         b.outputs.append(_vi("logits", F32, ["batch", "n_new", arch.vocab_size]))
 
 

@@ -1,20 +1,29 @@
-"""Read a local Hugging Face causal-LM folder without torch: config, weights (safetensors), rope tables."""
+"""Read a local Hugging Face causal-LM folder: config (through transformers' own config classes, so every
+default is the one transformers uses), weights (safetensors, parsed here), rope tables."""
 from __future__ import annotations
 
 import json
-import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-SUPPORTED = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64, "I64": np.int64}
 
 
 class ExportError(ValueError):
     """A model folder that cannot be exported; the message names the problem."""
+
+
+@dataclass(frozen=True)
+class Rope:
+    """Rotary tables of one kind of layer. `long_inv_freq` (LongRoPE) applies from `original_max` on."""
+    inv_freq: np.ndarray              # [rotary_dim // 2]
+    attention_scaling: float
+    params: dict
+    long_inv_freq: np.ndarray | None = None
+    original_max: int | None = None
 
 
 @dataclass(frozen=True)
@@ -31,78 +40,125 @@ class Arch:
     context_length: int
     qkv_bias: bool
     tied: bool
-    inv_freq: np.ndarray          # [head_dim // 2]
-    attention_scaling: float
     bos_token_id: int | None
     eos_token_ids: list[int]
     pad_token_id: int | None
-    rope: dict
+    ropes: dict                       # rope kind ("global", "local") -> Rope
+    layer_rope: tuple                 # per layer: a key of `ropes`, or None for a layer without rope (NoPE)
+    layer_sliding: tuple              # per layer: True for a sliding-window layer
+    sliding_window: int | None = None
+    rotary_dim: int = 0               # the leading dims of each head that rope rotates (Phi-3: partial)
+    qk_norm: bool = False             # per-head RMSNorm of q and k before rope (Qwen3, Gemma 3)
+    sandwich_norms: bool = False      # Gemma: norms after attention and around the MLP
+    norm_offset: float = 0.0          # Gemma: RMSNorm scales by (1 + weight)
+    embed_scale: float = 1.0          # Gemma: embeddings times sqrt(hidden)
+    activation: str = "silu"          # or "gelu_tanh" (GeGLU)
+    attn_scale: float | None = None   # None: 1 / sqrt(head_dim)
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def heterogeneous(self) -> bool:
+        """Layers differ in rope or window: the shared split-layout layer graph then reads per-layer flags."""
+        return len(set(zip(self.layer_rope, self.layer_sliding))) > 1
+
+    @property
+    def rope_kinds(self) -> list[str]:
+        return sorted(self.ropes)
 
 
-def _rope_params(cfg: dict) -> tuple[float, dict]:
-    params = dict(cfg.get("rope_parameters") or {})
-    scaling = cfg.get("rope_scaling") or {}
-    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
-    merged = {**params, **scaling}
-    merged.setdefault("rope_type", merged.get("type", "default"))
-    return float(theta), merged
+def load_config(folder: Path):
+    """transformers' config object for the folder (its defaults and legacy-field conversions included)."""
+    if not (folder / "config.json").is_file():
+        raise ExportError(f"{folder}: no config.json; this is not a Hugging Face model folder")
+    try:
+        json.loads((folder / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise ExportError(f"{folder / 'config.json'}: not valid JSON ({e})") from None
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    except Exception as e:  # transformers raises ValueError/KeyError/... for configs it cannot read
+        raise ExportError(f"{folder / 'config.json'}: transformers cannot read it ({str(e).splitlines()[0]})") from None
 
 
-def inv_freq_for(cfg: dict, head_dim: int) -> tuple[np.ndarray, float, dict]:
-    theta, rope = _rope_params(cfg)
-    inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float64) / head_dim))
-    kind = rope["rope_type"]
+def rope_for(cfg, params: dict, head_dim: int) -> Rope:
+    """Inverse frequencies exactly as transformers computes them (its own init functions, float32)."""
+    import torch
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    kind = params.get("rope_type", "default")
+    rotary = int(head_dim * params.get("partial_rotary_factor", 1.0))
     if kind == "default":
-        pass
-    elif kind == "linear":
-        inv = inv / float(rope["factor"])
-    elif kind == "llama3":
-        factor = float(rope["factor"])
-        lo, hi = float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
-        old = float(rope["original_max_position_embeddings"])
-        lo_wl, hi_wl = old / lo, old / hi
-        wavelen = 2 * math.pi / inv
-        scaled = np.where(wavelen > lo_wl, inv / factor, inv)
-        smooth = (old / wavelen - lo) / (hi - lo)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < hi_wl) & ~(wavelen > lo_wl)
-        inv = np.where(medium, smoothed, scaled)
-    else:
-        raise ExportError(f"rope type {kind!r} is not supported (supported: default, linear, llama3)")
-    return inv.astype(np.float32), 1.0, {"rope_theta": theta, **rope}
+        base = float(params["rope_theta"])
+        inv = 1.0 / (base ** (torch.arange(0, rotary, 2, dtype=torch.int64).float() / rotary))
+        return Rope(inv.numpy().astype(np.float32), 1.0, dict(params))
+    if kind not in ("linear", "llama3", "longrope", "yarn"):
+        # dynamic NTK rescales with the sequence length, which a fixed table cannot follow
+        raise ExportError(f"rope type {kind!r} is not supported (supported: default, linear, llama3, longrope, yarn)")
+    fn = ROPE_INIT_FUNCTIONS[kind]
+    layer_type = params.get("_layer_type")
+    inv, scaling = fn(cfg, None, layer_type=layer_type) if layer_type else fn(cfg, None)
+    long_inv, orig = None, None
+    if kind == "longrope":
+        # transformers picks the long factors for a forward whose positions exceed the pretraining length
+        orig = int(params["original_max_position_embeddings"])
+        long_inv = (fn(cfg, None, seq_len=orig + 1, layer_type=layer_type) if layer_type
+                    else fn(cfg, None, seq_len=orig + 1))[0].numpy().astype(np.float32)
+    clean = {k: v for k, v in params.items() if not k.startswith("_")}
+    return Rope(inv.numpy().astype(np.float32), float(scaling), clean, long_inv, orig)
+
+
+def _eos_list(eos) -> list[int]:
+    return [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
 
 
 def read_arch(folder: Path) -> Arch:
-    cfg_path = folder / "config.json"
-    if not cfg_path.is_file():
-        raise ExportError(f"{folder}: no config.json; this is not a Hugging Face model folder")
-    cfg = json.loads(cfg_path.read_text())
-    archs = cfg.get("architectures") or []
-    fam = next((SUPPORTED[a] for a in archs if a in SUPPORTED), None)
+    from .families import family_for
+
+    cfg = load_config(folder)
+    archs = list(getattr(cfg, "architectures", None) or [])
+    fam = family_for(archs)
     if fam is None:
-        raise ExportError(f"{folder}: architecture {archs or cfg.get('model_type')} is not supported "
-                          f"(supported: {', '.join(SUPPORTED)})")
-    heads = int(cfg["num_attention_heads"])
-    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
-    inv, scaling, rope = inv_freq_for(cfg, head_dim)
-    ctx = int(cfg.get("max_position_embeddings", 2048))
-    if fam == "mistral" and cfg.get("sliding_window"):
-        ctx = min(ctx, int(cfg["sliding_window"]))  # beyond the window the full mask would be wrong
+        from .families import supported
+
+        raise ExportError(f"{folder}: architecture {archs or cfg.model_type} is not supported "
+                          f"(supported: {', '.join(supported())})")
     gen = {}
     if (folder / "generation_config.json").is_file():
         gen = json.loads((folder / "generation_config.json").read_text())
-    eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
-    eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-    return Arch(
-        family=fam, vocab_size=int(cfg["vocab_size"]), hidden=int(cfg["hidden_size"]),
-        layers=int(cfg["num_hidden_layers"]), heads=heads,
-        kv_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=head_dim,
-        intermediate=int(cfg["intermediate_size"]), rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        context_length=ctx, qkv_bias=bool(cfg.get("attention_bias", fam == "qwen2")),
-        tied=bool(cfg.get("tie_word_embeddings", False)), inv_freq=inv, attention_scaling=scaling,
-        bos_token_id=gen.get("bos_token_id", cfg.get("bos_token_id")), eos_token_ids=[int(e) for e in eos],
-        pad_token_id=gen.get("pad_token_id", cfg.get("pad_token_id")), rope=rope,
+    name, feats = fam.features(cfg)
+    heads = int(cfg.num_attention_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    layers = int(cfg.num_hidden_layers)
+    types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * layers)
+    window = getattr(cfg, "sliding_window", None) if "sliding_attention" in types else None
+    base = dict(
+        family=name, vocab_size=int(cfg.vocab_size), hidden=int(cfg.hidden_size), layers=layers, heads=heads,
+        kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads), head_dim=head_dim,
+        intermediate=int(cfg.intermediate_size), rms_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)),
+        context_length=int(getattr(cfg, "max_position_embeddings", 2048)),
+        qkv_bias=bool(getattr(cfg, "attention_bias", False)), tied=bool(cfg.tie_word_embeddings),
+        bos_token_id=gen.get("bos_token_id", cfg.bos_token_id),
+        eos_token_ids=_eos_list(gen.get("eos_token_id", cfg.eos_token_id)),
+        pad_token_id=gen.get("pad_token_id", cfg.pad_token_id),
+        layer_rope=("global",) * layers,
+        layer_sliding=tuple(t == "sliding_attention" for t in types),
+        sliding_window=int(window) if window else None,
     )
+    base.update(feats)
+    if "ropes" not in base:     # one rope for all layers, unless the family has kinds (Gemma 3)
+        base["ropes"] = {"global": rope_for(cfg, dict(cfg.rope_parameters), head_dim)}
+    unknown = set(types) - {"full_attention", "sliding_attention"}
+    if unknown:
+        raise ExportError(f"{folder / 'config.json'}: layer types {sorted(unknown)} are not supported")
+    rotary = {r.inv_freq.size * 2 for r in base["ropes"].values()}
+    if len(rotary) != 1:
+        raise ExportError(f"{folder / 'config.json'}: rope kinds with different rotary dims {sorted(rotary)}")
+    base["rotary_dim"] = rotary.pop()
+    return Arch(**base)
 
 
 def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
@@ -134,9 +190,8 @@ def read_weights(folder: Path) -> dict[str, np.ndarray]:
     return weights
 
 
-def layer_weights(w: dict[str, np.ndarray], arch: Arch, i: int) -> dict[str, np.ndarray]:
-    """fp32 weights of decoder layer i, MatMul-ready ([in, out]); checks every shape against the config."""
-    p = f"model.layers.{i}."
+def expected_layer_shapes(arch: Arch) -> dict[str, tuple]:
+    """Checkpoint tensors of one decoder layer (names after the family's renames) and their shapes."""
     H, hd, nh, nkv, I = arch.hidden, arch.head_dim, arch.heads, arch.kv_heads, arch.intermediate
     expect = {
         "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
@@ -147,15 +202,40 @@ def layer_weights(w: dict[str, np.ndarray], arch: Arch, i: int) -> dict[str, np.
     if arch.qkv_bias:
         expect.update({"self_attn.q_proj.bias": (nh * hd,), "self_attn.k_proj.bias": (nkv * hd,),
                        "self_attn.v_proj.bias": (nkv * hd,)})
+    if arch.qk_norm:
+        expect.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
+    if arch.sandwich_norms:
+        expect.update({"pre_feedforward_layernorm.weight": (H,), "post_feedforward_layernorm.weight": (H,)})
+    return expect
+
+
+def layer_flags(arch: Arch, i: int) -> dict[str, np.ndarray]:
+    """Per-layer selectors for the shared split-layout layer graph: a one-hot over the rope kinds plus "no
+    rope", and 1.0 for a sliding-window layer. Exact: the graph multiplies finite values by 0 or 1."""
+    kinds = arch.rope_kinds + [None]
+    return {"rope_select": np.array([float(arch.layer_rope[i] == k) for k in kinds], np.float32),
+            "sliding": np.array([float(arch.layer_sliding[i])], np.float32)}
+
+
+def layer_weights(w: dict[str, np.ndarray], arch: Arch, i: int) -> dict[str, np.ndarray]:
+    """fp32 weights of decoder layer i, MatMul-ready ([in, out]); checks every shape against the config."""
+    from .families import family_for_name
+
+    p = f"model.layers.{i}."
+    w = family_for_name(arch.family).layer_tensors(w, arch, p)
     out = {}
-    for name, shape in expect.items():
+    for name, shape in expected_layer_shapes(arch).items():
         if p + name not in w:
             raise ExportError(f"weight {p + name} is missing from the checkpoint")
         t = np.asarray(w[p + name], dtype=np.float32)
         if tuple(t.shape) != shape:
             raise ExportError(f"weight {p + name} has shape {tuple(t.shape)} but config.json implies {shape}")
         key = name.replace("self_attn.", "").replace("mlp.", "").replace(".weight", "").replace(".bias", "_bias")
+        if key.endswith("norm") and arch.norm_offset:
+            t = t + np.float32(arch.norm_offset)     # the same fp32 sum transformers forms at run time
         out[key] = t.T.copy() if t.ndim == 2 else t
+    if arch.heterogeneous:
+        out.update(layer_flags(arch, i))
     return out
 
 
@@ -171,5 +251,9 @@ def global_weights(w: dict[str, np.ndarray], arch: Arch) -> dict[str, np.ndarray
         raise ExportError("weight lm_head.weight is missing and tie_word_embeddings is false")
     if "model.norm.weight" not in w:
         raise ExportError("weight model.norm.weight is missing from the checkpoint")
-    return {"embed": np.asarray(emb, np.float32), "norm": np.asarray(w["model.norm.weight"], np.float32),
-            "lm_head": np.asarray(head, np.float32).T.copy()}
+    emb = np.asarray(emb, np.float32)
+    if arch.embed_scale != 1.0:
+        # transformers multiplies the looked-up rows by the fp32 scale; scaling the table is the same product
+        emb = emb * np.float32(arch.embed_scale)
+    norm = np.asarray(w["model.norm.weight"], np.float32) + np.float32(arch.norm_offset)
+    return {"embed": emb, "norm": norm, "lm_head": np.asarray(head, np.float32).T.copy()}

@@ -1,0 +1,59 @@
+"""Tiny random-weight models of the laptop families (Qwen3, Llama 3.2, SmolLM2/3, Phi-3/4-mini, Gemma 2/3),
+built locally from transformers' config classes: each exercises its family's features at test size."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from helpers import VOCAB, make_tokenizer
+
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+            "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]}
+BASE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, max_position_embeddings=256, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+            rms_norm_eps=1e-5)
+
+# name: (config class, model class, config kwargs)
+FAMILIES = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, tie_word_embeddings=True)),
+    # Llama 3.2: tied embeddings and llama3 rope scaling (original length small so the scaling bites)
+    "llama3.2": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True, rope_scaling={
+        "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16})),
+    "smollm2": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True, num_key_value_heads=4)),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(num_hidden_layers=4, no_rope_layer_interval=2,
+                                                             tie_word_embeddings=True)),
+    # Phi-4-mini: partial rotary 0.75, LongRoPE with a tiny pretraining length so trees cross it
+    "phi4mini": ("Phi3Config", "Phi3ForCausalLM", dict(partial_rotary_factor=0.75, tie_word_embeddings=True,
+                                                        original_max_position_embeddings=12,
+                                                        rope_scaling=LONGROPE, max_position_embeddings=64)),
+    # Phi-3-mini: full rotary, no scaling, a window on every layer
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(sliding_window=5)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_hidden_layers=3, head_dim=16, sliding_window=4, layer_types=["sliding_attention", "sliding_attention",
+                                                                         "full_attention"],
+        query_pre_attn_scalar=24, rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(head_dim=16, sliding_window=4, query_pre_attn_scalar=24,
+                                                         attn_logit_softcapping=2.0, final_logit_softcapping=5.0)),
+}
+
+
+def make_family_model(folder: Path, name: str, *, seed: int = 0, std: float = 0.08, eos=0, **overrides):
+    """Save a random-weight model of family `name` (fp32 safetensors) plus tokenizer; returns the torch model."""
+    import torch
+    import transformers as tf
+
+    cfg_cls, model_cls, kw = FAMILIES[name]
+    torch.manual_seed(seed)
+    cfg = getattr(tf, cfg_cls)(**{**BASE, **kw, "eos_token_id": eos, **overrides})
+    cfg.architectures = [model_cls]
+    model = getattr(tf, model_cls)(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, std)
+    model.eval()
+    model.save_pretrained(folder)
+    tf.GenerationConfig(bos_token_id=0, eos_token_id=eos, pad_token_id=0).save_pretrained(folder)
+    make_tokenizer(folder, VOCAB)
+    return model
