@@ -1,0 +1,107 @@
+"""Fault injection for the translate tool: SIGKILL it at random moments and check nothing is lost or torn.
+
+    python -m bench.soak_translate --kills 20 --lines 200
+
+Runs the tool once uninterrupted, then again under kill -9 at random moments (the first kill inside the first
+second, during model loading; every resumed run may be killed again, so kills come twice in a row), each time
+continuing with --resume, and checks the final file is byte-identical to the uninterrupted run. Uses the
+shipped pair (plain beam search, short decoding length) unless --model is given. tests/test_faults.py runs a
+short version.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def translate_cmd(inp: Path, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "apps.translate", "-i", str(inp), "-o", str(out), "-q", *extra]
+
+
+def kill_at(cmd: list[str], delay: float) -> int | None:
+    """Start cmd, SIGKILL it after `delay` seconds; the exit code if it finished first, else None."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        return proc.wait(timeout=delay)
+    except subprocess.TimeoutExpired:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return None
+
+
+def soak(inp: Path, out: Path, extra: list[str], delays: list[float], log=print) -> dict:
+    """Kill a run after each delay in turn (every run after the first resumes), then finish with --resume.
+    Returns counts; the caller compares `out` with an uninterrupted run."""
+    journal = out.with_name(out.name + ".journal")
+    killed = finished = 0
+    for n, delay in enumerate(delays):
+        resume = ["--resume"] if journal.exists() else []
+        rc = kill_at(translate_cmd(inp, out, *extra, *resume), delay)
+        if rc is None:
+            killed += 1
+            records = journal.read_bytes().count(b"\n") - 1 if journal.exists() else 0
+            log(f"kill {n + 1}: after {delay:.2f}s, journal {'absent' if not journal.exists() else f'{records} records'}")
+        else:
+            if rc != 0:
+                raise RuntimeError(f"run {n + 1} exited with {rc}")
+            finished += 1
+            log(f"run {n + 1}: finished before the kill at {delay:.2f}s")
+            break
+    if not out.exists() or journal.exists():
+        resume = ["--resume"] if journal.exists() else []
+        subprocess.run(translate_cmd(inp, out, *extra, *resume), cwd=ROOT, check=True)
+    return {"kills": killed, "finished_early": finished}
+
+
+def random_delays(kills: int, span: float, rng: random.Random) -> list[float]:
+    """The first kill inside the first second; then random moments up to `span` seconds into a run, two of
+    them short (a run killed again right after the previous kill: twice in a row, early)."""
+    delays = [rng.uniform(0.05, 1.0)] + [rng.uniform(0.3, span) for _ in range(kills - 1)]
+    for k in rng.sample(range(1, kills), min(2, kills - 1)):
+        delays[k] = rng.uniform(0.05, 1.0)
+    return delays
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kills", type=int, default=20, help="SIGKILLs to inject")
+    ap.add_argument("--lines", type=int, default=200, help="input lines (from the shipped held-out sample)")
+    ap.add_argument("--span", type=float, default=None,
+                    help="latest kill moment in seconds (default: the uninterrupted run's time)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workdir", default=None, help="where to write (default: a temporary folder)")
+    ap.add_argument("--model", default=None, help="target model folder (default: the shipped ende pair)")
+    args = ap.parse_args(argv)
+    import tempfile
+
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="soak_translate_"))
+    work.mkdir(parents=True, exist_ok=True)
+    src = (ROOT / "models" / "ende" / "test_sample.en").read_bytes().split(b"\n")[: args.lines]
+    inp = work / "in.txt"
+    inp.write_bytes(b"\n".join(src) + b"\n")
+    extra = ["--no_draft", "--max_decoding_length", "24", "--batch_size", "8"]
+    if args.model:
+        extra += ["--model", args.model]
+    full = work / "full.txt"
+    t0 = time.time()
+    subprocess.run(translate_cmd(inp, full, *extra), cwd=ROOT, check=True)
+    span = args.span or (time.time() - t0)
+    print(f"uninterrupted run: {span:.1f}s for {len(src)} lines")
+    rng = random.Random(args.seed)
+    out = work / "out.txt"
+    counts = soak(inp, out, extra, random_delays(args.kills, span, rng))
+    same = out.read_bytes() == full.read_bytes()
+    print(f"{counts['kills']} kills; final file {'byte-identical' if same else 'DIFFERS'} ({work})")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

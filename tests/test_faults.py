@@ -1,0 +1,588 @@
+"""Faults, bad input and concurrent use: every case ends in exact, identical output or one named message.
+
+The matrix of the reliability issue (journal, lock, CRLF, interrupts, OS errors, non-finite settings, broken
+model folders, corrupted or truncated layer files) plus more bad inputs; a short SIGKILL fault injection
+(bench/soak_translate.py is the long one).
+"""
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from apps.translate.__main__ import main
+from specbeam_edge.config import GenerationConfig, ModelConfig, ModelFolderError, SpeculativeConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = "the quick brown fox jumps over lazy dog hello world this is a tiny test".split()
+
+
+@pytest.fixture(scope="module")
+def pair(exported):
+    return str(exported("llama", std=0.3, seed=3)), str(exported("llama", std=0.3, seed=11, layers=1))
+
+
+def corpus(n, seed=0):
+    r = random.Random(seed)
+    return [" ".join(r.choice(WORDS) for _ in range(r.randint(1, 8))) for _ in range(n)]
+
+
+def args_for(pair, inp, out=None, *extra):
+    a = ["-i", str(inp), "--model", pair[0], "--draft", pair[1], "--max_decoding_length", "8", "-q", *extra]
+    return a + (["-o", str(out)] if out else [])
+
+
+def run(pair, inp, out=None, *extra):
+    return main(args_for(pair, inp, out, *extra))
+
+
+@pytest.fixture
+def text_in(tmp_path):
+    inp = tmp_path / "in.txt"
+    inp.write_text("\n".join(corpus(12, seed=5)) + "\n")
+    return inp
+
+
+@pytest.fixture
+def reference(pair, text_in, tmp_path):
+    ref = tmp_path / "ref.txt"
+    assert run(pair, text_in, ref) == 0
+    return ref.read_bytes()
+
+
+def err_of(capsys):
+    return capsys.readouterr().err
+
+
+# -- the journal ----------------------------------------------------------------------------------------------
+def test_zero_byte_journal_does_not_block_resume(pair, text_in, reference, tmp_path, capsys):
+    """Before: a kill before the first record left a 0-byte journal, and --resume failed forever."""
+    out = tmp_path / "out.txt"
+    journal = tmp_path / "out.txt.journal"
+    journal.write_bytes(b"")
+    assert run(pair, text_in, out, "--resume") == 0
+    assert "holds no usable header (an interrupted start); starting over" in err_of(capsys)
+    assert out.read_bytes() == reference and not journal.exists()
+    journal.write_bytes(b"")                                  # and without --resume
+    assert run(pair, text_in, out) == 0
+    assert out.read_bytes() == reference
+
+
+def test_journal_header_is_written_atomically(pair, text_in, tmp_path, monkeypatch):
+    """The journal exists only with a whole, checksummed header (temp file + fsync + rename)."""
+    from specbeam_edge.generate import Engine
+
+    out = tmp_path / "out.txt"
+
+    def stop(self, *a, **kw):
+        raise KeyboardInterrupt
+        yield
+
+    monkeypatch.setattr(Engine, "generate_iter", stop)
+    assert run(pair, text_in, out) == 130
+    raw = (tmp_path / "out.txt.journal").read_bytes()
+    assert raw.count(b"\n") == 1
+    head = json.loads(raw[9:])
+    assert head["journal"] == 1 and len(head["input_sha256"]) == 64
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_corrupted_record_is_cut_and_redone(pair, text_in, reference, tmp_path, monkeypatch, capsys):
+    from specbeam_edge.generate import Engine
+
+    out = tmp_path / "out.txt"
+    real = Engine.generate_iter
+
+    def five(self, *a, **kw):
+        for n, item in enumerate(real(self, *a, **kw)):
+            if n == 5:
+                raise KeyboardInterrupt
+            yield item
+
+    monkeypatch.setattr(Engine, "generate_iter", five)
+    assert run(pair, text_in, out) == 130
+    monkeypatch.setattr(Engine, "generate_iter", real)
+    journal = tmp_path / "out.txt.journal"
+    lines = journal.read_bytes().split(b"\n")
+    lines[3] = lines[3].replace(b'"out": ["', b'"out": ["X')     # record 3 of 5: bytes flipped, checksum fails
+    journal.write_bytes(b"\n".join(lines))
+    capsys.readouterr()
+    assert run(pair, text_in, out, "--resume") == 0
+    err = err_of(capsys)
+    assert "dropped a torn tail of 3 record(s)" in err and "resuming, 2 lines already done" in err
+    assert out.read_bytes() == reference
+
+
+def test_resume_refuses_an_edited_input(pair, text_in, tmp_path, monkeypatch, capsys):
+    from specbeam_edge.generate import Engine
+
+    out = tmp_path / "out.txt"
+    real = Engine.generate_iter
+
+    def three(self, *a, **kw):
+        for n, item in enumerate(real(self, *a, **kw)):
+            if n == 3:
+                raise KeyboardInterrupt
+            yield item
+
+    monkeypatch.setattr(Engine, "generate_iter", three)
+    assert run(pair, text_in, out) == 130
+    monkeypatch.setattr(Engine, "generate_iter", real)
+    text_in.write_text(text_in.read_text().replace("the", "a", 1))
+    capsys.readouterr()
+    assert run(pair, text_in, out, "--resume") == 2
+    assert ("specbeam-translate: error: the input changed since the interrupted run (" in err_of(capsys))
+    assert not out.exists() and (tmp_path / "out.txt.journal").exists()
+
+
+def test_resume_refuses_changed_settings(pair, text_in, tmp_path, monkeypatch, capsys):
+    from specbeam_edge.generate import Engine
+
+    out = tmp_path / "out.txt"
+    def stop(self, *a, **kw):
+        raise KeyboardInterrupt
+        yield
+
+    monkeypatch.setattr(Engine, "generate_iter", stop)
+    assert run(pair, text_in, out) == 130
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert run(pair, text_in, out, "--resume", "--beam_size", "2") == 2
+    err = err_of(capsys)
+    assert "was written with other settings (generation: " in err and "'num_beams': 4" in err
+    assert "'num_beams': 2" in err and "rerun with the same settings, or delete the journal" in err
+    assert run(pair, text_in, out, "--resume", "--budget", "12") == 0      # speculation knobs: same output
+
+
+def test_second_writer_is_refused_with_the_holder_named(pair, text_in, tmp_path, capsys):
+    out = tmp_path / "out.txt"
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from pathlib import Path; from apps.translate.journal import OutputLock\n"
+        f"with OutputLock(Path({str(out)!r})):\n    print('held', flush=True); time.sleep(60)")],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert run(pair, text_in, out) == 2
+        err = err_of(capsys)
+        assert f"error: {out} is being written by pid {holder.pid}; wait for it to finish or write to another -o" in err
+    finally:
+        holder.kill()
+        holder.wait()
+    assert run(pair, text_in, out) == 0                       # the lock dies with its holder
+
+
+def test_two_processes_on_one_output_do_not_tear_the_journal(pair, tmp_path):
+    inp = tmp_path / "in.txt"
+    inp.write_text("\n".join(corpus(30, seed=8)) + "\n")
+    out = tmp_path / "out.txt"
+    cmd = [sys.executable, "-m", "apps.translate", *args_for(pair, inp, out)]
+    procs = [subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = [(p.wait(), p.stderr.read()) for p in procs]
+    codes = sorted(rc for rc, _ in results)
+    assert codes == [0, 2], results
+    assert "is being written by pid" in next(e for rc, e in results if rc == 2)
+    alone = tmp_path / "alone.txt"
+    assert run(pair, inp, alone) == 0
+    assert out.read_bytes() == alone.read_bytes()
+
+
+# -- input, output, interrupts ----------------------------------------------------------------------------------
+def test_crlf_and_trailing_cr_give_the_same_output_as_lf(pair, tmp_path):
+    lines = corpus(6, seed=6)
+    lf, crlf, mixed = tmp_path / "lf.txt", tmp_path / "crlf.txt", tmp_path / "mixed.txt"
+    lf.write_bytes("\n".join(lines).encode() + b"\n")
+    crlf.write_bytes("\r\n".join(lines).encode() + b"\r\n")
+    mixed.write_bytes("\r\n".join(lines[:3]).encode() + b"\r\n" + "\n".join(lines[3:]).encode() + b"\r")
+    outs = []
+    for name, f in (("a", lf), ("b", crlf), ("c", mixed)):
+        assert run(pair, f, tmp_path / name) == 0
+        outs.append((tmp_path / name).read_bytes())
+    assert outs[0] == outs[1] == outs[2] and b"\r" not in outs[0]
+
+
+def test_sigint_to_stdout_keeps_every_finished_line_in_order(pair, text_in, reference, monkeypatch, capsysbinary):
+    """Before: Ctrl-C while translating to stdout lost every finished line."""
+    from specbeam_edge.generate import Engine
+
+    real = Engine.generate_iter
+
+    def seven(self, *a, **kw):
+        for n, item in enumerate(real(self, *a, **kw)):
+            if n == 7:
+                raise KeyboardInterrupt
+            yield item
+
+    monkeypatch.setattr(Engine, "generate_iter", seven)
+    assert run(pair, text_in) == 130
+    cap = capsysbinary.readouterr()
+    assert cap.out == b"".join(reference.splitlines(keepends=True)[:7])
+    assert cap.err.decode().endswith("specbeam-translate: interrupted\n")
+
+
+def test_out_of_order_completion_is_written_in_input_order(pair, text_in, reference, monkeypatch, capsysbinary):
+    """generate_iter yields in completion order; stdout must still be in input order."""
+    from specbeam_edge.generate import Engine
+
+    real = Engine.generate_iter
+
+    def reversed_order(self, *a, **kw):
+        yield from reversed(list(real(self, *a, **kw)))
+
+    monkeypatch.setattr(Engine, "generate_iter", reversed_order)
+    assert run(pair, text_in) == 0
+    assert capsysbinary.readouterr().out == reference
+
+
+def test_sigint_during_load(pair, text_in, tmp_path, monkeypatch, capsys):
+    import apps.translate.__main__ as tool
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tool, "engine_from_args", interrupted)
+    assert run(pair, text_in, tmp_path / "o.txt") == 130
+    assert err_of(capsys) == ("\nspecbeam-translate: interrupted; finished lines are kept: rerun with --resume to "
+                              "continue\n")
+
+
+def test_sigterm_exits_143_and_resume_finishes(pair, tmp_path):
+    inp = tmp_path / "in.txt"
+    inp.write_text("\n".join(corpus(200, seed=9)) + "\n")
+    out = tmp_path / "out.txt"
+    journal = tmp_path / "out.txt.journal"
+    cmd = [sys.executable, "-m", "apps.translate", *args_for(pair, inp, out)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and (not journal.exists() or journal.read_bytes().count(b"\n") < 3):
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait() == 143
+    assert "specbeam-translate: terminated; finished lines are kept" in proc.stderr.read()
+    assert run(pair, inp, out, "--resume") == 0
+    alone = tmp_path / "alone.txt"
+    assert run(pair, inp, alone) == 0
+    assert out.read_bytes() == alone.read_bytes()
+
+
+@pytest.mark.parametrize("case, code, message", [
+    ("missing", 2, "error: cannot read input {tmp}/nope.txt: No such file or directory"),
+    ("dir_in", 2, "error: input {tmp} is a directory; pass a text file, one sentence per line"),
+    ("no_out_dir", 2, "error: the output's directory {tmp}/no/such does not exist; create it first"),
+    ("dir_out", 2, "error: output {tmp} is a directory; pass a file path"),
+    ("eval_missing", 2, "--eval: cannot read {tmp}/ref.txt (No such file or directory)"),
+    ("eval_count", 2, "--eval: 1 reference lines for 2 outputs"),
+])
+def test_os_errors_are_one_line_messages(pair, tmp_path, capsys, case, code, message):
+    inp = tmp_path / "in.txt"
+    inp.write_text("hello world\nthe fox\n")
+    argv = {"missing": (tmp_path / "nope.txt", tmp_path / "o.txt"), "dir_in": (tmp_path, tmp_path / "o.txt"),
+            "no_out_dir": (inp, tmp_path / "no" / "such" / "o.txt"), "dir_out": (inp, tmp_path),
+            "eval_missing": (inp, None), "eval_count": (inp, None)}[case]
+    extra = []
+    if case.startswith("eval"):
+        if case == "eval_count":
+            (tmp_path / "ref.txt").write_text("one line\n")
+        extra = ["--eval", str(tmp_path / "ref.txt")]
+    assert run(pair, argv[0], argv[1], *extra) == code
+    err = err_of(capsys)
+    assert message.format(tmp=tmp_path) in err and "Traceback" not in err
+
+
+def test_closed_stdin_and_stdout(pair, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", None)
+    assert main(["--model", pair[0], "--no_draft", "-q", "-o", "/dev/null"]) == 2
+    assert err_of(capsys) == "specbeam-translate: error: stdin is closed; pass -i FILE\n"
+    proc = subprocess.run([sys.executable, "-m", "apps.translate", "--model", pair[0], "--no_draft", "-q"],
+                          cwd=ROOT, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          stdout=subprocess.DEVNULL)
+    assert proc.returncode == 0 and proc.stderr == ""          # empty stdin: nothing to do
+    closed = subprocess.run(f"{sys.executable} -m apps.translate --model {pair[0]} --no_draft -q <&- ",
+                            shell=True, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    assert closed.returncode == 2
+    assert closed.stderr == "specbeam-translate: error: stdin is closed; pass -i FILE\n"
+
+
+def test_empty_input_blank_lines_no_final_newline_and_line_separators(pair, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    assert run(pair, empty, tmp_path / "e.txt") == 0
+    assert (tmp_path / "e.txt").read_bytes() == b""
+    blanks = tmp_path / "blanks.txt"
+    blanks.write_bytes(b"\n  \n\t\n")
+    assert run(pair, blanks, tmp_path / "b.txt", "--n_best", "2") == 0
+    assert (tmp_path / "b.txt").read_bytes() == b"\n" * 6
+    a, b = tmp_path / "a.txt", tmp_path / "b2.txt"
+    a.write_bytes(b"hello world\nthe fox\n")
+    b.write_bytes(b"hello world\nthe fox")
+    assert run(pair, a, tmp_path / "oa") == 0 and run(pair, b, tmp_path / "ob") == 0
+    assert (tmp_path / "oa").read_bytes() == (tmp_path / "ob").read_bytes()
+    sep = tmp_path / "sep.txt"
+    sep.write_text("hello\u2028world\x0bthe\x85fox\n", encoding="utf-8")
+    assert run(pair, sep, tmp_path / "os.txt", "--on_error", "copy") == 0
+    assert (tmp_path / "os.txt").read_bytes().count(b"\n") == 1
+
+
+# -- flags ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("flags, message", [
+    (["--max_memory", "inf"], "argument --max_memory: 'inf' is not a size: it must be a finite number >= 0"),
+    (["--max_memory", "nan"], "argument --max_memory: 'nan' is not a size: it must be a finite number >= 0"),
+    (["--max_memory=-1GB"], "argument --max_memory: '-1GB' is not a size: it must be a finite number >= 0"),
+    (["--host_memory", "infGB"], "argument --host_memory: 'infGB' is not a size"),
+    (["--max_memory", "12XB"], "argument --max_memory: '12XB' is not a size (examples: 512MB, 1.5GiB, 2e9)"),
+    (["--max_decoding_length", "0"], "argument --max_decoding_length: must be an integer >= 1, got 0"),
+    (["--beam_size", "0"], "argument --beam_size: must be an integer >= 1, got 0"),
+    (["--n_best", "3", "--beam_size", "2"], "--n_best (3) cannot exceed --beam_size (2)"),
+    (["--batch_size=-3"], "argument --batch_size: must be an integer >= 1, got -3"),
+    (["--batch_size", "x"], "argument --batch_size: 'x' is not an integer"),
+    (["--threads", "0"], "argument --threads: must be an integer >= 1, got 0"),
+    (["--budget", "0"], "argument --budget: must be an integer >= 1, got 0"),
+    (["--budget", "lots"], "argument --budget: 'lots' is not an integer"),
+    (["--max_depth", "0"], "argument --max_depth: must be an integer >= 1, got 0"),
+    (["--draft_width", "0"], "argument --draft_width: must be an integer >= 1, got 0"),
+    (["--max_input_length", "0"], "argument --max_input_length: must be an integer >= 1, got 0"),
+    (["--length_penalty", "nan"], "argument --length_penalty: must be a finite number, got 'nan'"),
+    (["--length_penalty=-inf"], "argument --length_penalty: must be a finite number, got '-inf'"),
+    (["--resume"], "--resume needs -o/--output (the journal lives next to the output file)"),
+    (["--batch_type", "lines"], "argument --batch_type: invalid choice: 'lines'"),
+])
+def test_bad_flags_are_usage_errors(flags, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["-q", *flags])
+    assert e.value.code == 2
+    err = err_of(capsys)
+    assert message in err and "Traceback" not in err
+
+
+def test_help_shows_defaults_and_specbeam_translate_takes_every_flag(pair, text_in, reference, tmp_path, capsys):
+    from specbeam_edge.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as e:
+        cli_main(["translate", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: specbeam-translate") and "beam width (default: 4)" in out
+    assert cli_main(["translate", *args_for(pair, text_in, tmp_path / "o.txt")]) == 0
+    assert (tmp_path / "o.txt").read_bytes() == reference
+
+
+def test_summary_line_and_stats(pair, text_in, tmp_path, capsys):
+    argv = args_for(pair, text_in, tmp_path / "o.txt")
+    argv.remove("-q")
+    assert main(argv + ["--stats"]) == 0
+    err = err_of(capsys).splitlines()
+    summary = [line for line in err if line.startswith("specbeam-translate: 12 lines, ")]
+    assert len(summary) == 1 and "lines/s" in summary[0] and "beam steps per pass" in summary[0]
+    assert "target_passes" in json.loads(err[-1])
+    assert main(args_for(pair, text_in, tmp_path / "o2.txt", "--quiet")) == 0
+    assert err_of(capsys) == ""
+
+
+# -- settings -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kw, message", [
+    (dict(length_penalty=float("nan")), "length_penalty must be a finite number, got nan"),
+    (dict(temperature=float("nan")), "temperature must be a finite number, got nan"),
+    (dict(temperature=float("inf")), "temperature must be a finite number, got inf"),
+    (dict(top_p=float("nan")), "top_p must be a finite number, got nan"),
+    (dict(num_beams=True), "num_beams must be an integer, got True"),
+    (dict(num_beams=2.0), "num_beams must be an integer, got 2.0"),
+    (dict(max_new_tokens=0), "max_new_tokens must be >= 1, got 0"),
+    (dict(min_new_tokens=9, max_new_tokens=8), "min_new_tokens must be in [0, 8], got 9"),
+    (dict(top_k=-1), "top_k must be >= 0, got -1"),
+    (dict(seed=-1), "seed must be >= 0, got -1"),
+    (dict(early_stopping="yes"), "early_stopping must be True, False or 'never', got 'yes'"),
+    (dict(do_sample="yes"), "do_sample must be True or False, got 'yes'"),
+    (dict(eos_token_id=-1), "eos_token_id must be >= 0, got -1"),
+    (dict(num_return_sequences=5), "num_return_sequences (5) must be between 1 and num_beams (4)"),
+])
+def test_generation_config_rejects(kw, message):
+    with pytest.raises(ValueError) as e:
+        GenerationConfig(**kw)
+    assert str(e.value) == message
+
+
+def test_nan_length_penalty_cannot_reach_the_search(pair):
+    """Before: length_penalty=nan was accepted and --n_best 4 wrote 3 lines instead of 12."""
+    from specbeam_edge.generate import Engine
+
+    engine = Engine(pair[0])
+    with pytest.raises(ValueError, match="length_penalty must be a finite number, got nan"):
+        engine.generate("hello", length_penalty=float("nan"), max_new_tokens=4)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(auto_slack=float("nan")), "auto_slack must be a finite number, got nan"),
+    (dict(decay_factor=float("nan")), "decay_factor must be a finite number, got nan"),
+    (dict(width_threshold=float("inf")), "width_threshold must be a finite number, got inf"),
+    (dict(budget=0), "budget must be an integer >= 1 or 'auto', got 0"),
+    (dict(budget=True), "budget must be an integer >= 1 or 'auto', got True"),
+    (dict(max_depth=1.5), "max_depth must be an integer, got 1.5"),
+    (dict(min_num_beams=0), "min_num_beams must be >= 1, got 0"),
+    (dict(adaptive="no"), "adaptive must be True or False, got 'no'"),
+])
+def test_speculative_config_rejects(kw, message):
+    with pytest.raises(ValueError) as e:
+        SpeculativeConfig(**kw)
+    assert str(e.value) == message
+
+
+def test_parse_size():
+    from specbeam_edge.flags import parse_size
+
+    assert parse_size("1.5GiB") == 3 * 2**29 and parse_size("2e9") == 2 * 10**9 and parse_size("0") == 0
+    assert parse_size("512MB") == 512 * 2**20 and parse_size(None) is None
+
+
+# -- model folders --------------------------------------------------------------------------------------------
+@pytest.fixture
+def folder(pair, tmp_path):
+    dst = tmp_path / "model"
+    shutil.copytree(pair[0], dst)
+    return dst
+
+
+def edit_config(folder, fn):
+    path = folder / "specbeam_config.json"
+    cfg = json.loads(path.read_text())
+    path.write_text(json.dumps(fn(cfg)))
+    return path
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: [c], "{path}: must hold a JSON object ({{...}}), found a list"),
+    (lambda c: {**c, "num_layers": "six"}, "{path}: num_layers must be an integer >= 1, got 'six'; re-export"),
+    (lambda c: {**c, "context_length": 0}, "{path}: context_length must be an integer >= 2, got 0"),
+    (lambda c: {**c, "vocab_size": 3.5}, "{path}: vocab_size must be an integer >= 1, got 3.5"),
+    (lambda c: {**c, "eos_token_ids": "0"}, "{path}: eos_token_ids must be a list of token ids, got '0'"),
+    (lambda c: {**c, "mask_value": float("nan")}, "{path}: mask_value must be a finite number, got nan"),
+    (lambda c: {**c, "files": []}, "{path}: files must be a JSON object, got []"),
+    (lambda c: {**c, "num_kv_heads": 3}, "{path}: num_kv_heads must be a divisor of num_heads (4), got 3"),
+    (lambda c: {k: v for k, v in c.items() if k != "head_dim"}, "{path}: missing key 'head_dim'"),
+    (lambda c: {**c, "format_version": 99}, "{path}: format_version 99, this runtime reads 1"),
+])
+def test_broken_model_config_names_the_file(folder, edit, message):
+    path = edit_config(folder, edit)
+    with pytest.raises(ModelFolderError) as e:
+        ModelConfig.load(folder)
+    assert message.format(path=path) in str(e.value)
+
+
+def test_invalid_json_files_are_named(folder, text_in, capsys):
+    (folder / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(ModelFolderError, match=r"tokenizer_config.json: not valid JSON"):
+        ModelConfig.load(folder)
+    assert main(["-i", str(text_in), "--model", str(folder), "--no_draft", "-q"]) == 2
+    assert f"error: {folder}/tokenizer_config.json: not valid JSON" in err_of(capsys)
+    (folder / "tokenizer_config.json").write_text("[1, 2]")
+    with pytest.raises(ModelFolderError, match=r"tokenizer_config.json: must hold a JSON object"):
+        ModelConfig.load(folder)
+    (folder / "specbeam_config.json").write_bytes(b"\xff\xfe")
+    with pytest.raises(ModelFolderError, match=r"specbeam_config.json: not valid JSON"):
+        ModelConfig.load(folder)
+
+
+# -- layer files ----------------------------------------------------------------------------------------------
+@pytest.fixture
+def split(exported, tmp_path):
+    dst = tmp_path / "split"
+    shutil.copytree(exported("llama", layout="split", std=0.3, seed=3), dst)
+    return dst
+
+
+def test_export_writes_one_checksum_per_layer_file(split):
+    import hashlib
+
+    cfg = ModelConfig.load(split)
+    sums = cfg.files["layer_sha256"]
+    assert sums == [hashlib.sha256((split / "weights" / f"layer_{i}.bin").read_bytes()).hexdigest()
+                    for i in range(cfg.num_layers)]
+
+
+def flip_byte(path: Path, at: int = 1000):
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("places", [["resident", "resident"], ["disk", "disk"]])
+def test_corrupted_layer_bytes_are_refused(split, places):
+    """Before: a layer file with corrupted bytes of the right size was used without notice."""
+    from specbeam_edge.generate import Engine
+
+    flip_byte(split / "weights" / "layer_1.bin")
+    with pytest.raises(ModelFolderError) as e:
+        Engine(split, placement=places).generate("hello", max_new_tokens=3)
+    assert str(e.value).startswith(f"{split}/weights/layer_1.bin: SHA-256 ")
+    assert "does not match the manifest" in str(e.value)
+
+
+def test_layer_truncated_while_streaming_names_the_file(split):
+    from specbeam_edge.generate import Engine
+
+    engine = Engine(split, placement=["disk", "disk"])
+    first = engine.generate("hello", max_new_tokens=3)[0].text
+    assert engine.generate("hello", max_new_tokens=3)[0].text == first
+    path = split / "weights" / "layer_0.bin"
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.truncate(size - 100)
+    with pytest.raises(ModelFolderError) as e:
+        engine.generate("hello", max_new_tokens=3)
+    assert str(e.value).startswith(f"{path}: {size - 100} bytes, the manifest needs {size} (the file was "
+                                   f"truncated or replaced after loading)")
+
+
+def test_bad_checksum_list_is_named(split):
+    path = edit_config(split, lambda c: {**c, "files": {**c["files"], "layer_sha256": ["00"]}})
+    with pytest.raises(ModelFolderError) as e:
+        ModelConfig.load(split)
+    assert str(e.value) == (f"{path}: files.layer_sha256 must list 2 hex SHA-256 digests (one per layer file); "
+                            f"re-export the model")
+
+
+def test_exports_without_checksums_still_load(split):
+    from specbeam_edge.generate import Engine
+
+    edit_config(split, lambda c: {**c, "files": {k: v for k, v in c["files"].items() if k != "layer_sha256"}})
+    assert Engine(split, placement=["disk", "resident"]).generate("hello", max_new_tokens=3)[0].text is not None
+
+
+def test_streamed_store_is_verified_once_per_file(split, monkeypatch):
+    import hashlib as h
+
+    from specbeam_edge import offload
+    from specbeam_edge.generate import Engine
+
+    calls = []
+    real = h.sha256
+    monkeypatch.setattr(offload.hashlib, "sha256", lambda data=b"": calls.append(1) or real(data))
+    engine = Engine(split, placement=["disk", "disk"])
+    for _ in range(3):
+        engine.generate("hello", max_new_tokens=4)
+    assert len(calls) == 2                                     # one per layer file, not one per read
+    assert engine.target.store.stats.passes > 3
+
+
+# -- SIGKILL fault injection (short; bench/soak_translate.py is the long version) --------------------------------
+@pytest.mark.slow
+def test_sigkill_at_random_moments_leaves_a_byte_identical_file(pair, tmp_path):
+    from bench.soak_translate import soak
+
+    inp = tmp_path / "in.txt"
+    inp.write_text("\n".join(corpus(150, seed=10)) + "\n")
+    extra = ["--model", pair[0], "--draft", pair[1], "--max_decoding_length", "12", "--batch_size", "4"]
+    full = tmp_path / "full.txt"
+    assert run(pair, inp, full, "--max_decoding_length", "12", "--batch_size", "4") == 0
+    rng = random.Random(1)
+    delays = [rng.uniform(0.05, 1.0), rng.uniform(0.05, 1.0), rng.uniform(1.5, 3.0), rng.uniform(1.5, 3.0)]
+    out = tmp_path / "out.txt"
+    counts = soak(inp, out, extra, delays, log=lambda *_: None)
+    assert counts["kills"] >= 2
+    assert out.read_bytes() == full.read_bytes()
+    assert not (tmp_path / "out.txt.journal").exists()
