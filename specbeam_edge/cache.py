@@ -1,65 +1,18 @@
-"""The token tree and the tree-shaped KV cache.
+"""The tree-shaped KV cache of one request, and the batched pass over the caches of many requests.
 
-All beams of a request are nodes of one `TokenTree` (flat arrays: token, parent, depth). Each model keeps a
+All beams of a request are nodes of one `TokenTree` (tree.py). Each model keeps a
 `TreeCache`: KV for the nodes it has scored, laid out in slots, plus `vis[s, t]` = "slot s may attend to slot
 t" (t is s or an ancestor of s). The prompt is stored once; beams share their common prefix. Rejected or
 abandoned nodes become dead slots and are dropped by `compact`, so memory stays bounded.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from .model import OnnxCausalLM
-
-
-class TokenTree:
-    """Append-only registry of nodes: node i has token[i], parent[i] (-1 for the first prompt token), depth[i]."""
-
-    def __init__(self):
-        self._tok, self._par, self._dep = [], [], []
-        self.children: dict[tuple[int, int], int] = {}
-
-    def __len__(self):
-        return len(self._tok)
-
-    def add(self, parent: int, token: int) -> int:
-        """The node for `token` below `parent`, created if new (the same child is never added twice)."""
-        key = (parent, int(token))
-        node = self.children.get(key)
-        if node is None:
-            node = len(self._tok)
-            self._tok.append(int(token))
-            self._par.append(parent)
-            self._dep.append(0 if parent < 0 else self._dep[parent] + 1)
-            self.children[key] = node
-        return node
-
-    def add_chain(self, tokens, parent: int = -1) -> list[int]:
-        out = []
-        for t in tokens:
-            parent = self.add(parent, t)
-            out.append(parent)
-        return out
-
-    def token(self, n: int) -> int:
-        return self._tok[n]
-
-    def parent(self, n: int) -> int:
-        return self._par[n]
-
-    def depth(self, n: int) -> int:
-        return self._dep[n]
-
-    def child(self, parent: int, token: int) -> int | None:
-        return self.children.get((parent, int(token)))
-
-    def path(self, n: int) -> list[int]:
-        """Tokens from the root to n inclusive."""
-        out = []
-        while n >= 0:
-            out.append(self._tok[n])
-            n = self._par[n]
-        return out[::-1]
+from .tree import TokenTree
 
 
 class TreeCache:
@@ -71,6 +24,7 @@ class TreeCache:
         self.slot: dict[int, int] = {}           # node -> slot
         self.nodes: list[int] = []               # slot -> node
         self.vis = np.zeros((0, 0), dtype=bool)  # [slots, slots]
+        self.positions = np.zeros(0, np.int64)   # slot -> position (depth) of its token
         self.passes = 0
         self.tokens_scored = 0
 
@@ -109,18 +63,23 @@ class TreeCache:
     def score(self, new: list[int], topk: int | None = None):
         """One model pass over `new` (each node's parent is cached or earlier in `new`); appends their KV.
 
-        Returns the model head's output for the new nodes, [Q, V] logits (or top-k pairs).
-        """
-        tr = self.tree
+        Returns the model head's output for the new nodes, [Q, V] logits (or top-k pairs [Q, k])."""
+        return score_batch([ScoreCall(self, new, topk)])[0]
+
+    def _inputs(self, new: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(token ids [Q], positions [Q], tree mask [Q, N + Q]) of a pass over `new`."""
         for n in new:
-            p = tr.parent(n)
             if n in self.slot:
                 raise ValueError(f"node {n} is already cached")
-        mask = self.tree_mask(new)
-        ids = np.array([[tr.token(n) for n in new]], dtype=np.int64)
-        pos = np.array([[tr.depth(n) for n in new]], dtype=np.int64)
-        out, self.past = self.model.forward(ids, pos, mask[None, None], self.past, topk=topk)
+        tr = self.tree
+        return (np.array([tr.token(n) for n in new], np.int64), np.array([tr.depth(n) for n in new], np.int64),
+                self.tree_mask(new))
+
+    def _append(self, new: list[int], mask: np.ndarray, kv: list[tuple[np.ndarray, np.ndarray]], whole: bool):
+        """Record a pass: kv per layer is past + new (whole=True, the graph's own concat) or the new rows only."""
         N, Q = len(self.nodes), len(new)
+        self.past = kv if whole else [(np.concatenate([k0, k], axis=2), np.concatenate([v0, v], axis=2))
+                                      for (k0, v0), (k, v) in zip(self.past, kv)]
         vis = np.zeros((N + Q, N + Q), dtype=bool)
         vis[:N, :N] = self.vis
         vis[N:] = mask
@@ -128,11 +87,9 @@ class TreeCache:
         for j, n in enumerate(new):
             self.slot[n] = N + j
         self.nodes.extend(new)
+        self.positions = np.concatenate([self.positions, [self.tree.depth(n) for n in new]]).astype(np.int64)
         self.passes += 1
         self.tokens_scored += Q
-        if isinstance(out, tuple):
-            return tuple(o[0] for o in out)
-        return out[0]
 
     def live_slots(self, keep_nodes) -> np.ndarray:
         """Slots on the paths to `keep_nodes` (up to each one's nearest cached ancestor: a draft cache that sat
@@ -154,6 +111,89 @@ class TreeCache:
         idx = np.flatnonzero(live)
         self.past = [(np.ascontiguousarray(k[:, :, idx]), np.ascontiguousarray(v[:, :, idx])) for k, v in self.past]
         self.vis = self.vis[np.ix_(idx, idx)]
+        self.positions = self.positions[idx]
         self.nodes = [self.nodes[i] for i in idx]
         self.slot = {n: s for s, n in enumerate(self.nodes)}
         return True
+
+
+@dataclass
+class ScoreCall:
+    """A request's demand for one model pass: score `nodes` (parents before children) in `cache`."""
+    cache: TreeCache
+    nodes: list[int]
+    topk: int | None = None
+
+
+def score_batch(calls: list[ScoreCall]) -> list:
+    """One pass of one model over the new nodes of several requests' caches (a batch dimension: request b's
+    past is left-aligned and zero-padded to the longest, its new rows follow the padded past; padding columns
+    are masked out, padding rows see only themselves). Returns each call's head output ([Q, V] logits or
+    top-k pairs sliced to its own k). Passes longer than the model's context (a draft cache catching up, a
+    very wide first step) are split into chunks that fit: the rotary tables hold `context_length` rows."""
+    model = calls[0].cache.model
+    limit = model.cfg.context_length
+    outs: list[list] = [[] for _ in calls]
+    todo = [(i, list(c.nodes)) for i, c in enumerate(calls) if c.nodes]
+    while todo:
+        chunk = [(i, nodes[:limit]) for i, nodes in todo]
+        for (i, part), out in zip(chunk, _one_pass(model, [(calls[i].cache, part) for i, part in chunk],
+                                                    max((calls[i].topk or 0) for i, _ in chunk) or None)):
+            k = calls[i].topk
+            outs[i].append(out if not isinstance(out, tuple) or k is None else tuple(o[:, :k] for o in out))
+        todo = [(i, nodes[limit:]) for i, nodes in todo if len(nodes) > limit]
+    return [_join(o, c.cache.model) for o, c in zip(outs, calls)]
+
+
+def _join(parts: list, model):
+    if not parts:
+        V = model.cfg.vocab_size
+        return np.zeros((0, V), np.float32)
+    if len(parts) == 1:
+        return parts[0]
+    if isinstance(parts[0], tuple):
+        return tuple(np.concatenate(p) for p in zip(*parts))
+    return np.concatenate(parts)
+
+
+def _one_pass(model, work: list[tuple[TreeCache, list[int]]], topk: int | None) -> list:
+    """The model forward for a batch; appends every request's new KV; returns per-request head outputs."""
+    inputs = [cache._inputs(new) for cache, new in work]
+    if len(work) == 1:                 # the batch of one: exactly the unpadded pass
+        (cache, new), (ids, pos, mask) = work[0], inputs[0]
+        kw = {"key_positions": np.concatenate([cache.positions, pos])[None]} if model.needs_key_positions else {}
+        out, presents = model.forward(ids[None], pos[None], mask[None, None], cache.past, topk=topk, **kw)
+        cache._append(new, mask, presents, whole=True)
+        return [tuple(o[0] for o in out) if isinstance(out, tuple) else out[0]]
+    B = len(work)
+    Qm = max(len(new) for _, new in work)
+    Nm = max(len(cache) for cache, _ in work)
+    ids = np.zeros((B, Qm), np.int64)
+    pos = np.zeros((B, Qm), np.int64)
+    kpos = np.zeros((B, Nm + Qm), np.int64)
+    mask = np.zeros((B, 1, Qm, Nm + Qm), bool)
+    mask[:, 0, :, Nm:] = np.eye(Qm, dtype=bool)       # padding rows attend to themselves only
+    for b, ((cache, new), (i, p, m)) in enumerate(zip(work, inputs)):
+        N, Q = len(cache), len(new)
+        ids[b, :Q], pos[b, :Q] = i, p
+        kpos[b, :N], kpos[b, Nm:Nm + Q] = cache.positions, p
+        mask[b, 0, :Q, :N] = m[:, :N]
+        mask[b, 0, :Q, Nm:Nm + Q] = m[:, N:]
+    past = []
+    for layer in range(len(work[0][0].past)):
+        k0 = work[0][0].past[layer][0]
+        k = np.zeros((B, k0.shape[1], Nm, k0.shape[3]), k0.dtype)
+        v = np.zeros_like(k)
+        for b, (cache, _) in enumerate(work):
+            ck, cv = cache.past[layer]
+            k[b, :, :ck.shape[2]], v[b, :, :cv.shape[2]] = ck[0], cv[0]
+        past.append((k, v))
+    kw = {"key_positions": kpos} if model.needs_key_positions else {}
+    out, presents = model.forward(ids, pos, mask, past, topk=topk, **kw)
+    results = []
+    for b, ((cache, new), (_, _, m)) in enumerate(zip(work, inputs)):
+        Q = len(new)
+        cache._append(new, m, [(k[b:b + 1, :, Nm:Nm + Q], v[b:b + 1, :, Nm:Nm + Q]) for k, v in presents],
+                      whole=False)
+        results.append(tuple(o[b, :Q] for o in out) if isinstance(out, tuple) else out[b, :Q])
+    return results

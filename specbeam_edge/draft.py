@@ -1,6 +1,8 @@
 """Drafters: grow a token tree below the live beams with the draft model (DESIGN section 6, step 1).
 
-A drafter is any callable `(dcache, roots, root_scores) -> new tree nodes` (parents before children). The
+A drafter is any callable `(dcache, roots, root_scores) -> new tree nodes` (parents before children), or a
+generator function that yields `ScoreCall`s for the draft passes it needs (receiving each pass's output) and
+returns the new nodes: the scheduler then serves the draft levels of many requests with one batched pass. The
 draft keeps its own TreeCache over the same TokenTree, so it only ever computes KV for nodes it has not seen.
 """
 from __future__ import annotations
@@ -11,7 +13,7 @@ from typing import Protocol
 import numpy as np
 
 from .beam import log_softmax
-from .cache import TreeCache
+from .cache import ScoreCall, TreeCache
 from .config import SpeculativeConfig
 
 
@@ -19,9 +21,9 @@ class Drafter(Protocol):
     def __call__(self, dcache: TreeCache, roots: list[int], root_scores: list[float]) -> list[int]: ...
 
 
-def _expand(dcache: TreeCache, frontier: list[int], width: int) -> tuple[list[int], np.ndarray, np.ndarray]:
-    """One draft pass over the frontier (and any missing ancestors); returns (scored frontier nodes,
-    their top-`width` tokens [F, width], and those tokens' draft log-probs [F, width])."""
+def _expand(dcache: TreeCache, frontier: list[int], width: int):
+    """One draft pass over the frontier (and any missing ancestors), as a ScoreCall; returns (scored frontier
+    nodes, their top-`width` tokens [F, width], and those tokens' draft log-probs [F, width])."""
     need = dcache.missing_ancestors(frontier)
     index = {n: j for j, n in enumerate(need)}
     nodes = [f for f in frontier if f in index]
@@ -29,9 +31,9 @@ def _expand(dcache: TreeCache, frontier: list[int], width: int) -> tuple[list[in
         return [], np.zeros((0, width), np.int64), np.zeros((0, width), np.float32)
     rows = [index[f] for f in nodes]
     if dcache.model.cfg.output == "topk":     # the head returns sorted top-k log-probs: no vocabulary row here
-        vals, ids = dcache.score(need, topk=width)
+        vals, ids = yield ScoreCall(dcache, need, topk=width)
         return nodes, ids[rows], vals[rows]
-    lp = log_softmax(dcache.score(need)[rows])                                 # [F, V]
+    lp = log_softmax((yield ScoreCall(dcache, need))[rows])                    # [F, V]
     width = min(width, lp.shape[1])
     top = np.argpartition(-lp, width - 1, axis=1)[:, :width] if width < lp.shape[1] else \
         np.tile(np.arange(lp.shape[1]), (len(nodes), 1))
@@ -60,7 +62,7 @@ class DraftBeamSearch:
             frontier = [f for f in frontier if tree.depth(f) + 1 < self.ctx]
             if not frontier or len(out) >= self.budget:
                 break
-            nodes, top, lps = _expand(dcache, frontier, self.b)
+            nodes, top, lps = yield from _expand(dcache, frontier, self.b)
             if not nodes:
                 break
             cum = np.array([score[f] for f in nodes])[:, None] + lps                 # [F, b]
@@ -102,7 +104,7 @@ class BestFirstDrafter:
                       and tree.depth(e) - base[root_of[e]] < self.depth and tree.token(e) not in self.eos]
             if not expand:
                 break
-            nodes, top, lps = _expand(dcache, expand, self.b)
+            nodes, top, lps = yield from _expand(dcache, expand, self.b)
             base_scores = np.array([cum[e] for e in nodes])[:, None] + self.log_decay + lps
             pool.extend((float(base_scores.flat[i]), nodes[i // top.shape[1]], int(top.flat[i]))
                         for i in range(base_scores.size))

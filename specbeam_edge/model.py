@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -27,6 +28,13 @@ def _session(path: Path, threads: int | None, providers, spin: bool = True) -> o
         raise ModelFolderError(f"{path}: onnxruntime cannot load this graph ({str(e).splitlines()[0][:200]})") from None
 
 
+KEY_POSITIONS = "key_position_ids"   # optional input: the position of every key column (sliding-window layers)
+
+
+def _declares(sess: ort.InferenceSession, name: str) -> bool:
+    return any(i.name == name for i in sess.get_inputs())
+
+
 class OnnxCausalLM:
     """Loads and validates a model folder; `forward` scores new tokens given a tree mask and past KV."""
 
@@ -48,7 +56,9 @@ class OnnxCausalLM:
                                    f"export with --layout split")
         if cfg.layout == "whole":
             self.sess = _session(self.folder / cfg.files["model"], threads, providers, spin)
-            want_in = {"input_ids", "position_ids", "attention_mask", *[n for p in self.past_names for n in p]}
+            self.needs_key_positions = _declares(self.sess, KEY_POSITIONS)
+            want_in = {"input_ids", "position_ids", "attention_mask", *[n for p in self.past_names for n in p],
+                       *([KEY_POSITIONS] if self.needs_key_positions else [])}
             want_out = {*self.out_names, *[n for p in self.present_names for n in p]}
             self._check_io(self.sess, want_in | ({"topk"} if cfg.output == "topk" else set()), want_out,
                            cfg.files["model"])
@@ -59,8 +69,10 @@ class OnnxCausalLM:
             self.head = _session(self.folder / cfg.files["head"], threads, providers, spin)
             manifest = cfg.files["layer_manifest"]
             self._check_io(self.embed, {"input_ids"}, {"hidden"}, cfg.files["embed"])
+            self.needs_key_positions = _declares(self.layer, KEY_POSITIONS)
             self._check_io(self.layer, {"hidden", "position_ids", "attention_mask", "past_key", "past_value",
-                                        *[m["name"] for m in manifest]},
+                                        *[m["name"] for m in manifest],
+                                        *([KEY_POSITIONS] if self.needs_key_positions else [])},
                            {"hidden_out", "present_key", "present_value"}, cfg.files["layer"])
             self._check_io(self.head, {"hidden"} | ({"topk"} if cfg.output == "topk" else set()),
                            set(self.out_names), cfg.files["head"])
@@ -75,6 +87,8 @@ class OnnxCausalLM:
                 nxt.update({j: self.store.streamed[k + 1] for j in range(i, self.store.streamed[k + 1])})
             self._next_streamed = nxt
         self._check_shapes()
+        # the streamed layers share two buffers: one pass at a time per model (threads sharing an Engine)
+        self._lock = threading.Lock()
 
     @staticmethod
     def _check_io(sess, want_in, want_out, name):
@@ -103,11 +117,14 @@ class OnnxCausalLM:
         return np.where(mask, np.float32(0), np.float32(self.cfg.mask_value)).astype(np.float32)
 
     def forward(self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray,
-                past: list[tuple[np.ndarray, np.ndarray]], topk: int | None = None):
+                past: list[tuple[np.ndarray, np.ndarray]], topk: int | None = None,
+                key_positions: np.ndarray | None = None):
         """Score `n_new` tokens.
 
         input_ids, position_ids: int64 [B, n_new]; tree_mask: bool [B, 1, n_new, n_past + n_new] (True = may
         attend); past: per layer (key, value) [B, kv_heads, n_past, head_dim].
+        key_positions: int64 [B, n_past + n_new], the position of every key column; needed (and only accepted)
+        when the graph declares `key_position_ids` (sliding-window layers).
         Returns (logits [B, n_new, V] fp32, or (topk_logprobs, topk_ids) for a top-k head; presents per layer
         [B, kv_heads, n_past + n_new, head_dim]).
         """
@@ -117,8 +134,11 @@ class OnnxCausalLM:
             raise ValueError(f"position {int(pos.max())} exceeds the model's context length {self.cfg.context_length}")
         mask = self.additive_mask(tree_mask)
         extra = {"topk": np.array([topk or 1], np.int64)} if self.cfg.output == "topk" else {}
+        if self.needs_key_positions != (key_positions is not None):
+            raise ValueError(f"{self.folder}: key_positions must be given iff the graph declares {KEY_POSITIONS}")
+        kpos = {KEY_POSITIONS: np.ascontiguousarray(key_positions, dtype=np.int64)} if self.needs_key_positions else {}
         if self.cfg.layout == "whole":
-            feed = {"input_ids": ids, "position_ids": pos, "attention_mask": mask, **extra}
+            feed = {"input_ids": ids, "position_ids": pos, "attention_mask": mask, **kpos, **extra}
             for (kn, vn), (k, v) in zip(self.past_names, past):
                 feed[kn], feed[vn] = k, v
             outs = self.sess.run(self._run_names, feed)
@@ -126,6 +146,11 @@ class OnnxCausalLM:
             head = outs[0] if n == 1 else tuple(outs[:n])
             presents = [(outs[n + 2 * i], outs[n + 2 * i + 1]) for i in range(self.cfg.num_layers)]
             return head, presents
+        with self._lock:
+            return self._forward_layers(ids, pos, mask, past, kpos, extra)
+
+    def _forward_layers(self, ids, pos, mask, past, kpos, extra):
+        """The split layout: embed, each layer with its weights (streamed ones double-buffered), head."""
         store = self.store
         if store.streamed:
             store.prefetch(store.streamed[0])      # overlaps the embedding lookup
@@ -136,7 +161,8 @@ class OnnxCausalLM:
             if i in self._next_streamed:
                 store.prefetch(self._next_streamed[i])   # the next streamed layer loads while this one computes
             t0 = time.perf_counter()
-            feed = {"hidden": hidden, "position_ids": pos, "attention_mask": mask, "past_key": k, "past_value": v}
+            feed = {"hidden": hidden, "position_ids": pos, "attention_mask": mask, "past_key": k, "past_value": v,
+                    **kpos}
             if self.device == "cpu":
                 hidden, pk, pv = self.layer.run(["hidden_out", "present_key", "present_value"], {**feed, **weights})
             else:  # device weights are OrtValues: run with OrtValues throughout

@@ -9,10 +9,12 @@ import numpy as np
 
 
 class FakeLM:
+    needs_key_positions = False
+
     def __init__(self, vocab: int, seed: int, sharpness: float = 1.5, eos=(0,), ctx: int = 64):
         rng = np.random.default_rng(seed)
         self.table = rng.normal(0, sharpness, size=(vocab + 1, vocab, vocab)).astype(np.float32)
-        self.cfg = SimpleNamespace(vocab_size=vocab, context_length=ctx, eos_token_ids=tuple(eos), generation={},
+        self.cfg = SimpleNamespace(vocab_size=vocab, context_length=ctx, eos_token_ids=tuple(eos), generation={}, raw={},
                                    output="logits")
 
     def empty_past(self):

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from specbeam_edge.cache import TokenTree, TreeCache
+from specbeam_edge.cache import TreeCache
+from specbeam_edge.tree import TokenTree
 from specbeam_edge.model import OnnxCausalLM
 
 

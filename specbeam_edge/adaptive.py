@@ -1,0 +1,85 @@
+"""Adaptive speculation: the per-pass choice to draft or not, and the measured cost curve behind `budget="auto"`."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+
+class PassChooser:
+    """Adaptive speculation (SpeculativeConfig.adaptive): per target pass, speculate or not, by the measured
+    seconds per beam step of each choice (an exponential average). Each choice is tried `warmup` times first;
+    afterwards the slower one is probed now and then so that a change (longer contexts, another domain, a busy
+    machine) is noticed: every `probe_every` passes at first, the interval doubling (up to `max_interval`)
+    each time a probe confirms the choice. Passes that include the prompt's prefill are not counted."""
+
+    def __init__(self, warmup: int = 3, probe_every: int = 16, max_interval: int = 512, smoothing: float = 0.25):
+        self.warmup, self.probe_every, self.max_interval, self.smoothing = warmup, probe_every, max_interval, smoothing
+        self.rate: dict[bool, float] = {}
+        self.count = {True: 0, False: 0}
+        self.passes = 0
+        self.interval = probe_every
+        self.next_probe = None
+        self.probing = False
+
+    def best(self) -> bool:
+        return self.rate[True] <= self.rate[False]
+
+    def choose(self) -> bool:
+        self.passes += 1
+        for arm in (True, False):
+            if self.count[arm] < self.warmup:
+                return arm
+        if self.next_probe is None:
+            self.next_probe = self.passes + self.interval
+        self.probing = self.passes >= self.next_probe
+        return (not self.best()) if self.probing else self.best()
+
+    def update(self, speculated: bool, seconds: float, steps: int) -> None:
+        before = self.best() if len(self.rate) == 2 else None
+        r = seconds / max(1, steps)
+        old = self.rate.get(speculated)
+        # a probe is the first look at its choice in a while: its sample replaces the stale average
+        self.rate[speculated] = r if old is None or self.probing else old + self.smoothing * (r - old)
+        self.count[speculated] += 1
+        if self.probing:
+            self.probing = False
+            same = self.best() == before
+            self.interval = min(2 * self.interval, self.max_interval) if same else self.probe_every
+            self.next_probe = self.passes + self.interval
+
+
+def cost_curve(lm, sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), past: int = 32,
+               reps: int = 3) -> dict[int, float]:
+    """Measured pass time (s) of model `lm` over a tree of Q nodes on top of `past` cached tokens."""
+    rng = np.random.default_rng(0)
+    ctx = lm.cfg.context_length
+    mask = np.tril(np.ones((past, past), bool))[None, None]
+    kw = {"key_positions": np.arange(past)[None]} if lm.needs_key_positions else {}
+    _, kv = lm.forward(rng.integers(1, lm.cfg.vocab_size, (1, past)), np.arange(past)[None], mask,
+                       lm.empty_past(), **kw)
+    out = {}
+    for q in sizes:
+        if past + q > ctx:
+            break
+        m = np.ones((1, 1, q, past + q), bool)
+        m[0, 0, :, past:] = np.eye(q, dtype=bool)
+        ids, pos = rng.integers(1, lm.cfg.vocab_size, (1, q)), np.full((1, q), past)
+        kw = {"key_positions": np.concatenate([np.arange(past), pos[0]])[None]} if lm.needs_key_positions else {}
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            lm.forward(ids, pos, m, kv, **kw)
+            times.append(time.perf_counter() - t0)
+        out[q] = float(np.median(times))
+    return out
+
+
+def auto_budget(curve: dict[int, float], num_beams: int, slack: float = 1.6) -> int:
+    """Hardware-aware tree budget (as Sequoia): the largest tree whose pass costs at most `slack` times a pass
+    over the beams alone, on this machine and placement."""
+    base = min((t for q, t in curve.items() if q >= num_beams), default=None)
+    if base is None:
+        return num_beams
+    fits = [q for q, t in curve.items() if q >= num_beams and t <= slack * base]
+    return max(max(fits, default=num_beams), num_beams)

@@ -1,0 +1,100 @@
+"""What a request returns: hypotheses, text, and the statistics every caller reads (CLI, apps, bench)."""
+from __future__ import annotations
+
+import resource
+from dataclasses import asdict, dataclass, field, replace
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process (VmHWM; ru_maxrss survives exec and can report a parent's)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(l.split()[1]) for l in f if l.startswith("VmHWM")) / 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    target_passes: int = 0
+    plain_passes: int = 0             # passes without a tree (adaptive speculation chose not to draft)
+    beam_steps: int = 0
+    target_tokens_scored: int = 0
+    draft_passes: int = 0
+    draft_tokens_proposed: int = 0
+    draft_tokens_accepted: int = 0
+    seconds: float = 0.0
+    draft_seconds: float = 0.0
+    time_to_first_token: float | None = None
+    peak_memory_mb: float = 0.0
+    offload: dict | None = None       # bytes moved and load/wait/compute time per target pass, when streaming
+    batch_sizes: list = field(default_factory=list)  # requests sharing each target pass this request took part in
+    widths: list = field(default_factory=list)   # beams kept per level (beam sampling)
+    from_draft: list = field(default_factory=list)  # per beam step: covered by the draft tree (not the pass's own)
+
+    @property
+    def beam_steps_per_pass(self) -> float:
+        return self.beam_steps / max(1, self.target_passes)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def as_dict(self, per_step: bool = False) -> dict:
+        """Flat statistics; the per-step lists are summarised unless per_step=True."""
+        d = asdict(self)
+        d.update(beam_steps_per_pass=round(self.beam_steps_per_pass, 3),
+                 tokens_per_second=round(self.tokens_per_second, 2))
+        if not per_step:
+            d["steps_from_draft"] = sum(d.pop("from_draft"))
+            sizes = d.pop("batch_sizes")
+            if sizes:
+                d["mean_batch_size"] = round(sum(sizes) / len(sizes), 2)
+            widths = d.pop("widths")
+            if widths:
+                d["mean_width"] = round(sum(widths) / len(widths), 3)
+        return d
+
+    def snapshot(self) -> "Stats":
+        """An independent copy (stream chunks carry snapshots, not the live object)."""
+        return replace(self, widths=list(self.widths), from_draft=list(self.from_draft),
+                       offload=dict(self.offload) if self.offload else None)
+
+    def add(self, other: "Stats") -> None:
+        for k, v in asdict(other).items():
+            if k == "offload":
+                self.offload = v
+            elif k == "peak_memory_mb":
+                self.peak_memory_mb = max(self.peak_memory_mb, v)
+            elif k == "time_to_first_token":
+                if self.time_to_first_token is None:
+                    self.time_to_first_token = v
+            else:
+                setattr(self, k, getattr(self, k) + v)
+
+
+@dataclass
+class Hypothesis:
+    text: str
+    tokens: list[int]
+    score: float
+
+
+@dataclass
+class Result:
+    prompt: str | list[int]
+    hypotheses: list[Hypothesis]
+    stats: Stats = field(default_factory=Stats)
+
+    @property
+    def text(self) -> str:
+        return self.hypotheses[0].text
+
+
+@dataclass
+class StreamChunk:
+    text: str                 # new final text since the previous chunk
+    stats: Stats              # a snapshot taken when the chunk was made
+    result: Result | None = None   # set on the last chunk

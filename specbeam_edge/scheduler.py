@@ -1,0 +1,86 @@
+"""Continuous batching: many request searches share every model pass (DESIGN section 10, "the batched pass").
+
+Each running search waits on one `ScoreCall`. Per round the scheduler runs ONE batched pass of one model over
+all calls waiting on it: draft models first (so every request's draft level k is one pass), then the target
+(one pass scores the trees of all requests). A finished request leaves at once and the next queued one joins,
+its prefill sharing the next target pass.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+from .cache import ScoreCall, score_batch
+from .search import Progress
+
+
+@dataclass
+class Job:
+    tag: object          # the caller's name for the request (e.g. its index)
+    tokens: int          # its prompt tokens (counted against max_batch_tokens)
+    search: object       # ExactSearch or SamplingSearch
+
+
+@dataclass
+class _Running:
+    job: Job
+    coro: object
+    call: ScoreCall | None = None
+
+
+class Scheduler:
+    """Runs jobs with at most `max_batch_size` requests and `max_batch_tokens` prompt tokens in flight
+    (None: no token limit; a single request larger than the limit still runs, alone)."""
+
+    def __init__(self, target, *, max_batch_size: int = 32, max_batch_tokens: int | None = None):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if max_batch_tokens is not None and max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
+        self.target = target
+        self.max_batch_size, self.max_batch_tokens = max_batch_size, max_batch_tokens
+
+    def run(self, jobs: Iterable[Job]) -> Iterator[tuple[object, Progress, bool]]:
+        """Yields (tag, progress, finished) after every target pass of every request; finished=True once per
+        request, with its final state."""
+        queue = iter(jobs)
+        nxt = next(queue, None)
+        running: list[_Running] = []
+        while running or nxt is not None:
+            tokens = sum(r.job.tokens for r in running)
+            while nxt is not None and len(running) < self.max_batch_size and (
+                    not running or self.max_batch_tokens is None or tokens + nxt.tokens <= self.max_batch_tokens):
+                r = _Running(nxt, nxt.search.run())
+                tokens += nxt.tokens
+                nxt = next(queue, None)
+                yield from self._advance(r, None, running)
+            if not running:
+                continue
+            # one batched pass of one model: a draft first if any request is drafting, else the target
+            models = {id(r.call.cache.model): r.call.cache.model for r in running}
+            model = next((m for m in models.values() if m is not self.target), self.target)
+            group = [r for r in running if r.call.cache.model is model]
+            outs = score_batch([r.call for r in group])
+            n = len(running) if model is self.target else None
+            for r, out in zip(group, outs):
+                if n is not None:
+                    r.job.search.stats.batch_sizes.append(n)
+                yield from self._advance(r, out, running)
+
+    def _advance(self, r: _Running, value, running: list[_Running]):
+        """Send a pass's output into a search and run it to its next ScoreCall, reporting Progress on the way;
+        adds or removes it from `running`."""
+        try:
+            item = r.coro.send(value)
+            while isinstance(item, Progress):
+                yield r.job.tag, item, False
+                item = next(r.coro)
+        except StopIteration:
+            if r in running:
+                running.remove(r)
+            search = r.job.search
+            yield r.job.tag, Progress(search.state, search.stats), True
+            return
+        r.call = item
+        if r not in running:
+            running.append(r)

@@ -1,0 +1,241 @@
+"""Per-request searches (DESIGN section 6): exact (speculative) beam search and (speculative) beam sampling.
+
+Each search is a coroutine with the same phases per target pass: grow a draft tree -> score (one target pass
+over every unscored node) -> replay/verify -> commit. It never runs a model itself: it yields a `ScoreCall`
+for every pass it needs and receives the pass's output, and yields a `Progress` after every target pass. The
+scheduler (scheduler.py) packs the calls of many requests into one batched pass per model; a request alone is
+the batch of one, so there is one code path.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from types import GeneratorType
+
+import numpy as np
+
+from .beam import BeamSearch, log_softmax
+from .cache import ScoreCall, TreeCache
+from .results import Stats, peak_rss_mb
+from .sampling import SampleState, choose_width, draw, verify_level
+from .tree import TokenTree
+
+
+@dataclass
+class Progress:
+    """After a target pass: the request's search state (BeamSearch or SampleState) and its live statistics."""
+    state: object
+    stats: Stats
+
+
+def _grow(grow, dcache, roots, scores):
+    """Run a drafter: generator drafters yield their draft passes to the scheduler, plain callables run them."""
+    out = grow(dcache, roots, scores)
+    if isinstance(out, GeneratorType):
+        out = yield from out
+    return out
+
+
+class ExactSearch:
+    """Exact beam search (K >= 1), speculative when `grow` is given: output identical to plain beam search.
+
+    target/draft: TreeCaches over one TokenTree (draft None without speculation; a cache without a model for
+    prompt lookup). chooser: a PassChooser deciding per pass whether drafting pays (None: always draft)."""
+
+    def __init__(self, ids: list[int], target_lm, draft_lm, *, num_beams: int, max_new_tokens: int, eos,
+                 length_penalty: float, early_stopping, min_new_tokens: int, grow=None, chooser=None,
+                 topk: int | None = None):
+        self.tree = TokenTree()
+        self.P = len(ids)
+        self.bs = BeamSearch(self.tree, self.tree.add_chain(ids)[-1], num_beams=num_beams, prompt_len=self.P,
+                             max_new_tokens=max_new_tokens, eos_token_ids=eos, length_penalty=length_penalty,
+                             early_stopping=early_stopping, min_new_tokens=min_new_tokens)
+        self.target = TreeCache(target_lm, self.tree)
+        self.draft = TreeCache(draft_lm, self.tree) if grow is not None else None
+        self.grow, self.chooser, self.topk = grow, chooser, topk
+        self.rows: dict[int, tuple[object, int]] = {}     # scored node -> (pass output, row)
+        self.stats = Stats(prompt_tokens=self.P)
+
+    @property
+    def state(self) -> BeamSearch:
+        return self.bs
+
+    def run(self):
+        stats, bs = self.stats, self.bs
+        t0 = time.perf_counter()
+        while not bs.done:
+            tp = time.perf_counter()
+            speculate = self.grow is not None and (self.chooser is None or self.chooser.choose())
+            steps0 = stats.beam_steps
+            drafted = (yield from self._grow()) if speculate else []
+            yield from self._score(drafted)
+            stats.plain_passes += self.grow is not None and not speculate
+            self._replay(set(drafted))
+            self._commit(speculate)
+            if self.chooser is not None and stats.target_passes > 1:   # the first pass carries the prefill
+                self.chooser.update(speculate, time.perf_counter() - tp, stats.beam_steps - steps0)
+            if stats.time_to_first_token is None:
+                stats.time_to_first_token = time.perf_counter() - t0
+            stats.seconds = time.perf_counter() - t0
+            yield Progress(bs, stats)
+        stats.generated_tokens = bs.cur_len - self.P
+        stats.peak_memory_mb = peak_rss_mb()
+        store = getattr(self.target.model, "store", None)
+        if store is not None and store.streamed:
+            stats.offload = {**store.stats.per_pass(), "placement": list(store.placement.places)}
+        stats.seconds = time.perf_counter() - t0
+
+    # 1. grow a draft tree below every running beam
+    def _grow(self):
+        stats, td, d0 = self.stats, time.perf_counter(), self.draft.passes
+        drafted = yield from _grow(self.grow, self.draft, self.bs.running, list(self.bs.scores))
+        stats.draft_passes += self.draft.passes - d0
+        stats.draft_tokens_proposed += len(drafted)
+        stats.draft_seconds += time.perf_counter() - td
+        return drafted
+
+    # 2. one target pass over every node that is not scored yet (pending beams and the tree)
+    def _score(self, drafted: list[int]):
+        new = self.target.missing_ancestors(list(self.bs.running) + drafted)
+        out = yield ScoreCall(self.target, new, self.topk)
+        for j, n in enumerate(new):
+            if self.tree.depth(n) >= self.P - 1:
+                self.rows[n] = (out, j)
+        self.stats.target_passes += 1
+        self.stats.target_tokens_scored += len(new)
+
+    # 3. replay beam search while every kept beam is a scored node
+    def _replay(self, in_tree: set[int]):
+        bs, stats, first = self.bs, self.stats, True
+        while not bs.done and all(n in self.rows for n in bs.running):
+            bs.step(self._beam_logprobs(bs.running))
+            stats.beam_steps += 1
+            stats.from_draft.append(not first)
+            first = False
+            stats.draft_tokens_accepted += sum(n in in_tree for n in set(bs.running))
+
+    def _beam_logprobs(self, running) -> np.ndarray:
+        """[beams, V] log-probs of the running beams (dense; -inf outside a top-k head's entries)."""
+        if self.topk is None:
+            return log_softmax(np.stack([self.rows[n][0][self.rows[n][1]] for n in running]))
+        lp = np.full((len(running), self.target.model.cfg.vocab_size), -np.inf, np.float32)
+        for b, n in enumerate(running):
+            (vals, ids), j = self.rows[n]
+            lp[b, ids[j]] = vals[j]
+        return lp
+
+    # 4. commit: keep only the running beams' paths (lazily), in both caches
+    def _commit(self, speculated: bool):
+        if self.target.compact(self.bs.running):
+            self.rows = {n: r for n, r in self.rows.items() if n in self.target}
+        if speculated and self.draft.model is not None:   # a draft that sat a pass out catches up when next used
+            self.draft.compact(self.bs.running)
+
+
+class SamplingSearch:
+    """Beam sampling (spec None) or speculative beam sampling with dynamic width (DSBD, DESIGN section 8).
+    The request's own seeded generator makes its output independent of the requests it shares passes with."""
+
+    def __init__(self, ids: list[int], target_lm, draft_lm, *, num_beams: int, max_new_tokens: int, eos,
+                 min_new_tokens: int, temperature: float, top_k, top_p, seed, spec=None):
+        self.tree = tree = TokenTree()
+        self.P = len(ids)
+        self.st = SampleState(tree, tree.add_chain(ids)[-1], prompt_len=self.P, max_new_tokens=max_new_tokens,
+                              eos=eos, min_new_tokens=min_new_tokens, temperature=temperature, top_k=top_k,
+                              top_p=top_p)
+        self.target = TreeCache(target_lm, tree)
+        self.draft = TreeCache(draft_lm, tree) if spec else None
+        self.spec, self.K = spec, num_beams
+        self.W = (spec.draft_width or max(num_beams, spec.max_branch_width)) if spec else num_beams
+        self.rng = np.random.default_rng(seed)
+        self.t_rows: dict[int, np.ndarray] = {}
+        self.d_rows: dict[int, np.ndarray] = {}
+        self.stats = Stats(prompt_tokens=self.P)
+
+    @property
+    def state(self) -> SampleState:
+        return self.st
+
+    def _scored(self, cache: TreeCache, rows: dict, nodes):
+        """Log-probs of `nodes` (and any missing ancestors) in `rows`, by one pass; returns how many were new."""
+        new = cache.missing_ancestors(nodes)
+        if new:
+            lp = log_softmax((yield ScoreCall(cache, new)))
+            rows.update({n: lp[j] for j, n in enumerate(new) if self.tree.depth(n) >= self.P - 1})
+        return len(new)
+
+    def run(self):
+        st, stats, spec, rng = self.st, self.stats, self.spec, self.rng
+        t0 = time.perf_counter()
+        while not st.done:
+            levels = yield from self._grow()
+            # 2. one target pass over the pending beams and every drafted node
+            drafted = [self.tree.add(sp[i // (len(q) // len(sp))], i % (len(q) // len(sp)))
+                       for sp, q, picks in levels for i in picks]
+            stats.target_tokens_scored += yield from self._scored(self.target, self.t_rows, list(st.live) + drafted)
+            stats.target_passes += 1
+            self._verify(levels)
+            if spec and spec.single_sequence and st.live:
+                st.live = st.live[:1]          # memory-saving mode: one sequence between passes
+            self._commit()
+            if stats.time_to_first_token is None:
+                stats.time_to_first_token = time.perf_counter() - t0
+            stats.seconds = time.perf_counter() - t0
+            yield Progress(st, stats)
+        stats.widths = st.widths
+        stats.generated_tokens = st.cur_len - self.P
+        stats.peak_memory_mb = peak_rss_mb()
+        stats.seconds = time.perf_counter() - t0
+
+    # 1. the draft samples gamma levels of beam sampling (i.i.d. draws, q recorded per level)
+    def _grow(self):
+        st, stats, tree = self.st, self.stats, self.tree
+        levels, parents, dscore = [], list(st.live), dict(st.score)
+        td = time.perf_counter()
+        for j in range(self.spec.max_depth if self.spec else 0):
+            if st.cur_len + j >= st.max_len or not parents:
+                break
+            yield from self._scored(self.draft, self.d_rows, parents)
+            stats.draft_passes += 1
+            space = sorted(set(parents))
+            q = st.joint(space, parents, self.d_rows.__getitem__, dscore, st.cur_len + j)
+            V = len(q) // len(space)
+            picks = draw(q, self.W, self.rng)
+            kids = [tree.add(space[i // V], i % V) for i in picks]
+            for i, c in zip(picks, kids):
+                dscore[c] = dscore[space[i // V]] + float(self.d_rows[space[i // V]][i % V])
+            levels.append((space, q, picks))
+            parents = [c for c in kids if tree.token(c) not in st.eos]
+            stats.draft_tokens_proposed += len(set(kids))
+        stats.draft_seconds += time.perf_counter() - td
+        return levels
+
+    # 3. verify level by level; a short level is completed from the residual and ends the pass
+    def _verify(self, levels):
+        st, stats, rng, spec = self.st, self.stats, self.rng, self.spec
+        full = True
+        for space, q, picks in levels:
+            p = st.joint(space, st.live, self.t_rows.__getitem__, st.score, st.cur_len)
+            k = choose_width(p, q, self.W, spec.width_threshold, spec.min_num_beams, self.K)
+            out, accepted = verify_level(p, q, picks, k, rng)
+            full = accepted == k
+            st.advance(out, space, len(q) // len(space), self.t_rows.__getitem__)
+            stats.beam_steps += 1
+            stats.from_draft.append(full)
+            stats.draft_tokens_accepted += accepted
+            if not full or st.done:
+                break
+        if full and not st.done and all(n in self.t_rows for n in st.live):
+            space = sorted(set(st.live))
+            p = st.joint(space, st.live, self.t_rows.__getitem__, st.score, st.cur_len)
+            st.advance(draw(p, self.K, rng), space, len(p) // len(space), self.t_rows.__getitem__)
+            stats.beam_steps += 1
+            stats.from_draft.append(False)
+
+    # 4. commit
+    def _commit(self):
+        keep = list(self.st.live)
+        if self.target.compact(keep):
+            self.t_rows = {n: r for n, r in self.t_rows.items() if n in self.target}
+        if self.draft is not None and self.draft.compact(keep):
+            self.d_rows = {n: r for n, r in self.d_rows.items() if n in self.draft}

@@ -1,0 +1,166 @@
+"""Batched decoding: every request's output in a batch equals its output alone (sequences, and scores to 1e-5),
+whatever shares its passes, in whatever order requests arrive and whatever the batch limits."""
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from specbeam_edge import Engine, SpeculativeConfig
+from specbeam_edge.scheduler import Scheduler
+
+RNG = np.random.default_rng(7)
+# prompts of mixed lengths (3..40 tokens)
+PROMPTS = [RNG.integers(1, 300, int(n)).tolist() for n in (3, 11, 40, 7, 25, 5, 17, 9)]
+MAX_NEW = 14
+
+
+@pytest.fixture(scope="module")
+def models(exported):
+    return {"target": exported("llama", std=0.3, seed=3), "draft": exported("llama", std=0.3, seed=11, layers=1),
+            "topk": exported("llama", output="topk", std=0.3, seed=3),
+            "split": exported("llama", "fp32", "split", std=0.3, seed=3)}
+
+
+@pytest.fixture(scope="module")
+def engine(models):
+    return Engine(models["target"], draft=models["draft"])
+
+
+def alone(eng, prompts, **kw):
+    return [eng.generate(p, **kw)[0] for p in prompts]
+
+
+def assert_same(a, b):
+    assert [h.tokens for h in a.hypotheses] == [h.tokens for h in b.hypotheses]
+    np.testing.assert_allclose([h.score for h in a.hypotheses], [h.score for h in b.hypotheses], atol=1e-5)
+
+
+SPECS = {"plain": None, "beam": SpeculativeConfig(drafter="beam", budget=16, max_depth=4, adaptive=False),
+         "best_first": SpeculativeConfig(drafter="best_first", budget=24, max_depth=5, adaptive=False),
+         "lookup": SpeculativeConfig(drafter="lookup", budget=16, max_depth=4, adaptive=False)}
+
+
+@pytest.mark.parametrize("K", [1, 2, 4])
+@pytest.mark.parametrize("mode", list(SPECS))
+def test_batched_equals_alone(engine, K, mode):
+    kw = dict(num_beams=K, max_new_tokens=MAX_NEW, num_return_sequences=K, speculative=SPECS[mode])
+    ref = alone(engine, PROMPTS, **kw)
+    got = engine.generate(PROMPTS, max_batch_size=8, **kw)
+    for a, b in zip(ref, got):
+        assert_same(a, b)
+    # they really shared passes
+    assert max(max(r.stats.batch_sizes) for r in got) > 1
+
+
+def test_eos_hits_and_min_new_tokens_batched(models):
+    eng = Engine(models["target"], draft=models["target"])
+    eos = list(range(1, 300, 9))       # many EOS ids, so requests of one batch end at different steps
+    for extra in ({}, {"min_new_tokens": 6}):
+        kw = dict(num_beams=3, max_new_tokens=MAX_NEW, num_return_sequences=2, eos_token_id=eos, **extra)
+        for spec in (None, SPECS["beam"]):
+            ref = alone(eng, PROMPTS, speculative=spec, **kw)
+            got = eng.generate(PROMPTS, max_batch_size=4, speculative=spec, **kw)
+            for a, b in zip(ref, got):
+                assert_same(a, b)
+    lengths = {len(r.hypotheses[0].tokens) for r in ref}
+    assert len(lengths) > 1, "requests of one batch should finish at different steps"
+
+
+def test_topk_head_batched(models):
+    eng = Engine(models["topk"], draft=models["draft"])
+    for spec in (None, SPECS["beam"]):
+        kw = dict(num_beams=4, max_new_tokens=MAX_NEW, speculative=spec)
+        for a, b in zip(alone(eng, PROMPTS, **kw), eng.generate(PROMPTS, max_batch_size=8, **kw)):
+            assert_same(a, b)
+
+
+def test_streamed_target_batched(models):
+    ref = Engine(models["target"], draft=models["draft"])
+    eng = Engine(models["split"], draft=models["draft"], placement=["disk", "host"])
+    for spec in (None, SPECS["beam"]):
+        kw = dict(num_beams=2, max_new_tokens=MAX_NEW, speculative=spec)
+        for a, b in zip(alone(ref, PROMPTS, **kw), eng.generate(PROMPTS, max_batch_size=8, **kw)):
+            assert_same(a, b)
+
+
+def test_beam_sampling_batched_is_seeded_per_request(engine):
+    for spec in (None, SpeculativeConfig(drafter="sample", max_depth=3, draft_width=3)):
+        kw = dict(num_beams=2, max_new_tokens=MAX_NEW, do_sample=True, seed=1234, speculative=spec)
+        for a, b in zip(alone(engine, PROMPTS, **kw), engine.generate(PROMPTS, max_batch_size=8, **kw)):
+            assert_same(a, b)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(order=st.permutations(range(len(PROMPTS))), size=st.integers(1, 5),
+       tokens=st.one_of(st.none(), st.integers(10, 80)))
+def test_arrival_order_and_limits_do_not_change_outputs(engine, order, size, tokens):
+    kw = dict(num_beams=2, max_new_tokens=8, speculative=SPECS["beam"])
+    ref = {i: r for i, r in enumerate(engine.generate(PROMPTS, max_batch_size=1, **kw))}
+    prompts = [PROMPTS[i] for i in order]
+    seen = []
+    for j, r in engine.generate_iter(prompts, max_batch_size=size, max_batch_tokens=tokens, **kw):
+        seen.append(j)
+        assert_same(ref[order[j]], r)
+        assert max(r.stats.batch_sizes) <= size
+    assert sorted(seen) == list(range(len(prompts)))
+
+
+def test_batch_limits_hold(engine):
+    """max_batch_size and max_batch_tokens bound what is in flight (a request over the token limit runs alone)."""
+    from specbeam_edge.config import GenerationConfig
+    from specbeam_edge.scheduler import Job
+
+    gen = GenerationConfig(num_beams=2, max_new_tokens=6)
+    jobs = [Job(i, len(p), engine._new_search(p, gen, None)) for i, p in enumerate(PROMPTS)]
+    sched = Scheduler(engine.target, max_batch_size=3, max_batch_tokens=45)
+    live, peak_n, peak_tokens = set(), 0, 0
+    for i, _, finished in sched.run(jobs):
+        live.add(i)
+        peak_n = max(peak_n, len(live))
+        tokens = sum(len(PROMPTS[j]) for j in live)
+        assert len(live) == 1 or tokens <= 45
+        peak_tokens = max(peak_tokens, tokens)
+        if finished:
+            live.discard(i)
+    assert peak_n <= 3
+    with pytest.raises(ValueError, match="max_batch_size"):
+        Scheduler(engine.target, max_batch_size=0)
+
+
+def test_passes_longer_than_the_context_are_chunked(exported):
+    """A pass wider than the model's context (here 513 beams' worth of nodes) is split into chunks that fit."""
+    folder = exported("llama", std=0.3, seed=3)
+    eng = Engine(folder)
+    ctx = eng.target.cfg.context_length
+    from specbeam_edge.cache import TreeCache
+    from specbeam_edge.tree import TokenTree
+
+    tree = TokenTree()
+    root = tree.add_chain([5, 6, 7])[-1]
+    kids = [tree.add(root, t) for t in range(ctx + 20)]   # ctx + 20 siblings: one pass would overflow rotary
+    cache = TreeCache(eng.target, tree)
+    out = cache.score(cache.missing_ancestors(kids))
+    assert out.shape == (3 + ctx + 20, eng.target.cfg.vocab_size)
+    ref = TreeCache(eng.target, tree)
+    ref.score(ref.missing_ancestors([root]))
+    np.testing.assert_allclose(ref.score(kids[-3:]), out[-3:], atol=1e-4)
+
+
+def test_threads_sharing_one_engine(models):
+    """Threads calling generate on one engine (a streamed target) get what they get sequentially."""
+    eng = Engine(models["split"], draft=models["draft"], placement=["disk", "disk"])
+    kw = dict(num_beams=2, max_new_tokens=10, speculative=SPECS["beam"])
+    ref = alone(eng, PROMPTS, **kw)
+    got = [None] * len(PROMPTS)
+
+    def work(i):
+        got[i] = eng.generate(PROMPTS[i], **kw)[0]
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for a, b in zip(ref, got):
+        assert_same(a, b)
