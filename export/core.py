@@ -192,7 +192,7 @@ def export(src: str | Path, dst: str | Path, *, precision: str = "fp32", layout:
             "mask": "additive_float32", "mask_value": float(np.finfo(np.float32).min), "present": "concat",
             "output": output, "files": files, **_layer_info(arch),
             "io": {"inputs": ["input_ids", "position_ids", "attention_mask"]
-                   + ([graph.KEY_POSITIONS] if any(arch.layer_sliding) else [])
+                   + ([graph.KEY_POSITIONS] if graph.needs_key_positions(arch) else [])
                    + ["past_key_values.{i}.key", "past_key_values.{i}.value"] + (["topk"] if output == "topk" else []),
                    "outputs": (["topk_logprobs", "topk_ids"] if output == "topk" else ["logits"])
                    + ["present.{i}.key", "present.{i}.value"]},

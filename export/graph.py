@@ -30,18 +30,24 @@ def layer_weight_names(arch: Arch) -> list[str]:
     return names + (list(FLAGS) if arch.heterogeneous else [])
 
 
-def rope_tables(arch: Arch, rope: Rope) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin [context, rotary_dim / 2] as transformers forms them (fp32 products, torch cos/sin). LongRoPE:
-    rows from original_max on use the long factors, as transformers does for a forward that reaches them."""
+def rope_tables(arch: Arch, inv_freq: np.ndarray, scaling: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin [context, rotary_dim / 2] as transformers forms them (fp32 products, torch cos/sin)."""
     import torch
 
     t = torch.arange(arch.context_length, dtype=torch.int64).float()
-    freqs = torch.outer(t, torch.from_numpy(rope.inv_freq))
-    if rope.long_inv_freq is not None:
-        long = torch.outer(t, torch.from_numpy(rope.long_inv_freq))
-        freqs = torch.where((t >= rope.original_max)[:, None], long, freqs)
-    return ((freqs.cos() * rope.attention_scaling).numpy().astype(np.float32),
-            (freqs.sin() * rope.attention_scaling).numpy().astype(np.float32))
+    freqs = torch.outer(t, torch.from_numpy(inv_freq))
+    return (freqs.cos() * scaling).numpy().astype(np.float32), (freqs.sin() * scaling).numpy().astype(np.float32)
+
+
+def delta_tables(arch: Arch, rope: Rope) -> tuple[np.ndarray, np.ndarray]:
+    """Pure rotations from short-factor to long-factor angles: R(long) = R(long - short) R(short)."""
+    t = np.arange(arch.context_length, dtype=np.float64)[:, None]
+    d = t * rope.long_inv_freq.astype(np.float64) - t * rope.inv_freq.astype(np.float64)
+    return np.cos(d).astype(np.float32), np.sin(d).astype(np.float32)
+
+
+def needs_key_positions(arch: Arch) -> bool:
+    return any(arch.layer_sliding) or any(r.long_inv_freq is not None for r in arch.ropes.values())
 
 
 class Builder:
@@ -145,6 +151,31 @@ def _rope_and_mask(b: Builder, arch: Arch, i: int, q: str, k: str, W: dict, dyna
     return q, k, b.node("Where", [is_sliding, "sliding_mask", "attention_mask"], [p + "mask"])
 
 
+def _long_rope_attention(b: Builder, arch: Arch, kind: str, proj: dict, q_short: str, k_short: str, a_short: str,
+                         mask: str, past_k: str, past_v: str, attrs: dict, p: str) -> str:
+    """LongRoPE as transformers' generate runs it: once a sequence is longer than original_max it recomputes the
+    whole cache with the long factors (Phi3 prepare_inputs_for_generation), so a query at position >=
+    original_max sees every key, its own path included, long-rotated; shorter ones see them short-rotated. The
+    cache keeps short-rotated keys; for the long queries the graph re-rotates the past keys by the angle
+    difference and attends a second time. Query rows then pick their variant."""
+    if arch.qk_norm:
+        raise NotImplementedError("LongRoPE with q/k norms")
+    q = _rotate(b, arch, proj["q_proj"], kind + "_long", arch.heads, p + "ql_")
+    k = _rotate(b, arch, proj["k_proj"], kind + "_long", arch.kv_heads, p + "kl_")
+    zero = b.init(p + "zero", np.array([0], np.int64))
+    n_past = b.node("Shape", [past_k], [p + "n_past"], start=2, end=3)
+    past_pos = b.node("Slice", [KEY_POSITIONS, zero, n_past, b.init(p + "one", np.array([1], np.int64))],
+                      [p + "past_pos"])
+    past_long = b.node("RotaryEmbedding", [past_k, f"cos_{kind}_delta", f"sin_{kind}_delta", past_pos],
+                       [p + "past_k_long"], rotary_embedding_dim=arch.rotary_dim)
+    a_long = b.node("Attention", [q, k, proj["v_proj"], mask, past_long, past_v],
+                    [p + "attn_long", p + "pk_long", p + "pv_long"], **attrs)[0]
+    orig = b.init(p + "orig", np.array(arch.ropes[kind].original_max, np.int64))
+    is_long = b.node("Unsqueeze", [b.node("GreaterOrEqual", ["position_ids", orig], [p + "ge"]),
+                                   b.init(p + "ax", np.array([2], np.int64))], [p + "is_long"])
+    return b.node("Where", [is_long, a_long, a_short], [p + "attn_sel"])
+
+
 def _mlp(b: Builder, arch: Arch, h: str, W: dict, p: str) -> str:
     g = b.node("MatMul", [h, W["gate_proj"]], [p + "gate"])
     u = b.node("MatMul", [h, W["up_proj"]], [p + "up"])
@@ -182,6 +213,9 @@ def decoder_layer(b: Builder, arch: Arch, i: int, x: str, weights: dict | None, 
         attrs["softcap"] = float(arch.attn_softcap)
     a = b.node("Attention", [q, k, proj["v_proj"], mask, past_k, past_v], [p + "attn", present_k, present_v],
                **attrs)[0]
+    kind = arch.layer_rope[i]
+    if kind is not None and arch.ropes[kind].long_inv_freq is not None:
+        a = _long_rope_attention(b, arch, kind, proj, q, k, a, mask, past_k, past_v, attrs, p)
     o = b.node("MatMul", [a, W["o_proj"]], [p + "o"])
     if arch.sandwich_norms:
         o = _rms(b, arch, o, W["post_attention_layernorm"], p + "o_n")
@@ -203,11 +237,19 @@ def _common_inputs(b: Builder, arch: Arch, with_ids: bool):
     b.inputs.append(_vi("position_ids", TensorProto.INT64, ["batch", "n_new"]))
     b.inputs.append(_vi("attention_mask", F32, ["batch", 1, "n_new", "n_total"]))
     for kind in arch.rope_kinds:
-        cos, sin = rope_tables(arch, arch.ropes[kind])
-        b.init(f"cos_{kind}", cos)
-        b.init(f"sin_{kind}", sin)
-    if any(arch.layer_sliding):
+        r = arch.ropes[kind]
+        for name, inv in ((kind, r.inv_freq), (kind + "_long", r.long_inv_freq)):
+            if inv is not None:
+                cos, sin = rope_tables(arch, inv, r.attention_scaling)
+                b.init(f"cos_{name}", cos)
+                b.init(f"sin_{name}", sin)
+        if r.long_inv_freq is not None:
+            cos, sin = delta_tables(arch, r)
+            b.init(f"cos_{kind}_delta", cos)
+            b.init(f"sin_{kind}_delta", sin)
+    if needs_key_positions(arch):
         b.inputs.append(_vi(KEY_POSITIONS, TensorProto.INT64, ["batch", "n_total"]))
+    if any(arch.layer_sliding):
         qpos = b.node("Unsqueeze", ["position_ids", b.init("axes_q", np.array([1, 3], np.int64))], ["q_pos"])
         kpos = b.node("Unsqueeze", [KEY_POSITIONS, b.init("axes_k", np.array([1, 2], np.int64))], ["k_pos"])
         dist = b.node("Sub", [qpos, kpos], ["q_minus_k"])                   # [B, 1, n_new, n_total]
