@@ -15,10 +15,7 @@ _UNITS = (("tb", 2**40), ("gb", 2**30), ("mb", 2**20), ("kb", 2**10), ("b", 1))
 
 def budget_arg(text: str):
     """--budget: a positive integer or 'auto'."""
-    if text == "auto":
-        return "auto"
-    value = positive_int(text)
-    return value
+    return "auto" if text == "auto" else positive_int(text)
 
 
 def positive_int(text: str) -> int:

@@ -180,7 +180,7 @@ def test_second_writer_is_refused_with_the_holder_named(pair, text_in, tmp_path,
 
 def test_two_processes_on_one_output_do_not_tear_the_journal(pair, tmp_path):
     inp = tmp_path / "in.txt"
-    inp.write_text("\n".join(corpus(30, seed=8)) + "\n")
+    inp.write_text("\n".join(corpus(60, seed=8)) + "\n")   # long enough to overlap
     out = tmp_path / "out.txt"
     cmd = [sys.executable, "-m", "apps.translate", *args_for(pair, inp, out)]
     procs = [subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True) for _ in range(2)]
@@ -586,3 +586,20 @@ def test_sigkill_at_random_moments_leaves_a_byte_identical_file(pair, tmp_path):
     assert counts["kills"] >= 2
     assert out.read_bytes() == full.read_bytes()
     assert not (tmp_path / "out.txt.journal").exists()
+
+
+def test_batching_flags_reach_generate_iter_and_do_not_change_output(pair, text_in, reference, tmp_path,
+                                                                     monkeypatch):
+    from specbeam_edge.generate import Engine
+
+    real, seen = Engine.generate_iter, []
+
+    def spy(self, prompts, *a, **kw):
+        seen.append((len(prompts), kw["max_batch_size"], kw["max_batch_tokens"]))
+        yield from real(self, prompts, *a, **kw)
+
+    monkeypatch.setattr(Engine, "generate_iter", spy)
+    assert run(pair, text_in, tmp_path / "a.txt") == 0                          # batched by default
+    assert run(pair, text_in, tmp_path / "b.txt", "--batch_type", "tokens", "--batch_size", "40") == 0
+    assert seen == [(12, 32, None), (12, 12, 40)]
+    assert (tmp_path / "a.txt").read_bytes() == (tmp_path / "b.txt").read_bytes() == reference

@@ -70,9 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="hypotheses written per input line (each on its own line)")
     ap.add_argument("--with_score", action="store_true", help="write 'score ||| text'")
     ap.add_argument("--batch_size", type=positive_int, default=32,
-                    help="examples (or source tokens) decoded together")
+                    help="lines (or tokens, see --batch_type) decoded together")
     ap.add_argument("--batch_type", choices=("examples", "tokens"), default="examples",
-                    help="batch_size counts examples or source tokens")
+                    help="batch_size counts lines, or the tokens held by the batch (prompt + generated)")
     ap.add_argument("--max_decoding_length", type=positive_int, default=200, help="maximum generated tokens per line")
     ap.add_argument("--max_input_length", type=positive_int, default=256,
                     help="longer source lines (tokens) are errors")
