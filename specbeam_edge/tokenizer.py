@@ -2,7 +2,9 @@
 draft/target compatibility check."""
 from __future__ import annotations
 
+import functools
 import json
+from datetime import datetime
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
@@ -17,9 +19,9 @@ class Tokenizer:
             self._tok = _HFTokenizer.from_file(str(folder / "tokenizer.json"))
         except Exception as e:
             raise ModelFolderError(f"{folder}/tokenizer.json: cannot be read ({e})") from None
-        cfg_path = folder / "tokenizer_config.json"
-        self.config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-        self.chat_template = self.config.get("chat_template")
+        self.config = _read_json(folder / "tokenizer_config.json")
+        self.special_tokens = _special_tokens(self.config, _read_json(folder / "special_tokens_map.json"))
+        self.chat_template = _chat_template(folder, self.config)
         self.prompt_format = self.config.get("prompt_format")
         self.folder = folder
 
@@ -44,21 +46,85 @@ class Tokenizer:
         """The model's fixed prompt format (e.g. translation), from tokenizer_config.json `prompt_format`."""
         return self.prompt_format.format(source=source) if self.prompt_format else source
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        """Render the conversation as transformers' `apply_chat_template(tokenize=False)` does: the same jinja2
+        environment (trim/lstrip blocks, loopcontrols, JSON `tojson`, `raise_exception`, `strftime_now`) and the
+        special tokens (`bos_token`, `eos_token`, ...) as variables; extra kwargs (e.g. enable_thinking) too."""
         if not self.chat_template:
-            raise ValueError(f"{self.folder}: tokenizer_config.json has no chat_template")
-        import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+            raise ValueError(f"{self.folder}: no chat template (neither chat_template in tokenizer_config.json nor "
+                             f"chat_template.jinja); use a plain-text prompt or add a template to the folder")
+        return _compile(self.chat_template).render(messages=messages, tools=kwargs.pop("tools", None),
+                                                   documents=kwargs.pop("documents", None),
+                                                   add_generation_prompt=add_generation_prompt,
+                                                   **{**self.special_tokens, **kwargs})
 
-        def raise_exception(msg):
-            raise jinja2.exceptions.TemplateError(msg)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        special = {k: (v if isinstance(v, str) else (v or {}).get("content", ""))
-                   for k, v in self.config.items() if k.endswith("_token")}
-        return env.from_string(self.chat_template).render(messages=messages,
-                                                         add_generation_prompt=add_generation_prompt, **special)
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ModelFolderError(f"{path}: not valid JSON ({e}); fix or remove the file") from None
+    if not isinstance(data, dict):
+        raise ModelFolderError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _token_text(v) -> str | None:
+    """A special token as tokenizer_config.json stores it: a string or an AddedToken dict."""
+    if isinstance(v, str):
+        return v
+    return v.get("content") if isinstance(v, dict) else None
+
+
+_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def _special_tokens(config: dict, legacy_map: dict) -> dict:
+    out = {}
+    for k in _SPECIAL:
+        v = _token_text(config.get(k, legacy_map.get(k)))
+        if v is not None:
+            out[k] = v
+    return out
+
+
+def _chat_template(folder: Path, config: dict) -> str | None:
+    """chat_template.jinja wins over tokenizer_config.json (transformers saves it there since v4.50); a list of
+    named templates yields the one named "default"."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    t = config.get("chat_template")
+    if isinstance(t, list):
+        t = next((x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"), None)
+    return t
+
+
+@functools.lru_cache(maxsize=8)
+def _compile(template: str):
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(msg):
+        raise jinja2.exceptions.TemplateError(msg)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # jinja's own tojson escapes HTML characters; transformers' does not
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt):
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ModelFolderError(f"chat template: jinja2 syntax error at line {e.lineno} ({e.message})") from None
 
 
 def check_compatible(target: Tokenizer, draft: Tokenizer, draft_vocab: int) -> None:
