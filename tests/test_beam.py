@@ -76,3 +76,18 @@ def test_batch_of_prompts_equals_one_by_one(peer):
     for prompt, res in zip(PROMPTS, batch):
         [single] = engine.generate(prompt, num_beams=4, max_new_tokens=MAX_NEW, eos_token_id=eos)
         assert res.hypotheses[0].tokens == single.hypotheses[0].tokens
+
+
+def test_top_k_selection_is_exact_with_ties_and_infinities():
+    """_top's sampled threshold never loses a candidate: equal to a full sort (value desc, index asc)."""
+    from specbeam_edge.beam import _top
+
+    rng = np.random.default_rng(1)
+    for trial in range(400):
+        n, k = int(rng.integers(1, 40000)), int(rng.integers(1, 20))
+        v = rng.standard_normal(n).astype(np.float32)
+        if trial % 3 == 0:
+            v = np.round(v, 1)                      # many exact ties
+        if trial % 5 == 0:
+            v[rng.integers(0, n, n // 2)] = -np.inf  # a top-k head's missing entries
+        np.testing.assert_array_equal(_top(v, k), np.lexsort((np.arange(n), -v))[:k])
