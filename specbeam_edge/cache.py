@@ -18,8 +18,12 @@ from .tree import TokenTree
 class TreeCache:
     """KV of one model over nodes of a TokenTree; `score` runs the model on new nodes in one pass."""
 
-    def __init__(self, model: OnnxCausalLM, tree: TokenTree):
+    def __init__(self, model: OnnxCausalLM, tree: TokenTree, static: dict | None = None):
+        """static: the request's fixed extra graph inputs, name -> (array with batch axis 1, pad axis), e.g. an
+        encoder's cross-attention K/V and source mask; batched passes zero-pad them along the pad axis (so a
+        mask input must read 0 as masked)."""
         self.model, self.tree = model, tree
+        self.static = static or {}
         self.past = model.empty_past() if model is not None else []   # None: a tree view without a model
         self.slot: dict[int, int] = {}           # node -> slot
         self.nodes: list[int] = []               # slot -> node
@@ -162,6 +166,8 @@ def _one_pass(model, work: list[tuple[TreeCache, list[int]]], topk: int | None) 
     if len(work) == 1:                 # the batch of one: exactly the unpadded pass
         (cache, new), (ids, pos, mask) = work[0], inputs[0]
         kw = {"key_positions": np.concatenate([cache.positions, pos])[None]} if model.needs_key_positions else {}
+        if cache.static:
+            kw["static"] = {name: a for name, (a, _) in cache.static.items()}
         out, presents = model.forward(ids[None], pos[None], mask[None, None], cache.past, topk=topk, **kw)
         cache._append(new, mask, presents, whole=True)
         return [tuple(o[0] for o in out) if isinstance(out, tuple) else out[0]]
@@ -189,6 +195,8 @@ def _one_pass(model, work: list[tuple[TreeCache, list[int]]], topk: int | None) 
             k[b, :, :ck.shape[2]], v[b, :, :cv.shape[2]] = ck[0], cv[0]
         past.append((k, v))
     kw = {"key_positions": kpos} if model.needs_key_positions else {}
+    if work[0][0].static:
+        kw["static"] = _stack_static([cache.static for cache, _ in work])
     out, presents = model.forward(ids, pos, mask, past, topk=topk, **kw)
     results = []
     for b, ((cache, new), (_, _, m)) in enumerate(zip(work, inputs)):
@@ -197,3 +205,19 @@ def _one_pass(model, work: list[tuple[TreeCache, list[int]]], topk: int | None) 
                       whole=False)
         results.append(tuple(o[b, :Q] for o in out) if isinstance(out, tuple) else out[b, :Q])
     return results
+
+
+def _stack_static(statics: list[dict]) -> dict[str, np.ndarray]:
+    """Per-request static inputs -> batched arrays, zero-padded to the longest along each input's pad axis."""
+    out = {}
+    for name, (a0, axis) in statics[0].items():
+        shape = list(a0.shape)
+        shape[0] = len(statics)
+        shape[axis] = max(s[name][0].shape[axis] for s in statics)
+        arr = np.zeros(shape, a0.dtype)
+        for b, s in enumerate(statics):
+            a = s[name][0]
+            idx = [slice(b, b + 1)] + [slice(0, n) for n in a.shape[1:]]
+            arr[tuple(idx)] = a
+        out[name] = arr
+    return out

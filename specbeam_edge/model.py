@@ -51,6 +51,10 @@ class OnnxCausalLM:
         self.past_names = [(f"past_key_values.{i}.key", f"past_key_values.{i}.value") for i in range(L)]
         self.present_names = [(f"present.{i}.key", f"present.{i}.value") for i in range(L)]
         self.out_names = ["topk_logprobs", "topk_ids"] if cfg.output == "topk" else ["logits"]
+        # per-request inputs fixed for the whole request (e.g. cross-attention K/V of an encoder-decoder)
+        self.static_inputs = list(cfg.raw.get("static_inputs", []))
+        if self.static_inputs and cfg.layout != "whole":
+            raise ModelFolderError(f"{self.folder}: static inputs {self.static_inputs} need the whole layout")
         if cfg.layout == "whole" and (max_memory is not None or placement is not None):
             raise ModelFolderError(f"{self.folder}: layer streaming (max_memory/placement) needs the split layout; "
                                    f"export with --layout split")
@@ -58,7 +62,7 @@ class OnnxCausalLM:
             self.sess = _session(self.folder / cfg.files["model"], threads, providers, spin)
             self.needs_key_positions = _declares(self.sess, KEY_POSITIONS)
             want_in = {"input_ids", "position_ids", "attention_mask", *[n for p in self.past_names for n in p],
-                       *([KEY_POSITIONS] if self.needs_key_positions else [])}
+                       *([KEY_POSITIONS] if self.needs_key_positions else []), *self.static_inputs}
             want_out = {*self.out_names, *[n for p in self.present_names for n in p]}
             self._check_io(self.sess, want_in | ({"topk"} if cfg.output == "topk" else set()), want_out,
                            cfg.files["model"])
@@ -118,13 +122,14 @@ class OnnxCausalLM:
 
     def forward(self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray,
                 past: list[tuple[np.ndarray, np.ndarray]], topk: int | None = None,
-                key_positions: np.ndarray | None = None):
+                key_positions: np.ndarray | None = None, static: dict | None = None):
         """Score `n_new` tokens.
 
         input_ids, position_ids: int64 [B, n_new]; tree_mask: bool [B, 1, n_new, n_past + n_new] (True = may
         attend); past: per layer (key, value) [B, kv_heads, n_past, head_dim].
         key_positions: int64 [B, n_past + n_new], the position of every key column; needed (and only accepted)
-        when the graph declares `key_position_ids` (sliding-window layers).
+        when the graph declares `key_position_ids` (sliding-window layers). static: the graph's `static_inputs`
+        (config), batched like input_ids.
         Returns (logits [B, n_new, V] fp32, or (topk_logprobs, topk_ids) for a top-k head; presents per layer
         [B, kv_heads, n_past + n_new, head_dim]).
         """
@@ -138,7 +143,7 @@ class OnnxCausalLM:
             raise ValueError(f"{self.folder}: key_positions must be given iff the graph declares {KEY_POSITIONS}")
         kpos = {KEY_POSITIONS: np.ascontiguousarray(key_positions, dtype=np.int64)} if self.needs_key_positions else {}
         if self.cfg.layout == "whole":
-            feed = {"input_ids": ids, "position_ids": pos, "attention_mask": mask, **kpos, **extra}
+            feed = {"input_ids": ids, "position_ids": pos, "attention_mask": mask, **kpos, **extra, **(static or {})}
             for (kn, vn), (k, v) in zip(self.past_names, past):
                 feed[kn], feed[vn] = k, v
             outs = self.sess.run(self._run_names, feed)
