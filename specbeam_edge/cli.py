@@ -12,6 +12,7 @@ from pathlib import Path
 from .config import ModelFolderError, SpeculativeConfig
 # shared with the apps (they import the runtime, never the reverse); re-exported for existing callers
 from .flags import DEFAULT_MODELS, PROVIDERS, add_memory_args, budget_arg, engine_from_args, parse_size  # noqa: F401
+from .shipped import shipped
 
 
 def add_search_args(ap: argparse.ArgumentParser, *, beams_flag: str = "--num_beams") -> None:
@@ -79,11 +80,23 @@ def _read_prompts(args) -> list[str]:
     return [line.rstrip("\n") for line in src if line.strip()]
 
 
+def model_prompt(tokenizer, text: str) -> str:
+    """A prompt in the model folder's own format: its chat template (one user message), else its fixed
+    prompt_format (e.g. translation), else the text as it is."""
+    if tokenizer.chat_template:
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}])
+    return tokenizer.format_prompt(text)
+
+
+def _model(args) -> str:
+    return args.model or str(shipped("ende", "target"))
+
+
 def cmd_generate(args) -> int:
     overrides, spec = configs(args)
-    engine = engine_from_args(args, args.model, None if args.no_draft else args.draft)
+    engine = engine_from_args(args, _model(args), None if args.no_draft else args.draft)
     for prompt in _read_prompts(args):
-        text = engine.tokenizer.format_prompt(prompt) if args.format else prompt
+        text = prompt if args.raw else model_prompt(engine.tokenizer, prompt)
         if args.stream:
             for chunk in engine.stream(text, speculative=spec, **overrides):
                 print(chunk.text, end="", flush=True)
@@ -100,7 +113,7 @@ def cmd_generate(args) -> int:
 
 def cmd_chat(args) -> int:
     overrides, spec = configs(args)
-    engine = engine_from_args(args, args.model, None if args.no_draft else args.draft)
+    engine = engine_from_args(args, _model(args), None if args.no_draft else args.draft)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("chat: empty line or Ctrl-D to quit", file=sys.stderr)
     for line in sys.stdin:
@@ -136,19 +149,36 @@ def run_translate(argv: list[str]) -> int:
     return next(iter(found)).load()(argv)
 
 
+MODEL_HELP = ("target model folder (default: the shipped en->de pair's target, models/ende/target; "
+              "SPECBEAM_MODELS names another models/ folder)")
+
+
+class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each flag's default where it has one (not for switches and 'not set' defaults)."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="specbeam", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    g = sub.add_parser("generate", help="generate from prompts (arguments, --file, or stdin)")
+    g = sub.add_parser("generate", help="generate from prompts (arguments, --file, or stdin)",
+                       formatter_class=DefaultsHelp)
     g.add_argument("prompt", nargs="*", help="prompts (default: one per line from --file or stdin)")
-    g.add_argument("--model", default=str(DEFAULT_MODELS / "ende" / "target"), help="target model folder")
+    g.add_argument("--model", default=None, help=MODEL_HELP)
     g.add_argument("--file", default=None, help="read prompts from this file, one per line")
-    g.add_argument("--format", action="store_true", help="wrap prompts in the model's prompt_format")
+    g.add_argument("--raw", action="store_true",
+                   help="send prompts as they are; by default each is put in the model folder's format (its chat "
+                        "template as one user message, else tokenizer_config.json's prompt_format)")
+    g.add_argument("--format", action="store_true", help=argparse.SUPPRESS)   # the default now; kept for old scripts
     g.add_argument("--stream", action="store_true", help="print text as soon as it is final")
     add_search_args(g)
-    c = sub.add_parser("chat", help="terminal chat that streams the answer")
-    c.add_argument("--model", default=str(DEFAULT_MODELS / "ende" / "target"), help="target model folder")
+    c = sub.add_parser("chat", help="terminal chat that streams the answer", formatter_class=DefaultsHelp)
+    c.add_argument("--model", default=None, help=MODEL_HELP)
     c.add_argument("--system", default=None, help="system prompt")
     add_search_args(c)
     t = sub.add_parser("translate", help="batch translation (same as specbeam-translate)", add_help=False)
