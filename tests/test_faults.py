@@ -582,10 +582,8 @@ def test_sigkill_at_random_moments_leaves_a_byte_identical_file(pair, tmp_path):
     rng = random.Random(1)
     delays = [rng.uniform(0.05, 1.0), rng.uniform(0.05, 1.0), rng.uniform(1.5, 3.0), rng.uniform(1.5, 3.0)]
     out = tmp_path / "out.txt"
-    counts = soak(inp, out, extra, delays, log=lambda *_: None)
-    assert counts["kills"] >= 2
-    assert out.read_bytes() == full.read_bytes()
-    assert not (tmp_path / "out.txt.journal").exists()
+    counts = soak(inp, out, full.read_bytes(), extra, delays, log=lambda *_: None)
+    assert counts["kills"] >= 2 and counts["rounds"] >= 1 and counts["mismatches"] == 0
 
 
 def test_batching_flags_reach_generate_iter_and_do_not_change_output(pair, text_in, reference, tmp_path,
