@@ -1,6 +1,6 @@
 """specbeam chat: the desktop chat app (PySide6).
 
-    python -m apps.chat [--db PATH] [--settings PATH]
+    specbeam-chat [--db PATH] [--settings PATH]      (from a checkout also: python -m apps.chat)
 
 On Linux, Qt's X11 plugin needs a few system libraries (Debian/Ubuntu: apt-get install libxcb-cursor0
 libxkbcommon-x11-0 libegl1 libgl1); without a display run it under `xvfb-run`, or set
@@ -30,8 +30,8 @@ def display_problem(environ=os.environ, platform=sys.platform, find_library=ctyp
         return (f"Qt's X11 plugin needs system libraries that are not installed: {', '.join(missing)} "
                 f"(Debian/Ubuntu: sudo apt-get install {' '.join(missing)})")
     if not environ.get("DISPLAY"):
-        return ("no display: DISPLAY is not set. Run the app in a desktop session, under `xvfb-run python -m "
-                "apps.chat`, or with QT_QPA_PLATFORM=offscreen (renders without showing a window)")
+        return ("no display: DISPLAY is not set. Run the app in a desktop session, under `xvfb-run specbeam-chat`, "
+                "or with QT_QPA_PLATFORM=offscreen (renders without showing a window)")
     return None
 
 
@@ -46,7 +46,7 @@ def import_problem(error: ImportError) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m apps.chat", description=__doc__,
+    ap = argparse.ArgumentParser(prog="specbeam-chat", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--db", default=None, help="conversation database (default: the user's data folder)")
     ap.add_argument("--settings", default=None,

@@ -13,12 +13,12 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog
                                QPushButton, QSpinBox, QSplitter, QTextBrowser, QVBoxLayout, QWidget)
 
 from specbeam_edge import Engine, SpeculativeConfig
+from specbeam_edge.shipped import missing_message, models_root
 
 from .render import CURSOR, insert_answer
 from .store import ChatStore
 from .worker import Answer, Generation
 
-DEFAULT_MODELS = Path(__file__).resolve().parents[2] / "models" / "ende"
 MODES = ("beam search (exact)", "beam sampling (DSBD)")
 NO_TEMPLATE = ("This model has no chat template: each message is sent alone in the model's prompt format, "
                "so a system prompt would have no effect.")
@@ -161,8 +161,8 @@ class ChatWindow(QMainWindow):
     # -- settings (QSettings: the platform's usual place) --------------------------------------------------
     def _restore_settings(self):
         s = self.settings
-        self.model_edit.setText(str(s.value("model", DEFAULT_MODELS / "target")))
-        self.draft_edit.setText(str(s.value("draft", DEFAULT_MODELS / "draft")))
+        self.model_edit.setText(str(s.value("model", models_root() / "ende" / "target")))
+        self.draft_edit.setText(str(s.value("draft", models_root() / "ende" / "draft")))
         self.mode.setCurrentIndex(int(s.value("mode", 0)))
         self.beams.setValue(int(s.value("beams", 4)))
         self.budget.setValue(int(s.value("budget", 48)))
@@ -194,7 +194,7 @@ class ChatWindow(QMainWindow):
             engine = self.engine_factory(model, draft=draft or None)
         except Exception as e:
             kept = f"Still using {self.engine_name}." if self.engine else "No model is loaded."
-            QMessageBox.critical(self, "Cannot load the models", f"{e}\n\n{kept}")
+            QMessageBox.critical(self, "Cannot load the models", f"{_explain(e, model, draft)}\n\n{kept}")
             self.status.setText(f"could not load {pair_name(model, draft)}; "
                                 + (f"still using {self.engine_name}" if self.engine else "no model loaded"))
             return False
@@ -406,6 +406,14 @@ def status_text(stats: dict) -> str:
         parts.append("no speculation")
     text = " · ".join(parts)
     return f"stopped after {text}" if stats.get("stopped") else text
+
+
+def _explain(error: Exception, model: str, draft: str) -> str:
+    """The loader's message; for a shipped pair's folder that this installation lacks, what to do instead."""
+    for folder in (model, draft):
+        if folder and not Path(folder).is_dir() and Path(folder).parent.parent == models_root():
+            return missing_message(Path(folder)).replace("--model (and --draft)", "the Model and Draft fields")
+    return str(error)
 
 
 def _bool(value) -> bool:
