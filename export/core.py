@@ -135,6 +135,11 @@ def export(src: str | Path, dst: str | Path, *, precision: str = "fp32", layout:
         raise ExportError(f"input folder {src} does not exist")
     if dst.exists() and not overwrite:
         raise ExportError(f"output folder {dst} exists; pass --overwrite to replace it")
+    from .encdec import export_encdec, family_of
+
+    if family_of(src):           # Marian / M2M100 / NLLB: encoder graph + decoder graph (export/encdec.py)
+        return export_encdec(src, dst, family_of(src), precision=precision, layout=layout, output=output,
+                             overwrite=overwrite, quiet=quiet)
     if not (src / "tokenizer.json").is_file():
         raise ExportError(f"{src}: no tokenizer.json (a `tokenizers` fast tokenizer is required)")
     t0 = time.time()
