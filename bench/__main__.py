@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--scenario", default="e2e,cost,peers,sampling,synthetic,offload",
-                    help="comma list of: e2e, cost, peers, sampling, synthetic, offload")
+    ap.add_argument("--scenario", default="e2e,batch,cost,peers,sampling,synthetic,offload",
+                    help="comma list of: e2e, batch, cost, peers, sampling, synthetic, offload")
     ap.add_argument("--pair", default=str(ROOT / "models" / "ende"), help="pair folder (target/, draft/, hf/)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"), help="output folder for JSON and PNG")
     ap.add_argument("--quick", action="store_true", help="fewer prompts and settings (a smoke run)")
@@ -47,6 +47,20 @@ def main(argv=None) -> int:
             common.write(out, "e2e", data)
             e2e.plot(data, out / "e2e.png")
             print(common.table(data["rows"], COLS["e2e"]))
+        elif sc == "batch":
+            from . import batch
+
+            if args.quick:
+                data = batch.bench(pair, n_prompts=24, max_new=48, reps=1, sizes=(1, 8), settings=((4, 1),))
+                data["speculation"] = batch.bench_speculation(pair, n_prompts=8, max_new=32, reps=1, sizes=(1, 4))
+            else:
+                data = batch.bench(pair, threads=args.threads or 2)
+                data["speculation"] = batch.bench_speculation(pair, threads=args.threads or 2)
+            data["machine"] = info
+            common.write(out, "batch", data)
+            batch.plot(data, out / "batch.png")
+            print(common.table(data["rows"], COLS["batch"]))
+            print(common.table(data["speculation"]["rows"], COLS["batch_speculation"]))
         elif sc == "cost":
             from . import cost
 

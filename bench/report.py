@@ -10,6 +10,9 @@ from .offload import SCALE_COLS
 COLS = {
     "e2e": ["K", "drafter", "budget", "max_depth", "draft_width", "adaptive", "speedup", "bspp", "plain_tok_s",
             "spec_tok_s", "draft_share", "identical", "of"],
+    "batch": ["K", "n_best", "batch", "specbeam_tok_s", "ct2_int8_tok_s", "specbeam_lines_s", "ct2_int8_lines_s",
+              "identical_to_batch1", "peak_mb"],
+    "batch_speculation": ["batch", "arm", "speedup_over_plain", "bspp", "identical"],
     "sampling": ["setup", "W", "width_threshold", "speedup", "bspp", "plain_logp_per_token", "spec_logp_per_token",
                  "mean_width"],
     "synthetic": ["acceptance", "budget", "max_depth", "tree", "speedup", "bspp", "identical", "of", "draft_share",
@@ -19,6 +22,7 @@ COLS = {
 }
 TITLES = {
     "e2e": "Shipped en->de pair: exact speculative vs plain beam search (same runtime, A/B alternated)",
+    "batch": "Batch translation: continuous batching vs CTranslate2 int8 generate_batch (same weights)",
     "cost": "Target pass cost vs tree size",
     "peers": "Peers on the same weights (beam search, K=4)",
     "sampling": "Speculative beam sampling (DSBD) vs plain beam sampling on the shipped pair",
@@ -31,7 +35,7 @@ def render(results: Path, readme: Path, command: str) -> None:
     out = ["# Benchmarks", "",
            "Every figure below was measured by one run of the command shown, on the machine named with it. "
            "Ratios are medians over alternated runs (A B A B) inside that run; absolute times vary with load.", ""]
-    for name in ("e2e", "peers", "cost", "sampling", "synthetic", "offload"):
+    for name in ("e2e", "batch", "peers", "cost", "sampling", "synthetic", "offload"):
         path = results / f"{name}.json"
         if not path.exists():
             continue
@@ -42,6 +46,12 @@ def render(results: Path, readme: Path, command: str) -> None:
                 f"cores, load at start {m.get('loadavg_at_start', '?')}, onnxruntime {m.get('onnxruntime', '?')}", ""]
         if name in COLS:
             out += [table_md(d["rows"], COLS[name]), ""]
+        if name == "batch":
+            out += [f"{d['prompts']} held-out lines sorted by length, up to {d['max_new_tokens']} new tokens, "
+                    f"{d['threads']} threads, medians of {d['reps']} alternated runs. Summary: {d['summary']}.", ""]
+            if d.get("speculation"):
+                out += ["Speculation inside a batch (K=%d, speedup over plain batching at the same batch size):"
+                        % d["speculation"]["K"], "", table_md(d["speculation"]["rows"], COLS["batch_speculation"]), ""]
         elif name == "cost":
             sizes = sorted({int(q) for v in d["models"].values() for q in v["ms"]})
             rows = [{"model": k, **{str(q): v["ms"].get(str(q)) for q in sizes}} for k, v in d["models"].items()]
