@@ -1,6 +1,7 @@
 """Evaluate a shipped pair on the held-out translation test set.
 
     python models/evaluate.py --pair models/ende --test data/ende/corpus/test.tsv --lines 300
+    python models/evaluate.py --target $DATA/ende/eval/target --systems target_beam4 --lines 300   # a checkpoint
 
 Reports BLEU/chrF (sacrebleu) of the target with greedy and beam-4 search and of the draft alone (greedy),
 teacher-forced draft/target agreement (greedy match, top-4 overlap, sum min(p, q)), and beam steps per target
@@ -22,14 +23,40 @@ from specbeam_edge import Engine, SpeculativeConfig  # noqa: E402
 from specbeam_edge.beam import log_softmax  # noqa: E402
 
 
-def teacher_forced(engine: Engine, ids: list[int]):
+def teacher_forced(lm, ids: list[int], k: int = 8):
+    """(top-k ids [n, k], their log-probs [n, k]) of every position; read from a top-k head when the model has
+    one (its log-probs are normalised over the whole vocabulary), else from full logits."""
     n = len(ids)
     mask = np.tril(np.ones((n, n), bool))[None, None]
-    out = []
-    for lm in (engine.target, engine.draft):
-        logits, _ = lm.forward(np.array([ids]), np.arange(n)[None], mask, lm.empty_past())
-        out.append(log_softmax(logits[0]))
-    return out
+    head, _ = lm.forward(np.array([ids]), np.arange(n)[None], mask, lm.empty_past(), topk=k)
+    if isinstance(head, tuple):
+        logp, top = head
+        return top[0], logp[0]
+    logp = log_softmax(head[0])
+    top = np.argsort(-logp, -1)[:, :k]
+    return top, np.take_along_axis(logp, top, -1)
+
+
+SYSTEMS = ("agreement", "target_greedy", "target_beam4", "draft_greedy", "speculative")
+
+
+def agreement(engine: Engine, prompts, ref, sep: int, report: dict) -> None:
+    """Teacher-forced draft/target agreement on the first 200 reference translations (German side only)."""
+    match, top4, alpha, n = 0.0, 0.0, 0.0, 0
+    for p, r in zip(prompts[:200], ref[:200]):
+        ids = engine.encode(p) + engine.tokenizer.encode(r) + list(engine.eos[:1])
+        start = ids.index(sep)
+        (tt, tl), (dd, dl) = (teacher_forced(lm, ids) for lm in (engine.target, engine.draft))
+        tt, tl, dd, dl = tt[start:-1], tl[start:-1], dd[start:-1], dl[start:-1]
+        match += float((tt[:, 0] == dd[:, 0]).sum())
+        top4 += sum(len(set(a[:4]) & set(b[:4])) / 4 for a, b in zip(tt, dd))
+        # over the tokens in both top-8 lists: the full sum when the mass lies there, else a lower bound
+        for a, la, b, lb in zip(tt, tl, dd, dl):
+            q = dict(zip(b.tolist(), np.exp(lb).tolist()))
+            alpha += sum(min(pa, q[t]) for t, pa in zip(a.tolist(), np.exp(la).tolist()) if t in q)
+        n += len(tt)
+    report["agreement"] = {"positions": n, "greedy_match": round(match / n, 4), "top4_overlap": round(top4 / n, 4),
+                           "sum_min_p_q_top8": round(alpha / n, 4)}
 
 
 def main(argv=None) -> int:
@@ -38,35 +65,33 @@ def main(argv=None) -> int:
     ap.add_argument("--test", default="data/ende/corpus/test.tsv", help="held-out pairs (english<TAB>german)")
     ap.add_argument("--lines", type=int, default=300, help="evaluate the first N test pairs")
     ap.add_argument("--max_new_tokens", type=int, default=160, help="generation limit")
+    ap.add_argument("--target", default=None, help="target model folder (default: PAIR/target)")
+    ap.add_argument("--draft", default=None, help="draft model folder (default: PAIR/draft)")
+    ap.add_argument("--systems", default=",".join(SYSTEMS),
+                    help=f"comma-separated subset of {','.join(SYSTEMS)} (without the draft ones no draft is loaded)")
     ap.add_argument("--out", default=None, help="write the JSON report here")
     args = ap.parse_args(argv)
     import sacrebleu
 
+    systems = [s for s in args.systems.split(",") if s]
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown:
+        raise SystemExit(f"--systems: unknown {unknown}; choose from {','.join(SYSTEMS)}")
     pair = Path(args.pair)
-    engine = Engine(pair / "target", draft=pair / "draft")
-    draft_only = Engine(pair / "draft")
+    target = Path(args.target) if args.target else pair / "target"
+    draft = Path(args.draft) if args.draft else pair / "draft"
+    needs_draft = bool(set(systems) & {"agreement", "draft_greedy", "speculative"})
+    engine = Engine(target, draft=draft if needs_draft else None)
+    draft_only = Engine(draft) if "draft_greedy" in systems else None
     rows = [l.rstrip("\n").split("\t") for l in open(args.test, encoding="utf-8")][: args.lines]
     src, ref = [r[0] for r in rows], [r[1] for r in rows]
     prompts = [engine.tokenizer.format_prompt(s) for s in src]
-    report: dict = {"lines": len(rows)}
+    report: dict = {"lines": len(rows), "target": str(target)}
 
     # agreement, teacher-forced on the reference translations (target side only)
     sep = engine.tokenizer.encode("<|de|>")[0]
-    match, top4, alpha, n = 0.0, 0.0, 0.0, 0
-    for p, r in zip(prompts[:200], ref[:200]):
-        ids = engine.encode(p) + engine.tokenizer.encode(r) + list(engine.eos[:1])
-        t, d = teacher_forced(engine, ids)
-        start = ids.index(sep)
-        t, d = t[start:-1], d[start:-1]
-        match += float((t.argmax(-1) == d.argmax(-1)).sum())
-        tt = np.argsort(-t, -1)[:, :4]
-        dd = np.argsort(-d, -1)[:, :4]
-        top4 += sum(len(set(a) & set(b)) / 4 for a, b in zip(tt, dd))
-        alpha += float(np.minimum(np.exp(t), np.exp(d)).sum())
-        n += len(t)
-    report["agreement"] = {"positions": n, "greedy_match": round(match / n, 4), "top4_overlap": round(top4 / n, 4),
-                           "sum_min_p_q": round(alpha / n, 4)}
-
+    if "agreement" in systems:
+        agreement(engine, prompts, ref, sep, report)
     def run(eng, K, spec=None, limit=None):
         t0 = time.perf_counter()
         res = eng.generate(prompts[:limit], num_beams=K, max_new_tokens=args.max_new_tokens, speculative=spec)
@@ -78,12 +103,14 @@ def main(argv=None) -> int:
                      "tokens_per_second": round(steps / dt, 1)}
 
     for name, eng, K in (("target_greedy", engine, 1), ("target_beam4", engine, 4), ("draft_greedy", draft_only, 1)):
+        if name not in systems:
+            continue
         hyp, st = run(eng, K)
         report[name] = {"bleu": round(sacrebleu.corpus_bleu(hyp, [ref]).score, 2),
                         "chrf": round(sacrebleu.corpus_chrf(hyp, [ref]).score, 2), **st}
         print(name, report[name], file=sys.stderr)
     spec = SpeculativeConfig()
-    for K in (1, 4):
+    for K in (1, 4) if "speculative" in systems else ():
         hyp, st = run(engine, K, spec, limit=100)
         plain, _ = run(engine, K, None, limit=100)
         report[f"speculative_K{K}"] = {**st, "identical_to_plain": sum(a == b for a, b in zip(hyp, plain)),

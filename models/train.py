@@ -217,6 +217,13 @@ def align_loss(logits, t_logits, k: int, margin: float):
     return torch.relu(margin - (inside - outside)).mean()
 
 
+def scored_logits(model, x, keep):
+    """Logits of the scored positions only: the LM head and the loss skip the English side (about half the
+    tokens), which is most of a small model's head and softmax cost. x [B, T]; keep bool [B*T] -> [N, V]."""
+    hidden = model.model(input_ids=x).last_hidden_state            # [B, T, H], after the final norm
+    return model.lm_head(hidden.flatten(0, 1)[keep])
+
+
 def build_model(args, vocab_size: int):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -300,11 +307,11 @@ def train_lm(args) -> None:
         tot, n = 0.0, 0
         with torch.no_grad():
             for s in range(0, len(v_ids), 16):
-                x, y = torch.from_numpy(v_ids[s:s + 16, :-1]), torch.from_numpy(v_lab[s:s + 16])
-                logits = model(input_ids=x).logits
-                tot += torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE,
+                x, y = torch.from_numpy(v_ids[s:s + 16, :-1]), torch.from_numpy(v_lab[s:s + 16]).flatten()
+                keep = y != IGNORE
+                tot += torch.nn.functional.cross_entropy(scored_logits(model, x, keep), y[keep],
                                                          reduction="sum").item()
-                n += int((y != IGNORE).sum())
+                n += int(keep.sum())
         model.train()
         return tot / n
 
@@ -331,17 +338,14 @@ def train_lm(args) -> None:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args)
         x_np, y_np = batches.next()
-        x, y = torch.from_numpy(x_np), torch.from_numpy(y_np)
-        logits = model(input_ids=x).logits                          # [B, T, V]
-        flat, labels = logits.flatten(0, 1), y.flatten()
-        loss = torch.nn.functional.cross_entropy(flat, labels, ignore_index=IGNORE,
-                                                 label_smoothing=args.label_smoothing)
+        x, y = torch.from_numpy(x_np), torch.from_numpy(y_np).flatten()
+        keep = y != IGNORE
+        s_flat = scored_logits(model, x, keep)                      # [N scored, V]
+        loss = torch.nn.functional.cross_entropy(s_flat, y[keep], label_smoothing=args.label_smoothing)
         parts = {"ce": round(loss.item(), 4)}
         if teacher is not None:                                     # token-level KD and top-K alignment
-            keep = labels != IGNORE
             with torch.no_grad():
-                t_flat = teacher(input_ids=x).logits.flatten(0, 1)[keep]
-            s_flat = flat[keep]
+                t_flat = scored_logits(teacher, x, keep)
             kd = torch.nn.functional.kl_div(torch.log_softmax(s_flat, -1), torch.log_softmax(t_flat, -1),
                                             log_target=True, reduction="batchmean")
             loss = loss + args.kd_weight * kd
@@ -428,9 +432,8 @@ def distil(args) -> None:
             res = engine.generate([engine.tokenizer.format_prompt(r[0]) for r in chunk], num_beams=args.num_beams,
                                   num_return_sequences=args.return_beams, max_new_tokens=args.max_new_tokens)
             for r, name, hyp in zip(chunk, names[s:s + args.chunk], res):
-                texts = hyp.texts if args.return_beams > 1 else [hyp.text]
-                for t in texts:
-                    f.write(f"{r[0]}\t{' '.join(t.split())}\n")
+                for h in hyp.hypotheses[:args.return_beams]:
+                    f.write(f"{r[0]}\t{' '.join(h.text.split())}\n")
                     fs.write(f"{name}\n")
             f.flush()
             fs.flush()

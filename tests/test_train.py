@@ -1,0 +1,135 @@
+"""models/train.py: whole-pair packing with German-side labels, resumable epochs, the top-K alignment term,
+and a resumed run that ends with exactly the weights of an uninterrupted one."""
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("models_train", ROOT / "models" / "train.py")
+train = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(train)
+IGNORE = train.IGNORE
+
+
+def _unit(en, de, eos=0, sep=1):
+    ids = np.asarray([eos, *en, sep, *de], np.int64)
+    scored = np.zeros(len(ids), bool)
+    scored[0] = True
+    scored[len(en) + 2:] = True
+    return ids, scored
+
+
+def test_pack_scores_only_the_german_side_and_closing_eos():
+    units = [_unit([5, 6], [7, 8]), _unit([9], [10])]
+    ids, labels = train.pack(units, [0, 1], T=12, eos=0)
+    assert ids.tolist() == [[0, 5, 6, 1, 7, 8, 0, 9, 1, 10, 0, 0, 0]]
+    # targets: 7, 8, the EOS closing pair 0, 10, the EOS closing pair 1; never English, SEP or padding
+    assert labels.tolist() == [[IGNORE, IGNORE, IGNORE, 7, 8, 0, IGNORE, IGNORE, 10, 0, IGNORE, IGNORE]]
+
+
+def test_pack_starts_a_new_row_instead_of_cutting_a_pair():
+    units = [_unit([5, 6], [7, 8]), _unit([9, 9, 9], [10])]
+    ids, labels = train.pack(units, [0, 1], T=8, eos=0)
+    assert ids.tolist() == [[0, 5, 6, 1, 7, 8, 0, 0, 0], [0, 9, 9, 9, 1, 10, 0, 0, 0]]
+    assert labels[0].tolist() == [IGNORE, IGNORE, IGNORE, 7, 8, 0, IGNORE, IGNORE]
+
+
+def test_batches_resume_at_the_saved_position():
+    units = [_unit([i + 2], [i + 3]) for i in range(40)]
+    sources = ["a"] * 20 + ["b"] * 20
+
+    def fresh():
+        return train.Batches(units, sources, {"b": 2}, T=8, B=2, eos=0, seed=3)
+
+    run = fresh()
+    assert len(run.index) == 60                      # source b repeated twice per epoch
+    seq = [run.next()[0].tolist() for _ in range(15)]    # crosses into epoch 1
+    resumed = fresh()
+    resumed.epoch, resumed.row = 0, 0
+    for _ in range(9):
+        resumed.next()
+    again = fresh()
+    again.epoch, again.row = resumed.epoch, resumed.row
+    assert [again.next()[0].tolist() for _ in range(6)] == seq[9:]
+
+
+def test_parse_mix_names_the_bad_part():
+    assert train.parse_mix("libreoffice=3,gimp=2") == {"libreoffice": 3, "gimp": 2}
+    with pytest.raises(SystemExit, match=r"--mix 'gimp=x': each part is NAME=INTEGER"):
+        train.parse_mix("gimp=x")
+
+
+def test_align_loss_is_zero_only_when_the_teacher_top_k_leads_by_the_margin():
+    torch = pytest.importorskip("torch")
+    teacher = torch.tensor([[5.0, 4.0, 0.0, -1.0]])
+    aligned = torch.tensor([[3.0, 2.5, 1.0, 0.0]])          # top-2 {0, 1} leads the best outsider by >= 1.5
+    assert train.align_loss(aligned, teacher, k=2, margin=1.0).item() == 0.0
+    swapped = torch.tensor([[3.0, 0.5, 1.0, 0.0]])          # token 1 trails outsider 2 by 0.5
+    # hinge per top-k token: relu(1 - (3 - 1)) = 0 and relu(1 - (0.5 - 1)) = 1.5; mean over k = 0.75
+    assert train.align_loss(swapped, teacher, k=2, margin=1.0).item() == pytest.approx(0.75)
+
+
+@pytest.fixture(scope="module")
+def tiny_corpus(tmp_path_factory):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
+
+    root = tmp_path_factory.mktemp("corpus")
+    words = ["file", "open", "save", "the", "button", "click", "document", "menu"]
+    german = ["Datei", "öffnen", "speichern", "die", "Schaltfläche", "klicken", "Dokument", "Menü"]
+    rng = np.random.default_rng(0)
+    rows = []
+    for _ in range(60):
+        idx = rng.integers(0, len(words), size=rng.integers(2, 6))
+        rows.append((" ".join(words[i] for i in idx), " ".join(german[i] for i in idx)))
+    data = root / "corpus"
+    data.mkdir()
+    (data / "train.tsv").write_text("".join(f"{a}\t{b}\n" for a, b in rows[:50]), encoding="utf-8")
+    (data / "valid.tsv").write_text("".join(f"{a}\t{b}\n" for a, b in rows[50:]), encoding="utf-8")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([x for r in rows for x in r], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=[train.EOS, train.SEP], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok_dir = root / "tok"
+    tok_dir.mkdir()
+    tok.save(str(tok_dir / "tokenizer.json"))
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": train.EOS}))
+    return data, tok_dir
+
+
+def _lm(data, tok_dir, ckpt, steps, **over):
+    flags = dict(layers=1, hidden=32, heads=2, kv_heads=1, seq_len=32, batch=2, lr=1e-2, warmup=2,
+                 label_smoothing=0.1, mix="")
+    flags.update(over)
+    argv = ["lm", "--data", str(data), "--tokenizer", str(tok_dir), "--ckpt", str(ckpt),
+            "--tokens", str(steps * flags["seq_len"] * flags["batch"]), "--log_every", "1", "--eval_every", "2"]
+    for k, v in flags.items():
+        argv += [f"--{k}", str(v)]
+    train.main(argv)
+
+
+@pytest.mark.slow                                    # three short training runs: about 15 s here
+def test_resumed_run_matches_an_uninterrupted_one(tiny_corpus, tmp_path):
+    torch = pytest.importorskip("torch")
+    data, tok_dir = tiny_corpus
+    _lm(data, tok_dir, tmp_path / "straight", 6)
+    _lm(data, tok_dir, tmp_path / "resumed", 3)
+    _lm(data, tok_dir, tmp_path / "resumed", 6)      # same flags, larger budget: continues at step 3
+    a = torch.load(tmp_path / "straight" / "last.pt", weights_only=False)
+    b = torch.load(tmp_path / "resumed" / "last.pt", weights_only=False)
+    assert (a["step"], a["epoch"], a["row"]) == (b["step"], b["epoch"], b["row"]) == (6, a["epoch"], a["row"])
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    # the averaged HF folder loads and carries the run's summary
+    train.main(["average", "--ckpt", str(tmp_path / "resumed"), "--last", "2", "--out", str(tmp_path / "hf")])
+    log = json.loads((tmp_path / "hf" / "train_log.json").read_text())
+    assert log["summary"]["steps"] == 6 and log["summary"]["averaged"] == ["step00000003", "step00000006"]
+
+
+def test_resume_with_other_settings_is_refused(tiny_corpus, tmp_path):
+    data, tok_dir = tiny_corpus
+    _lm(data, tok_dir, tmp_path / "run", 1)
+    with pytest.raises(SystemExit, match=r"was started with other settings \{'hidden': \(32, 48\)\}"):
+        _lm(data, tok_dir, tmp_path / "run", 2, hidden=48)
