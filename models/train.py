@@ -419,6 +419,9 @@ def distil(args) -> None:
     from specbeam_edge import Engine
 
     data, out = Path(args.data), Path(args.out)
+    if (out / "train.tsv").exists():
+        print(f"distil: {out / 'train.tsv'} exists (delete it to regenerate)", file=sys.stderr)
+        return
     out.mkdir(parents=True, exist_ok=True)
     rows = [l.rstrip("\n").split("\t") for l in open(data / "train.tsv", encoding="utf-8")]
     names = (data / "train.source").read_text(encoding="utf-8").split() if (data / "train.source").exists() \
