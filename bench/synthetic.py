@@ -34,8 +34,7 @@ def build_models(hidden=768, layers=12, vocab=32000, seed=0, precision="fp16", l
     import transformers as tf
     from export import export
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from helpers import make_tokenizer
+    from export.tiny import make_tokenizer
 
     out = []
     for name, (L, H, heads, kv) in {"target": (layers, hidden, hidden // 64, hidden // 256),

@@ -83,8 +83,8 @@ def choose_width(p: np.ndarray, q: np.ndarray, m: int, threshold: float, floor: 
     return int(min(cap, max(floor, max(ks) if ks else 0)))
 
 
-def verify_level(p: np.ndarray, q: np.ndarray, drafts: np.ndarray, k: int, rng: np.random.Generator,
-                 accept_rule=None) -> tuple[list[int], int]:
+def verify_level(p: np.ndarray, q: np.ndarray, drafts: np.ndarray, k: int,
+                 rng: np.random.Generator) -> tuple[list[int], int]:
     """Walk the drafts (indices into the shared (node, token) space, i.i.d. from q) with the multi-draft rule
     until k are accepted. Returns (k samples distributed i.i.d. as p, how many were accepted drafts).
     A short level completes with one draw from the residual and fresh draws from p."""
@@ -96,8 +96,7 @@ def verify_level(p: np.ndarray, q: np.ndarray, drafts: np.ndarray, k: int, rng: 
         if len(out) >= k:
             break
         ratio = cur[x] / q[x] if q[x] > 0 else 0.0
-        ok = accept_rule(cur, q, x, rng) if accept_rule else rng.random() < min(1.0, ratio)
-        if ok:
+        if rng.random() < min(1.0, ratio):
             out.append(int(x))
             cur = p
         else:
