@@ -337,7 +337,8 @@ def _generation(src: Path, arch: EncDecArch) -> tuple[dict, dict]:
     from .core import _GEN_KEYS
 
     p = src / "generation_config.json"
-    gen = json.loads(p.read_text()) if p.is_file() else {}
+    # without generation_config.json transformers derives one from config.json (Marian: forced EOS, pad banned)
+    gen = json.loads(p.read_text()) if p.is_file() else json.loads((src / "config.json").read_text())
     defaults = {k: gen[k] for k in _GEN_KEYS if k in gen}
     if "max_new_tokens" not in defaults and isinstance(gen.get("max_length"), int) and gen["max_length"] > 1:
         defaults["max_new_tokens"] = gen["max_length"] - 1

@@ -17,6 +17,7 @@ import numpy as np
 from .adaptive import PassChooser, auto_budget, cost_curve
 from .config import GenerationConfig, ModelFolderError, SpeculativeConfig
 from .draft import make_drafter
+from .encdec import Encoder, EncoderQueue, is_encoder_decoder, logits_processor
 from .model import OnnxCausalLM
 from .results import Hypothesis, Result, Stats, StreamChunk, peak_rss_mb
 from .scheduler import Job, Scheduler
@@ -35,6 +36,7 @@ class Engine:
         self = cls.__new__(cls)
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         self.eos = list(target.cfg.eos_token_ids)
+        self._init_encoders(None, None)
         self._init_state()
         return self
 
@@ -57,7 +59,21 @@ class Engine:
                 raise ModelFolderError(f"draft vocabulary ({self.draft.cfg.vocab_size}) is larger than the "
                                        f"target's ({self.target.cfg.vocab_size})")
         self.eos = list(self.target.cfg.eos_token_ids)
+        self._init_encoders(threads, providers)
         self._init_state()
+
+    def _init_encoders(self, threads, providers):
+        """Encoder-decoder folders (encdec.py): the target's encoder, and the draft's (a draft of an
+        encoder-decoder target is one too: it needs its own cross K/V)."""
+        self.encoder = self.draft_encoder = None
+        kinds = [is_encoder_decoder(m) for m in (self.target, self.draft) if m is not None]
+        if len(set(kinds)) > 1:
+            raise ModelFolderError(f"the target {self.target.folder} and the draft {self.draft.folder} must both be "
+                                   f"encoder-decoder models or both decoder-only")
+        if kinds[0]:
+            self.encoder = Encoder(self.target, threads=threads, providers=providers)
+            if self.draft is not None:
+                self.draft_encoder = Encoder(self.draft, threads=1, providers=providers, spin=False)
 
     def _init_state(self):
         """What an engine learns across requests (cost curve, pass choosers); a lock makes sharing one engine
@@ -102,10 +118,18 @@ class Engine:
             return self._choosers.setdefault(key, PassChooser())
 
     # -- one request's search ------------------------------------------------------------------------------
-    def _new_search(self, ids: list[int], gen: GenerationConfig, spec: SpeculativeConfig | None, drafter=None):
+    def _new_search(self, ids: list[int], gen: GenerationConfig, spec: SpeculativeConfig | None, drafter=None,
+                    static=None):
         """Validate one request and build its search object (search.py). `drafter` overrides the policy named
-        in spec (any callable with the Drafter signature; see draft.py)."""
+        in spec (any callable with the Drafter signature; see draft.py). Encoder-decoder models: ids are the
+        source; static(with_draft) gives the request's encoder outputs when it starts (see _statics)."""
         ctx = self.target.cfg.context_length
+        source = None
+        if self.encoder is not None:
+            if len(ids) > self.encoder.context_length:
+                raise ValueError(f"the source has {len(ids)} tokens; the encoder's context length is "
+                                 f"{self.encoder.context_length}")
+            source, ids = ids, self.encoder.decoder_prompt()
         if len(ids) >= ctx:
             raise ValueError(f"the prompt has {len(ids)} tokens; the model's context length is {ctx}")
         max_new = min(gen.max_new_tokens, ctx - len(ids))
@@ -122,6 +146,8 @@ class Engine:
                               "per pass, so tree passes round differently from single passes; speculative output "
                               "can differ from plain beam search beyond near-ties. Use an fp32/fp16 (or split "
                               "int8) export for exact results.", stacklevel=4)
+        if gen.do_sample and source is not None:
+            raise ValueError("do_sample=True is not supported for encoder-decoder models yet; use beam search")
         if gen.do_sample:
             topk = [str(m.folder) for m in (self.target, self.draft if use_draft else None)
                     if m is not None and m.cfg.output == "topk"]
@@ -143,14 +169,31 @@ class Engine:
             chooser = self._chooser(gen, spec) if spec.adaptive and drafter is None else None
         # a top-k head returns each node's best log-probs only: 2K + #EOS + 1 per beam always hold the 2K
         # candidates beam search keeps, even with EOS masked by min_new_tokens
-        topk = 2 * gen.num_beams + len(eos) + 1 if self.target.cfg.output == "topk" else None
+        extra = {}
+        if source is not None:    # the decoder start is the prompt; a forced BOS counts as generated
+            extra = dict(prompt_len=1, static=static, process=logits_processor(
+                self.encoder.suppressed, self.encoder.forced_eos, 1 + max_new))
+        n_banned = len(self.encoder.suppressed) if source is not None else 0
+        topk = 2 * gen.num_beams + len(eos) + 1 + n_banned if self.target.cfg.output == "topk" else None
         return ExactSearch(ids, self.target, self.draft, num_beams=gen.num_beams, max_new_tokens=max_new, eos=eos,
                            length_penalty=gen.length_penalty, early_stopping=gen.early_stopping,
-                           min_new_tokens=gen.min_new_tokens, grow=grow, chooser=chooser, topk=topk)
+                           min_new_tokens=gen.min_new_tokens, grow=grow, chooser=chooser, topk=topk, **extra)
+
+    def _statics(self, sources: list[list[int]], batch: int) -> list:
+        """Per request, static(with_draft) -> (target's, draft's) encoder outputs, or None for decoder-only
+        models. The encoders run when a request starts, over it and the next `batch` - 1 sources."""
+        if self.encoder is None:
+            return [None] * len(sources)
+        tq = EncoderQueue(self.encoder, sources, batch)
+        dq = EncoderQueue(self.draft_encoder, sources, batch) if self.draft_encoder is not None else None
+
+        def static(i, with_draft):
+            return tq.get(i), (dq.get(i) if with_draft and dq is not None else None)
+        return [lambda with_draft, i=i: static(i, with_draft) for i in range(len(sources))]
 
     def _search(self, ids: list[int], gen: GenerationConfig, spec: SpeculativeConfig | None, drafter=None):
         """One request alone (a batch of one): yields (search state, stats) after every target pass."""
-        job = Job(0, len(ids), self._new_search(ids, gen, spec, drafter))
+        job = Job(0, len(ids), self._new_search(ids, gen, spec, drafter, self._statics([ids], 1)[0]))
         for _, progress, finished in Scheduler(self.target, max_batch_size=1).run([job]):
             if not finished:
                 yield progress.state, progress.stats
@@ -200,8 +243,10 @@ class Engine:
         gen = self.generation_config(generation, **overrides)
         prompts = list(prompts)
         # every prompt is validated before any decoding starts: a bad one fails the call, not a batch midway
-        jobs = [Job(i, len(ids), self._new_search(ids, gen, speculative, drafter))
-                for i, ids in enumerate(self.encode(p) for p in prompts)]
+        sources = [self.encode(p) for p in prompts]
+        statics = self._statics(sources, max_batch_size)
+        jobs = [Job(i, len(ids), self._new_search(ids, gen, speculative, drafter, statics[i]))
+                for i, ids in enumerate(sources)]
         sched = Scheduler(self.target, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens)
         for i, progress, finished in sched.run(jobs):
             if finished:

@@ -40,19 +40,27 @@ class ExactSearch:
     """Exact beam search (K >= 1), speculative when `grow` is given: output identical to plain beam search.
 
     target/draft: TreeCaches over one TokenTree (draft None without speculation; a cache without a model for
-    prompt lookup). chooser: a PassChooser deciding per pass whether drafting pays (None: always draft)."""
+    prompt lookup). chooser: a PassChooser deciding per pass whether drafting pays (None: always draft).
+    Encoder-decoder requests: `ids` is the decoder's start (decoder start token, maybe a forced BOS) of which
+    the first `prompt_len` tokens are the prompt (the rest count as generated, with log-prob 0, as transformers'
+    forced-BOS processor makes them); `static(with_draft)` returns the target's and the draft's static inputs
+    (cross K/V, source mask; the draft's None unless asked), called when the request starts; `process(logp, cur_len)`
+    applies extra logits processors (banned pad, forced EOS) to the beams' log-probs."""
 
     def __init__(self, ids: list[int], target_lm, draft_lm, *, num_beams: int, max_new_tokens: int, eos,
                  length_penalty: float, early_stopping, min_new_tokens: int, grow=None, chooser=None,
-                 topk: int | None = None):
+                 topk: int | None = None, prompt_len: int | None = None, static=None, process=None):
         self.tree = TokenTree()
         self.P = len(ids)
-        self.bs = BeamSearch(self.tree, self.tree.add_chain(ids)[-1], num_beams=num_beams, prompt_len=self.P,
+        self.bs = BeamSearch(self.tree, self.tree.add_chain(ids)[-1], num_beams=num_beams,
+                             prompt_len=self.P if prompt_len is None else prompt_len,
                              max_new_tokens=max_new_tokens, eos_token_ids=eos, length_penalty=length_penalty,
                              early_stopping=early_stopping, min_new_tokens=min_new_tokens)
+        self.bs.cur_len = self.P
         self.target = TreeCache(target_lm, self.tree)
         self.draft = TreeCache(draft_lm, self.tree) if grow is not None else None
         self.grow, self.chooser, self.topk = grow, chooser, topk
+        self.static, self.process = static, process
         self.rows: dict[int, tuple[object, int]] = {}     # scored node -> (pass output, row)
         self.stats = Stats(prompt_tokens=self.P)
 
@@ -63,6 +71,11 @@ class ExactSearch:
     def run(self):
         stats, bs = self.stats, self.bs
         t0 = time.perf_counter()
+        if self.static is not None:
+            with_draft = self.draft is not None and self.draft.model is not None
+            self.target.static, draft_static = self.static(with_draft)
+            if with_draft:
+                self.draft.static = draft_static
         while not bs.done:
             tp = time.perf_counter()
             speculate = self.grow is not None and (self.chooser is None or self.chooser.choose())
@@ -117,12 +130,13 @@ class ExactSearch:
     def _beam_logprobs(self, running) -> np.ndarray:
         """[beams, V] log-probs of the running beams (dense; -inf outside a top-k head's entries)."""
         if self.topk is None:
-            return log_softmax(np.stack([self.rows[n][0][self.rows[n][1]] for n in running]))
-        lp = np.full((len(running), self.target.model.cfg.vocab_size), -np.inf, np.float32)
-        for b, n in enumerate(running):
-            (vals, ids), j = self.rows[n]
-            lp[b, ids[j]] = vals[j]
-        return lp
+            lp = log_softmax(np.stack([self.rows[n][0][self.rows[n][1]] for n in running]))
+        else:
+            lp = np.full((len(running), self.target.model.cfg.vocab_size), -np.inf, np.float32)
+            for b, n in enumerate(running):
+                (vals, ids), j = self.rows[n]
+                lp[b, ids[j]] = vals[j]
+        return lp if self.process is None else self.process(lp, self.bs.cur_len)
 
     # 4. commit: keep only the running beams' paths (lazily), in both caches
     def _commit(self, speculated: bool):

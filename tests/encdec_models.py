@@ -46,7 +46,10 @@ def make_encdec_model(folder: Path, kind: str = "marian", *, seed: int = 0, std:
             model.final_logits_bias.normal_(0, std)
     model.eval()
     model.save_pretrained(folder)
-    tf.GenerationConfig(eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
-                        decoder_start_token_id=cfg.decoder_start_token_id, **gen).save_pretrained(folder)
+    # the in-memory model generates with the saved generation config, as one loaded from the folder would
+    model.generation_config = tf.GenerationConfig(
+        eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id, decoder_start_token_id=cfg.decoder_start_token_id,
+        forced_eos_token_id=getattr(cfg, "forced_eos_token_id", None), **gen)
+    model.generation_config.save_pretrained(folder)
     make_tokenizer(folder, VOCAB)
     return model

@@ -1,0 +1,123 @@
+"""Encoder-decoder models (Marian, M2M100, NLLB): the encoder pass and the static decoder inputs of a request.
+
+The decoder is an ordinary `OnnxCausalLM` whose graph also takes the request's cross-attention K/V and source
+mask (config `static_inputs`); `TreeCache(static=...)` feeds them to every pass. The encoder runs once per
+request, batched over the requests about to start (`EncoderQueue`), so a long file never holds every line's
+cross K/V at once.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from .config import ModelFolderError
+from .model import OnnxCausalLM, _session
+
+SOURCE_MASK = "encoder_attention_mask"
+
+
+def is_encoder_decoder(model) -> bool:
+    return "encoder_decoder" in getattr(model.cfg, "raw", {})
+
+
+def cross_names(i: int) -> tuple[str, str]:
+    return f"cross_key.{i}", f"cross_value.{i}"
+
+
+class Encoder:
+    """The encoder graph of an encoder-decoder folder and its decoding facts (decoder start, forced BOS/EOS,
+    suppressed tokens), read from specbeam_config.json `encoder_decoder`."""
+
+    def __init__(self, decoder: OnnxCausalLM, *, threads: int | None = None, providers=None, spin: bool = True):
+        cfg, folder = decoder.cfg, Path(decoder.folder)
+        facts = cfg.raw["encoder_decoder"]
+        path = folder / "specbeam_config.json"
+        try:
+            self.decoder_start = int(facts["decoder_start_token_id"])
+            self.forced_bos = facts.get("forced_bos_token_id")
+            self.forced_eos = facts.get("forced_eos_token_id")
+            self.suppressed = [int(t) for t in facts.get("suppressed_token_ids", [])]
+            name = cfg.files["encoder"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelFolderError(f"{path}: encoder_decoder/files.encoder incomplete ({e}); re-export the model") \
+                from None
+        if not (folder / name).is_file():
+            raise ModelFolderError(f"{folder}: missing file {name}")
+        self.sess = _session(folder / name, threads, providers, spin)
+        self.pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+        self.context_length = cfg.context_length
+        self.out_names = [n for i in range(cfg.num_layers) for n in cross_names(i)]
+        got = {o.name for o in self.sess.get_outputs()}
+        want_in = {"input_ids", "attention_mask"}
+        if {i.name for i in self.sess.get_inputs()} != want_in or not set(self.out_names) <= got:
+            raise ModelFolderError(f"{folder / name}: encoder graph I/O does not match specbeam_config.json "
+                                   f"(inputs {sorted(want_in)}, outputs {self.out_names[:2]}...); re-export")
+        missing = set(decoder.static_inputs) ^ ({SOURCE_MASK} | set(self.out_names))
+        if missing:
+            raise ModelFolderError(f"{path}: static_inputs do not match the encoder outputs ({sorted(missing)})")
+
+    def decoder_prompt(self, forced_bos: int | None = None) -> list[int]:
+        """The decoder's start: the decoder start token, then the forced BOS (an NLLB/M2M100 target language)."""
+        bos = self.forced_bos if forced_bos is None else forced_bos
+        return [self.decoder_start] + ([int(bos)] if bos is not None else [])
+
+    def encode(self, sources: list[list[int]]) -> list[dict]:
+        """One encoder run over right-padded sources; per request its static decoder inputs,
+        name -> (array with batch axis 1, pad axis), cut to its own source length."""
+        for s in sources:
+            if not s:
+                raise ValueError("the source is empty")
+            if len(s) > self.context_length:
+                raise ValueError(f"the source has {len(s)} tokens; the encoder's context length is "
+                                 f"{self.context_length}")
+        S = max(len(s) for s in sources)
+        ids = np.full((len(sources), S), self.pad, np.int64)
+        mask = np.zeros((len(sources), S), np.int64)
+        for b, s in enumerate(sources):
+            ids[b, :len(s)], mask[b, :len(s)] = s, 1
+        outs = self.sess.run(self.out_names, {"input_ids": ids, "attention_mask": mask})
+        statics = []
+        for b, s in enumerate(sources):
+            n = len(s)
+            st = {SOURCE_MASK: (np.ones((1, n), np.float32), 1)}
+            st.update({name: (np.ascontiguousarray(o[b:b + 1, :, :n]), 2) for name, o in zip(self.out_names, outs)})
+            statics.append(st)
+        return statics
+
+
+class EncoderQueue:
+    """Encodes requests' sources on demand, `batch` at a time in request order: the scheduler starts requests
+    in order, so asking for request i encodes it with the next ones about to join (one encoder run for them)."""
+
+    def __init__(self, encoder: Encoder, sources: list[list[int]], batch: int):
+        self.encoder, self.sources, self.batch = encoder, sources, max(1, batch)
+        self.done: dict[int, dict] = {}
+        self.taken: set[int] = set()
+
+    def get(self, i: int) -> dict:
+        """Request i's static inputs (each request takes them once)."""
+        if i not in self.done:
+            idx = [j for j in range(i, min(len(self.sources), i + self.batch))
+                   if j not in self.done and j not in self.taken]
+            for j, st in zip(idx, self.encoder.encode([self.sources[j] for j in idx])):
+                self.done[j] = st
+        self.taken.add(i)
+        return self.done.pop(i)
+
+
+def logits_processor(suppressed: list[int], forced_eos: int | None, max_length: int):
+    """transformers' NoBadWords (single-token words) and ForcedEOS processors on log-probs [K, V] at cur_len:
+    banned tokens get -inf; at the last step (cur_len == max_length - 1) only the forced EOS survives, with 0."""
+    ban = np.array(sorted(set(suppressed)), np.int64)
+
+    def process(logp: np.ndarray, cur_len: int) -> np.ndarray:
+        if forced_eos is not None and cur_len == max_length - 1:
+            out = np.full_like(logp, -np.inf)
+            out[:, forced_eos] = 0
+            return out
+        if ban.size:
+            logp = logp.copy()
+            logp[:, ban] = -np.inf
+        return logp
+    return process

@@ -1,0 +1,182 @@
+"""Encoder-decoder models (Marian, M2M100, NLLB-style): export parity with transformers, plain beam search ==
+transformers `generate(num_beams=K)` (sequences, and scores to 1e-4), speculative == plain, batched == alone."""
+import json
+
+import numpy as np
+import pytest
+
+from encdec_models import LANGS, PAD, make_encdec_model
+from export.core import export
+from specbeam_edge import Engine, SpeculativeConfig
+from specbeam_edge.config import ModelFolderError
+
+KINDS = ["marian", "m2m100", "nllb"]
+# two source lengths per kind, each ending in the model's EOS (as its tokenizer appends it)
+SOURCES = {"marian": [[5, 17, 33, 8, 0], list(range(40, 61)) + [0]],
+           "m2m100": [[5, 17, 33, 8, 2], list(range(40, 61)) + [2]]}
+SOURCES["nllb"] = [[LANGS["eng_Latn"]] + s for s in SOURCES["m2m100"]]
+MAX_NEW = 10
+
+
+@pytest.fixture(scope="module")
+def encdec(tmp_path_factory):
+    """encdec(kind, precision, seed, **config) -> (model folder, torch model), built once per argument set."""
+    cache = {}
+
+    def get(kind, precision="fp32", seed=3, output="logits", **kw):
+        key = (kind, precision, seed, output, tuple(sorted(kw.items())))
+        if key not in cache:
+            root = tmp_path_factory.mktemp(f"{kind}_{precision}_{seed}")
+            model = make_encdec_model(root / "hf", kind, seed=seed, **kw)
+            cache[key] = (export(root / "hf", root / "sb", precision=precision, output=output, quiet=True), model)
+        return cache[key]
+    return get
+
+
+@pytest.fixture(scope="module")
+def peers(encdec):
+    """peers(kind) -> (torch model, engine, eos): two EOS ids the greedy output meets, so hypotheses finish
+    mid-search (the model's own EOS is rarely the best token of random weights)."""
+    import torch
+
+    cache = {}
+
+    def get(kind):
+        if kind not in cache:
+            folder, model = encdec(kind)
+            with torch.no_grad():
+                out = model.generate(torch.tensor([SOURCES[kind][0]]), do_sample=False, max_new_tokens=MAX_NEW,
+                                     eos_token_id=None, forced_eos_token_id=None)
+            greedy = out[0, 1:].tolist()
+            cache[kind] = (model, Engine(folder), [greedy[3], greedy[6]])
+        return cache[kind]
+    return get
+
+
+def _hf(model, src, eos, **kw):
+    import torch
+
+    with torch.no_grad():
+        return model.generate(torch.tensor([src]), do_sample=False, max_new_tokens=MAX_NEW, eos_token_id=eos,
+                              output_scores=True, return_dict_in_generate=True, **kw)
+
+
+def _beam_case(peers, kind, K, lp, early, **extra):
+    model, engine, eos = peers(kind)
+    n_ret = min(K, 3)
+    for src in SOURCES[kind]:
+        out = _hf(model, src, eos, num_beams=K, length_penalty=lp, early_stopping=early, num_return_sequences=n_ret,
+                  **extra)
+        hf = [s[1:].tolist() for s in out.sequences]             # without the decoder start token
+        [res] = engine.generate(src, num_beams=K, max_new_tokens=MAX_NEW, length_penalty=lp, early_stopping=early,
+                                num_return_sequences=n_ret, eos_token_id=eos, **extra)
+        ours = [h.tokens for h in res.hypotheses]
+        assert len(ours) == len(hf)
+        pad = model.generation_config.pad_token_id
+        for o, h in zip(ours, hf):      # transformers pads shorter sequences
+            assert o == h[:len(o)] and all(t == pad for t in h[len(o):]), (kind, K, lp, early, ours, hf)
+        if K > 1:
+            np.testing.assert_allclose([h.score for h in res.hypotheses], out.sequences_scores.tolist(), atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("K,lp,early", [(1, 1.0, False), (2, 1.0, False), (4, 1.0, False), (4, 0.0, True),
+                                        (4, 2.0, "never")])
+def test_beam_search_matches_transformers(peers, kind, K, lp, early):
+    _beam_case(peers, kind, K, lp, early)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("K", [2, 8])
+@pytest.mark.parametrize("lp", [0.0, 1.0, 2.0])
+@pytest.mark.parametrize("early", [False, True, "never"])
+def test_beam_search_matches_transformers_full_grid(peers, kind, K, lp, early):
+    _beam_case(peers, kind, K, lp, early)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_min_new_tokens_matches_transformers(peers, kind):
+    _beam_case(peers, kind, 4, 1.0, False, min_new_tokens=7)
+
+
+def test_model_eos_forced_at_max_length_and_pad_banned(peers):
+    """Marian's own settings: EOS 0 forced at the last step (forced_eos_token_id), pad never generated."""
+    model, engine, _ = peers("marian")
+    import torch
+
+    for src in SOURCES["marian"]:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([src]), do_sample=False, num_beams=4, max_new_tokens=MAX_NEW,
+                                 output_scores=True, return_dict_in_generate=True)
+        [res] = engine.generate(src, num_beams=4, max_new_tokens=MAX_NEW)
+        assert res.hypotheses[0].tokens == out.sequences[0, 1:].tolist()
+        assert res.hypotheses[0].tokens[-1] == 0 and PAD not in res.hypotheses[0].tokens
+        np.testing.assert_allclose(res.hypotheses[0].score, out.sequences_scores[0].item(), atol=1e-4)
+
+
+def test_nllb_forced_bos_language_token(peers):
+    _, engine, _ = peers("nllb")
+    [res] = engine.generate(SOURCES["nllb"][0], num_beams=2, max_new_tokens=6)
+    assert res.hypotheses[0].tokens[0] == LANGS["deu_Latn"]
+
+
+def test_config_records_decoding_facts(encdec):
+    marian = json.loads((encdec("marian")[0] / "specbeam_config.json").read_text())
+    assert marian["encoder_decoder"]["decoder_start_token_id"] == PAD
+    assert marian["encoder_decoder"]["suppressed_token_ids"] == [PAD]
+    assert marian["encoder_decoder"]["forced_eos_token_id"] == 0
+    assert marian["static_inputs"][:3] == ["encoder_attention_mask", "cross_key.0", "cross_value.0"]
+    nllb = json.loads((encdec("nllb")[0] / "specbeam_config.json").read_text())
+    assert nllb["encoder_decoder"]["forced_bos_token_id"] == LANGS["deu_Latn"]
+    assert nllb["encoder_decoder"]["decoder_start_token_id"] == 2
+
+
+SPEC = SpeculativeConfig(drafter="beam", budget=24, max_depth=4, max_branch_width=3)
+
+
+def _same_or_near_tie(plain, fast):
+    a, b = [h.tokens for h in plain.hypotheses], [h.tokens for h in fast.hypotheses]
+    if a != b:     # only a demonstrated near-tie may flip
+        gaps = np.abs(np.diff([h.score for h in plain.hypotheses]))
+        assert gaps.size and gaps.min() < 1e-4, (a, b)
+    np.testing.assert_allclose([h.score for h in plain.hypotheses], [h.score for h in fast.hypotheses], atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("K", [1, 4])
+def test_speculative_equals_plain(encdec, kind, K):
+    target, _ = encdec(kind)
+    other, _ = encdec(kind, seed=11, decoder_layers=1, encoder_layers=1)
+    for draft in (target, other):
+        eng = Engine(target, draft=draft)
+        for src in SOURCES[kind]:
+            [plain] = eng.generate(src, num_beams=K, max_new_tokens=14, num_return_sequences=K)
+            [fast] = eng.generate(src, num_beams=K, max_new_tokens=14, num_return_sequences=K, speculative=SPEC)
+            _same_or_near_tie(plain, fast)
+            assert fast.stats.beam_steps == plain.stats.beam_steps
+            if draft == target:
+                assert fast.stats.target_passes < plain.stats.target_passes
+
+
+@pytest.mark.parametrize("mode", ["plain", "beam"])
+def test_batched_equals_alone(encdec, mode):
+    target, _ = encdec("marian")
+    draft, _ = encdec("marian", seed=11, decoder_layers=1, encoder_layers=1)
+    eng = Engine(target, draft=draft)
+    rng = np.random.default_rng(5)
+    sources = [rng.integers(1, PAD, int(n)).tolist() + [0] for n in (3, 12, 7, 30, 5, 9)]
+    kw = dict(num_beams=4, max_new_tokens=12, num_return_sequences=2,
+              speculative=None if mode == "plain" else SPEC)
+    alone = [eng.generate(s, **kw)[0] for s in sources]
+    together = eng.generate(sources, max_batch_size=4, **kw)
+    for a, b in zip(alone, together):
+        assert [h.tokens for h in a.hypotheses] == [h.tokens for h in b.hypotheses]
+        np.testing.assert_allclose([h.score for h in a.hypotheses], [h.score for h in b.hypotheses], atol=1e-5)
+    assert max(max(r.stats.batch_sizes) for r in together) > 1
+
+
+def test_decoder_only_draft_refused(encdec, exported):
+    target, _ = encdec("marian")
+    with pytest.raises(ModelFolderError, match="both be encoder-decoder models or both decoder-only"):
+        Engine(target, draft=exported("llama"))
