@@ -10,7 +10,7 @@ import numpy as np
 import onnxruntime as ort
 
 from .config import ModelConfig, ModelFolderError
-from .offload import LayerStore, plan
+from .offload import LayerStore, layer_nbytes, plan
 
 
 def _session(path: Path, threads: int | None, providers, spin: bool = True) -> ort.InferenceSession:
@@ -81,9 +81,7 @@ class OnnxCausalLM:
             self._check_io(self.head, {"hidden"} | ({"topk"} if cfg.output == "topk" else set()),
                            set(self.out_names), cfg.files["head"])
             fixed = sum((self.folder / cfg.files[k]).stat().st_size for k in ("embed", "head"))
-            layer_bytes = max(m["offset"] + int(np.prod(m["shape"])) * np.dtype(m["dtype"]).itemsize
-                              for m in manifest)
-            self.placement = plan(L, layer_bytes, fixed, max_memory, host_memory, placement)
+            self.placement = plan(L, layer_nbytes(manifest), fixed, max_memory, host_memory, placement)
             self.device = "cuda" if "CUDAExecutionProvider" in self.layer.get_providers() else "cpu"
             self.store = LayerStore(self.folder, cfg.files["layer_weights"], manifest, self.placement, self.device)
             nxt = {}

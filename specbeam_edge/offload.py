@@ -20,7 +20,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -46,13 +46,16 @@ class OffloadStats:
                 "compute_ms_per_pass": round(1e3 * self.compute_seconds / n, 3)}
 
 
+def layer_nbytes(manifest: list[dict]) -> int:
+    """Bytes of one layer's weight file that the manifest uses (its tensors' extent)."""
+    return max(m["offset"] + int(np.prod(m["shape"])) * np.dtype(m["dtype"]).itemsize for m in manifest)
+
+
 @dataclass(frozen=True)
 class Placement:
     places: tuple[str, ...]
     layer_bytes: int
     resident_minimum: int
-    budget: int | None
-    notes: dict = field(default_factory=dict)
 
     def count(self, place: str) -> int:
         return sum(p == place for p in self.places)
@@ -68,10 +71,10 @@ def plan(num_layers: int, layer_bytes: int, fixed_bytes: int, max_memory: int | 
             raise ValueError(f"placement must list {num_layers} of {PLACES}, got {places}")
         streamed = any(p != "resident" for p in places)
         minimum = fixed_bytes + (2 * layer_bytes if streamed else 0)
-        return Placement(tuple(places), layer_bytes, minimum, max_memory)
+        return Placement(tuple(places), layer_bytes, minimum)
     minimum = fixed_bytes + 2 * layer_bytes
     if max_memory is None or max_memory >= fixed_bytes + num_layers * layer_bytes:
-        return Placement(("resident",) * num_layers, layer_bytes, fixed_bytes, max_memory)
+        return Placement(("resident",) * num_layers, layer_bytes, fixed_bytes)
     if max_memory < minimum:
         raise ValueError(f"max_memory {max_memory / 2**20:.1f} MiB is below the resident minimum "
                          f"{minimum / 2**20:.1f} MiB (embeddings and head {fixed_bytes / 2**20:.1f} MiB + two "
@@ -79,7 +82,7 @@ def plan(num_layers: int, layer_bytes: int, fixed_bytes: int, max_memory: int | 
     n_res = min(num_layers - 1, (max_memory - minimum) // layer_bytes)
     n_host = num_layers - n_res if host_memory is None else min(num_layers - n_res, host_memory // layer_bytes)
     places = ["resident"] * n_res + ["host"] * n_host + ["disk"] * (num_layers - n_res - n_host)
-    return Placement(tuple(places), layer_bytes, minimum, max_memory)
+    return Placement(tuple(places), layer_bytes, minimum)
 
 
 PAGE = 4096
@@ -103,7 +106,7 @@ class LayerStore:
         checksums: hex SHA-256 per layer file (default: files.layer_sha256 of the folder's config; exports
         older than the checksums have none and are checked for size only)."""
         self.manifest, self.placement, self.device = manifest, placement, device
-        self.nbytes = max(m["offset"] + int(np.prod(m["shape"])) * np.dtype(m["dtype"]).itemsize for m in manifest)
+        self.nbytes = layer_nbytes(manifest)
         self.paths = [folder / pattern.format(i=i) for i in range(len(placement.places))]
         self.checksums = checksums if checksums is not None else _config_checksums(folder)
         self.unverified = set(range(len(self.paths))) if self.checksums else set()
