@@ -1,6 +1,7 @@
-"""specbeam-export: turn a local Hugging Face causal LM folder into a specbeam model folder.
+"""specbeam-export: turn a local Hugging Face causal LM folder (or a GGUF file) into a specbeam model folder.
 
     python -m export -i path/to/hf_model -o models/my_model -p int8 --layout whole
+    python -m export -i path/to/model.gguf -o models/my_model
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="specbeam-export", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-i", "--input", required=True, help="local Hugging Face model folder (config.json, "
-                    "*.safetensors, tokenizer.json, generation_config.json)")
+                    "*.safetensors, tokenizer.json, generation_config.json), or a local .gguf file (dequantized "
+                    "by transformers; its tokenizer rebuilt)")
     ap.add_argument("-o", "--output", required=True, help="output specbeam model folder")
     ap.add_argument("-p", "--precision", choices=PRECISIONS, default="fp32",
                     help="weight precision: fp32; fp16 storage; int8 (quantize_dynamic); int4 (MatMulNBits)")

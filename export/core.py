@@ -14,6 +14,7 @@ import numpy as np
 import onnx
 
 from . import graph
+from .gguf_input import is_gguf, unpack
 from .hf import Arch, ExportError, global_weights, layer_weights, read_arch, read_weights
 
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
@@ -131,20 +132,30 @@ def export(src: str | Path, dst: str | Path, *, precision: str = "fp32", layout:
         raise ExportError(f"output {output!r} is not 'logits' or 'topk'")
     if layout == "split" and precision == "int4":
         raise ExportError("layout 'split' supports fp32, fp16 and int8 weights (int4 needs constant weights)")
-    if not src.is_dir():
-        raise ExportError(f"input folder {src} does not exist")
     if dst.exists() and not overwrite:
         raise ExportError(f"output folder {dst} exists; pass --overwrite to replace it")
+    opts = dict(precision=precision, layout=layout, output=output, block_size=block_size, quiet=quiet)
+    if is_gguf(src):             # transformers dequantizes the file; its config and tokenizer go to a side folder
+        with tempfile.TemporaryDirectory(prefix="specbeam-gguf-") as side:
+            return _export_decoder(Path(side), dst, unpack(src, Path(side)), src.name, **opts)
+    if not src.is_dir():
+        raise ExportError(f"input folder {src} does not exist (pass a Hugging Face model folder or a .gguf file)")
     from .encdec import export_encdec, family_of
 
     if family_of(src):           # Marian / M2M100 / NLLB: encoder graph + decoder graph (export/encdec.py)
         return export_encdec(src, dst, family_of(src), precision=precision, layout=layout, output=output,
                              overwrite=overwrite, quiet=quiet)
+    return _export_decoder(src, dst, None, src.name, **opts)
+
+
+def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str, *, precision: str, layout: str,
+                    output: str, block_size: int, quiet: bool) -> Path:
+    """A decoder-only model from the HF-style folder `src` (weights: read from it when None)."""
     if not (src / "tokenizer.json").is_file():
         raise ExportError(f"{src}: no tokenizer.json (a `tokenizers` fast tokenizer is required)")
     t0 = time.time()
     arch = read_arch(src)
-    weights = read_weights(src)
+    weights = read_weights(src) if weights is None else weights
     prog = Progress(arch.layers + 4, quiet)
     g = global_weights(weights, arch)
     layers = []
@@ -202,7 +213,7 @@ def export(src: str | Path, dst: str | Path, *, precision: str = "fp32", layout:
                    "outputs": (["topk_logprobs", "topk_ids"] if output == "topk" else ["logits"])
                    + ["present.{i}.key", "present.{i}.value"]},
             "generation": _generation_defaults(src),
-            "source": {"folder_name": src.name, "export_seconds": round(time.time() - t0, 2)},
+            "source": {"folder_name": source_name, "export_seconds": round(time.time() - t0, 2)},
         }
         (tmp / "specbeam_config.json").write_text(json.dumps(cfg, indent=2))
         prog.step("write config")

@@ -1,0 +1,195 @@
+"""GGUF files as export input: a GGUF written here from a tiny random model (Q8_0 matrices, as llama.cpp's
+converter lays them out), loaded by transformers (dequantized, tokenizer rebuilt), exported; the graph and plain
+beam search equal transformers on the dequantized model."""
+import json
+
+import gguf
+import numpy as np
+import pytest
+
+from export import export
+from export.__main__ import main as export_main
+from family_models import check_parity, make_family_model
+from specbeam_edge import Engine
+from specbeam_edge.tokenizer import Tokenizer
+
+TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}" \
+           "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+# test name: (family_models name, GGUF architecture, model overrides). transformers rebuilds a Qwen3 config from
+# GGUF without its head_dim (key_length), so the config's default 128 applies: every Qwen3 size has 128.
+MODELS = {"llama": ("smollm2", "llama", {}), "qwen3": ("qwen3", "qwen3", {"head_dim": 128})}
+PROMPTS = [[3, 17, 33, 8, 99, 41, 7], [250, 12, 9]]
+
+
+def _rope_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp stores Llama's q/k rows interleaved per rotary pair (transformers undoes it on load)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _tokenizer_fields(hf_folder, vocab_size: int):
+    """tokenizer.ggml.* of a byte-level BPE tokenizer.json: tokens by id (unused ids padded), types, merges."""
+    tok = json.loads((hf_folder / "tokenizer.json").read_text())
+    special = {t["content"]: t["id"] for t in tok["added_tokens"]}
+    by_id = {i: t for t, i in {**tok["model"]["vocab"], **special}.items()}
+    tokens = [by_id.get(i, f"[PAD{i}]") for i in range(vocab_size)]
+    types = [gguf.TokenType.CONTROL if t in special else
+             gguf.TokenType.NORMAL if i in by_id else gguf.TokenType.UNUSED for i, t in enumerate(tokens)]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    return tokens, types, merges
+
+
+def write_gguf(hf_folder, model, path, arch: str, qtype=None):
+    """A GGUF file of `model` with the metadata keys and tensor names llama.cpp writes for `arch`."""
+    qtype = gguf.GGMLQuantizationType.Q8_0 if qtype is None else qtype
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name("tiny")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    tokens, types, merges = _tokenizer_fields(hf_folder, cfg.vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2" if arch == "qwen3" else "llama-bpe")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(0)
+    w.add_pad_token_id(0)
+    w.add_chat_template(TEMPLATE)
+    names = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch),
+                                     cfg.num_hidden_layers)
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue                      # llama.cpp writes output.weight only for an untied head
+        base, suffix = name.rsplit(".", 1)
+        a = t.float().numpy()
+        if arch == "llama" and base.endswith(("q_proj", "k_proj")):
+            a = _rope_permute(a, cfg.num_attention_heads if base.endswith("q_proj") else cfg.num_key_value_heads)
+        if a.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(f"{names.get_name(base)}.{suffix}", gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(f"{names.get_name(base)}.{suffix}", a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)          # see test_families.py: tiny generate calls, shared cores
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def gguf_model(tmp_path_factory):
+    """gguf_model(name) -> (.gguf path, exported folder, transformers' dequantized model, its tokenizer)."""
+    import torch
+    import transformers as tf
+
+    base = tmp_path_factory.mktemp("gguf")
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            fam, arch, kw = MODELS[name]
+            src = base / f"hf_{name}"
+            model = make_family_model(src, fam, std=0.3, seed=3, **kw)
+            path = base / f"{name}.gguf"
+            write_gguf(src, model, path, arch)
+            folder = export(path, base / f"sb_{name}", quiet=True)
+            kw = dict(gguf_file=path.name, local_files_only=True)
+            ref = tf.AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32, **kw).eval()
+            cache[name] = (path, folder, ref, tf.AutoTokenizer.from_pretrained(str(base), **kw))
+        return cache[name]
+    return get
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_gguf_export_parity(gguf_model, name):
+    _, folder, ref, _ = gguf_model(name)
+    check_parity(folder, ref, 1e-5)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_gguf_weights_are_the_dequantized_ones(gguf_model, name):
+    """Parity above is against the dequantized model, not the original: Q8_0 moved the weights (control)."""
+    import torch
+
+    path, folder, ref, _ = gguf_model(name)
+    fam, _, kw = MODELS[name]
+    original = make_family_model(path.parent / f"again_{name}", fam, std=0.3, seed=3, **kw)
+    x = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        gap = (original(x).logits - ref(x).logits).abs().max().item()
+    assert 1e-4 < gap < 0.5, gap
+    cfg = json.loads((folder / "specbeam_config.json").read_text())
+    assert cfg["source"]["folder_name"] == path.name
+    assert cfg["family"] == name and cfg["num_layers"] == 2 and cfg["vocab_size"] == ref.config.vocab_size
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("K", [1, 4])
+def test_gguf_beam_search_matches_transformers(gguf_model, name, K):
+    import torch
+
+    _, folder, ref, _ = gguf_model(name)
+    engine = Engine(folder)
+    with torch.no_grad():
+        greedy = ref.generate(torch.tensor([PROMPTS[0]]), do_sample=False, max_new_tokens=10, eos_token_id=None,
+                              pad_token_id=0)[0, len(PROMPTS[0]):].tolist()
+    eos = [greedy[3], greedy[6]]          # tokens the search meets, so hypotheses finish mid-search
+    for prompt in PROMPTS:
+        with torch.no_grad():
+            out = ref.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=10, eos_token_id=eos,
+                               pad_token_id=0, num_beams=K, num_return_sequences=K, output_scores=True,
+                               return_dict_in_generate=True)
+        [res] = engine.generate(prompt, num_beams=K, max_new_tokens=10, num_return_sequences=K, eos_token_id=eos)
+        hf = [s[len(prompt):].tolist() for s in out.sequences]
+        for o, h in zip([h.tokens for h in res.hypotheses], hf, strict=True):
+            assert o == h[:len(o)] and all(t == eos[0] for t in h[len(o):]), (name, K, o, h)
+        if K > 1:
+            np.testing.assert_allclose([h.score for h in res.hypotheses], out.sequences_scores.tolist(), atol=1e-4)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_gguf_tokenizer_and_chat_template(gguf_model, name):
+    """The rebuilt tokenizer and the file's chat template reach the model folder unchanged."""
+    _, folder, _, ref_tok = gguf_model(name)
+    tok = Tokenizer(folder)
+    text = "the quick brown fox, hello world"
+    assert tok.encode(text) == ref_tok.encode(text, add_special_tokens=False)
+    assert tok.decode(tok.encode(text)) == text
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(chat) == ref_tok.apply_chat_template(chat, tokenize=False,
+                                                                         add_generation_prompt=True)
+    assert tok.apply_chat_template(chat) == "<|system|>be brief\n<|user|>hi\n<|assistant|>"
+
+
+def test_cli_exports_a_gguf_file(gguf_model, tmp_path, capsys):
+    path, folder, _, _ = gguf_model("llama")
+    assert export_main(["-i", str(path), "-o", str(tmp_path / "cli"), "-q"]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "cli")
+    assert (tmp_path / "cli" / "model.onnx").read_bytes() == (folder / "model.onnx").read_bytes()
+
+
+def test_unreadable_gguf_names_the_file(tmp_path, capsys):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    assert export_main(["-i", str(bad), "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"specbeam-export: error: {bad}: transformers cannot load this GGUF file ("), err
+    assert not (tmp_path / "out").exists()
