@@ -121,3 +121,44 @@ def logits_processor(suppressed: list[int], forced_eos: int | None, max_length: 
             logp[:, ban] = -np.inf
         return logp
     return process
+
+
+class SourceLookupDrafter:
+    """Prompt lookup for translation (no draft model): below each beam, propose what followed the latest earlier
+    occurrence of the beam's last n tokens (n = 3, 2, 1) in the source or in the beam itself, up to `max_depth`
+    tokens and `max_branch_width` continuations per beam. Names, numbers, code and markup survive translation
+    unchanged, so the source is where their continuations are."""
+
+    def __init__(self, spec, source: list[int], context_length: int, max_ngram: int = 3):
+        self.depth, self.width, self.budget, self.ngram = spec.max_depth, spec.max_branch_width, spec.budget, max_ngram
+        self.source, self.ctx = list(source), context_length
+
+    def _continuations(self, path: list[int]) -> list[tuple]:
+        hay = np.array(self.source + [-1] + path)      # -1: no n-gram or continuation crosses into the beam
+        conts = []
+        for n in range(min(self.ngram, len(path) - 1), 0, -1):
+            key = hay[-n:]
+            hits = np.flatnonzero(np.all(np.lib.stride_tricks.sliding_window_view(hay[:-1], n) == key, axis=1))
+            for i in hits[::-1]:                        # latest first
+                cont = hay[i + n:i + n + self.depth].tolist()
+                cont = tuple(cont[:cont.index(-1)] if -1 in cont else cont)
+                if cont and cont not in conts:
+                    conts.append(cont)
+                if len(conts) >= self.width:
+                    return conts
+        return conts
+
+    def __call__(self, dcache, roots, root_scores):
+        tree = dcache.tree
+        out, seen = [], set(roots)
+        for root in dict.fromkeys(roots):
+            for cont in self._continuations(tree.path(root)):
+                node = root
+                for t in cont:
+                    if len(out) >= self.budget or tree.depth(node) + 1 >= self.ctx:
+                        break
+                    node = tree.add(node, t)
+                    if node not in seen:
+                        seen.add(node)
+                        out.append(node)
+        return out

@@ -17,7 +17,7 @@ import numpy as np
 from .adaptive import PassChooser, auto_budget, cost_curve
 from .config import GenerationConfig, ModelFolderError, SpeculativeConfig
 from .draft import make_drafter
-from .encdec import Encoder, EncoderQueue, is_encoder_decoder, logits_processor
+from .encdec import Encoder, EncoderQueue, SourceLookupDrafter, is_encoder_decoder, logits_processor
 from .model import OnnxCausalLM
 from .results import Hypothesis, Result, Stats, StreamChunk, peak_rss_mb
 from .scheduler import Job, Scheduler
@@ -165,7 +165,12 @@ class Engine:
             if spec.budget == "auto":
                 spec = replace(spec, budget=self.auto_budget(gen.num_beams, spec.auto_slack))
             dctx = self.draft.cfg.context_length if self.draft is not None else ctx
-            grow = drafter or make_drafter(spec, gen.num_beams, eos, min(ctx, dctx))
+            if drafter is not None:
+                grow = drafter
+            elif source is not None and spec.drafter == "lookup":       # source-side spans
+                grow = SourceLookupDrafter(spec, source, min(ctx, dctx))
+            else:
+                grow = make_drafter(spec, gen.num_beams, eos, min(ctx, dctx))
             chooser = self._chooser(gen, spec) if spec.adaptive and drafter is None else None
         # a top-k head returns each node's best log-probs only: 2K + #EOS + 1 per beam always hold the 2K
         # candidates beam search keeps, even with EOS masked by min_new_tokens

@@ -180,3 +180,46 @@ def test_decoder_only_draft_refused(encdec, exported):
     target, _ = encdec("marian")
     with pytest.raises(ModelFolderError, match="both be encoder-decoder models or both decoder-only"):
         Engine(target, draft=exported("llama"))
+
+
+def test_source_lookup_proposes_source_spans_and_equals_plain(encdec):
+    """Prompt lookup over the source: a beam ending in a source n-gram gets the source's continuation; the
+    output stays that of plain beam search."""
+    from specbeam_edge.encdec import SourceLookupDrafter
+    from specbeam_edge.tree import TokenTree
+
+    spec = SpeculativeConfig(drafter="lookup", budget=16, max_depth=3, max_branch_width=2)
+    d = SourceLookupDrafter(spec, [7, 8, 9, 10, 11, 0], context_length=64)
+    assert d._continuations([PAD, 5, 8]) == [(9, 10, 11)]
+    assert d._continuations([PAD, 9, 10]) == [(11, 0)]
+    assert d._continuations([PAD, 9, 4, 9]) == [(4, 9), (10, 11, 0)]       # the beam itself first (latest)
+    tree = TokenTree()
+    root = tree.add_chain([PAD, 8])[-1]
+
+    class View:        # the drafter reads the tree only
+        pass
+    view = View()
+    view.tree = tree
+    assert [tree.token(n) for n in d(view, [root], [0.0])] == [9, 10, 11]
+    target, _ = encdec("marian")
+    eng = Engine(target)
+    for src in SOURCES["marian"]:
+        for K in (1, 4):
+            [plain] = eng.generate(src, num_beams=K, max_new_tokens=14, num_return_sequences=K)
+            [fast] = eng.generate(src, num_beams=K, max_new_tokens=14, num_return_sequences=K, speculative=spec)
+            _same_or_near_tie(plain, fast)
+
+
+@pytest.mark.parametrize("kind", ["marian", "nllb"])
+def test_int8_draft_and_fp16_target(encdec, kind):
+    """An int8 export of the target drafts for it (output unchanged); an fp16 export decodes, and speculation
+    over it equals its own plain search."""
+    target, _ = encdec(kind)
+    int8, _ = encdec(kind, precision="int8")
+    fp16, _ = encdec(kind, precision="fp16")
+    for tgt, draft in ((target, int8), (fp16, fp16)):
+        eng = Engine(tgt, draft=draft)
+        for src in SOURCES[kind]:
+            [plain] = eng.generate(src, num_beams=4, max_new_tokens=14, num_return_sequences=2)
+            [fast] = eng.generate(src, num_beams=4, max_new_tokens=14, num_return_sequences=2, speculative=SPEC)
+            _same_or_near_tie(plain, fast)
