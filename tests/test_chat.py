@@ -1,6 +1,7 @@
 """The desktop chat app, offscreen, driven as a user would: type + Enter, Stop, close mid-answer, restart."""
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -320,3 +321,19 @@ def test_missing_shipped_pair_says_what_to_do(qtbot, tmp_path, monkeypatch):
                      f"{tmp_path}/models: pass your model folders with the Model and Draft fields, or set "
                      f"SPECBEAM_MODELS to the repository's models/ folder (it holds the pairs ende, text, each "
                      f"with target/ and draft/)\n\nNo model is loaded."]
+
+
+def test_installed_qt_keeps_references_to_none(qapp):
+    """PySide6 6.12.0 under Python 3.11 drops a reference to None per void call: the app aborted mid-answer."""
+    assert chat_main.refcount_problem() is None
+    before = sys.getrefcount(None)
+    label = QTextBrowser()
+    for _ in range(200):
+        label.setPlainText("x")
+    assert sys.getrefcount(None) >= before - 5
+
+
+def test_main_reports_a_broken_qt_build(monkeypatch, capsys):
+    monkeypatch.setattr(chat_main, "refcount_problem", lambda: "PySide6 6.12.0 loses a reference to None")
+    assert chat_main.main([]) == 2
+    assert capsys.readouterr().err == "specbeam chat: PySide6 6.12.0 loses a reference to None\n"

@@ -45,6 +45,24 @@ def import_problem(error: ImportError) -> str:
     return f"Qt cannot load the system library {lib.group(1)}: {error}{hint}"
 
 
+def refcount_problem() -> str | None:
+    """Some PySide6 builds (6.12.0 under Python 3.11) drop a reference to None on every void method call; the
+    app then aborts with 'none_dealloc' after a few thousand calls. 100 calls show it. (None is immortal from
+    Python 3.12 on, where such a build does no harm.)"""
+    if sys.version_info >= (3, 12):
+        return None
+    import PySide6
+    from PySide6.QtCore import QObject
+
+    probe, before = QObject(), sys.getrefcount(None)
+    for _ in range(100):
+        probe.setObjectName("probe")
+    if sys.getrefcount(None) > before - 50:
+        return None
+    return (f"PySide6 {PySide6.__version__} loses a reference to None on each call under Python "
+            f"{sys.version.split()[0]} and the app would crash: pip install 'PySide6-Essentials>=6.6,!=6.12.0'")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="specbeam-chat", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -58,7 +76,7 @@ def main(argv=None) -> int:
     except ImportError as e:
         print(f"specbeam chat: {import_problem(e)}", file=sys.stderr)
         return 2
-    problem = display_problem()
+    problem = refcount_problem() or display_problem()
     if problem:
         print(f"specbeam chat: {problem}", file=sys.stderr)
         return 2
