@@ -62,7 +62,8 @@ def hard_breaks(text: str, flags: list[bool]) -> tuple[str, list[bool]]:
 
 def insert_answer(cursor: QTextCursor, text: str, spans: Sequence[Sequence[int]], highlight: bool) -> None:
     """Insert `text` as Markdown at the cursor and paint the characters inside `spans`."""
-    source, flags = hard_breaks(text, char_flags(text, spans))
+    lead = len(text) - len(text.lstrip("\n"))        # an answer that opens with blank lines starts at its text
+    source, flags = hard_breaks(text[lead:], char_flags(text, spans)[lead:])
     start = cursor.position()
     cursor.insertMarkdown(source)
     end = cursor.position()
