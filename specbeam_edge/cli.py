@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -105,7 +106,7 @@ def cmd_generate(args) -> int:
         else:
             [result] = engine.generate(text, speculative=spec, **overrides)
             for h in result.hypotheses:
-                print(f"{h.score:.4f} ||| {h.text}" if len(result.hypotheses) > 1 else h.text)
+                print(f"{h.score:.4f} ||| {h.text}" if len(result.hypotheses) > 1 else h.text, flush=True)
         if args.stats:
             print(json.dumps(result.stats.as_dict()), file=sys.stderr)
     return 0
@@ -192,6 +193,9 @@ def main(argv=None) -> int:
     except (ModelFolderError, ValueError) as e:
         print(f"specbeam: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:      # `specbeam generate ... | head`: the reader left; no traceback (Python's recipe)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -49,3 +49,13 @@ def test_chat_translates_each_line_with_the_pair():
     proc = specbeam("chat", "--num_beams", "4", stdin="Open the file.\n\n")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "Öffnen Sie die Datei.\n"
+
+
+def test_generate_into_a_closed_pipe_has_no_traceback():
+    """`specbeam generate ... | head`: the reader is gone before the first line is written."""
+    proc = subprocess.Popen([sys.executable, "-m", "specbeam_edge.cli", "generate", "Open the file."], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc.stdout.close()
+    assert proc.wait(timeout=120) == 1
+    assert proc.stderr.read() == ""
