@@ -91,6 +91,8 @@ class Engine:
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
+            if self.encoder is not None and self.eos:
+                ids = ids + [self.eos[0]]      # Marian and M2M100 sources end in EOS, as their tokenizers add it
         else:
             ids = [int(t) for t in prompt]
         if not ids:

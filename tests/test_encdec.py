@@ -223,3 +223,18 @@ def test_int8_draft_and_fp16_target(encdec, kind):
             [plain] = eng.generate(src, num_beams=4, max_new_tokens=14, num_return_sequences=2)
             [fast] = eng.generate(src, num_beams=4, max_new_tokens=14, num_return_sequences=2, speculative=SPEC)
             _same_or_near_tie(plain, fast)
+
+
+def test_text_source_ends_in_eos(peers):
+    _, engine, _ = peers("marian")
+    ids = engine.encode("hello world")
+    assert ids[-1] == 0 and ids[:-1] == engine.tokenizer.encode("hello world")
+    assert engine.encode([5, 6]) == [5, 6]          # token ids are taken as they are
+    [res] = engine.generate("hello world", num_beams=2, max_new_tokens=5)
+    assert res.hypotheses[0].tokens == engine.generate(ids, num_beams=2, max_new_tokens=5)[0].hypotheses[0].tokens
+
+
+def test_sampling_refused_for_encoder_decoder(peers):
+    _, engine, _ = peers("marian")
+    with pytest.raises(ValueError, match="do_sample=True is not supported for encoder-decoder models yet"):
+        engine.generate([5, 0], do_sample=True, num_beams=1)
