@@ -337,3 +337,13 @@ def test_main_reports_a_broken_qt_build(monkeypatch, capsys):
     monkeypatch.setattr(chat_main, "refcount_problem", lambda: "PySide6 6.12.0 loses a reference to None")
     assert chat_main.main([]) == 2
     assert capsys.readouterr().err == "specbeam chat: PySide6 6.12.0 loses a reference to None\n"
+
+
+def test_folders_remembered_by_an_earlier_version_are_carried_over(qtbot, tmp_path, folders):
+    store = ChatStore(tmp_path / "chat.sqlite")          # where the previous version kept them
+    store.put("model", folders[0])
+    store.put("draft", "")
+    store.close()
+    win = make_window(qtbot, tmp_path, None)
+    assert (win.model_edit.text(), win.draft_edit.text()) == (folders[0], "")
+    assert win.engine is not None and win.engine.draft is None and not win.speculate.isEnabled()

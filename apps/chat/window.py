@@ -161,8 +161,9 @@ class ChatWindow(QMainWindow):
     # -- settings (QSettings: the platform's usual place) --------------------------------------------------
     def _restore_settings(self):
         s = self.settings
-        self.model_edit.setText(str(s.value("model", models_root() / "ende" / "target")))
-        self.draft_edit.setText(str(s.value("draft", models_root() / "ende" / "draft")))
+        # earlier versions kept the folders in the conversation database: carry them over once
+        self.model_edit.setText(str(s.value("model", self.store.get("model") or models_root() / "ende" / "target")))
+        self.draft_edit.setText(str(s.value("draft", self.store.get("draft", str(models_root() / "ende" / "draft")))))
         self.mode.setCurrentIndex(int(s.value("mode", 0)))
         self.beams.setValue(int(s.value("beams", 4)))
         self.budget.setValue(int(s.value("budget", 48)))
