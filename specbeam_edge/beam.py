@@ -75,7 +75,7 @@ class BeamSearch:
         idx = _top(acc, self.M)
         topv = acc[idx]
         beam, tok = idx // V, idx % V
-        hit = np.isin(tok, self.eos) | (self.cur_len + 1 >= self.max_length)
+        hit = (tok[:, None] == self.eos).any(axis=1) | (self.cur_len + 1 >= self.max_length)   # np.isin sorts: 0.5 ms
         # running beams for the next step: the best K candidates that did not stop
         run_scores = topv + hit.astype(np.float32) * NEG
         nxt = _top(run_scores, K)
