@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import math
-from pathlib import Path
 
 from .config import SpeculativeConfig
+from .shipped import models_root
 
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
-DEFAULT_MODELS = Path(__file__).resolve().parent.parent / "models"
+DEFAULT_MODELS = models_root()   # models/ beside the package, or $SPECBEAM_MODELS (shipped.py)
 _UNITS = (("tb", 2**40), ("gb", 2**30), ("mb", 2**20), ("kb", 2**10), ("b", 1))
 
 
