@@ -29,6 +29,7 @@ from specbeam_edge.flags import (DEFAULT_MODELS, add_memory_args, budget_arg, en
                                  positive_int, speculative_config)
 
 from .journal import Journal, JournalError, OutputLock
+from .ray_engine import add_ray_args
 
 PROG = "specbeam-translate"
 
@@ -37,8 +38,10 @@ class LineError(ValueError):
     pass
 
 
-class UsageError(Exception):
-    """Bad arguments or unusable input found after parsing: exit code 2, one line."""
+class UsageError(ValueError):
+    """Bad arguments or unusable input found after parsing: exit code 2, one line. A ValueError so that main
+    catches it also when raised by apps.translate.__main__ imported a second time (python -m runs this file as
+    __main__; ray_engine imports it by name)."""
 
 
 class Terminated(BaseException):
@@ -97,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--stats", action="store_true", help="also print the aggregate statistics as JSON to stderr")
     ap.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary line")
     add_memory_args(ap)
+    add_ray_args(ap)
     return ap
 
 
@@ -107,6 +111,10 @@ def parse_args(argv):
         ap.error("--resume needs -o/--output (the journal lives next to the output file)")
     if args.n_best > args.beam_size:
         ap.error(f"--n_best ({args.n_best}) cannot exceed --beam_size ({args.beam_size})")
+    if args.engine == "ray" and not (args.input and args.output):
+        ap.error("--engine ray needs -i (a file, a folder or a glob) and -o (where the shards and outputs go)")
+    if args.engine == "ray" and args.eval:
+        ap.error("--eval reads one output; with --engine ray run it on the local engine, or score the output apart")
     return args
 
 
@@ -166,10 +174,11 @@ def check_output(args) -> None:
         raise UsageError(f"the output's directory {out.parent} does not exist; create it first")
 
 
-def settings(args, engine) -> dict:
-    """What decides the output's bytes (speculation knobs do not: the output is the same), for the journal."""
+def settings(args, generation) -> dict:
+    """What decides the output's bytes (speculation knobs do not: the output is the same), for the journal;
+    `generation` is the GenerationConfig the run decodes with."""
     cfg = (Path(args.model) / "specbeam_config.json").read_bytes()
-    gen = asdict(engine.generation_config(**generation_overrides(args)))
+    gen = asdict(generation)
     gen["eos_token_id"] = list(gen["eos_token_id"]) if isinstance(gen["eos_token_id"], tuple) else gen["eos_token_id"]
     return {"model": str(Path(args.model).resolve()), "model_config_sha256": hashlib.sha256(cfg).hexdigest(),
             "generation": gen, "with_score": args.with_score, "max_input_length": args.max_input_length,
@@ -192,9 +201,15 @@ class InOrder:
 
 
 # -- the run ------------------------------------------------------------------------------------------------
-def prepare(args, engine, lines: list[bytes]):
+def report_line(number: int, why: str, where: str = "") -> None:
+    """A bad input line on stderr: number counts from 1 in its file (`where`, when there are several)."""
+    print(f"{PROG}: {where + ': ' if where else ''}line {number}: {why}", file=sys.stderr)
+
+
+def prepare(args, engine, lines: list[bytes], first: int = 0, report=report_line):
     """Validate every line first: returns (items to translate [(index, ids)], fixed outputs {index: lines},
-    number of bad lines); bad lines are reported with their numbers and handled by --on_error."""
+    number of bad lines); bad lines are reported, report(line number, why), and handled by --on_error.
+    `first` is the input line index of lines[0] (a shard of a larger input)."""
     tok, ctx = engine.tokenizer, engine.target.cfg.context_length
     items, fixed, bad = [], {}, 0
     for i, b in enumerate(lines):
@@ -213,7 +228,7 @@ def prepare(args, engine, lines: list[bytes]):
         except (UnicodeDecodeError, LineError) as e:
             bad += 1
             why = "invalid UTF-8" if isinstance(e, UnicodeDecodeError) else str(e)
-            print(f"{PROG}: line {i + 1}: {why}", file=sys.stderr)
+            report(first + i + 1, why)
             if args.on_error == "fail":
                 return None, None, bad
             copy = one_line(b.decode("utf-8", errors="replace")) if args.on_error == "copy" else ""
@@ -248,6 +263,9 @@ def summary(stats, lines: int, seconds: float) -> str:
 
 
 def run(args) -> int:
+    if args.engine == "ray":
+        from .ray_engine import run_ray
+        return run_ray(args)
     check_output(args)
     lines = split_lines(read_input(args))
     with OutputLock(Path(args.output)) if args.output else contextlib.nullcontext():
@@ -265,8 +283,8 @@ def run_locked(args, lines: list[bytes]) -> int:
         return 1
     journal = writer = None
     if args.output:
-        journal = Journal(Path(args.output), hashlib.sha256(b"\n".join(lines)).hexdigest(), settings(args, engine),
-                          args.resume)
+        journal = Journal(Path(args.output), hashlib.sha256(b"\n".join(lines)).hexdigest(),
+                          settings(args, engine.generation_config(**generation_overrides(args))), args.resume)
         for note in journal.notes:
             print(f"{PROG}: {note}", file=sys.stderr)
     else:

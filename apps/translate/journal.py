@@ -49,12 +49,23 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def output_lines(done: dict[int, list[str]], first: int, n: int) -> bytes:
+    """The output file's bytes for input lines first..first+n-1: each line's outputs, one per line, in order."""
+    return b"".join(line.encode("utf-8") + b"\n" for i in range(first, first + n) for line in done[i])
+
+
 def atomic_write(path: Path, data: bytes) -> None:
     """Write through a temporary sibling, fsync, rename: readers see the old file or the whole new one."""
+    atomic_write_chunks(path, [data])
+
+
+def atomic_write_chunks(path: Path, chunks) -> None:
+    """atomic_write of the concatenated byte strings `chunks` (an iterable: a large file is never held whole)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            for data in chunks:
+                f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -91,10 +102,15 @@ class OutputLock:
 
 
 class Journal:
-    """Finished lines of one output file: `done` maps input line index -> output lines."""
+    """Finished lines of one output file: `done` maps input line index -> output lines.
 
-    def __init__(self, output: Path, input_sha256: str, settings: dict, resume: bool):
-        self.path = output.with_name(output.name + ".journal")
+    The Ray path keeps its shard manifest in the same format (path= its own file, unit="shard"): records are
+    then shard index -> [sha256 of the committed part]."""
+
+    def __init__(self, output: Path, input_sha256: str, settings: dict, resume: bool, *, path: Path | None = None,
+                 unit: str = "line"):
+        self.path = path or output.with_name(output.name + ".journal")
+        self.unit = unit
         self.header = {"journal": VERSION, "input_sha256": input_sha256, "settings": settings}
         self.done: dict[int, list[str]] = {}
         self.notes: list[str] = []
@@ -124,11 +140,11 @@ class Journal:
                 break
             records.append(rec)
         if not records and not resume:
-            self.notes.append(f"{self.path} holds no finished lines; starting over")
+            self.notes.append(f"{self.path} holds no finished {self.unit}s; starting over")
             return False
         if not resume:
-            raise JournalError(f"{self.path} holds {len(records)} finished line(s) of an interrupted run; pass "
-                               f"--resume to continue it, or delete it to start over")
+            raise JournalError(f"{self.path} holds {len(records)} finished {self.unit}(s) of an interrupted run; "
+                               f"pass --resume to continue it, or delete it to start over")
         if head.get("input_sha256") != self.header["input_sha256"]:
             raise JournalError(f"the input changed since the interrupted run ({self.path} was written for other "
                                f"input); restore the input, or delete the journal to start over")
@@ -143,11 +159,11 @@ class Journal:
         self.valid_bytes = sum(len(line) for line in lines[:1 + len(records)])
         if len(lines) > 1 + len(records):
             self.notes.append(f"{self.path}: dropped a torn tail of {len(lines) - 1 - len(records)} record(s) "
-                              f"(those lines are translated again)")
+                              f"(those {self.unit}s are translated again)")
         return True
 
     def add(self, i: int, out: list[str]) -> None:
-        """Record one finished input line durably (written, flushed and fsynced before returning)."""
+        """Record one finished input line (or shard) durably (written, flushed and fsynced before returning)."""
         self.f.write(_line({"i": i, "out": out}))
         self.f.flush()
         os.fsync(self.f.fileno())
@@ -155,8 +171,7 @@ class Journal:
 
     def finish(self, output: Path, n: int) -> None:
         """Write the output file atomically from the records (in input order), then drop the journal."""
-        data = b"".join(line.encode("utf-8") + b"\n" for i in range(n) for line in self.done[i])
-        atomic_write(output, data)
+        atomic_write(output, output_lines(self.done, 0, n))
         self.f.close()
         self.path.unlink()
 

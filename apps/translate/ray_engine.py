@@ -1,0 +1,410 @@
+"""specbeam-translate --engine ray: the same translation spread over a Ray cluster, one Engine per actor.
+
+    specbeam-translate --engine ray -i corpus/ -o out/ --actors 4 --cpus_per_actor 2 --resume
+
+Input (-i): a file, a folder (its files, recursively, in sorted order) or a quoted glob. Output (-o): a file for
+a file input; a folder for a folder or glob, each output at its input's relative path. Every input file is cut
+into shards of --shard_lines lines; each actor holds one Engine (--cpus_per_actor onnxruntime threads, so the
+actors of a node do not oversubscribe its cores) and translates whole shards with the local tool's code
+(validation, batching, formatting), so the output is byte-identical to `specbeam-translate` on one machine.
+
+Resume: the driver commits each finished shard atomically: its part file (<output>.shards/part-NNNNNN) written
+through a temporary file, fsynced and renamed, then a fsynced record (part checksum) in the shard manifest
+(<output>.shards/manifest, the resume journal's format). When every shard is in, each output file is
+concatenated from its parts through a temporary file and the shard folder is removed. A killed driver rerun with
+--resume translates only the shards the manifest lacks; a killed worker is restarted by Ray and its shard
+retried (--shard_retries), each retry reported.
+
+Cluster: a local Ray instance on this machine by default; --ray_address (or RAY_ADDRESS) joins a running one
+(`ray start --head` on one machine, `ray start --address HEAD:6379` on the others). Each node needs this
+project installed (`pip install "specbeam-edge[ray]"`) and the model folders at the same paths. Ray is an
+optional extra, imported only here and only when --engine ray runs.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+PART_DIGITS = 6
+
+
+def add_ray_args(ap: argparse.ArgumentParser) -> None:
+    """The flags of the Ray engine (cheap: nothing of Ray is imported to build the parser)."""
+    from specbeam_edge.flags import positive_int
+
+    ap.add_argument("--engine", choices=("local", "ray"), default="local",
+                    help="translate in this process, or on a Ray cluster (pip install 'specbeam-edge[ray]')")
+    r = ap.add_argument_group("ray (--engine ray)")
+    r.add_argument("--ray_address", default=None,
+                   help="a running cluster (`ray start --head` prints it); default: RAY_ADDRESS, else a local "
+                        "Ray instance on this machine")
+    r.add_argument("--actors", type=positive_int, default=None,
+                   help="engines (Ray actors); default: the cluster's CPUs / --cpus_per_actor")
+    r.add_argument("--cpus_per_actor", type=positive_int, default=1,
+                   help="CPUs reserved per actor, also its onnxruntime threads (unless --threads)")
+    r.add_argument("--gpus_per_actor", type=float, default=0,
+                   help="GPUs reserved per actor (with --provider cuda)")
+    r.add_argument("--shard_lines", type=positive_int, default=1000,
+                   help="input lines per shard: the unit of work, of commit and of resume")
+    r.add_argument("--shard_retries", type=int, default=2,
+                   help="times a failed shard (worker died, error) is tried again before the run gives up on it")
+
+
+# -- the plan: input files, shards, where outputs go -------------------------------------------------------------
+@dataclass(frozen=True)
+class Shard:
+    index: int          # its record key in the manifest and its part file's number
+    file: int           # index into the job's input files
+    first: int          # input line index (in its file) of its first line
+    count: int
+
+    @property
+    def part(self) -> str:
+        return f"part-{self.index:0{PART_DIGITS}d}"
+
+
+def _has_magic(text: str) -> bool:
+    return any(c in text for c in "*?[")
+
+
+def input_files(spec: str) -> tuple[list[tuple[Path, str]], bool]:
+    """(path, name relative to the input root) of every input file, and whether -o is a folder (a folder or a
+    glob input) rather than a file (a file input)."""
+    from .__main__ import UsageError
+
+    path = Path(spec)
+    if path.is_file():
+        return [(path, path.name)], False
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file()
+                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        if not files:
+            raise UsageError(f"input folder {path} holds no files")
+        return [(p, p.relative_to(path).as_posix()) for p in files], True
+    if not _has_magic(spec):
+        raise UsageError(f"input {spec} does not exist; pass a file, a folder or a glob")
+    import glob
+
+    prefix = _prefix(path.parts)
+    root = Path(*prefix) if prefix else Path(".")
+    files = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
+    if not files:
+        raise UsageError(f"no input file matches {spec}")
+    return [(p, p.relative_to(root).as_posix()) for p in files], True
+
+
+def _prefix(parts: tuple[str, ...]) -> list[str]:
+    """The folders of a glob before its first wildcard: outputs keep the paths below them."""
+    out = []
+    for p in parts[:-1]:
+        if _has_magic(p):
+            break
+        out.append(p)
+    return out
+
+
+def output_paths(output: Path, names: list[str], folder: bool) -> list[Path]:
+    """Where each input file's output goes; fails before any work if -o cannot take them."""
+    from .__main__ import UsageError, check_output
+
+    if not folder:
+        check_output(argparse.Namespace(output=str(output)))
+        return [output]
+    if output.exists() and not output.is_dir():
+        raise UsageError(f"output {output} is a file; with a folder or glob input, -o is a folder")
+    if not output.parent.is_dir():
+        raise UsageError(f"the output's directory {output.parent} does not exist; create it first")
+    return [output / name for name in names]
+
+
+def plan(counts: list[int], shard_lines: int) -> list[Shard]:
+    """Shards in input order: every file cut into runs of shard_lines lines (a shard never spans two files)."""
+    shards = []
+    for f, n in enumerate(counts):
+        for first in range(0, n, shard_lines):
+            shards.append(Shard(len(shards), f, first, min(shard_lines, n - first)))
+    return shards
+
+
+def input_sha256(names: list[str], raws: list[bytes]) -> str:
+    h = hashlib.sha256()
+    for name, raw in zip(names, raws):
+        h.update(f"{name}\0{hashlib.sha256(raw).hexdigest()}\0".encode())
+    return h.hexdigest()
+
+
+# -- the worker: one Engine, whole shards ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ShardResult:
+    data: bytes | None          # the shard's output bytes; None: a bad line stopped it (--on_error fail)
+    bad: list                   # [(line number in its file, why)]
+    stats: object               # specbeam_edge Stats
+
+
+class ShardWorker:
+    """Runs in a Ray actor: loads the Engine once, then translates shard after shard with the local tool's
+    validation, batching and formatting (so shards join into the single-process output byte for byte)."""
+
+    def __init__(self, args: argparse.Namespace):
+        from specbeam_edge.flags import engine_from_args
+        from .__main__ import generation_overrides
+
+        self.args = args
+        self.engine = engine_from_args(args, args.model, None if args.no_draft else args.draft)
+        self.engine.generation_config(**generation_overrides(args))
+
+    def ready(self) -> int:
+        return os.getpid()
+
+    def translate(self, first: int, lines: list[bytes]) -> ShardResult:
+        from tqdm import tqdm
+        from .__main__ import prepare, translate
+        from .journal import output_lines
+
+        bad = []
+        items, fixed, _ = prepare(self.args, self.engine, lines, first, lambda n, why: bad.append((n, why)))
+        if items is None:
+            return ShardResult(None, bad, None)
+        outputs = dict(fixed)
+        stats = translate(self.args, self.engine, items, outputs.__setitem__, tqdm(disable=True))
+        return ShardResult(output_lines(outputs, 0, len(lines)), bad, stats)
+
+
+# -- the driver --------------------------------------------------------------------------------------------------
+def run_ray(args) -> int:
+    from specbeam_edge.config import GenerationConfig, ModelConfig
+    from .__main__ import UsageError, generation_overrides, settings
+    from .journal import OutputLock
+
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise UsageError("--engine ray needs Ray: pip install 'specbeam-edge[ray]'") from None
+    files, folder = input_files(args.input)
+    names = [name for _, name in files]
+    outputs = output_paths(Path(args.output), names, folder)
+    # The driver decides the settings from the model folder alone (no Engine here): bad settings and a broken
+    # folder fail before the cluster starts, and the manifest refuses a resume under other settings.
+    gen = GenerationConfig.from_dict(dict(ModelConfig.load(args.model).generation), **generation_overrides(args))
+    setting = {**settings(args, gen), "shard_lines": args.shard_lines}
+    if folder:
+        Path(args.output).mkdir(exist_ok=True)
+    with OutputLock(Path(args.output)):
+        return Job(args, files, outputs, setting).run()
+
+
+class Job:
+    """One run of the driver: the manifest, the shards still to do, the actors, progress and the summary."""
+
+    def __init__(self, args, files, outputs: list[Path], setting: dict):
+        from .__main__ import PROG, split_lines
+        from .journal import Journal
+
+        self.args, self.outputs, self.prog = args, outputs, PROG
+        self.names = [name for _, name in files]
+        raws = []
+        for path, _ in files:
+            try:
+                raws.append(path.read_bytes())
+            except OSError as e:
+                from .__main__ import UsageError
+                raise UsageError(f"cannot read input {path}: {e.strerror}") from None
+        self.lines = [split_lines(raw) for raw in raws]
+        self.shards = plan([len(x) for x in self.lines], args.shard_lines)
+        out = Path(args.output)
+        self.state = out.with_name(out.name + ".shards")
+        self.state.mkdir(exist_ok=True)
+        self.manifest = Journal(out, input_sha256(self.names, raws), setting, args.resume,
+                                path=self.state / "manifest", unit="shard")
+        for note in self.manifest.notes:
+            self.say(note)
+        self.todo = [s for s in self.shards if not self._committed(s)]
+        self.retries = self.failed = self.n_actors = 0
+
+    def say(self, message: str) -> None:
+        print(f"{self.prog}: {message}", file=sys.stderr)
+
+    def _committed(self, shard: Shard) -> bool:
+        """In the manifest, and its part file still holds what was committed."""
+        rec = self.manifest.done.get(shard.index)
+        if rec is None:
+            return False
+        try:
+            ok = hashlib.sha256((self.state / shard.part).read_bytes()).hexdigest() == rec[0]
+        except OSError:
+            ok = False
+        if not ok:
+            self.say(f"{self.state / shard.part} is missing or damaged; that shard is translated again")
+        return ok
+
+    def where(self, shard: Shard) -> str:
+        return f"shard {shard.index} ({self.names[shard.file]} lines {shard.first + 1}-{shard.first + shard.count})"
+
+    def commit(self, shard: Shard, data: bytes) -> None:
+        """Part file first (atomic), then its manifest record: a crash between the two only redoes the shard."""
+        from .journal import atomic_write
+
+        atomic_write(self.state / shard.part, data)
+        self.manifest.add(shard.index, [hashlib.sha256(data).hexdigest()])
+
+    def run(self) -> int:
+        from specbeam_edge.results import Stats
+
+        if len(self.todo) < len(self.shards):
+            self.say(f"resuming, {len(self.shards) - len(self.todo)} of {len(self.shards)} shards already done")
+        stats, t0 = Stats(), time.time()
+        try:
+            if self.todo:
+                ok, t0 = self.translate(stats)
+                if not ok:
+                    return 1
+        finally:
+            self.manifest.close()
+        stats.seconds = time.time() - t0
+        self.assemble()
+        if not self.args.quiet:
+            from .__main__ import summary
+            lines = sum(s.count for s in self.todo)
+            print(f"{summary(stats, lines, stats.seconds)}; {len(self.todo)} shard(s) on {self.n_actors} actor(s), "
+                  f"{self.retries} retried", file=sys.stderr)
+        if self.args.stats:
+            import json
+            print(json.dumps(stats.as_dict()), file=sys.stderr)
+        return 0
+
+    def translate(self, stats) -> tuple[bool, float]:
+        """Start the cluster and the actors, translate every shard still to do; (all done?, start time)."""
+        import ray
+
+        started = connect(self.args)
+        actors = []
+        try:
+            actors = self.start_actors()
+            t0 = time.time()        # lines/s counts translation, not cluster start or model loading
+            return self.schedule(actors, stats), t0
+        finally:
+            for a in actors:
+                ray.kill(a)
+            if started:
+                ray.shutdown()
+
+    def start_actors(self) -> list:
+        import copy
+
+        import ray
+
+        a = self.args
+        n = a.actors or max(1, int(ray.cluster_resources().get("CPU", 1) // a.cpus_per_actor))
+        self.n_actors = n = min(n, len(self.todo))
+        worker_args = copy.copy(a)
+        worker_args.threads = a.threads or a.cpus_per_actor
+        # A worker that dies (killed, out of memory, node lost) is restarted by Ray; its shard is retried by
+        # the driver (max_task_retries=0) so that every retry is counted and reported.
+        cls = ray.remote(ShardWorker).options(num_cpus=a.cpus_per_actor, num_gpus=a.gpus_per_actor,
+                                              max_restarts=-1, max_task_retries=0)
+        actors = [cls.remote(worker_args) for _ in range(n)]
+        try:
+            ray.get([x.ready.remote() for x in actors])
+        except ray.exceptions.RayError as e:
+            from .__main__ import UsageError
+            raise UsageError(f"a Ray worker could not load the model: {_cause(e)}") from None
+        return actors
+
+    def schedule(self, actors: list, stats) -> bool:
+        """One shard in flight per actor; each result committed as it arrives; failed shards retried."""
+        import ray
+        from tqdm import tqdm
+
+        pending, idle, inflight, tries = deque(self.todo), list(actors), {}, {}
+        total = sum(len(x) for x in self.lines)
+        left = sum(s.count for s in self.todo)
+        progress = tqdm(total=total, initial=total - left, unit="line", file=sys.stderr, disable=self.args.quiet,
+                        dynamic_ncols=True)
+        done = len(self.shards) - len(self.todo)
+        try:
+            while pending or inflight:
+                while idle and pending:
+                    shard, actor = pending.popleft(), idle.pop()
+                    lines = self.lines[shard.file][shard.first:shard.first + shard.count]
+                    ref = actor.translate.remote(shard.first, lines)
+                    inflight[ref] = (shard, actor)
+                    tries[shard.index] = tries.get(shard.index, 0) + 1
+                (ref,), _ = ray.wait(list(inflight), num_returns=1)
+                shard, actor = inflight.pop(ref)
+                idle.append(actor)
+                try:
+                    res = ray.get(ref)
+                except ray.exceptions.RayError as e:
+                    self.retry(shard, tries[shard.index], _cause(e), pending, progress)
+                    continue
+                for number, why in res.bad:
+                    progress.write(f"{self.prog}: {self.names[shard.file] + ': ' if len(self.names) > 1 else ''}"
+                                   f"line {number}: {why}", file=sys.stderr)
+                if res.data is None:
+                    self.say("stopping (--on_error fail); finished shards are kept")
+                    return False
+                self.commit(shard, res.data)
+                stats.add(res.stats)
+                done += 1
+                progress.update(shard.count)
+                progress.set_postfix_str(f"{done}/{len(self.shards)} shards, {stats.generated_tokens} tok",
+                                         refresh=False)
+        finally:
+            progress.close()
+        if self.failed:
+            self.say(f"{self.failed} shard(s) failed; finished shards are kept: fix the cause and rerun with "
+                     f"--resume")
+        return not self.failed
+
+    def retry(self, shard: Shard, tried: int, why: str, pending: deque, progress) -> None:
+        if tried > self.args.shard_retries:
+            self.failed += 1
+            progress.write(f"{self.prog}: {self.where(shard)} failed {tried} time(s), giving up on it: {why}",
+                           file=sys.stderr)
+            return
+        self.retries += 1
+        progress.write(f"{self.prog}: {self.where(shard)} failed ({why}); retrying it "
+                       f"({tried} of {self.args.shard_retries + 1} tries used)", file=sys.stderr)
+        pending.appendleft(shard)
+
+    def assemble(self) -> None:
+        """Every shard is in: each output file from its parts (atomically, in input order), then no state."""
+        from .journal import atomic_write_chunks
+
+        for f, out in enumerate(self.outputs):
+            out.parent.mkdir(parents=True, exist_ok=True)
+            parts = [self.state / s.part for s in self.shards if s.file == f]
+            atomic_write_chunks(out, (p.read_bytes() for p in parts))
+        shutil.rmtree(self.state)
+
+
+def connect(args) -> bool:
+    """Join the cluster named by --ray_address / RAY_ADDRESS, or start a local one; True if this call started
+    the connection (and so shuts it down at the end). A caller already connected (tests, notebooks) is kept."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    level = logging.WARNING if args.quiet else logging.INFO
+    # Workers' own stderr is not forwarded: what a shard has to say (bad lines, errors) comes back with it.
+    address = args.ray_address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=False, logging_level=level)
+    else:
+        ray.init(include_dashboard=False, log_to_driver=False, logging_level=level)
+    return True
+
+
+def _cause(error: Exception) -> str:
+    """One line for a Ray error: the worker's own exception when there is one, not Ray's wrapping."""
+    cause = getattr(error, "cause", None)
+    text = f"{type(cause).__name__}: {cause}" if cause is not None else f"{type(error).__name__}: {error}"
+    return text.strip().splitlines()[0] if text.strip() else type(error).__name__
