@@ -11,6 +11,7 @@ import onnxruntime as ort
 
 from .config import ModelConfig, ModelFolderError
 from .offload import LayerStore, layer_nbytes, plan
+from .providers import ProviderError, cuda_session, default_providers, wants_cuda
 
 
 def _session(path: Path, threads: int | None, providers, spin: bool = True) -> ort.InferenceSession:
@@ -22,8 +23,13 @@ def _session(path: Path, threads: int | None, providers, spin: bool = True) -> o
     # a draft session must not busy-wait between runs: draft and target alternate, and spinning threads of
     # one session steal the cores from the other (measured: target pass 16.6 ms instead of 6.9 ms)
     so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+    providers = list(providers or default_providers())
     try:
-        return ort.InferenceSession(str(path), so, providers=providers or ["CPUExecutionProvider"])
+        if wants_cuda(providers):   # every node on CUDA, or ProviderError naming the ones that would not be
+            return cuda_session(path, so, providers)
+        return ort.InferenceSession(str(path), so, providers=providers)
+    except ProviderError:
+        raise
     except Exception as e:  # onnxruntime raises several exception types for bad files
         raise ModelFolderError(f"{path}: onnxruntime cannot load this graph ({str(e).splitlines()[0][:200]})") from None
 
