@@ -106,13 +106,13 @@ def cuda_session(path: Path, so: ort.SessionOptions, providers) -> ort.Inference
     return sess
 
 
-def node_placements(path: Path) -> tuple[list[Placement], str]:
+def node_placements(path: Path, providers: list[str] | None = None) -> tuple[list[Placement], str]:
     """Where onnxruntime puts each node of the graph with CUDA first and CPU fallback allowed: its own VERBOSE
     placement log, read back from the process's stderr (onnxruntime's C++ logger writes there, not to Python)."""
     so = ort.SessionOptions()
     so.log_severity_level = 0
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    providers = [CUDA, CPU] if CUDA in ort.get_available_providers() else [CPU]
+    providers = providers or ([CUDA, CPU] if CUDA in ort.get_available_providers() else [CPU])
     log = captured_stderr(lambda: ort.InferenceSession(str(path), so, providers=providers))
     return parse_placements(log), log
 

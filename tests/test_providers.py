@@ -10,6 +10,9 @@ from onnx import TensorProto, helper, numpy_helper
 from specbeam_edge import providers as P
 from specbeam_edge.model import _session
 
+HAS_CUDA = P.CUDA in ort.get_available_providers()
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="this onnxruntime has no CUDA provider (the GPU check runs these)")
+
 # onnxruntime's own VERBOSE placement lines (session_state.cc, VerifyEachNodeIsAssignedToAnEp), as 1.2x-1.3x print them
 MIXED_LOG = """\
 2026-11-30 15:59:13.1 [V:onnxruntime:, session_state.cc:1598 VerifyEachNodeIsAssignedToAnEp] Node placements
@@ -62,7 +65,7 @@ def test_parse_placements_reads_each_provider_block():
 
 def test_placement_log_is_read_back_from_this_onnxruntime(graph):
     """The real VERBOSE log of this (CPU) build, captured from file descriptor 2."""
-    placements, log = P.node_placements(graph)
+    placements, log = P.node_placements(graph, [P.CPU])
     assert placements == [P.Placement(P.CPU, 4, ())]
     assert "All nodes placed on [CPUExecutionProvider]. Number of nodes: 4" in log
 
@@ -79,6 +82,7 @@ def test_cuda_session_refuses_graph_with_op_without_cuda_kernel(graph, cuda_list
         f"1.31.1 has a CUDA kernel for it; {P._NO_KERNEL_REMEDY}")
 
 
+@pytest.mark.skipif(HAS_CUDA, reason="the CUDA provider of this onnxruntime takes the nodes it has kernels for")
 def test_without_the_fallback_key_the_same_session_loads_on_the_cpu(graph, cuda_listed):
     """Control: what the guard prevents. Asked for CUDA alone, onnxruntime quietly runs the graph on the CPU."""
     with pytest.warns(UserWarning, match="CUDAExecutionProvider"):
@@ -112,9 +116,8 @@ def test_all_nodes_on_cpu_means_the_cuda_provider_did_not_load():
         "did not load (CUDA 13 and cuDNN 9 libraries on the library path?): " + log.strip())
 
 
+@pytest.mark.skipif(HAS_CUDA, reason="this onnxruntime has the CUDA provider")
 def test_cuda_without_the_gpu_build_says_what_to_install(graph):
-    if P.CUDA in ort.get_available_providers():
-        pytest.skip("this onnxruntime has the CUDA provider")
     with pytest.raises(P.ProviderError) as e:
         _session(graph, 1, [P.CUDA, P.CPU])
     assert str(e.value) == (
@@ -150,3 +153,19 @@ def test_provider_from_environment(monkeypatch):
     monkeypatch.setenv(P.PROVIDER_ENV, "tpu")
     with pytest.raises(ValueError, match=r"^SPECBEAM_PROVIDER='tpu': expected 'cpu' or 'cuda'$"):
         P.default_providers()
+
+
+@needs_cuda
+@pytest.mark.parametrize("precision,layout,output", [("fp32", "whole", "logits"), ("fp16", "whole", "topk"),
+                                                     ("fp32", "split", "logits"), ("int8", "split", "topk")])
+def test_exported_graphs_place_every_node_on_cuda(exported, precision, layout, output):
+    """On a GPU: each graph the exporter writes in these forms loads with no node on the CPU."""
+    for f in sorted(exported("llama", precision, layout, output).glob("*.onnx")):
+        assert _session(f, 1, [P.CUDA]).get_providers()[0] == P.CUDA   # or ProviderError naming the CPU nodes
+
+
+@needs_cuda
+def test_dynamic_int8_graph_is_refused_on_cuda(graph):
+    """On a GPU, nothing stubbed: onnxruntime's own placement names the ops without CUDA kernels."""
+    with pytest.raises(P.ProviderError, match=r"DynamicQuantizeLinear x1 \(quant\): no onnxruntime-gpu release"):
+        _session(graph, 1, [P.CUDA])
