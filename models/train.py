@@ -1,12 +1,13 @@
 """Train a small Llama-architecture model (target or draft) on the en->de pairs, resumably.
 
 A run lives in a checkpoint folder (--ckpt): `last.pt` holds the model, the optimizer, the schedule step and
-the data position, written atomically every --ckpt_minutes, so a stopped run (Ctrl-C, SIGTERM, a reboot)
-continues where it stopped when the same command is run again. `snap/` keeps the last --keep_snapshots
-weight snapshots for checkpoint averaging (`average`), which writes the Hugging Face model folder
-(config.json, model.safetensors, generation_config.json, tokenizer files, train_log.json) that
-`python -m export` and `models/ship.py` read. PyTorch, CPU, fp32; reproducible given the seed, the data and
-the flags: the schedule is by steps, never by wall-clock time.
+the data position, written atomically every --ckpt_minutes and on SIGTERM / Ctrl-C, so a stopped run
+continues where it stopped when the same command is run again (after a crash: from the last checkpoint).
+`snap/` keeps the last --keep_snapshots weight snapshots (every --snapshot_every steps) for checkpoint
+averaging (`average`), which writes the Hugging Face model folder (config.json, model.safetensors,
+generation_config.json, tokenizer files, train_log.json) that `python -m export` and `models/ship.py` read.
+PyTorch, CPU, fp32; reproducible given the seed, the data and the flags: the schedule is by steps, never by
+wall-clock time.
 
     python models/train.py tokenizer --data $DATA/ende/corpus --out $DATA/ende/tok
     python models/train.py lm --data $DATA/ende/corpus --tokenizer $DATA/ende/tok --ckpt $DATA/ende/run_target \
@@ -320,13 +321,16 @@ def train_lm(args) -> None:
         atomic_save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "seen": seen,
                      "epoch": batches.epoch, "row": batches.row, "log": log, "minutes": minutes,
                      "torch_rng": torch.get_rng_state(), "args": vars(args), "params": n_params}, ckpt / "last.pt")
+        print(f"checkpoint at step {step} -> {ckpt}", file=sys.stderr, flush=True)
+
+    def snapshot() -> None:
         atomic_save(model.state_dict(), ckpt / "snap" / f"step{step:08d}.pt")
         for old in sorted((ckpt / "snap").glob("step*.pt"))[:-args.keep_snapshots]:
             old.unlink()
-        print(f"checkpoint at step {step} -> {ckpt}", file=sys.stderr, flush=True)
 
     stop = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.append("SIGTERM"))   # finish the step, save, exit
+    for sig in (signal.SIGTERM, signal.SIGINT):       # finish the step, save, exit
+        signal.signal(sig, lambda num, _: stop.append(signal.Signals(num).name))
     model.train()
     t0 = last_save = time.time()
     cpu0 = time.process_time()
@@ -371,6 +375,8 @@ def train_lm(args) -> None:
                 msg["val_loss"] = round(evaluate(), 4)
             log.append(msg)
             print(json.dumps(msg), file=sys.stderr, flush=True)
+        if step % args.snapshot_every == 0:
+            snapshot()
         if time.time() - last_save > args.ckpt_minutes * 60:
             save()
             last_save = time.time()
@@ -378,6 +384,7 @@ def train_lm(args) -> None:
         print(f"{stop[0]}: saving and exiting", file=sys.stderr)
     log.append({"step": step, "tokens": seen, "val_loss": round(evaluate(), 4)})
     save()
+    snapshot()
     print(json.dumps(log[-1]), file=sys.stderr)
 
 
@@ -482,6 +489,8 @@ def main(argv=None) -> int:
     m.add_argument("--align_weight", type=float, default=0.5, help="weight of the alignment term")
     m.add_argument("--align_margin", type=float, default=1.0, help="nats each teacher top-K token should lead by")
     m.add_argument("--ckpt_minutes", type=float, default=5, help="write a checkpoint this often")
+    m.add_argument("--snapshot_every", type=int, default=500, help="keep a weight snapshot every N steps (and at "
+                   "the end of each invocation) for `average`")
     m.add_argument("--keep_snapshots", type=int, default=8, help="weight snapshots kept for averaging")
     m.add_argument("--threads", type=int, default=2, help="torch threads")
     m.add_argument("--seed", type=int, default=0, help="random seed")
