@@ -10,6 +10,9 @@ import numpy as np
 
 from .hf import ExportError
 
+# general.architecture values transformers reads (and dequantizes) whose model classes export/families/ covers
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+
 
 def is_gguf(path: Path) -> bool:
     return path.is_file() and path.suffix.lower() == ".gguf"
@@ -30,7 +33,7 @@ def _load(path: Path):
                           f"(pip install -e \".[export]\"): {str(e).splitlines()[0]}") from None
     except Exception as e:  # transformers raises ValueError/KeyError/NotImplementedError for files it cannot read
         raise ExportError(f"{path}: transformers cannot load this GGUF file ({str(e).splitlines()[0]}); "
-                          f"the architectures it reads from GGUF are listed in transformers' GGUF documentation") from None
+                          f"GGUF architectures of the supported families: {', '.join(GGUF_ARCHITECTURES)}") from None
     return model.eval(), tok
 
 

@@ -182,7 +182,8 @@ def _pipeline_differences(a: dict, b: dict) -> list[str]:
         out.append(f"merge {rank}: draft {_merge(ma[rank])!r} vs target {_merge(mb[rank])!r}")
     elif len(ma) > len(mb):
         out.append(f"the draft has {len(ma)} merges, the target {len(mb)}")
-    out += [f"{k.replace('_', '-')} differs" for k in ("normalizer", "pre_tokenizer", "decoder") if a.get(k) != b.get(k)]
+    parts = ("normalizer", "pre_tokenizer", "decoder")
+    out += [f"{k.replace('_', '-')} differs" for k in parts if a.get(k) != b.get(k)]
     return out
 
 

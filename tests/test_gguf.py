@@ -192,4 +192,14 @@ def test_unreadable_gguf_names_the_file(tmp_path, capsys):
     assert export_main(["-i", str(bad), "-o", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"specbeam-export: error: {bad}: transformers cannot load this GGUF file ("), err
+    assert err.endswith("; GGUF architectures of the supported families: llama, mistral, qwen2, qwen3, phi3, gemma2, "
+                        "gemma3\n"), err
     assert not (tmp_path / "out").exists()
+
+
+def test_listed_gguf_architectures_are_read_by_transformers():
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    from export.gguf_input import GGUF_ARCHITECTURES
+
+    assert set(GGUF_ARCHITECTURES) <= set(GGUF_SUPPORTED_ARCHITECTURES)
