@@ -81,10 +81,6 @@ def _arch(cfg, family: str) -> EncDecArch:
     if cfg.encoder_attention_heads != cfg.decoder_attention_heads:
         raise ExportError(f"{family}: encoder and decoder head counts differ ({cfg.encoder_attention_heads} vs "
                           f"{cfg.decoder_attention_heads})")
-    if family == "marian" and not cfg.share_encoder_decoder_embeddings:
-        # one tokenizer.json serves both sides; separate vocabularies would need two
-        raise ExportError("marian: separate source/target vocabularies (share_encoder_decoder_embeddings=false) "
-                          "are not supported yet")
     eos = cfg.eos_token_id
     m2m = family == "m2m100"
     return EncDecArch(
@@ -352,6 +348,36 @@ def _generation(src: Path, arch: EncDecArch) -> tuple[dict, dict]:
     return defaults, facts
 
 
+def _tokenizers(src: Path, family: str) -> dict:
+    """tokenizer.json (and Marian's source_tokenizer.json) converted from SentencePiece files, or {} when the
+    folder has a tokenizer.json. A folder with separate Marian vocabularies needs the SentencePiece files: one
+    tokenizer.json cannot serve both sides."""
+    from .encdec_tokenizer import convert
+
+    tcfg = src / "tokenizer_config.json"
+    separate = tcfg.is_file() and bool(json.loads(tcfg.read_text(encoding="utf-8")).get("separate_vocabs"))
+    if separate and (src / "tokenizer.json").is_file():
+        raise ExportError(f"{src}: separate source/target vocabularies (separate_vocabs) with one tokenizer.json; "
+                          f"remove it so that source.spm/target.spm/vocab.json/target_vocab.json are converted")
+    return convert(src, family)
+
+
+def _languages(src: Path, tokenizer: dict, arch: EncDecArch) -> dict:
+    """NLLB/M2M100 language codes (code -> token id) and where the source's code goes: before the text
+    (transformers' default) or after its EOS (NLLB `legacy_behaviour`)."""
+    from .encdec_tokenizer import language_codes
+
+    codes = language_codes(tokenizer)
+    bad = {c: i for c, i in codes.items() if not 0 <= i < arch.vocab_size}
+    if bad:
+        raise ExportError(f"{src}: language tokens outside the model's vocabulary ({arch.vocab_size}): {bad}")
+    if not codes:
+        return {}
+    p = src / "tokenizer_config.json"
+    legacy = p.is_file() and bool(json.loads(p.read_text(encoding="utf-8")).get("legacy_behaviour"))
+    return {"language_codes": codes, "source_language": "suffix" if legacy else "prefix"}
+
+
 def export_encdec(src: Path, dst: Path, family: str, *, precision: str, layout: str, output: str, overwrite: bool,
                   quiet: bool) -> Path:
     """Write the model folder of an encoder-decoder: encoder.onnx + model.onnx (the decoder) + config."""
@@ -361,11 +387,9 @@ def export_encdec(src: Path, dst: Path, family: str, *, precision: str, layout: 
         raise ExportError("encoder-decoder models export with layout 'whole' (static cross K/V inputs need it)")
     if precision not in ("fp32", "fp16", "int8"):
         raise ExportError(f"encoder-decoder models export as fp32, fp16 or int8, not {precision!r}")
-    if not (src / "tokenizer.json").is_file():
-        raise ExportError(f"{src}: no tokenizer.json (convert the SentencePiece tokenizer with transformers' "
-                          f"`AutoTokenizer.from_pretrained(src).save_pretrained(src)` where a fast one exists)")
     t0 = time.time()
     prog = Progress(4, quiet)
+    tokenizers = _tokenizers(src, family)
     arch, ew, dw = read_model(src, family)
     prog.step("read weights")
     defaults, facts = _generation(src, arch)
@@ -388,6 +412,11 @@ def export_encdec(src: Path, dst: Path, family: str, *, precision: str, layout: 
         for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
             if (src / f).is_file():
                 shutil.copy2(src / f, tmp / f)
+        for name, tok in tokenizers.items():
+            tok.save(str(tmp / name))
+        facts.update(_languages(src, json.loads((tmp / "tokenizer.json").read_text(encoding="utf-8")), arch))
+        if "source_tokenizer.json" in tokenizers:
+            facts["source_tokenizer"] = "source_tokenizer.json"
         L = arch.decoder_layers
         cfg = {
             "format_version": FORMAT_VERSION, "family": family, "vocab_size": arch.vocab_size,
