@@ -8,6 +8,8 @@ an interrupt loses no finished line). With -o, every finished line is journalled
 interrupted run continues with --resume (the journal refuses a changed input or changed settings), and the
 final file is written through a temporary file and renamed: byte-identical to an uninterrupted run. A lock
 file (<output>.lock) keeps a second process off the same output. CRLF input is read as LF.
+--engine ray spreads the same work over a Ray cluster, one engine per actor, with the same output and resume
+guarantee per shard (ray_engine.py).
 Exit codes: 0 done, 1 failed (--on_error fail, I/O error while running), 2 usage or unusable input/model,
 130 interrupted (SIGINT), 143 terminated (SIGTERM).
 """

@@ -19,6 +19,10 @@ Cluster: a local Ray instance on this machine by default; --ray_address (or RAY_
 (`ray start --head` on one machine, `ray start --address HEAD:6379` on the others). Each node needs this
 project installed (`pip install "specbeam-edge[ray]"`) and the model folders at the same paths. Ray is an
 optional extra, imported only here and only when --engine ray runs.
+
+Ray core actors, not Ray Data's map_batches: the driver commits each shard the moment it is back and counts
+and reports every retry, where a dataset would fail as a whole on one block's exception and would add pyarrow
+and pandas to the extra.
 """
 from __future__ import annotations
 
@@ -319,61 +323,100 @@ class Job:
         return actors
 
     def schedule(self, actors: list, stats) -> bool:
-        """One shard in flight per actor; each result committed as it arrives; failed shards retried."""
+        """One shard in flight per actor; each result committed as it arrives; failed shards retried. A worker
+        that died is pinged until Ray has restarted it (its Engine loaded again), then gets shards again."""
         import ray
         from tqdm import tqdm
 
-        pending, idle, inflight, tries = deque(self.todo), list(actors), {}, {}
-        total = sum(len(x) for x in self.lines)
-        left = sum(s.count for s in self.todo)
-        progress = tqdm(total=total, initial=total - left, unit="line", file=sys.stderr, disable=self.args.quiet,
-                        dynamic_ncols=True)
-        done = len(self.shards) - len(self.todo)
+        self.pending, self.idle, self.inflight, self.tries = deque(self.todo), list(actors), {}, {}
+        self.stats, self.done = stats, len(self.shards) - len(self.todo)
+        total, left = sum(len(x) for x in self.lines), sum(s.count for s in self.todo)
+        self.progress = tqdm(total=total, initial=total - left, unit="line", file=sys.stderr,
+                             disable=self.args.quiet, dynamic_ncols=True)
         try:
-            while pending or inflight:
-                while idle and pending:
-                    shard, actor = pending.popleft(), idle.pop()
-                    lines = self.lines[shard.file][shard.first:shard.first + shard.count]
-                    ref = actor.translate.remote(shard.first, lines)
-                    inflight[ref] = (shard, actor)
-                    tries[shard.index] = tries.get(shard.index, 0) + 1
-                (ref,), _ = ray.wait(list(inflight), num_returns=1)
-                shard, actor = inflight.pop(ref)
-                idle.append(actor)
-                try:
-                    res = ray.get(ref)
-                except ray.exceptions.RayError as e:
-                    self.retry(shard, tries[shard.index], _cause(e), pending, progress)
-                    continue
-                for number, why in res.bad:
-                    progress.write(f"{self.prog}: {self.names[shard.file] + ': ' if len(self.names) > 1 else ''}"
-                                   f"line {number}: {why}", file=sys.stderr)
-                if res.data is None:
-                    self.say("stopping (--on_error fail); finished shards are kept")
+            while self.pending or self.inflight:
+                self.submit()
+                if not self.inflight:           # every worker is gone for good
+                    break
+                (ref,), _ = ray.wait(list(self.inflight), num_returns=1)
+                shard, actor = self.inflight.pop(ref)
+                if shard is None:
+                    self.on_ping(ref, actor)
+                elif not self.on_shard(ref, shard, actor):
                     return False
-                self.commit(shard, res.data)
-                stats.add(res.stats)
-                done += 1
-                progress.update(shard.count)
-                progress.set_postfix_str(f"{done}/{len(self.shards)} shards, {stats.generated_tokens} tok",
-                                         refresh=False)
         finally:
-            progress.close()
+            self.progress.close()
+        if self.pending:
+            self.failed += len(self.pending)
+            self.say(f"no worker left (each died for good); {len(self.pending)} shard(s) not translated")
         if self.failed:
             self.say(f"{self.failed} shard(s) failed; finished shards are kept: fix the cause and rerun with "
                      f"--resume")
         return not self.failed
 
-    def retry(self, shard: Shard, tried: int, why: str, pending: deque, progress) -> None:
+    def submit(self) -> None:
+        while self.idle and self.pending:
+            shard, actor = self.pending.popleft(), self.idle.pop()
+            lines = self.lines[shard.file][shard.first:shard.first + shard.count]
+            self.inflight[actor.translate.remote(shard.first, lines)] = (shard, actor)
+            self.tries[shard.index] = self.tries.get(shard.index, 0) + 1
+
+    def ping(self, actor) -> None:
+        self.inflight[actor.ready.remote()] = (None, actor)
+
+    def on_ping(self, ref, actor) -> None:
+        import ray
+
+        try:
+            ray.get(ref)
+            self.idle.append(actor)
+        except ray.exceptions.ActorUnavailableError:    # still restarting: calls fail at once, so ask again soon
+            time.sleep(0.5)
+            self.ping(actor)
+        except ray.exceptions.RayError as e:
+            self.progress.write(f"{self.prog}: a worker died for good ({_cause(e)}); going on without it",
+                                file=sys.stderr)
+
+    def on_shard(self, ref, shard: Shard, actor) -> bool:
+        """Commit a finished shard, or queue it again; False when a bad line stops the run (--on_error fail)."""
+        import ray
+
+        try:
+            res = ray.get(ref)
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+            self.retry(shard, _cause(e))
+            self.ping(actor)            # the worker died: back to work once Ray has restarted it
+            return True
+        except ray.exceptions.RayError as e:
+            self.retry(shard, _cause(e))
+            self.idle.append(actor)
+            return True
+        self.idle.append(actor)
+        for number, why in res.bad:
+            where = f"{self.names[shard.file]}: " if len(self.names) > 1 else ""
+            self.progress.write(f"{self.prog}: {where}line {number}: {why}", file=sys.stderr)
+        if res.data is None:
+            self.say("stopping (--on_error fail); finished shards are kept")
+            return False
+        self.commit(shard, res.data)
+        self.stats.add(res.stats)
+        self.done += 1
+        self.progress.update(shard.count)
+        self.progress.set_postfix_str(f"{self.done}/{len(self.shards)} shards, {self.stats.generated_tokens} tok",
+                                      refresh=False)
+        return True
+
+    def retry(self, shard: Shard, why: str) -> None:
+        tried = self.tries[shard.index]
         if tried > self.args.shard_retries:
             self.failed += 1
-            progress.write(f"{self.prog}: {self.where(shard)} failed {tried} time(s), giving up on it: {why}",
-                           file=sys.stderr)
+            self.progress.write(f"{self.prog}: {self.where(shard)} failed {tried} time(s), giving up on it: {why}",
+                                file=sys.stderr)
             return
         self.retries += 1
-        progress.write(f"{self.prog}: {self.where(shard)} failed ({why}); retrying it "
-                       f"({tried} of {self.args.shard_retries + 1} tries used)", file=sys.stderr)
-        pending.appendleft(shard)
+        self.progress.write(f"{self.prog}: {self.where(shard)} failed ({why}); retrying it "
+                            f"({tried} of {self.args.shard_retries + 1} tries used)", file=sys.stderr)
+        self.pending.appendleft(shard)
 
     def assemble(self) -> None:
         """Every shard is in: each output file from its parts (atomically, in input order), then no state."""
