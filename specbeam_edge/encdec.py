@@ -44,6 +44,16 @@ class Encoder:
                 from None
         if not (folder / name).is_file():
             raise ModelFolderError(f"{folder}: missing file {name}")
+        self.language_codes = {str(c): int(i) for c, i in (facts.get("language_codes") or {}).items()}
+        self.source_language = facts.get("source_language", "prefix")
+        self.eos = list(cfg.eos_token_ids)
+        self.source_tokenizer = None
+        if facts.get("source_tokenizer"):       # Marian: the source side has its own SentencePiece model
+            from tokenizers import Tokenizer
+            try:
+                self.source_tokenizer = Tokenizer.from_file(str(folder / facts["source_tokenizer"]))
+            except Exception as e:  # tokenizers raises its own exception types
+                raise ModelFolderError(f"{folder / facts['source_tokenizer']}: cannot be read ({e})") from None
         self.sess = _session(folder / name, threads, providers, spin)
         self.pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
         self.context_length = cfg.context_length
@@ -56,6 +66,29 @@ class Encoder:
         missing = set(decoder.static_inputs) ^ ({SOURCE_MASK} | set(self.out_names))
         if missing:
             raise ModelFolderError(f"{path}: static_inputs do not match the encoder outputs ({sorted(missing)})")
+
+    def language_id(self, code: str, which: str) -> int:
+        """The token id of language `code` (which: 'src_lang' / 'tgt_lang', for the message)."""
+        if not self.language_codes:
+            raise ValueError(f"{which}={code!r}: this model has no language codes (src_lang/tgt_lang are for "
+                             f"NLLB/M2M100 exports)")
+        if code not in self.language_codes:
+            raise ValueError(f"unknown {which} {code!r}; this model's language codes: "
+                             f"{', '.join(sorted(self.language_codes))}")
+        return self.language_codes[code]
+
+    def source_ids(self, text: str, tokenizer, src_lang: str | None) -> list[int]:
+        """A text source as the model's tokenizer builds it: the source-side tokenizer's ids (or `tokenizer`'s),
+        then EOS; with language codes the source language's code before the text (or, NLLB legacy, after EOS)."""
+        ids = (self.source_tokenizer.encode(text, add_special_tokens=False).ids if self.source_tokenizer
+               else tokenizer.encode(text)) + self.eos[:1]
+        if src_lang is None:
+            if self.language_codes:
+                raise ValueError(f"this model translates between languages: pass src_lang (one of "
+                                 f"{', '.join(sorted(self.language_codes))})")
+            return ids
+        code = self.language_id(src_lang, "src_lang")
+        return ids + [code] if self.source_language == "suffix" else [code] + ids
 
     def decoder_prompt(self, forced_bos: int | None = None) -> list[int]:
         """The decoder's start: the decoder start token, then the forced BOS (an NLLB/M2M100 target language)."""

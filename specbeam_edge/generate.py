@@ -88,11 +88,16 @@ class Engine:
         base = asdict(generation) if generation is not None else dict(self.target.cfg.generation)
         return GenerationConfig.from_dict(base, **overrides)
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
+    def encode(self, prompt: str | list[int], src_lang: str | None = None) -> list[int]:
+        """Token ids of a prompt. Encoder-decoder models: a text is the source as the model's tokenizer builds it
+        (its EOS, and with src_lang the language code; encdec.Encoder.source_ids); token ids are taken as they are."""
+        if src_lang is not None and self.encoder is None:
+            raise ValueError("src_lang is for encoder-decoder models (NLLB/M2M100); this is a decoder-only model")
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-            if self.encoder is not None and self.eos:
-                ids = ids + [self.eos[0]]      # Marian and M2M100 sources end in EOS, as their tokenizers add it
+            if self.encoder is not None:
+                ids = self.encoder.source_ids(prompt, self.tokenizer, src_lang)
+            else:
+                ids = self.tokenizer.encode(prompt)
         else:
             ids = [int(t) for t in prompt]
         if not ids:
@@ -120,8 +125,16 @@ class Engine:
             return self._choosers.setdefault(key, PassChooser())
 
     # -- one request's search ------------------------------------------------------------------------------
+    def _forced_bos(self, tgt_lang: str | None) -> int | None:
+        """tgt_lang -> the forced BOS token (the target language code); None keeps the model's own."""
+        if tgt_lang is None:
+            return None
+        if self.encoder is None:
+            raise ValueError("tgt_lang is for encoder-decoder models (NLLB/M2M100); this is a decoder-only model")
+        return self.encoder.language_id(tgt_lang, "tgt_lang")
+
     def _new_search(self, ids: list[int], gen: GenerationConfig, spec: SpeculativeConfig | None, drafter=None,
-                    static=None):
+                    static=None, forced_bos: int | None = None):
         """Validate one request and build its search object (search.py). `drafter` overrides the policy named
         in spec (any callable with the Drafter signature; see draft.py). Encoder-decoder models: ids are the
         source; static(with_draft) gives the request's encoder outputs when it starts (see _statics)."""
@@ -131,7 +144,7 @@ class Engine:
             if len(ids) > self.encoder.context_length:
                 raise ValueError(f"the source has {len(ids)} tokens; the encoder's context length is "
                                  f"{self.encoder.context_length}")
-            source, ids = ids, self.encoder.decoder_prompt()
+            source, ids = ids, self.encoder.decoder_prompt(forced_bos)
         if len(ids) >= ctx:
             raise ValueError(f"the prompt has {len(ids)} tokens; the model's context length is {ctx}")
         max_new = min(gen.max_new_tokens, ctx - len(ids))
@@ -198,23 +211,27 @@ class Engine:
             return tq.get(i), (dq.get(i) if with_draft and dq is not None else None)
         return [lambda with_draft, i=i: static(i, with_draft) for i in range(len(sources))]
 
-    def _search(self, ids: list[int], gen: GenerationConfig, spec: SpeculativeConfig | None, drafter=None):
+    def _search(self, ids: list[int], gen: GenerationConfig, spec: SpeculativeConfig | None, drafter=None,
+                forced_bos: int | None = None):
         """One request alone (a batch of one): yields (search state, stats) after every target pass."""
-        job = Job(0, len(ids), self._new_search(ids, gen, spec, drafter, self._statics([ids], 1)[0]))
+        job = Job(0, len(ids), self._new_search(ids, gen, spec, drafter, self._statics([ids], 1)[0], forced_bos))
         for _, progress, finished in Scheduler(self.target, max_batch_size=1).run([job]):
             if not finished:
                 yield progress.state, progress.stats
 
     # -- public API ----------------------------------------------------------------------------------------
     def stream(self, prompt: str | list[int], generation: GenerationConfig | None = None,
-               speculative: SpeculativeConfig | None = None, **overrides) -> Iterator[StreamChunk]:
+               speculative: SpeculativeConfig | None = None, *, src_lang: str | None = None,
+               tgt_lang: str | None = None, **overrides) -> Iterator[StreamChunk]:
         """Yield text as soon as it is final (the prefix shared by all live and finished beams), one chunk per
-        target pass (empty when nothing new became final); the last chunk carries the Result."""
+        target pass (empty when nothing new became final); the last chunk carries the Result. src_lang/tgt_lang:
+        NLLB/M2M100 language codes (see generate_iter)."""
         gen = self.generation_config(generation, **overrides)
-        ids = self.encode(prompt)
+        forced_bos = self._forced_bos(tgt_lang)
+        ids = self.encode(prompt, src_lang)
         shown, n_stable = "", 0
         bs = stats = None
-        for bs, stats in self._search(ids, gen, speculative):
+        for bs, stats in self._search(ids, gen, speculative, forced_bos=forced_bos):
             prefix, delta = bs.stable_prefix(), ""
             if len(prefix) > n_stable:        # decode only when more tokens became final
                 n_stable = len(prefix)
@@ -228,7 +245,8 @@ class Engine:
 
     def generate(self, prompts, generation: GenerationConfig | None = None,
                  speculative: SpeculativeConfig | None = None, drafter=None, *, max_batch_size: int = 32,
-                 max_batch_tokens: int | None = None, **overrides) -> list[Result]:
+                 max_batch_tokens: int | None = None, src_lang: str | None = None, tgt_lang: str | None = None,
+                 **overrides) -> list[Result]:
         """Generate for one prompt (str or token ids) or a list of them; returns one Result per prompt, in order.
         A list is decoded in batches (continuous batching; see generate_iter). drafter: a custom tree-growth
         callable (exact beam search only)."""
@@ -237,22 +255,26 @@ class Engine:
         out: list[Result | None] = [None] * len(batch)
         for i, result in self.generate_iter(batch, generation, speculative, drafter=drafter,
                                             max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens,
-                                            **overrides):
+                                            src_lang=src_lang, tgt_lang=tgt_lang, **overrides):
             out[i] = result
         return out
 
     def generate_iter(self, prompts, generation: GenerationConfig | None = None,
                       speculative: SpeculativeConfig | None = None, drafter=None, *, max_batch_size: int = 32,
-                      max_batch_tokens: int | None = None, **overrides) -> Iterator[tuple[int, Result]]:
+                      max_batch_tokens: int | None = None, src_lang: str | None = None, tgt_lang: str | None = None,
+                      **overrides) -> Iterator[tuple[int, Result]]:
         """Yield (index into prompts, Result) in completion order. Up to max_batch_size requests (and
         max_batch_tokens prompt tokens) share every target pass and every draft level's pass; a finished
-        request leaves at once and the next one joins. Each request's output is the one it gets alone."""
+        request leaves at once and the next one joins. Each request's output is the one it gets alone.
+        NLLB/M2M100: src_lang puts the source language code into text prompts (as transformers' tokenizers do;
+        token-id prompts are taken as they are), tgt_lang forces the target language code as the first token."""
         gen = self.generation_config(generation, **overrides)
+        forced_bos = self._forced_bos(tgt_lang)
         prompts = list(prompts)
         # every prompt is validated before any decoding starts: a bad one fails the call, not a batch midway
-        sources = [self.encode(p) for p in prompts]
+        sources = [self.encode(p, src_lang) for p in prompts]
         statics = self._statics(sources, max_batch_size)
-        jobs = [Job(i, len(ids), self._new_search(ids, gen, speculative, drafter, statics[i]))
+        jobs = [Job(i, len(ids), self._new_search(ids, gen, speculative, drafter, statics[i], forced_bos))
                 for i, ids in enumerate(sources)]
         sched = Scheduler(self.target, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens)
         for i, progress, finished in sched.run(jobs):

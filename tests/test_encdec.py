@@ -238,3 +238,81 @@ def test_sampling_refused_for_encoder_decoder(peers):
     _, engine, _ = peers("marian")
     with pytest.raises(ValueError, match="do_sample=True is not supported for encoder-decoder models yet"):
         engine.generate([5, 0], do_sample=True, num_beams=1)
+
+
+# -- language codes (NLLB / M2M100) and SentencePiece folders ------------------------------------------------
+@pytest.mark.parametrize("tgt", ["deu_Latn", "fra_Latn"])
+def test_nllb_languages_match_transformers(encdec, tgt):
+    """src_lang puts the code before the text (then EOS), tgt_lang is the forced BOS: == transformers generate
+    with forced_bos_token_id, for two target languages (the folder's default is deu_Latn)."""
+    import torch
+
+    folder, model = encdec("nllb")
+    eng = Engine(folder)
+    text = "hello world"
+    ids = [LANGS["eng_Latn"]] + eng.tokenizer.encode(text) + [2]
+    assert eng.encode(text, src_lang="eng_Latn") == ids
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), do_sample=False, num_beams=4, max_new_tokens=MAX_NEW,
+                             forced_bos_token_id=LANGS[tgt], output_scores=True, return_dict_in_generate=True)
+    [res] = eng.generate(text, num_beams=4, max_new_tokens=MAX_NEW, src_lang="eng_Latn", tgt_lang=tgt)
+    assert res.hypotheses[0].tokens[0] == LANGS[tgt]
+    assert res.hypotheses[0].tokens == out.sequences[0, 1:].tolist()
+    np.testing.assert_allclose(res.hypotheses[0].score, out.sequences_scores[0].item(), atol=1e-4)
+    *_, last = eng.stream(text, num_beams=4, max_new_tokens=MAX_NEW, src_lang="eng_Latn", tgt_lang=tgt)
+    assert last.result.hypotheses[0].tokens == res.hypotheses[0].tokens
+
+
+def test_language_errors_name_the_codes(encdec, exported):
+    eng = Engine(encdec("nllb")[0])
+    codes = "deu_Latn, eng_Latn, fra_Latn"
+    with pytest.raises(ValueError, match=f"unknown tgt_lang 'spa_Latn'; this model's language codes: {codes}$"):
+        eng.generate("hello", src_lang="eng_Latn", tgt_lang="spa_Latn")
+    with pytest.raises(ValueError, match=f"unknown src_lang 'en'; this model's language codes: {codes}$"):
+        eng.generate("hello", src_lang="en")
+    with pytest.raises(ValueError, match=rf"this model translates between languages: pass src_lang \(one of {codes}\)"):
+        eng.generate("hello")
+    assert eng.encode([5, 6]) == [5, 6]           # token ids are taken as they are
+    with pytest.raises(ValueError, match="tgt_lang='de': this model has no language codes"):
+        Engine(encdec("marian")[0]).generate("hello", tgt_lang="de")
+    with pytest.raises(ValueError, match="src_lang is for encoder-decoder models"):
+        Engine(exported("llama")).generate("hello", src_lang="eng_Latn")
+
+
+def test_sentencepiece_marian_folder_end_to_end(encdec):
+    """An Opus-MT-style folder (source.spm, target.spm, vocab.json; no tokenizer.json) exports; text sources
+    encode as MarianTokenizer does and translate as transformers does."""
+    import torch
+    import transformers as tf
+
+    folder, model = encdec("marian", spm=True)
+    cfg = json.loads((folder / "specbeam_config.json").read_text())
+    assert cfg["encoder_decoder"]["source_tokenizer"] == "source_tokenizer.json"
+    slow = tf.MarianTokenizer.from_pretrained(str(folder.parent / "hf"))
+    eng = Engine(folder)
+    for text in ("the quick brown fox", "hello world, 42 numbers!"):
+        ids = slow(text)["input_ids"]
+        assert eng.encode(text) == ids
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), do_sample=False, num_beams=4, max_new_tokens=MAX_NEW)
+        [res] = eng.generate(text, num_beams=4, max_new_tokens=MAX_NEW)
+        assert res.hypotheses[0].tokens == out[0, 1:].tolist()
+        assert res.hypotheses[0].text == slow.decode(out[0], skip_special_tokens=True)
+
+
+def test_sentencepiece_m2m100_languages_match_transformers(encdec):
+    import torch
+    import transformers as tf
+
+    folder, model = encdec("m2m100", spm=True)
+    eng = Engine(folder)
+    slow = tf.M2M100Tokenizer.from_pretrained(str(folder.parent / "hf"), src_lang="de")
+    text = "der schnelle braune Fuchs"
+    ids = slow(text)["input_ids"]
+    assert eng.encode(text, src_lang="de") == ids
+    for tgt in ("en", "ru"):
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), do_sample=False, num_beams=2, max_new_tokens=MAX_NEW,
+                                 forced_bos_token_id=slow.get_lang_id(tgt))
+        [res] = eng.generate(text, num_beams=2, max_new_tokens=MAX_NEW, src_lang="de", tgt_lang=tgt)
+        assert res.hypotheses[0].tokens == out[0, 1:].tolist()
