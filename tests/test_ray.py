@@ -49,6 +49,13 @@ def test_inputs_file_folder_and_glob(tmp_path, monkeypatch):
         input_files("nope.txt")
 
 
+def test_ray_is_imported_only_by_the_ray_engine_when_it_runs():
+    code = ("import sys, specbeam_edge, specbeam_edge.generate, apps.translate.__main__ as m; m.build_parser(); "
+            "print(sorted(k for k in sys.modules if k == 'ray' or k.startswith('ray.')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 # -- on a local Ray cluster --------------------------------------------------------------------------------------
 ray = pytest.importorskip("ray")
 
@@ -121,6 +128,10 @@ def test_ray_output_is_byte_identical_to_single_process(cluster, pair, job, tmp_
     assert (tmp_path / "outdir" / "a.txt").read_bytes() == b"\n".join(want[:90]) + b"\n"
     assert (tmp_path / "outdir" / "sub" / "b.txt").read_bytes() == b"\n".join(want[90:130]) + b"\n"
     assert "a.txt: line 71: 121 tokens" in capsys.readouterr().err
+    # --on_error fail: the shard holding the bad line stops the run; the shards done before it stay committed.
+    assert main(ray_args(pair, inp, tmp_path / "fail.txt", "--on_error", "fail")) == 1
+    assert "stopping (--on_error fail); finished shards are kept" in capsys.readouterr().err
+    assert not (tmp_path / "fail.txt").exists()
 
 
 def worker_pids() -> list[int]:
@@ -166,6 +177,8 @@ def test_driver_killed_then_resume_redoes_only_unfinished_shards(cluster, pair, 
     assert 2 <= done < 8 and not out.exists()
     assert main(ray_args(pair, inp, out)) == 2          # without --resume: refused, nothing lost
     assert f"holds {done} finished shard(s) of an interrupted run; pass --resume" in capsys.readouterr().err
+    assert main(ray_args(pair, inp, out, "--resume", "--shard_lines", "50")) == 2     # another shard plan
+    assert "was written with other settings (shard_lines: 63 -> 50)" in capsys.readouterr().err
     assert main(ray_args(pair, inp, out, "--resume")) == 0
     err = capsys.readouterr().err
     assert f"resuming, {done} of 8 shards already done" in err
