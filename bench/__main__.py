@@ -22,7 +22,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scenario", default="e2e,batch,cost,peers,sampling,synthetic,offload",
-                    help="comma list of: e2e, batch, cost, peers, sampling, synthetic, offload")
+                    help="comma list of: e2e, batch, cost, peers, sampling, synthetic, offload, ray_scale "
+                         "(ray_scale is not in the default: it needs the ray extra)")
     ap.add_argument("--pair", default=str(ROOT / "models" / "ende"), help="pair folder (target/, draft/, hf/)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"), help="output folder for JSON and PNG")
     ap.add_argument("--quick", action="store_true", help="fewer prompts and settings (a smoke run)")
@@ -113,6 +114,14 @@ def main(argv=None) -> int:
             offload.plot(data, out / "offload.png")
             print(common.table(data["scale"]["rows"], offload.SCALE_COLS))
             print(common.table(data["rows"], COLS["offload"]))
+        elif sc == "ray_scale":
+            from . import ray_scale
+
+            data = ray_scale.bench(pair, n_lines=48 if args.quick else 96, max_new=32 if args.quick else 48)
+            data["machine"] = info
+            common.write(out, "ray_scale", data)
+            print(common.table(data["rows"], COLS["ray_scale"]))
+            print(f"overhead at equal cores (1 - ray/local): {data['overhead_at_equal_cores']}\n{data['estimate']}")
         else:
             ap.error(f"unknown scenario {sc!r}")
     if out.resolve() == (ROOT / "bench" / "results").resolve():

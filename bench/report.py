@@ -19,6 +19,7 @@ COLS = {
                   "plain_s", "spec_s"],
     "offload": ["K", "draft", "drafter", "budget", "max_depth", "speedup", "bspp", "bytes_moved_per_pass",
                 "load_ms_per_pass", "wait_ms_per_pass", "compute_ms_per_pass", "identical", "of"],
+    "ray_scale": ["engine", "cores", "actors", "lines", "shards", "lines_s", "wall_s", "identical"],
 }
 TITLES = {
     "e2e": "Shipped en->de pair: exact speculative vs plain beam search (same runtime, A/B alternated)",
@@ -28,6 +29,7 @@ TITLES = {
     "sampling": "Speculative beam sampling (DSBD) vs plain beam sampling on the shipped pair",
     "synthetic": "Realistic scale: random large target, synthetic drafter with controlled acceptance",
     "offload": "Target streamed from disk under a memory budget (same placement for both arms)",
+    "ray_scale": "Scale-out on Ray: translate --engine ray with 1 and 2 actors vs the single-process tool",
 }
 
 
@@ -35,7 +37,7 @@ def render(results: Path, readme: Path, command: str) -> None:
     out = ["# Benchmarks", "",
            "Every figure below was measured by one run of the command shown, on the machine named with it. "
            "Ratios are medians over alternated runs (A B A B) inside that run; absolute times vary with load.", ""]
-    for name in ("e2e", "batch", "peers", "cost", "sampling", "synthetic", "offload"):
+    for name in ("e2e", "batch", "peers", "cost", "sampling", "synthetic", "offload", "ray_scale"):
         path = results / f"{name}.json"
         if not path.exists():
             continue
@@ -78,6 +80,13 @@ def render(results: Path, readme: Path, command: str) -> None:
                     f"(the plain run's next beams with a per-level acceptance, as many decoys as beams per level, "
                     f"every node scored by a resident 1-layer draft). Pass time by tree size (ms): "
                     f"{sc['pass_ms_by_tree_size']}.", "", table_md(sc["rows"], SCALE_COLS), ""]
+        if name == "ray_scale":
+            out += [f"{d['rows'][0]['lines']} lines of the shipped test sample, up to {d['max_new_tokens']} new "
+                    f"tokens, shards of {d['shard_lines']} lines. lines_s is the tool's own summary (translation "
+                    f"only); wall_s includes model loading and, for Ray, starting a local instance. Overhead of the "
+                    f"Ray path at equal cores (1 - ray/local): {d['overhead_at_equal_cores']}; per-actor rate "
+                    f"{d['per_actor_lines_s']} lines/s, 1 -> 2 actors efficiency {d['scaling_1_to_2']}.", "",
+                    f"Estimate: {d['estimate']}", ""]
         if (results / f"{name}.png").exists():
             out += [f"![{name}](results/{name}.png)", ""]
     readme.write_text("\n".join(out))
