@@ -94,11 +94,13 @@ def cuda_session(path: Path, so: ort.SessionOptions, providers) -> ort.Inference
             f"both packages install the module onnxruntime, so never keep both)")
     options = next((dict(p[1]) for p in providers if isinstance(p, tuple) and p[0] == CUDA), {})
     so.add_session_config_entry(FALLBACK_KEY, "1")
-    # the CPU provider stays out of the list: onnxruntime refuses an explicit CPU entry with fallback disabled
+    # the CPU provider stays out of the list: onnxruntime refuses an explicit CPU entry with fallback disabled;
+    # enable_fallback 0: onnxruntime's Python wrapper would otherwise retry a failed CUDA provider on the CPU
     try:
-        sess = ort.InferenceSession(str(path), so, providers=[CUDA], provider_options=[{**CUDA_OPTIONS, **options}])
+        sess = ort.InferenceSession(str(path), so, providers=[CUDA], provider_options=[{**CUDA_OPTIONS, **options}],
+                                    enable_fallback=0)
     except Exception as e:  # onnxruntime raises its own Fail type
-        if _REFUSAL not in str(e):
+        if _REFUSAL not in f"{e} {e.__cause__}":
             raise
         raise ProviderError(explain(path, *node_placements(path))) from None
     if sess.get_providers()[0] != CUDA:   # a provider that failed to load is replaced without an error

@@ -70,6 +70,7 @@ def test_placement_log_is_read_back_from_this_onnxruntime(graph):
     assert "All nodes placed on [CPUExecutionProvider]. Number of nodes: 4" in log
 
 
+@pytest.mark.filterwarnings("ignore:Specified provider 'CUDAExecutionProvider'")
 def test_cuda_session_refuses_graph_with_op_without_cuda_kernel(graph, cuda_listed, monkeypatch):
     monkeypatch.setattr(P, "node_placements", lambda path: (P.parse_placements(MIXED_LOG), MIXED_LOG))
     monkeypatch.setattr(P, "installed_onnxruntime", lambda: "onnxruntime-gpu 1.31.1")
@@ -129,20 +130,21 @@ def test_cuda_without_the_gpu_build_says_what_to_install(graph):
 
 def test_cuda_session_options(graph, cuda_listed, monkeypatch):
     """Fallback disabled, the CPU provider left out of the list (onnxruntime refuses it then), full-fp32 matmuls,
-    and the caller's own CUDA options on top."""
+    the caller's own CUDA options on top, and no retry on the CPU by onnxruntime's Python wrapper."""
     seen = {}
 
     class Session:
-        def __init__(self, path, so, providers, provider_options):
+        def __init__(self, path, so, providers, provider_options, **kwargs):
             seen.update(fallback=so.get_session_config_entry(P.FALLBACK_KEY), providers=providers,
-                         options=provider_options)
+                         options=provider_options, **kwargs)
 
         def get_providers(self):
             return [P.CUDA, P.CPU]
 
     monkeypatch.setattr(ort, "InferenceSession", Session)
     _session(graph, 1, [(P.CUDA, {"device_id": "1"}), P.CPU])
-    assert seen == {"fallback": "1", "providers": [P.CUDA], "options": [{"device_id": "1", "use_tf32": "0"}]}
+    assert seen == {"fallback": "1", "providers": [P.CUDA], "options": [{"device_id": "1", "use_tf32": "0"}],
+                    "enable_fallback": 0}
 
 
 def test_provider_from_environment(monkeypatch):
