@@ -81,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max_decoding_length", type=positive_int, default=200, help="maximum generated tokens per line")
     ap.add_argument("--max_input_length", type=positive_int, default=256,
                     help="longer source lines (tokens) are errors")
+    ap.add_argument("--src_lang", default=None,
+                    help="source language code of an NLLB/M2M100 model (e.g. eng_Latn, en): put into every source")
+    ap.add_argument("--tgt_lang", default=None,
+                    help="target language code of an NLLB/M2M100 model (e.g. deu_Latn, de): the forced first token "
+                         "(default: the model's forced_bos_token_id)")
     ap.add_argument("--length_penalty", type=finite_float, default=None,
                     help="score = sum logp / length ** this (default: the model's)")
     ap.add_argument("--on_error", choices=("skip", "copy", "fail"), default="skip",
@@ -184,7 +189,8 @@ def settings(args, generation) -> dict:
     gen["eos_token_id"] = list(gen["eos_token_id"]) if isinstance(gen["eos_token_id"], tuple) else gen["eos_token_id"]
     return {"model": str(Path(args.model).resolve()), "model_config_sha256": hashlib.sha256(cfg).hexdigest(),
             "generation": gen, "with_score": args.with_score, "max_input_length": args.max_input_length,
-            "on_error": args.on_error}
+            "on_error": args.on_error,
+            **({"languages": [args.src_lang, args.tgt_lang]} if args.src_lang or args.tgt_lang else {})}
 
 
 class InOrder:
@@ -223,7 +229,7 @@ def prepare(args, engine, lines: list[bytes], first: int = 0, report=report_line
             n_src = len(tok.encode(text))
             if n_src > args.max_input_length:
                 raise LineError(f"{n_src} tokens, over --max_input_length {args.max_input_length}")
-            ids = engine.encode(tok.format_prompt(text))
+            ids = engine.encode(tok.format_prompt(text), src_lang=args.src_lang)
             if len(ids) + 1 >= ctx:
                 raise LineError(f"{len(ids)} prompt tokens, over the model's context {ctx}")
             items.append((i, ids))
@@ -244,7 +250,7 @@ def translate(args, engine, todo, on_line, progress):
 
     total = Stats()
     by_tokens = args.batch_type == "tokens"
-    results = engine.generate_iter([ids for _, ids in todo], speculative=speculation(args),
+    results = engine.generate_iter([ids for _, ids in todo], speculative=speculation(args), tgt_lang=args.tgt_lang,
                                    max_batch_size=args.batch_size if not by_tokens else max(1, len(todo)),
                                    max_batch_tokens=args.batch_size if by_tokens else None,
                                    **generation_overrides(args))
