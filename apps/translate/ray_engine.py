@@ -264,15 +264,12 @@ class Job:
 
         if len(self.todo) < len(self.shards):
             self.say(f"resuming, {len(self.shards) - len(self.todo)} of {len(self.shards)} shards already done")
-        stats, t0 = Stats(), time.time()
+        stats = Stats()
         try:
-            if self.todo:
-                ok, t0 = self.translate(stats)
-                if not ok:
-                    return 1
+            if self.todo and not self.translate(stats):
+                return 1
         finally:
             self.manifest.close()
-        stats.seconds = time.time() - t0
         self.assemble()
         if not self.args.quiet:
             from .__main__ import summary
@@ -284,16 +281,18 @@ class Job:
             print(json.dumps(stats.as_dict()), file=sys.stderr)
         return 0
 
-    def translate(self, stats) -> tuple[bool, float]:
-        """Start the cluster and the actors, translate every shard still to do; (all done?, start time)."""
+    def translate(self, stats) -> bool:
+        """Start the cluster and the actors, translate every shard still to do; False if any shard failed."""
         import ray
 
         started = connect(self.args)
         actors = []
         try:
             actors = self.start_actors()
-            t0 = time.time()        # lines/s counts translation, not cluster start or model loading
-            return self.schedule(actors, stats), t0
+            t0 = time.time()        # stats.seconds counts translation, not cluster start/stop or model loading
+            ok = self.schedule(actors, stats)
+            stats.seconds = time.time() - t0
+            return ok
         finally:
             for a in actors:
                 ray.kill(a)
