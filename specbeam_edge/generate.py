@@ -161,8 +161,10 @@ class Engine:
                               "per pass, so tree passes round differently from single passes; speculative output "
                               "can differ from plain beam search beyond near-ties. Use an fp32/fp16 (or split "
                               "int8) export for exact results.", stacklevel=4)
-        if gen.do_sample and source is not None:
-            raise ValueError("do_sample=True is not supported for encoder-decoder models yet; use beam search")
+        extra = {}
+        if source is not None:    # the decoder start is the prompt; a forced BOS counts as generated
+            extra = dict(prompt_len=1, static=static, process=logits_processor(
+                self.encoder.suppressed, self.encoder.forced_eos, 1 + max_new))
         if gen.do_sample:
             topk = [str(m.folder) for m in (self.target, self.draft if use_draft else None)
                     if m is not None and m.cfg.output == "topk"]
@@ -174,7 +176,7 @@ class Engine:
             return SamplingSearch(ids, self.target, self.draft if use_draft else None, num_beams=gen.num_beams,
                                   max_new_tokens=max_new, eos=eos, min_new_tokens=gen.min_new_tokens,
                                   temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p, seed=gen.seed,
-                                  spec=spec if use_draft else None)
+                                  spec=spec if use_draft else None, **extra)
         grow = chooser = None
         if use_draft:
             if spec.budget == "auto":
@@ -189,10 +191,6 @@ class Engine:
             chooser = self._chooser(gen, spec) if spec.adaptive and drafter is None else None
         # a top-k head returns each node's best log-probs only: 2K + #EOS + 1 per beam always hold the 2K
         # candidates beam search keeps, even with EOS masked by min_new_tokens
-        extra = {}
-        if source is not None:    # the decoder start is the prompt; a forced BOS counts as generated
-            extra = dict(prompt_len=1, static=static, process=logits_processor(
-                self.encoder.suppressed, self.encoder.forced_eos, 1 + max_new))
         n_banned = len(self.encoder.suppressed) if source is not None else 0
         topk = 2 * gen.num_beams + len(eos) + 1 + n_banned if self.target.cfg.output == "topk" else None
         return ExactSearch(ids, self.target, self.draft, num_beams=gen.num_beams, max_new_tokens=max_new, eos=eos,

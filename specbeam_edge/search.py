@@ -148,15 +148,21 @@ class ExactSearch:
 
 class SamplingSearch:
     """Beam sampling (spec None) or speculative beam sampling with dynamic width (DSBD, DESIGN section 8).
-    The request's own seeded generator makes its output independent of the requests it shares passes with."""
+    The request's own seeded generator makes its output independent of the requests it shares passes with.
+    Encoder-decoder requests: prompt_len/static/process as in ExactSearch; `process` applies to the target's
+    and the draft's log-probs as they are stored, so scores, p and q all see the banned pad and forced EOS."""
 
     def __init__(self, ids: list[int], target_lm, draft_lm, *, num_beams: int, max_new_tokens: int, eos,
-                 min_new_tokens: int, temperature: float, top_k, top_p, seed, spec=None):
+                 min_new_tokens: int, temperature: float, top_k, top_p, seed, spec=None,
+                 prompt_len: int | None = None, static=None, process=None):
         self.tree = tree = TokenTree()
         self.P = len(ids)
-        self.st = SampleState(tree, tree.add_chain(ids)[-1], prompt_len=self.P, max_new_tokens=max_new_tokens,
+        self.st = SampleState(tree, tree.add_chain(ids)[-1], max_new_tokens=max_new_tokens,
+                              prompt_len=self.P if prompt_len is None else prompt_len,
                               eos=eos, min_new_tokens=min_new_tokens, temperature=temperature, top_k=top_k,
                               top_p=top_p)
+        self.st.cur_len = self.P        # a forced BOS after the prompt counts as generated
+        self.static, self.process = static, process
         self.target = TreeCache(target_lm, tree)
         self.draft = TreeCache(draft_lm, tree) if spec else None
         self.spec, self.K = spec, num_beams
@@ -175,12 +181,19 @@ class SamplingSearch:
         new = cache.missing_ancestors(nodes)
         if new:
             lp = log_softmax((yield ScoreCall(cache, new)))
-            rows.update({n: lp[j] for j, n in enumerate(new) if self.tree.depth(n) >= self.P - 1})
+            for j, n in enumerate(new):
+                d = self.tree.depth(n)
+                if d >= self.P - 1:     # the row of a node at depth d predicts the token at length d + 1
+                    rows[n] = lp[j] if self.process is None else self.process(lp[j:j + 1], d + 1)[0]
         return len(new)
 
     def run(self):
         st, stats, spec, rng = self.st, self.stats, self.spec, self.rng
         t0 = time.perf_counter()
+        if self.static is not None:
+            self.target.static, draft_static = self.static(self.draft is not None)
+            if self.draft is not None:
+                self.draft.static = draft_static
         while not st.done:
             levels = yield from self._grow()
             # 2. one target pass over the pending beams and every drafted node

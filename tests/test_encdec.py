@@ -234,10 +234,36 @@ def test_text_source_ends_in_eos(peers):
     assert res.hypotheses[0].tokens == engine.generate(ids, num_beams=2, max_new_tokens=5)[0].hypotheses[0].tokens
 
 
-def test_sampling_refused_for_encoder_decoder(peers):
-    _, engine, _ = peers("marian")
-    with pytest.raises(ValueError, match="do_sample=True is not supported for encoder-decoder models yet"):
-        engine.generate([5, 0], do_sample=True, num_beams=1)
+DSBD = SpeculativeConfig(drafter="sample", max_depth=3, draft_width=4, width_threshold=0.5, min_num_beams=1)
+
+
+@pytest.mark.parametrize("kind", ["marian", "nllb"])
+@pytest.mark.parametrize("spec", [None, DSBD], ids=["beam_sampling", "dsbd"])
+def test_sampling_batched_equals_alone(encdec, kind, spec):
+    """Beam sampling and DSBD (an unrelated draft) on encoder-decoder models: seeded output of a request in a
+    batch == alone; the forced BOS leads, pad never appears (bad_words_ids), EOS is forced at max length."""
+    target, _ = encdec(kind)
+    draft, _ = encdec(kind, seed=11, decoder_layers=1, encoder_layers=1)
+    eng = Engine(target, draft=draft)
+    kw = dict(num_beams=2, max_new_tokens=8, do_sample=True, seed=7, num_return_sequences=2, speculative=spec,
+              temperature=1.5)
+    sources = SOURCES[kind] + [s[:3] + s[-1:] for s in SOURCES[kind]]
+    alone = [eng.generate(s, **kw)[0] for s in sources]
+    together = eng.generate(sources, max_batch_size=4, **kw)
+    for a, b in zip(alone, together):
+        assert [h.tokens for h in a.hypotheses] == [h.tokens for h in b.hypotheses]
+        np.testing.assert_allclose([h.score for h in a.hypotheses], [h.score for h in b.hypotheses], atol=1e-5)
+    assert max(max(r.stats.batch_sizes) for r in together) > 1
+    if spec is not None:
+        assert sum(r.stats.draft_tokens_accepted for r in alone) > 0
+    hyps = [h.tokens for r in alone for h in r.hypotheses]
+    assert all(PAD not in t for t in hyps) and len({tuple(t) for t in hyps}) > 2     # really sampled
+    if kind == "marian":        # forced EOS 0: every hypothesis ends in it, at max length at the latest
+        assert all(t[-1] == 0 and len(t) <= 8 for t in hyps)
+    else:
+        assert all(t[0] == LANGS["deu_Latn"] for t in hyps)
+        [res] = eng.generate(SOURCES[kind][0], tgt_lang="fra_Latn", **kw)
+        assert all(h.tokens[0] == LANGS["fra_Latn"] for h in res.hypotheses)
 
 
 # -- language codes (NLLB / M2M100) and SentencePiece folders ------------------------------------------------
