@@ -2,6 +2,7 @@
 CTranslate2's Generator.generate_batch(beam_size=K) on the target converted with its own converter (int8)."""
 from __future__ import annotations
 
+import json
 import sys
 import tempfile
 import time
@@ -98,3 +99,127 @@ def plot(data: dict, path: Path):
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# -- encoder-decoder: a random Marian at Opus-MT base shapes vs CTranslate2's Translator on the same weights --
+OPUS_MT_BASE = dict(vocab_size=58101, d_model=512, encoder_layers=6, decoder_layers=6, encoder_attention_heads=8,
+                    decoder_attention_heads=8, encoder_ffn_dim=2048, decoder_ffn_dim=2048,
+                    max_position_embeddings=512, activation_function="swish", scale_embedding=True,
+                    share_encoder_decoder_embeddings=True, pad_token_id=58100, eos_token_id=0,
+                    decoder_start_token_id=58100, forced_eos_token_id=0)
+
+
+def make_marian(folder: Path, seed: int = 0) -> Path:
+    """A random-weight MarianMTModel with Opus-MT base shapes (opus-mt-en-de: 6+6 layers, d_model 512, vocab
+    58101, </s> 0, <unk> 1, <pad> last) and a word-level tokenizer over that vocabulary (CTranslate2's converter
+    reads the vocabulary from the tokenizer); returns the folder (kept between runs)."""
+    if (folder / "config.json").is_file():
+        return folder
+    import torch
+    import transformers as tf
+    from tokenizers import Tokenizer, models
+
+    torch.manual_seed(seed)
+    cfg = tf.MarianConfig(**OPUS_MT_BASE)
+    cfg.architectures = ["MarianMTModel"]
+    model = tf.MarianMTModel(cfg).eval()           # transformers' own init (normal, std 0.02)
+    model.save_pretrained(folder)
+    tf.GenerationConfig(eos_token_id=0, pad_token_id=58100, decoder_start_token_id=58100, forced_eos_token_id=0,
+                        bad_words_ids=[[58100]]).save_pretrained(folder)
+    words = ["</s>", "<unk>"] + [f"w{i}" for i in range(2, 58100)] + ["<pad>"]
+    Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>")).save(
+        str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "</s>", "unk_token": "<unk>",
+        "pad_token": "<pad>"}))
+    return folder
+
+
+def _sources(n: int, seed: int = 0) -> list[list[int]]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [rng.integers(2, 58100, int(rng.integers(8, 40))).tolist() + [0] for _ in range(n)]
+
+
+def _ours_encdec(engine, sources, K, length, batch, spec=None):
+    """(tokens/s, top hypotheses without EOS, beam steps per target pass); `length` tokens then the forced EOS."""
+    t0 = time.perf_counter()
+    res = engine.generate(sources, num_beams=K, max_new_tokens=length + 1, max_batch_size=batch, speculative=spec)
+    dt = time.perf_counter() - t0
+    tops = [[t for t in r.hypotheses[0].tokens if t != 0] for r in res]
+    steps = sum(r.stats.beam_steps for r in res) / max(1, sum(r.stats.target_passes for r in res))
+    return sum(map(len, tops)) / dt, tops, steps
+
+
+def _ct2_encdec(hf: Path, work: Path, sources, K, length, batch, quantization, threads):
+    import ctranslate2
+    from ctranslate2.converters import TransformersConverter
+
+    out = work / f"ct2_{quantization}"
+    if not (out / "model.bin").is_file():
+        TransformersConverter(str(hf)).convert(str(out), quantization=quantization, force=True)
+    tr = ctranslate2.Translator(str(out), device="cpu", intra_threads=threads, inter_threads=1)
+    toks = [["</s>" if i == 0 else f"w{i}" for i in s] for s in sources]
+    tr.translate_batch(toks[:2], beam_size=K, max_decoding_length=4)          # warm-up
+    t0 = time.perf_counter()
+    res = tr.translate_batch(toks, beam_size=K, max_decoding_length=length, max_batch_size=batch)
+    dt = time.perf_counter() - t0
+    tops = [r.hypotheses[0] for r in res]
+    tops = [[0 if t == "</s>" else int(t[1:]) for t in h if t != "</s>"] for h in tops]
+    return sum(map(len, tops)) / dt, tops
+
+
+def bench_encdec(work: Path, *, K: int = 4, n: int = 16, length: int = 48, batches=(1, 4, 16), threads: int = 2,
+                 out=sys.stderr) -> dict:
+    """tokens/s of beam search (K) on a random Opus-MT-base Marian: specbeam fp32 and int8 (plain, and
+    speculative with the int8 export drafting for the fp32 one) against CTranslate2 int8 and float32, at batch
+    1 and each size in `batches`; plus how many top hypotheses agree with CTranslate2 float32 (same weights)."""
+    from export.core import export
+
+    work.mkdir(parents=True, exist_ok=True)
+    hf = make_marian(work / "hf")
+    sb = {p: work / f"sb_{p}" for p in ("fp32", "int8")}
+    for p, d in sb.items():
+        if not (d / "specbeam_config.json").is_file():
+            export(hf, d, precision=p, quiet=True)
+    sources = _sources(n)
+    rows, tops, steps = {}, {}, {}
+    for p in ("fp32", "int8"):
+        eng = Engine(sb[p], threads=threads)
+        eng.generate(sources[:2], num_beams=K, max_new_tokens=4)                # warm-up
+        for b in batches:
+            rows[f"specbeam {p} b{b}"], tops[f"specbeam {p} b{b}"], _ = _ours_encdec(eng, sources, K, length, b)
+    eng = Engine(sb["fp32"], draft=sb["int8"], threads=threads)
+    spec = SpeculativeConfig(drafter="beam", budget=32, max_depth=4, adaptive=False)
+    for b in (1, max(batches)):
+        name = f"specbeam fp32 + int8 draft b{b}"
+        rows[name], tops[name], steps[name] = _ours_encdec(eng, sources, K, length, b, spec)
+    for q in ("int8", "float32"):
+        for b in batches:
+            rows[f"ctranslate2 {q} b{b}"], tops[f"ctranslate2 {q} b{b}"] = _ct2_encdec(
+                hf, work, sources, K, length, b, q, threads)
+    ref = tops[f"ctranslate2 float32 b{batches[0]}"]
+    agree = {k: sum(a == r for a, r in zip(v, ref)) for k, v in tops.items()}
+    for k, v in rows.items():
+        print(f"{k:34s} {v:8.1f} tok/s   top-1 == ct2 float32: {agree[k]}/{n}", file=out)
+    best = {name: max(v for k, v in rows.items() if k.startswith(name + " b"))
+            for name in ("specbeam fp32", "specbeam int8", "ctranslate2 int8", "ctranslate2 float32")}
+    return {"K": K, "sentences": n, "length": length, "threads": threads, "shapes": OPUS_MT_BASE,
+            "tokens_per_second": {k: round(v, 1) for k, v in rows.items()},
+            "best_batch_tokens_per_second": {k: round(v, 1) for k, v in best.items()},
+            "beam_steps_per_pass": {k: round(v, 2) for k, v in steps.items()},
+            "top1_agrees_with_ct2_float32": agree}
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="encoder-decoder peers: random Opus-MT-base Marian, specbeam vs "
+                                             "CTranslate2 on the same weights")
+    ap.add_argument("--work", required=True, help="folder for the model, its exports and conversions (kept)")
+    ap.add_argument("--sentences", type=int, default=16)
+    ap.add_argument("--length", type=int, default=48, help="generated tokens per sentence")
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+    print(json.dumps(bench_encdec(Path(a.work), n=a.sentences, length=a.length, threads=a.threads), indent=1))
