@@ -56,7 +56,10 @@ def make_encdec_model(folder: Path, kind: str = "marian", *, seed: int = 0, std:
         forced_eos_token_id=getattr(cfg, "forced_eos_token_id", None), **gen)
     model.generation_config.save_pretrained(folder)
     if spm:
-        write_marian_spm(folder) if kind == "marian" else write_m2m100_spm(folder)
+        if kind == "marian":
+            write_marian_spm(folder, separate=not cfg.share_encoder_decoder_embeddings)
+        else:
+            write_m2m100_spm(folder)
     elif kind == "nllb":
         from tokenizers import Tokenizer
 

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from encdec_models import LANGS, PAD, make_encdec_model
+from encdec_models import LANGS, PAD, VOCAB, make_encdec_model
 from export.core import export
 from specbeam_edge import Engine, SpeculativeConfig
 from specbeam_edge.config import ModelFolderError
@@ -305,13 +305,16 @@ def test_language_errors_name_the_codes(encdec, exported):
         Engine(exported("llama")).generate("hello", src_lang="eng_Latn")
 
 
-def test_sentencepiece_marian_folder_end_to_end(encdec):
-    """An Opus-MT-style folder (source.spm, target.spm, vocab.json; no tokenizer.json) exports; text sources
-    encode as MarianTokenizer does and translate as transformers does."""
+@pytest.mark.parametrize("shared", [True, False])
+def test_sentencepiece_marian_folder_end_to_end(encdec, shared):
+    """An Opus-MT-style folder (source.spm, target.spm, vocab.json and, with separate vocabularies,
+    target_vocab.json; no tokenizer.json) exports; text sources encode as MarianTokenizer does and translate as
+    transformers does."""
     import torch
     import transformers as tf
 
-    folder, model = encdec("marian", spm=True)
+    kw = {} if shared else dict(share_encoder_decoder_embeddings=False, decoder_vocab_size=VOCAB)
+    folder, model = encdec("marian", spm=True, **kw)
     cfg = json.loads((folder / "specbeam_config.json").read_text())
     assert cfg["encoder_decoder"]["source_tokenizer"] == "source_tokenizer.json"
     slow = tf.MarianTokenizer.from_pretrained(str(folder.parent / "hf"))
