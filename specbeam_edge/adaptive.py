@@ -21,11 +21,21 @@ class PassChooser:
         self.interval = probe_every
         self.next_probe = None
         self.probing = False
+        self._pass: tuple[object, bool] | None = None   # (pass id, choice): one choice per shared pass
 
     def best(self) -> bool:
         return self.rate[True] <= self.rate[False]
 
-    def choose(self) -> bool:
+    def choose(self, pass_id=None) -> bool:
+        """Speculate on this pass? Requests that share a target pass (the same pass_id) get the same answer:
+        a batch drafts together or not at all, so each arm's timing is that of a whole pass."""
+        if pass_id is not None and self._pass is not None and self._pass[0] == pass_id:
+            return self._pass[1]
+        choice = self._choose()
+        self._pass = (pass_id, choice) if pass_id is not None else None
+        return choice
+
+    def _choose(self) -> bool:
         self.passes += 1
         for arm in (True, False):
             if self.count[arm] < self.warmup:

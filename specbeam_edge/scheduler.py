@@ -39,6 +39,7 @@ class Scheduler:
             raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
         self.target = target
         self.max_batch_size, self.max_batch_tokens = max_batch_size, max_batch_tokens
+        self.target_passes = 0
 
     def run(self, jobs: Iterable[Job]) -> Iterator[tuple[object, Progress, bool]]:
         """Yields (tag, progress, finished) after every target pass of every request; finished=True once per
@@ -51,6 +52,7 @@ class Scheduler:
             while nxt is not None and len(running) < self.max_batch_size and (
                     not running or self.max_batch_tokens is None or tokens + nxt.tokens <= self.max_batch_tokens):
                 r = _Running(nxt, nxt.search.run())
+                nxt.search.pass_id = (id(self), self.target_passes)   # it joins the next shared pass
                 tokens += nxt.tokens
                 nxt = next(queue, None)
                 yield from self._advance(r, None, running)
@@ -62,9 +64,11 @@ class Scheduler:
             group = [r for r in running if r.call.cache.model is model]
             outs = score_batch([r.call for r in group])
             n = len(running) if model is self.target else None
+            self.target_passes += n is not None
             for r, out in zip(group, outs):
                 if n is not None:
                     r.job.search.stats.batch_sizes.append(n)
+                    r.job.search.pass_id = (id(self), self.target_passes)   # the shared pass it starts next
                 yield from self._advance(r, out, running)
 
     def _advance(self, r: _Running, value, running: list[_Running]):

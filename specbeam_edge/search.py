@@ -63,6 +63,7 @@ class ExactSearch:
         self.static, self.process = static, process
         self.rows: dict[int, tuple[object, int]] = {}     # scored node -> (pass output, row)
         self.stats = Stats(prompt_tokens=self.P)
+        self.pass_id = None      # set by the scheduler: which shared target pass comes next
 
     @property
     def state(self) -> BeamSearch:
@@ -78,7 +79,7 @@ class ExactSearch:
                 self.draft.static = draft_static
         while not bs.done:
             tp = time.perf_counter()
-            speculate = self.grow is not None and (self.chooser is None or self.chooser.choose())
+            speculate = self.grow is not None and (self.chooser is None or self.chooser.choose(self.pass_id))
             steps0 = stats.beam_steps
             drafted = (yield from self._grow()) if speculate else []
             yield from self._score(drafted)
@@ -171,6 +172,7 @@ class SamplingSearch:
         self.t_rows: dict[int, np.ndarray] = {}
         self.d_rows: dict[int, np.ndarray] = {}
         self.stats = Stats(prompt_tokens=self.P)
+        self.pass_id = None      # set by the scheduler (unused: sampling has no adaptive chooser)
 
     @property
     def state(self) -> SampleState:

@@ -164,3 +164,24 @@ def test_threads_sharing_one_engine(models):
         t.join()
     for a, b in zip(ref, got):
         assert_same(a, b)
+
+
+def test_adaptive_requests_sharing_a_pass_make_one_choice(engine, monkeypatch):
+    """With adaptive speculation, a batch drafts together or not at all (so each arm's timing is a whole pass's),
+    and the outputs stay those of plain beam search."""
+    from specbeam_edge.adaptive import PassChooser
+
+    seen: dict = {}
+    real = PassChooser.choose
+
+    def spy(self, pass_id=None):
+        choice = real(self, pass_id)
+        seen.setdefault(pass_id, set()).add(choice)
+        return choice
+    monkeypatch.setattr(PassChooser, "choose", spy)
+    spec = SpeculativeConfig(drafter="beam", budget=16, max_depth=4, adaptive=True)
+    kw = dict(num_beams=2, max_new_tokens=MAX_NEW)
+    got = engine.generate(PROMPTS, max_batch_size=4, speculative=spec, **kw)
+    assert len(seen) > 3 and all(len(c) == 1 for c in seen.values()), seen
+    for a, b in zip(alone(engine, PROMPTS, **kw), got):
+        assert_same(a, b)
