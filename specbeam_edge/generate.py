@@ -177,10 +177,14 @@ class Engine:
                                   max_new_tokens=max_new, eos=eos, min_new_tokens=gen.min_new_tokens,
                                   temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p, seed=gen.seed,
                                   spec=spec if use_draft else None, **extra)
-        grow = chooser = None
+        grow = chooser = budget_for = None
         if use_draft:
             if spec.budget == "auto":
-                spec = replace(spec, budget=self.auto_budget(gen.num_beams, spec.auto_slack))
+                K, slack = gen.num_beams, spec.auto_slack
+                # the largest pass the cost curve affords at this load (K beams per running request), split over
+                # the requests sharing it: a busy batch drafts small trees, a lone request a big one
+                budget_for = lambda load: max(K, self.auto_budget(K * load, slack) // load)   # noqa: E731
+                spec = replace(spec, budget=budget_for(1))
             dctx = self.draft.cfg.context_length if self.draft is not None else ctx
             if drafter is not None:
                 grow = drafter
@@ -195,7 +199,8 @@ class Engine:
         topk = 2 * gen.num_beams + len(eos) + 1 + n_banned if self.target.cfg.output == "topk" else None
         return ExactSearch(ids, self.target, self.draft, num_beams=gen.num_beams, max_new_tokens=max_new, eos=eos,
                            length_penalty=gen.length_penalty, early_stopping=gen.early_stopping,
-                           min_new_tokens=gen.min_new_tokens, grow=grow, chooser=chooser, topk=topk, **extra)
+                           min_new_tokens=gen.min_new_tokens, grow=grow, chooser=chooser, topk=topk,
+                           budget_for=budget_for if drafter is None else None, **extra)
 
     def _statics(self, sources: list[list[int]], batch: int) -> list:
         """Per request, static(with_draft) -> (target's, draft's) encoder outputs, or None for decoder-only

@@ -53,6 +53,7 @@ class Scheduler:
                     not running or self.max_batch_tokens is None or tokens + nxt.tokens <= self.max_batch_tokens):
                 r = _Running(nxt, nxt.search.run())
                 nxt.search.pass_id = (id(self), self.target_passes)   # it joins the next shared pass
+                nxt.search.load = len(running) + 1
                 tokens += nxt.tokens
                 nxt = next(queue, None)
                 yield from self._advance(r, None, running)
@@ -69,6 +70,7 @@ class Scheduler:
                 if n is not None:
                     r.job.search.stats.batch_sizes.append(n)
                     r.job.search.pass_id = (id(self), self.target_passes)   # the shared pass it starts next
+                    r.job.search.load = n
                 yield from self._advance(r, out, running)
 
     def _advance(self, r: _Running, value, running: list[_Running]):

@@ -49,7 +49,8 @@ class ExactSearch:
 
     def __init__(self, ids: list[int], target_lm, draft_lm, *, num_beams: int, max_new_tokens: int, eos,
                  length_penalty: float, early_stopping, min_new_tokens: int, grow=None, chooser=None,
-                 topk: int | None = None, prompt_len: int | None = None, static=None, process=None):
+                 topk: int | None = None, prompt_len: int | None = None, static=None, process=None,
+                 budget_for=None):
         self.tree = TokenTree()
         self.P = len(ids)
         self.bs = BeamSearch(self.tree, self.tree.add_chain(ids)[-1], num_beams=num_beams,
@@ -64,6 +65,8 @@ class ExactSearch:
         self.rows: dict[int, tuple[object, int]] = {}     # scored node -> (pass output, row)
         self.stats = Stats(prompt_tokens=self.P)
         self.pass_id = None      # set by the scheduler: which shared target pass comes next
+        self.load = 1            # set by the scheduler: requests sharing that pass
+        self.budget_for = budget_for   # budget="auto": load -> this request's share of the pass's node budget
 
     @property
     def state(self) -> BeamSearch:
@@ -102,6 +105,8 @@ class ExactSearch:
     # 1. grow a draft tree below every running beam
     def _grow(self):
         stats, td, d0 = self.stats, time.perf_counter(), self.draft.passes
+        if self.budget_for is not None:
+            self.grow.budget = self.budget_for(self.load)
         drafted = yield from _grow(self.grow, self.draft, self.bs.running, list(self.bs.scores))
         stats.draft_passes += self.draft.passes - d0
         stats.draft_tokens_proposed += len(drafted)
@@ -172,7 +177,7 @@ class SamplingSearch:
         self.t_rows: dict[int, np.ndarray] = {}
         self.d_rows: dict[int, np.ndarray] = {}
         self.stats = Stats(prompt_tokens=self.P)
-        self.pass_id = None      # set by the scheduler (unused: sampling has no adaptive chooser)
+        self.pass_id, self.load = None, 1   # set by the scheduler (unused: sampling has no adaptive chooser)
 
     @property
     def state(self) -> SampleState:

@@ -185,3 +185,18 @@ def test_adaptive_requests_sharing_a_pass_make_one_choice(engine, monkeypatch):
     assert len(seen) > 3 and all(len(c) == 1 for c in seen.values()), seen
     for a, b in zip(alone(engine, PROMPTS, **kw), got):
         assert_same(a, b)
+
+
+def test_auto_budget_is_shared_by_the_batch(models):
+    """budget='auto': the pass's node budget comes from the cost curve at the batch's load and is split over
+    its requests (smaller trees per request in a busy batch); outputs stay those of plain beam search."""
+    eng = Engine(models["target"], draft=models["draft"])
+    eng._curve = {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.1, 16: 1.3, 32: 1.5, 64: 2.0, 128: 3.5, 256: 7.0}   # CPU-like
+    spec = SpeculativeConfig(drafter="beam", budget="auto", max_depth=4, draft_width=4, adaptive=False)
+    kw = dict(num_beams=2, max_new_tokens=MAX_NEW, speculative=spec)
+    ref = alone(eng, PROMPTS, **kw)
+    got = eng.generate(PROMPTS, max_batch_size=8, **kw)
+    for a, b in zip(ref, got):
+        assert_same(a, b)
+    per_pass = lambda rs: sum(r.stats.draft_tokens_proposed for r in rs) / sum(r.stats.target_passes for r in rs)  # noqa: E731
+    assert per_pass(got) < per_pass(ref)
