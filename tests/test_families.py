@@ -190,3 +190,24 @@ def test_config_records_layer_kinds(family):
     cfg = json.loads((family("smollm3")[0] / "specbeam_config.json").read_text())
     assert cfg["layer_rope"] == ["global", None, "global", None] and "sliding_window" not in cfg
     assert "key_position_ids" not in cfg["io"]["inputs"]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8", "int4"])
+def test_large_graph_layout_leaves_only_the_model(tmp_path, monkeypatch, precision):
+    """Graphs past protobuf's limit keep their tensors in model.onnx.data (quantized ones too); int8/int4 quantize a
+    temporary fp32 graph, whose .data file must not stay in the folder (it did: 1.7 GB of gemma-3-270m's 2.7 GB
+    int8 folder). Same logits either way."""
+    from export import core
+    from specbeam_edge.model import OnnxCausalLM
+
+    make_family_model(tmp_path / "hf", "qwen3")
+    small = export(tmp_path / "hf", tmp_path / "small", precision=precision, quiet=True)
+    monkeypatch.setattr(core, "EXTERNAL_DATA_BYTES", 0)          # every graph counts as large
+    big = export(tmp_path / "hf", tmp_path / "big", precision=precision, quiet=True)
+    files = sorted(p.name for p in big.iterdir())
+    onnx_files = [f for f in files if f.startswith("model")]
+    assert onnx_files == ["model.onnx", "model.onnx.data"], files
+    ids, pos = np.array([[5, 17, 33]]), np.arange(3)[None]
+    mask = np.tril(np.ones((3, 3), bool))[None, None]
+    outs = [OnnxCausalLM(f).forward(ids, pos, mask, OnnxCausalLM(f).empty_past())[0] for f in (small, big)]
+    np.testing.assert_array_equal(outs[0], outs[1])
