@@ -200,3 +200,15 @@ def test_auto_budget_is_shared_by_the_batch(models):
         assert_same(a, b)
     per_pass = lambda rs: sum(r.stats.draft_tokens_proposed for r in rs) / sum(r.stats.target_passes for r in rs)  # noqa: E731
     assert per_pass(got) < per_pass(ref)
+
+
+def test_sub_batches_keep_a_prefill_apart_from_decoding_requests():
+    from specbeam_edge.cache import _buckets
+
+    shapes = [(50, 4)] * 31 + [(0, 60)]
+    groups = _buckets(shapes)
+    assert sorted(i for g in groups for i in g) == list(range(32))
+    assert [31] in groups                                   # the 60-token prefill runs on its own
+    mixed = [(10, 4), (300, 4), (20, 4), (400, 4), (30, 4), (350, 4), (15, 4), (500, 4), (12, 4), (320, 4)]
+    assert sorted(sorted(mixed[i][0] for i in g) for g in _buckets(mixed)) == [[10, 12, 15, 20, 30],
+                                                                              [300, 320, 350, 400, 500]]
