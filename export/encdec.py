@@ -403,9 +403,10 @@ def export_encdec(src: Path, dst: Path, family: str, *, precision: str, layout: 
         dec = decoder_model(arch, dw, base, output)
         if precision == "int8":
             raw = tmp / "model.fp32.onnx"
-            _save(dec, raw)
-            quant = _quantize(raw, tmp / "model.onnx", "int8", 32)
+            big = _save(dec, raw)
+            quant = _quantize(raw, tmp / "model.onnx", "int8", 32, external=big)
             raw.unlink()
+            raw.with_name(raw.name + ".data").unlink(missing_ok=True)
         else:
             _save(dec, tmp / "model.onnx")
         prog.step(f"write model.onnx ({precision})")
