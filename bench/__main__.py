@@ -117,7 +117,8 @@ def main(argv=None) -> int:
         elif sc == "ray_scale":
             from . import ray_scale
 
-            data = ray_scale.bench(pair, n_lines=48 if args.quick else 96, max_new=32 if args.quick else 48)
+            data = ray_scale.bench(pair, n_lines=32 if args.quick else 64, max_new=32 if args.quick else 48,
+                                   reps=1 if args.quick else 2)
             data["machine"] = info
             common.write(out, "ray_scale", data)
             print(common.table(data["rows"], COLS["ray_scale"]))

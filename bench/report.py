@@ -82,11 +82,12 @@ def render(results: Path, readme: Path, command: str) -> None:
                     f"{sc['pass_ms_by_tree_size']}.", "", table_md(sc["rows"], SCALE_COLS), ""]
         if name == "ray_scale":
             out += [f"{d['rows'][0]['lines']} lines of the shipped test sample, up to {d['max_new_tokens']} new "
-                    f"tokens, shards of {d['shard_lines']} lines. lines_s is the tool's own summary (translation "
-                    f"only); wall_s includes model loading and, for Ray, starting a local instance. Overhead of the "
-                    f"Ray path at equal cores (1 - ray/local): {d['overhead_at_equal_cores']}; per-actor rate "
+                    f"tokens, shards of {d['shard_lines']} lines, medians of {d['reps']} alternated runs, "
+                    f"OMP_NUM_THREADS = cores in every arm. lines_s is the tool's own summary (translation only); "
+                    f"wall_s includes model loading and, for Ray, starting a local instance. Overhead of the Ray "
+                    f"path at equal cores (1 - ray/local): {d['overhead_at_equal_cores']}; per-actor rate "
                     f"{d['per_actor_lines_s']} lines/s, 1 -> 2 actors efficiency {d['scaling_1_to_2']}.", "",
-                    f"Estimate: {d['estimate']}", ""]
+                    f"Estimate: {d['estimate']}", ""] + ([f"Notes: {d['notes']}", ""] if d.get("notes") else [])
         if (results / f"{name}.png").exists():
             out += [f"![{name}](results/{name}.png)", ""]
     readme.write_text("\n".join(out))
