@@ -54,10 +54,7 @@ class Engine:
                 raise ModelFolderError(f"draft model folder {draft} does not exist")
             # the draft is small: one thread and no busy-waiting, so it does not steal the target's cores
             self.draft = OnnxCausalLM(draft, threads=1, providers=providers, spin=False)
-            check_compatible(self.tokenizer, Tokenizer(draft), self.draft.cfg.vocab_size)
-            if self.draft.cfg.vocab_size > self.target.cfg.vocab_size:
-                raise ModelFolderError(f"draft vocabulary ({self.draft.cfg.vocab_size}) is larger than the "
-                                       f"target's ({self.target.cfg.vocab_size})")
+            check_compatible(self.tokenizer, Tokenizer(draft), self.draft.cfg.vocab_size, self.target.cfg.vocab_size)
         self.eos = list(self.target.cfg.eos_token_ids)
         self._init_encoders(threads, providers)
         self._init_state()
