@@ -260,7 +260,8 @@ def train_lm(args) -> None:
     ckpt.mkdir(parents=True, exist_ok=True)
     state = torch.load(ckpt / "last.pt", weights_only=False) if (ckpt / "last.pt").exists() else None
     if state is not None:                            # resuming: the run's defining flags must not change
-        diff = {k: (state["args"].get(k), getattr(args, k)) for k in SHAPE_FLAGS
+        defining = SHAPE_FLAGS + (("tokens",) if args.schedule == "cosine" else ())   # cosine: its length
+        diff = {k: (state["args"].get(k), getattr(args, k)) for k in defining
                 if state["args"].get(k) != getattr(args, k)}
         if diff:
             raise SystemExit(f"{ckpt} was started with other settings {diff} (saved, given): rerun with the saved "

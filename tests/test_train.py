@@ -102,7 +102,7 @@ def tiny_corpus(tmp_path_factory):
 
 def _lm(data, tok_dir, ckpt, steps, **over):
     flags = dict(layers=1, hidden=32, heads=2, kv_heads=1, seq_len=32, batch=2, lr=1e-2, warmup=2,
-                 label_smoothing=0.1, mix="")
+                 label_smoothing=0.1, mix="", schedule="invsqrt")
     flags.update(over)
     argv = ["lm", "--data", str(data), "--tokenizer", str(tok_dir), "--ckpt", str(ckpt),
             "--tokens", str(steps * flags["seq_len"] * flags["batch"]), "--log_every", "1", "--eval_every", "2"]
@@ -133,3 +133,7 @@ def test_resume_with_other_settings_is_refused(tiny_corpus, tmp_path):
     _lm(data, tok_dir, tmp_path / "run", 1)
     with pytest.raises(SystemExit, match=r"was started with other settings \{'hidden': \(32, 48\)\}"):
         _lm(data, tok_dir, tmp_path / "run", 2, hidden=48)
+    # a cosine schedule's length is part of the run: a larger budget would change every later learning rate
+    _lm(data, tok_dir, tmp_path / "cos", 1, schedule="cosine")
+    with pytest.raises(SystemExit, match=r"other settings \{'tokens': \('64', '128'\)\}"):
+        _lm(data, tok_dir, tmp_path / "cos", 2, schedule="cosine")
