@@ -221,5 +221,7 @@ if __name__ == "__main__":
     ap.add_argument("--sentences", type=int, default=16)
     ap.add_argument("--length", type=int, default=48, help="generated tokens per sentence")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batches", default="1,4,16", help="batch sizes (comma list; the first is the reference)")
     a = ap.parse_args()
-    print(json.dumps(bench_encdec(Path(a.work), n=a.sentences, length=a.length, threads=a.threads), indent=1))
+    print(json.dumps(bench_encdec(Path(a.work), n=a.sentences, length=a.length, threads=a.threads,
+                                  batches=tuple(int(b) for b in a.batches.split(","))), indent=1))

@@ -38,6 +38,12 @@ def _json(path: Path) -> dict:
         raise ExportError(f"{path}: cannot be read as JSON ({e})") from None
 
 
+def _token(tcfg: dict, key: str, default: str) -> str:
+    """A special token from tokenizer_config.json: a string or a serialized AddedToken ({"content": ...})."""
+    v = tcfg.get(key)
+    return str(v.get("content") or default) if isinstance(v, dict) else str(v or default)
+
+
 def _proto(path: Path):
     from sentencepiece import sentencepiece_model_pb2 as pb
 
@@ -111,8 +117,8 @@ def _build(proto, pieces: list[str], specials: list[str], unk: str):
 
 
 def _marian(src: Path, tcfg: dict) -> dict:
-    unk, eos, pad = (str(tcfg.get(k) or d) for k, d in (("unk_token", "<unk>"), ("eos_token", "</s>"),
-                                                          ("pad_token", "<pad>")))
+    unk, eos, pad = (_token(tcfg, k, d) for k, d in (("unk_token", "<unk>"), ("eos_token", "</s>"),
+                                                      ("pad_token", "<pad>")))
     source = _vocab_list(_json(src / "vocab.json"))
     separate = bool(tcfg.get("separate_vocabs"))
     if separate and not (src / "target_vocab.json").is_file():
@@ -136,11 +142,10 @@ def _m2m100(src: Path, tcfg: dict) -> dict:
                           f"{sorted(FAIRSEQ_LANGUAGE_CODES)}")
     langs = [f"__{c}__" for c in FAIRSEQ_LANGUAGE_CODES[which]]
     madeup = [f"<madeupword{i}>" for i in range(int(tcfg.get("num_madeup_words", 8)))]
-    special = [str(tcfg.get(k) or d) for k, d in (("bos_token", "<s>"), ("pad_token", "<pad>"),
-                                                  ("eos_token", "</s>"), ("unk_token", "<unk>"))]
+    special = [_token(tcfg, k, d) for k, d in (("bos_token", "<s>"), ("pad_token", "<pad>"),
+                                               ("eos_token", "</s>"), ("unk_token", "<unk>"))]
     return {"tokenizer.json": _build(_proto(src / "sentencepiece.bpe.model"), vocab + langs + madeup,
-                                     [s for s in special if s in vocab] + langs + madeup,
-                                     str(tcfg.get("unk_token") or "<unk>"))}
+                                     [s for s in special if s in vocab] + langs + madeup, special[-1])}
 
 
 def convert(src: Path, family: str) -> dict:
