@@ -79,12 +79,12 @@ def test_nllb_codes_read_from_tokenizer_json():
 
 def test_special_tokens_as_added_token_dicts(tmp_path):
     """tokenizer_config.json may store special tokens as serialized AddedTokens."""
-    write_marian_spm(tmp_path)
+    write_marian_spm(tmp_path, codes=(">>fra<<",))
+    slow = _slow("MarianTokenizer", tmp_path)          # (it cannot read the dicts itself)
     cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
     for k in ("eos_token", "unk_token", "pad_token"):
         cfg[k] = {"content": cfg[k], "lstrip": False, "rstrip": False, "normalized": False, "special": True}
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
     tok = convert(tmp_path, "marian")["source_tokenizer.json"]
-    slow = _slow("MarianTokenizer", tmp_path)
     for text in MORE:
         assert tok.encode(text, add_special_tokens=False).ids + [0] == slow(text)["input_ids"], text
