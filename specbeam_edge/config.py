@@ -223,7 +223,8 @@ DRAFTERS = ("beam", "best_first", "sample", "lookup")
 
 @dataclass(frozen=True, kw_only=True)
 class SpeculativeConfig:
-    """Tree knobs. `budget`: draft nodes per target pass; `max_depth`: tree levels below each beam;
+    """Tree knobs. `budget`: draft nodes per target pass (shared by the requests of a batch: each drafts
+    max(num_beams, budget // requests in the pass)); `max_depth`: tree levels below each beam;
     `max_branch_width`: children per expanded node; `drafter`: 'beam' (draft beam search, AtSpeed),
     'best_first' (cumulative draft log-prob with per-depth decay, SpecExec), 'sample' (draft beam
     sampling, the only drafter whose trees may be verified with the p/q rule of do_sample=True), or

@@ -176,12 +176,16 @@ class Engine:
                                   spec=spec if use_draft else None, **extra)
         grow = chooser = budget_for = None
         if use_draft:
+            # the budget is per target pass, shared by the requests in it: a lone request drafts a big tree, a busy
+            # batch small ones (a batch of 32 with 48 nodes each made 1,500-node passes, and adaptive speculation's
+            # probes of them cost 40% of a 64-line job); "auto" takes the largest pass the measured cost curve
+            # affords at this load (K beams per running request)
+            K = gen.num_beams
             if spec.budget == "auto":
-                K, slack = gen.num_beams, spec.auto_slack
-                # the largest pass the cost curve affords at this load (K beams per running request), split over
-                # the requests sharing it: a busy batch drafts small trees, a lone request a big one
-                budget_for = lambda load: max(K, self.auto_budget(K * load, slack) // load)   # noqa: E731
+                budget_for = lambda load: max(K, self.auto_budget(K * load, spec.auto_slack) // load)   # noqa: E731
                 spec = replace(spec, budget=budget_for(1))
+            else:
+                budget_for = lambda load, total=spec.budget: max(K, total // load)   # noqa: E731
             dctx = self.draft.cfg.context_length if self.draft is not None else ctx
             if drafter is not None:
                 grow = drafter

@@ -212,3 +212,16 @@ def test_sub_batches_keep_a_prefill_apart_from_decoding_requests():
     mixed = [(10, 4), (300, 4), (20, 4), (400, 4), (30, 4), (350, 4), (15, 4), (500, 4), (12, 4), (320, 4)]
     assert sorted(sorted(mixed[i][0] for i in g) for g in _buckets(mixed)) == [[10, 12, 15, 20, 30],
                                                                               [300, 320, 350, 400, 500]]
+
+
+def test_fixed_budget_is_per_pass_and_shared(engine):
+    """A fixed budget is the pass's: each of n requests sharing it drafts at most max(K, budget // n) nodes."""
+    spec = SpeculativeConfig(drafter="beam", budget=16, max_depth=4, draft_width=4, adaptive=False)
+    got = engine.generate(PROMPTS, max_batch_size=8, num_beams=2, max_new_tokens=MAX_NEW, speculative=spec)
+    for r in got:
+        # each pass drafted at most max(2, 16 // sharing requests); the first pass used the size at admission
+        cap = sum(max(2, 16 // n) for n in r.stats.batch_sizes) + 16
+        assert r.stats.draft_tokens_proposed <= cap, (r.stats.draft_tokens_proposed, cap)
+    alone_ = engine.generate(PROMPTS[0], num_beams=2, max_new_tokens=MAX_NEW, speculative=spec)[0]
+    assert alone_.stats.draft_tokens_proposed / alone_.stats.target_passes > \
+        sum(r.stats.draft_tokens_proposed for r in got) / sum(r.stats.target_passes for r in got)
