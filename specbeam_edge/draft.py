@@ -159,33 +159,36 @@ class BestFirstDrafter:
 
 class PromptLookupDrafter:
     """No draft model: below each beam, propose what followed the latest earlier occurrence of the beam's last
-    n tokens (n = 3, 2, 1) in the prompt or the beam itself, up to `max_depth` tokens; up to
-    `max_branch_width` distinct continuations per beam. Costs no model pass, so any covered level is a gain
-    (translation copies names, numbers and markup from the source; small models repeat themselves)."""
+    n tokens (n = 3, 2, 1) in the source (an encoder-decoder's input; none for a decoder-only model, whose prompt
+    is in the beam's path) or in the beam itself, up to `max_depth` tokens and `max_branch_width` distinct
+    continuations per beam. Costs no model pass, so any covered level is a gain (names, numbers, code and markup
+    survive translation unchanged; small models repeat themselves)."""
 
-    def __init__(self, spec: SpeculativeConfig, num_beams: int, eos_ids, context_length: int, max_ngram: int = 3):
+    def __init__(self, spec: SpeculativeConfig, num_beams: int, eos_ids, context_length: int, max_ngram: int = 3,
+                 source=()):
         self.depth, self.width, self.budget, self.ngram = spec.max_depth, spec.max_branch_width, spec.budget, max_ngram
-        self.ctx = context_length
+        self.source, self.ctx = list(source), context_length
+
+    def _continuations(self, path: list[int]) -> list[tuple]:
+        hay = np.array(self.source + [-1] + path)      # -1: no n-gram or continuation crosses into the beam
+        conts = []
+        for n in range(min(self.ngram, len(path) - 1), 0, -1):
+            key = hay[-n:]
+            hits = np.flatnonzero(np.all(np.lib.stride_tricks.sliding_window_view(hay[:-1], n) == key, axis=1))
+            for i in hits[::-1]:                        # latest first
+                cont = hay[i + n:i + n + self.depth].tolist()
+                cont = tuple(cont[:cont.index(-1)] if -1 in cont else cont)
+                if cont and cont not in conts:
+                    conts.append(cont)
+                if len(conts) >= self.width:
+                    return conts
+        return conts
 
     def __call__(self, dcache, roots, root_scores):
         tree = dcache.tree
         out, seen = [], set(roots)
         for root in dict.fromkeys(roots):
-            path = np.array(tree.path(root))
-            conts = []
-            for n in range(min(self.ngram, len(path) - 1), 0, -1):
-                key = path[-n:]
-                # windows path[i:i+n] == key with a continuation, latest first
-                hits = np.flatnonzero(np.all(np.lib.stride_tricks.sliding_window_view(path[:-1], n) == key, axis=1))
-                for i in hits[::-1]:
-                    cont = tuple(path[i + n:i + n + self.depth].tolist())
-                    if cont and cont not in conts:
-                        conts.append(cont)
-                    if len(conts) >= self.width:
-                        break
-                if len(conts) >= self.width:
-                    break
-            for cont in conts:
+            for cont in self._continuations(tree.path(root)):
                 node = root
                 for t in cont:
                     if len(out) >= self.budget or tree.depth(node) + 1 >= self.ctx:
@@ -197,6 +200,9 @@ class PromptLookupDrafter:
         return out
 
 
-def make_drafter(spec: SpeculativeConfig, num_beams: int, eos_ids, context_length: int) -> Drafter:
-    cls = {"beam": DraftBeamSearch, "best_first": BestFirstDrafter, "lookup": PromptLookupDrafter}[spec.drafter]
+def make_drafter(spec: SpeculativeConfig, num_beams: int, eos_ids, context_length: int, source=None) -> Drafter:
+    """The drafter spec names; `source` (an encoder-decoder request's input ids) feeds prompt lookup."""
+    if spec.drafter == "lookup":
+        return PromptLookupDrafter(spec, num_beams, eos_ids, context_length, source=source or ())
+    cls = {"beam": DraftBeamSearch, "best_first": BestFirstDrafter}[spec.drafter]
     return cls(spec, num_beams, eos_ids, context_length)

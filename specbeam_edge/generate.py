@@ -17,7 +17,7 @@ import numpy as np
 from .adaptive import PassChooser, auto_budget, cost_curve
 from .config import GenerationConfig, ModelFolderError, SpeculativeConfig
 from .draft import make_drafter
-from .encdec import Encoder, EncoderQueue, SourceLookupDrafter, is_encoder_decoder, logits_processor
+from .encdec import Encoder, EncoderQueue, is_encoder_decoder, logits_processor
 from .model import OnnxCausalLM
 from .results import Hypothesis, Result, Stats, StreamChunk, peak_rss_mb
 from .scheduler import Job, Scheduler
@@ -187,12 +187,8 @@ class Engine:
             else:
                 budget_for = lambda load, total=spec.budget: max(K, total // load)   # noqa: E731
             dctx = self.draft.cfg.context_length if self.draft is not None else ctx
-            if drafter is not None:
-                grow = drafter
-            elif source is not None and spec.drafter == "lookup":       # source-side spans
-                grow = SourceLookupDrafter(spec, source, min(ctx, dctx))
-            else:
-                grow = make_drafter(spec, gen.num_beams, eos, min(ctx, dctx))
+            # prompt lookup of an encoder-decoder request searches its source (source-side spans)
+            grow = drafter or make_drafter(spec, gen.num_beams, eos, min(ctx, dctx), source=source)
             chooser = self._chooser(gen, spec) if spec.adaptive and drafter is None else None
         # a top-k head returns each node's best log-probs only: 2K + #EOS + 1 per beam always hold the 2K
         # candidates beam search keeps, even with EOS masked by min_new_tokens

@@ -185,11 +185,11 @@ def test_decoder_only_draft_refused(encdec, exported):
 def test_source_lookup_proposes_source_spans_and_equals_plain(encdec):
     """Prompt lookup over the source: a beam ending in a source n-gram gets the source's continuation; the
     output stays that of plain beam search."""
-    from specbeam_edge.encdec import SourceLookupDrafter
+    from specbeam_edge.draft import PromptLookupDrafter
     from specbeam_edge.tree import TokenTree
 
     spec = SpeculativeConfig(drafter="lookup", budget=16, max_depth=3, max_branch_width=2)
-    d = SourceLookupDrafter(spec, [7, 8, 9, 10, 11, 0], context_length=64)
+    d = PromptLookupDrafter(spec, 1, [0], context_length=64, source=[7, 8, 9, 10, 11, 0])
     assert d._continuations([PAD, 5, 8]) == [(9, 10, 11)]
     assert d._continuations([PAD, 9, 10]) == [(11, 0)]
     assert d._continuations([PAD, 9, 4, 9]) == [(4, 9), (10, 11, 0)]       # the beam itself first (latest)
