@@ -270,7 +270,8 @@ def train_lm(args) -> None:
     units, sources = encode_units(data, tok_dir, "train", **filt)
     valid_units, _ = encode_units(data, tok_dir, "valid", **filt)
     vocab = json.loads((tok_dir / "tokenizer.json").read_text())
-    vocab_size = len(vocab["model"]["vocab"]) + sum(1 for t in vocab["added_tokens"] if t["content"] not in vocab["model"]["vocab"])
+    known = vocab["model"]["vocab"]
+    vocab_size = len(known) + sum(1 for t in vocab["added_tokens"] if t["content"] not in known)
     vocab_size = int(math.ceil(vocab_size / 64) * 64)
     T, B = args.seq_len, args.batch
     batches = Batches(units, sources, parse_mix(args.mix), T, B, eos=0, seed=args.seed)
@@ -407,7 +408,8 @@ def average(args) -> None:
     model.load_state_dict(mean)
     model.config.use_cache = True
     model.save_pretrained(out)
-    GenerationConfig(bos_token_id=0, eos_token_id=0, pad_token_id=0, num_beams=4, max_new_tokens=128).save_pretrained(out)
+    GenerationConfig(bos_token_id=0, eos_token_id=0, pad_token_id=0, num_beams=4,
+                     max_new_tokens=128).save_pretrained(out)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         (out / f).write_bytes((ckpt / f).read_bytes())
     state = torch.load(ckpt / "last.pt", weights_only=False)
