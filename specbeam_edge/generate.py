@@ -211,15 +211,22 @@ class Engine:
             return tq.get(i), (dq.get(i) if with_draft and dq is not None else None)
         return [lambda with_draft, i=i: static(i, with_draft) for i in range(len(sources))]
 
-    def _search(self, ids: list[int], gen: GenerationConfig, spec: SpeculativeConfig | None, drafter=None,
-                forced_bos: int | None = None):
-        """One request alone (a batch of one): yields (search state, stats) after every target pass."""
-        job = Job(0, len(ids), self._new_search(ids, gen, spec, drafter, self._statics([ids], 1)[0], forced_bos))
+    # -- public API: generate_step -> stream (one request); generate_iter -> generate (batches) -------------
+    def generate_step(self, prompt: str | list[int], generation: GenerationConfig | None = None,
+                      speculative: SpeculativeConfig | None = None, *, drafter=None, src_lang: str | None = None,
+                      tgt_lang: str | None = None, **overrides):
+        """One request alone (a batch of one): yields (search state, live stats) after every target pass; the
+        state is a BeamSearch (`running`, `scores`, `hypotheses(n)`, `stable_prefix()`) or, when sampling, a
+        SampleState. drafter: a custom tree-growth callable (exact beam search only)."""
+        gen = self.generation_config(generation, **overrides)
+        forced_bos = self._forced_bos(tgt_lang)
+        ids = self.encode(prompt, src_lang)
+        job = Job(0, len(ids), self._new_search(ids, gen, speculative, drafter, self._statics([ids], 1)[0],
+                                                forced_bos))
         for _, progress, finished in Scheduler(self.target, max_batch_size=1).run([job]):
             if not finished:
                 yield progress.state, progress.stats
 
-    # -- public API ----------------------------------------------------------------------------------------
     def stream(self, prompt: str | list[int], generation: GenerationConfig | None = None,
                speculative: SpeculativeConfig | None = None, *, src_lang: str | None = None,
                tgt_lang: str | None = None, **overrides) -> Iterator[StreamChunk]:
@@ -227,11 +234,9 @@ class Engine:
         target pass (empty when nothing new became final); the last chunk carries the Result. src_lang/tgt_lang:
         NLLB/M2M100 language codes (see generate_iter)."""
         gen = self.generation_config(generation, **overrides)
-        forced_bos = self._forced_bos(tgt_lang)
-        ids = self.encode(prompt, src_lang)
         shown, n_stable = "", 0
         bs = stats = None
-        for bs, stats in self._search(ids, gen, speculative, forced_bos=forced_bos):
+        for bs, stats in self.generate_step(prompt, gen, speculative, src_lang=src_lang, tgt_lang=tgt_lang):
             prefix, delta = bs.stable_prefix(), ""
             if len(prefix) > n_stable:        # decode only when more tokens became final
                 n_stable = len(prefix)
