@@ -24,20 +24,25 @@ _GEN_KEYS = ("num_beams", "max_new_tokens", "length_penalty", "early_stopping", 
 
 
 class Progress:
-    """A one-line progress display on stderr (silent when quiet)."""
+    """The export's progress bar on stderr (tqdm; silent when quiet). Log records (onnxruntime's quantizer warns
+    through `logging`) print above the bar instead of breaking into it."""
 
     def __init__(self, total: int, quiet: bool):
-        self.total, self.done, self.quiet, self.t0 = total, 0, quiet, time.time()
+        from tqdm import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        self.bar = tqdm(total=total, disable=quiet, file=sys.stderr, unit="step", leave=True,
+                        bar_format="{desc:<36} {n_fmt}/{total_fmt} [{elapsed}]")
+        self._logs = logging_redirect_tqdm()
+        self._logs.__enter__()
 
     def step(self, what: str):
-        self.done += 1
-        if not self.quiet:
-            print(f"\r[{self.done}/{self.total}] {what:<40} {time.time() - self.t0:6.1f}s", end="", file=sys.stderr,
-                  flush=True)
+        self.bar.set_description_str(what, refresh=False)
+        self.bar.update(1)
 
     def close(self):
-        if not self.quiet:
-            print(file=sys.stderr)
+        self._logs.__exit__(None, None, None)
+        self.bar.close()
 
 
 # protobuf refuses messages over 2 GB: larger graphs keep their tensors in `<file>.data` beside the graph
@@ -164,7 +169,7 @@ def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str
     t0 = time.time()
     arch = read_arch(src)
     weights = read_weights(src) if weights is None else weights
-    prog = Progress(arch.layers + 4, quiet)
+    prog = Progress(arch.layers + 3, quiet)   # read each layer, build, write, config
     g = global_weights(weights, arch)
     layers = []
     for i in range(arch.layers):
