@@ -59,6 +59,18 @@ class PassChooser:
             self.next_probe = self.passes + self.interval
 
 
+class ChoosersByLoad:
+    """One PassChooser per batch occupancy (1, 2-3, 4-7, ...): what drafting costs and buys per beam step
+    depends on how many requests share the pass (measured at batch 16: a chooser that had learnt at batch 1 and
+    4 left adaptive speculation at 0.76x plain batching)."""
+
+    def __init__(self):
+        self.by_load: dict[int, PassChooser] = {}
+
+    def at(self, load: int) -> PassChooser:
+        return self.by_load.setdefault(1 << (max(1, load).bit_length() - 1), PassChooser())
+
+
 def cost_curve(lm, sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), past: int = 32,
                reps: int = 3) -> dict[int, float]:
     """Measured pass time (s) of model `lm` over a tree of Q nodes on top of `past` cached tokens."""

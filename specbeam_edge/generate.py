@@ -14,7 +14,7 @@ from typing import Iterator
 
 import numpy as np
 
-from .adaptive import PassChooser, auto_budget, cost_curve
+from .adaptive import ChoosersByLoad, PassChooser, auto_budget, cost_curve
 from .config import GenerationConfig, ModelFolderError, SpeculativeConfig
 from .draft import make_drafter
 from .encdec import Encoder, EncoderQueue, is_encoder_decoder, logits_processor
@@ -114,12 +114,12 @@ class Engine:
                 self._curve = self.cost_curve()
         return auto_budget(self._curve, num_beams, slack)
 
-    def _chooser(self, gen: GenerationConfig, spec: SpeculativeConfig) -> PassChooser:
-        """One PassChooser per (beams, tree settings), kept across requests: what was learnt on earlier
-        prompts carries over (a batch job decides after a few lines)."""
+    def _chooser(self, gen: GenerationConfig, spec: SpeculativeConfig) -> ChoosersByLoad:
+        """Pass choosers per (beams, tree settings) and batch load, kept across requests: what was learnt on
+        earlier prompts carries over (a batch job decides after a few lines)."""
         key = (gen.num_beams, gen.length_penalty, replace(spec, adaptive=False))
         with self._lock:
-            return self._choosers.setdefault(key, PassChooser())
+            return self._choosers.setdefault(key, ChoosersByLoad())
 
     # -- one request's search ------------------------------------------------------------------------------
     def _forced_bos(self, tgt_lang: str | None) -> int | None:

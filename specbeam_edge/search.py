@@ -40,7 +40,8 @@ class ExactSearch:
     """Exact beam search (K >= 1), speculative when `grow` is given: output identical to plain beam search.
 
     target/draft: TreeCaches over one TokenTree (draft None without speculation; a cache without a model for
-    prompt lookup). chooser: a PassChooser deciding per pass whether drafting pays (None: always draft).
+    prompt lookup). chooser: ChoosersByLoad, whose PassChooser for the pass's load decides whether drafting
+    pays (None: always draft).
     Encoder-decoder requests: `ids` is the decoder's start (decoder start token, maybe a forced BOS) of which
     the first `prompt_len` tokens are the prompt (the rest count as generated, with log-prob 0, as transformers'
     forced-BOS processor makes them); `static(with_draft)` returns the target's and the draft's static inputs
@@ -82,15 +83,16 @@ class ExactSearch:
                 self.draft.static = draft_static
         while not bs.done:
             tp = time.perf_counter()
-            speculate = self.grow is not None and (self.chooser is None or self.chooser.choose(self.pass_id))
+            chooser = self.chooser.at(self.load) if self.chooser is not None else None
+            speculate = self.grow is not None and (chooser is None or chooser.choose(self.pass_id))
             steps0 = stats.beam_steps
             drafted = (yield from self._grow()) if speculate else []
             yield from self._score(drafted)
             stats.plain_passes += self.grow is not None and not speculate
             self._replay(set(drafted))
             self._commit(speculate)
-            if self.chooser is not None and stats.target_passes > 1:   # the first pass carries the prefill
-                self.chooser.update(speculate, time.perf_counter() - tp, stats.beam_steps - steps0)
+            if chooser is not None and stats.target_passes > 1:   # the first pass carries the prefill
+                chooser.update(speculate, time.perf_counter() - tp, stats.beam_steps - steps0)
             if stats.time_to_first_token is None:
                 stats.time_to_first_token = time.perf_counter() - t0
             stats.seconds = time.perf_counter() - t0
