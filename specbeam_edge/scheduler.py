@@ -49,14 +49,18 @@ class Scheduler:
         running: list[_Running] = []
         while running or nxt is not None:
             tokens = sum(r.job.tokens for r in running)
-            while nxt is not None and len(running) < self.max_batch_size and (
-                    not running or self.max_batch_tokens is None or tokens + nxt.tokens <= self.max_batch_tokens):
-                r = _Running(nxt, nxt.search.run())
-                nxt.search.pass_id = (id(self), self.target_passes)   # it joins the next shared pass
-                nxt.search.load = len(running) + 1
+            joining: list[Job] = []
+            while nxt is not None and len(running) + len(joining) < self.max_batch_size and (
+                    not (running or joining) or self.max_batch_tokens is None
+                    or tokens + nxt.tokens <= self.max_batch_tokens):
+                joining.append(nxt)
                 tokens += nxt.tokens
                 nxt = next(queue, None)
-                yield from self._advance(r, None, running)
+            # joiners share the next pass with the running requests, which already chose for it under their label
+            load = running[0].job.search.load if running else len(joining)
+            for job in joining:
+                job.search.pass_id, job.search.load = (id(self), self.target_passes), load
+                yield from self._advance(_Running(job, job.search.run()), None, running)
             if not running:
                 continue
             # one batched pass of one model: a draft first if any request is drafting, else the target

@@ -131,5 +131,5 @@ def test_adaptive_speculation_equals_plain(engines, draft):
             assert [h.tokens for h in fast.hypotheses] == [h.tokens for h in plain.hypotheses]
             assert 0 <= fast.stats.plain_passes <= fast.stats.target_passes
     # the choosers are kept per setting on the engine; after these requests both choices were measured
-    chooser = eng._choosers[(3, 1.0, SpeculativeConfig(budget=16, max_depth=3))]
+    chooser = eng._choosers[(3, 1.0, SpeculativeConfig(budget=16, max_depth=3))].at(1)   # one request at a time
     assert chooser.count[True] >= 3 and chooser.count[False] >= 3
