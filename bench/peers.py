@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from specbeam_edge import Engine, SpeculativeConfig
 
+from .batch import _ct2_generator
 from .e2e import load_prompts
 
 
@@ -37,17 +37,10 @@ def _transformers(hf: Path, ids_list, K, max_new, eos):
 
 
 def _ctranslate2(hf: Path, engine, ids_list, K, max_new):
-    try:
-        import ctranslate2
-        from ctranslate2.converters import TransformersConverter
-    except ImportError:
-        return None, "ctranslate2 not installed (pip install ctranslate2)"
-    out = Path(tempfile.mkdtemp()) / "ct2"
-    try:
-        TransformersConverter(str(hf)).convert(str(out), quantization="int8")
-    except Exception as e:  # its converter follows transformers' internals; report, don't crash the bench
-        return None, f"conversion failed: {str(e).splitlines()[0][:200]}"
-    gen = ctranslate2.Generator(str(out), device="cpu", intra_threads=2)
+    """CTranslate2 int8 on the same weights, one request at a time: (tokens/s, None) or (None, why not)."""
+    gen, why = _ct2_generator(hf, threads=2)
+    if gen is None:
+        return None, why
     toks = [[engine.tokenizer.id_to_token(i) for i in ids] for ids in ids_list]
     t0 = time.perf_counter()
     n = 0

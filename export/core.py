@@ -8,6 +8,7 @@ import shutil
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +44,24 @@ class Progress:
     def close(self):
         self._logs.__exit__(None, None, None)
         self.bar.close()
+
+
+@contextmanager
+def staged(dst: Path, prog: Progress):
+    """A temporary folder beside `dst` that replaces `dst` when the block completes, and is removed when it fails
+    (an interrupted export leaves no half-written model folder); the progress bar is closed either way."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+    try:
+        yield tmp
+        if dst.exists():
+            shutil.rmtree(dst)
+        tmp.rename(dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        prog.close()
 
 
 # protobuf refuses messages over 2 GB: larger graphs keep their tensors in `<file>.data` beside the graph
@@ -175,9 +194,7 @@ def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str
     for i in range(arch.layers):
         layers.append(layer_weights(weights, arch, i))
         prog.step(f"read layer {i}")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
-    try:
+    with staged(dst, prog) as tmp:
         files: dict = {}
         quant = {"method": "none", "storage": precision}
         if layout == "whole":
@@ -233,12 +250,4 @@ def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str
         }
         (tmp / "specbeam_config.json").write_text(json.dumps(cfg, indent=2))
         prog.step("write config")
-        if dst.exists():
-            shutil.rmtree(dst)
-        tmp.rename(dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        prog.close()
     return dst

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -381,7 +380,7 @@ def _languages(src: Path, tokenizer: dict, arch: EncDecArch) -> dict:
 def export_encdec(src: Path, dst: Path, family: str, *, precision: str, layout: str, output: str, overwrite: bool,
                   quiet: bool) -> Path:
     """Write the model folder of an encoder-decoder: encoder.onnx + model.onnx (the decoder) + config."""
-    from .core import FORMAT_VERSION, Progress, _quantize, _save
+    from .core import FORMAT_VERSION, Progress, _quantize, _save, staged
 
     if layout != "whole":
         raise ExportError("encoder-decoder models export with layout 'whole' (static cross K/V inputs need it)")
@@ -393,9 +392,7 @@ def export_encdec(src: Path, dst: Path, family: str, *, precision: str, layout: 
     arch, ew, dw = read_model(src, family)
     prog.step("read weights")
     defaults, facts = _generation(src, arch)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
-    try:
+    with staged(dst, prog) as tmp:
         base = "fp16" if precision == "fp16" else "fp32"
         quant = {"method": "none", "storage": precision}
         _save(encoder_model(arch, ew, dw, base), tmp / "encoder.onnx")
@@ -442,12 +439,4 @@ def export_encdec(src: Path, dst: Path, family: str, *, precision: str, layout: 
         }
         (tmp / "specbeam_config.json").write_text(json.dumps(cfg, indent=2))
         prog.step("write config")
-        if dst.exists():
-            shutil.rmtree(dst)
-        tmp.rename(dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        prog.close()
     return dst
