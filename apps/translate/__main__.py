@@ -312,8 +312,9 @@ def run_locked(args, lines: list[bytes]) -> int:
             writer.add(i, out)
 
     t0 = time.time()
+    # no bar while translations print to the same terminal (it would break into their lines); the summary stays
     progress = tqdm(total=len(lines), initial=len(lines) - len(todo), unit="line", file=sys.stderr,
-                    disable=args.quiet, dynamic_ncols=True)
+                    disable=args.quiet or (writer is not None and sys.stdout.isatty()), dynamic_ncols=True)
     try:
         stats = translate(args, engine, todo, on_line, progress)
     finally:
