@@ -1,6 +1,7 @@
 """The desktop chat app, offscreen, driven as a user would: type + Enter, Stop, close mid-answer, restart."""
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -104,7 +105,7 @@ def test_stream_then_stop_status_is_honest(qtbot, tmp_path, folders):
     st = msgs[1]["stats"]
     assert st["stopped"] and 0 < st["generated_tokens"] < 200 and st["tokens_per_second"] > 0
     assert win.status.text().startswith(f"stopped after {st['generated_tokens']} tokens in ")
-    assert "0.0 tok/s" not in win.status.text()
+    assert not re.search(r"\(0\.0 tok/s\)", win.status.text())     # "30.0 tok/s" is fine
 
 
 def test_close_mid_answer_keeps_the_partial_answer(qtbot, tmp_path, folders):
