@@ -23,7 +23,8 @@ def _ours(engine, prompts, K, n_best, max_new, size, spec=None) -> dict:
     toks = sum(r.stats.generated_tokens for r in res)
     return {"seconds": dt, "tokens": toks, "outputs": [[h.tokens for h in r.hypotheses] for r in res],
             "passes": sum(r.stats.target_passes for r in res), "steps": sum(r.stats.beam_steps for r in res),
-            "peak_mb": max(r.stats.peak_memory_mb for r in res)}
+            "peak_mb": max(r.stats.peak_memory_mb for r in res),
+            "kv_mb": max(r.stats.kv_cache_peak_mb for r in res)}
 
 
 def _ct2_generator(hf: Path, threads: int):
@@ -79,7 +80,8 @@ def bench(pair: Path, *, n_prompts=200, max_new=128, reps=2, threads=2, sizes=SI
             row = {"K": K, "n_best": n_best, "batch": s, "specbeam_tok_s": round(tps, 1),
                    "specbeam_lines_s": round(median([len(prompts) / r["seconds"] for r in ours[s]]), 2),
                    "identical_to_batch1": all(r["outputs"] == alone for r in ours[s]),
-                   "peak_mb": round(max(r["peak_mb"] for r in ours[s]), 1)}
+                   "peak_mb": round(max(r["peak_mb"] for r in ours[s]), 1),
+                   "kv_mb_per_request": round(max(r["kv_mb"] for r in ours[s]), 2)}
             if theirs[s]:
                 row["ct2_int8_tok_s"] = round(median([r["tokens"] / r["seconds"] for r in theirs[s]]), 1)
                 row["ct2_int8_lines_s"] = round(median([len(prompts) / r["seconds"] for r in theirs[s]]), 2)

@@ -11,7 +11,7 @@ COLS = {
     "e2e": ["K", "drafter", "budget", "max_depth", "draft_width", "adaptive", "speedup", "bspp", "plain_tok_s",
             "spec_tok_s", "draft_share", "identical", "of"],
     "batch": ["K", "n_best", "batch", "specbeam_tok_s", "ct2_int8_tok_s", "specbeam_lines_s", "ct2_int8_lines_s",
-              "identical_to_batch1", "peak_mb"],
+              "identical_to_batch1", "peak_mb", "kv_mb_per_request"],
     "batch_speculation": ["batch", "arm", "speedup_over_plain", "bspp", "identical"],
     "sampling": ["setup", "W", "width_threshold", "speedup", "bspp", "plain_logp_per_token", "spec_logp_per_token",
                  "mean_width"],

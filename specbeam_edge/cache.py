@@ -31,6 +31,7 @@ class TreeCache:
         self.positions = np.zeros(0, np.int64)   # slot -> position (depth) of its token
         self.passes = 0
         self.tokens_scored = 0
+        self.peak_bytes = 0                      # the largest this request's KV ever was (slots x layers)
 
     def __len__(self):
         return len(self.nodes)
@@ -94,6 +95,7 @@ class TreeCache:
         self.positions = np.concatenate([self.positions, [self.tree.depth(n) for n in new]]).astype(np.int64)
         self.passes += 1
         self.tokens_scored += Q
+        self.peak_bytes = max(self.peak_bytes, sum(k.nbytes + v.nbytes for k, v in self.past))
 
     def live_slots(self, keep_nodes) -> np.ndarray:
         """Slots on the paths to `keep_nodes` (up to each one's nearest cached ancestor: a draft cache that sat

@@ -28,7 +28,8 @@ class Stats:
     seconds: float = 0.0
     draft_seconds: float = 0.0
     time_to_first_token: float | None = None
-    peak_memory_mb: float = 0.0
+    peak_memory_mb: float = 0.0       # the process's peak resident memory (all requests, the models)
+    kv_cache_peak_mb: float = 0.0     # this request's own: the peak of its target KV cache plus its draft's
     offload: dict | None = None       # bytes moved and load/wait/compute time per target pass, when streaming
     batch_sizes: list = field(default_factory=list)  # requests sharing each target pass this request took part in
     widths: list = field(default_factory=list)   # beams kept per level (beam sampling)
@@ -66,8 +67,8 @@ class Stats:
         for k, v in asdict(other).items():
             if k == "offload":
                 self.offload = v
-            elif k == "peak_memory_mb":
-                self.peak_memory_mb = max(self.peak_memory_mb, v)
+            elif k in ("peak_memory_mb", "kv_cache_peak_mb"):      # a peak over requests, not a sum
+                setattr(self, k, max(getattr(self, k), v))
             elif k == "time_to_first_token":
                 if self.time_to_first_token is None:
                     self.time_to_first_token = v

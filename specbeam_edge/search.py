@@ -28,6 +28,10 @@ class Progress:
     stats: Stats
 
 
+def _kv_peak_mb(*caches) -> float:
+    return sum(c.peak_bytes for c in caches if c is not None) / 2**20
+
+
 def _grow(grow, dcache, roots, scores):
     """Run a drafter: generator drafters yield their draft passes to the scheduler, plain callables run them."""
     out = grow(dcache, roots, scores)
@@ -99,6 +103,7 @@ class ExactSearch:
             yield Progress(bs, stats)
         stats.generated_tokens = bs.cur_len - self.P
         stats.peak_memory_mb = peak_rss_mb()
+        stats.kv_cache_peak_mb = _kv_peak_mb(self.target, self.draft)
         store = getattr(self.target.model, "store", None)
         if store is not None and store.streamed:
             stats.offload = {**store.stats.per_pass(), "placement": list(store.placement.places)}
@@ -221,6 +226,7 @@ class SamplingSearch:
         stats.widths = st.widths
         stats.generated_tokens = st.cur_len - self.P
         stats.peak_memory_mb = peak_rss_mb()
+        stats.kv_cache_peak_mb = _kv_peak_mb(self.target, self.draft)
         stats.seconds = time.perf_counter() - t0
 
     # 1. the draft samples gamma levels of beam sampling (i.i.d. draws, q recorded per level)

@@ -225,3 +225,14 @@ def test_fixed_budget_is_per_pass_and_shared(engine):
     alone_ = engine.generate(PROMPTS[0], num_beams=2, max_new_tokens=MAX_NEW, speculative=spec)[0]
     assert alone_.stats.draft_tokens_proposed / alone_.stats.target_passes > \
         sum(r.stats.draft_tokens_proposed for r in got) / sum(r.stats.target_passes for r in got)
+
+
+def test_each_request_reports_its_own_kv_cache_peak(engine):
+    """Stats.kv_cache_peak_mb is the request's own cache (target + draft): without speculation the same batched
+    as alone (a batch shares passes, not caches); with it, the batch's shared tree budget keeps it no larger."""
+    kw = dict(num_beams=2, max_new_tokens=MAX_NEW)
+    ref = alone(engine, PROMPTS, **kw)
+    for a, b in zip(ref, engine.generate(PROMPTS, max_batch_size=8, **kw)):
+        assert b.stats.kv_cache_peak_mb == a.stats.kv_cache_peak_mb > 0
+    spec = alone(engine, PROMPTS, speculative=SPECS["beam"], **kw)
+    assert all(s.stats.kv_cache_peak_mb > r.stats.kv_cache_peak_mb for s, r in zip(spec, ref))   # + draft cache
