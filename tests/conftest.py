@@ -52,3 +52,9 @@ def exported(tmp_path_factory, hf_models):
                                 precision=precision, layout=layout, output=output, quiet=True)
         return cache[key]
     return get
+
+
+@pytest.fixture(scope="session")
+def pair(exported):
+    """A tiny random target and an unrelated 1-layer draft of the same vocabulary (folder paths as strings)."""
+    return str(exported("llama", std=0.3, seed=3)), str(exported("llama", std=0.3, seed=11, layers=1))

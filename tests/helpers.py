@@ -49,3 +49,14 @@ def torch_path_logits(model, paths: list[list[int]]) -> np.ndarray:
         for p in paths:
             out.append(model(input_ids=torch.tensor([p])).logits[0, -1].float().numpy())
     return np.stack(out)
+
+
+WORDS = "the quick brown fox jumps over lazy dog hello world this is a tiny test".split()
+
+
+def corpus(n: int, seed: int = 0) -> list[str]:
+    """n lines of 1-8 words from a tiny fixed vocabulary (inputs for the translate tool's tests)."""
+    import random
+
+    r = random.Random(seed)
+    return [" ".join(r.choice(WORDS) for _ in range(r.randint(1, 8))) for _ in range(n)]

@@ -58,10 +58,6 @@ SESSION = textwrap.dedent("""
 """)
 
 
-@pytest.fixture
-def pair(exported):
-    return str(exported("llama", std=0.3, seed=3)), str(exported("llama", std=0.3, seed=11, layers=1))
-
 
 def run_session(tmp_path, pair, mid_answer: bool) -> subprocess.CompletedProcess:
     script = tmp_path / "session.py"

@@ -19,19 +19,11 @@ import pytest
 
 from apps.translate.__main__ import main
 from specbeam_edge.config import GenerationConfig, ModelConfig, ModelFolderError, SpeculativeConfig
+from helpers import corpus
 
 ROOT = Path(__file__).resolve().parents[1]
-WORDS = "the quick brown fox jumps over lazy dog hello world this is a tiny test".split()
 
 
-@pytest.fixture(scope="module")
-def pair(exported):
-    return str(exported("llama", std=0.3, seed=3)), str(exported("llama", std=0.3, seed=11, layers=1))
-
-
-def corpus(n, seed=0):
-    r = random.Random(seed)
-    return [" ".join(r.choice(WORDS) for _ in range(r.randint(1, 8))) for _ in range(n)]
 
 
 def args_for(pair, inp, out=None, *extra):

@@ -13,16 +13,11 @@ import pytest
 
 from apps.translate.__main__ import main
 from apps.translate.ray_engine import Shard, input_files, plan
+from helpers import corpus
 
 ROOT = Path(__file__).resolve().parents[1]
-WORDS = "the quick brown fox jumps over lazy dog hello world this is a tiny test".split()
 N_LINES, SHARD_LINES = 500, 63          # 8 shards, the last one shorter
 
-
-def corpus(n, seed=0):
-    import random
-    r = random.Random(seed)
-    return [" ".join(r.choice(WORDS) for _ in range(r.randint(1, 8))) for _ in range(n)]
 
 
 def test_plan_cuts_files_into_shards_in_input_order():
@@ -67,10 +62,6 @@ def cluster():
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
 
-
-@pytest.fixture(scope="module")
-def pair(exported):
-    return str(exported("llama", std=0.3, seed=3)), str(exported("llama", std=0.3, seed=11, layers=1))
 
 
 @pytest.fixture(scope="module")
