@@ -45,7 +45,7 @@ class BeamSearch:
         self.eos = np.array(sorted(set(int(e) for e in eos_token_ids)), dtype=np.int64)
         self.lp, self.early, self.min_new = float(length_penalty), early_stopping, min_new_tokens
         self.M = max(2, 1 + len(self.eos)) * num_beams
-        self.cur_len = prompt_len
+        self.cur_len = tree.depth(start_node) + 1   # > prompt_len when forced tokens (a language code) count as generated
         self.running = [start_node] * num_beams
         self.scores = np.full(num_beams, NEG, np.float32)
         self.scores[0] = 0

@@ -122,7 +122,7 @@ class SampleState:
         self.live = [start]
         self.score = {start: 0.0}
         self.finished: list[int] = []
-        self.cur_len = prompt_len
+        self.cur_len = tree.depth(start) + 1   # > prompt_len when forced tokens count as generated
         self.widths: list[int] = []
 
     @property

@@ -62,7 +62,6 @@ class ExactSearch:
                              prompt_len=self.P if prompt_len is None else prompt_len,
                              max_new_tokens=max_new_tokens, eos_token_ids=eos, length_penalty=length_penalty,
                              early_stopping=early_stopping, min_new_tokens=min_new_tokens)
-        self.bs.cur_len = self.P
         self.target = TreeCache(target_lm, self.tree)
         self.draft = TreeCache(draft_lm, self.tree) if grow is not None else None
         self.grow, self.chooser, self.topk = grow, chooser, topk
@@ -174,7 +173,6 @@ class SamplingSearch:
                               prompt_len=self.P if prompt_len is None else prompt_len,
                               eos=eos, min_new_tokens=min_new_tokens, temperature=temperature, top_k=top_k,
                               top_p=top_p)
-        self.st.cur_len = self.P        # a forced BOS after the prompt counts as generated
         self.static, self.process = static, process
         self.target = TreeCache(target_lm, tree)
         self.draft = TreeCache(draft_lm, tree) if spec else None
