@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from helpers import VOCAB, make_tokenizer, torch_path_logits
+from helpers import VOCAB, save_random, torch_path_logits
 from specbeam_edge.model import OnnxCausalLM
 
 LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
@@ -52,15 +52,7 @@ def make_family_model(folder: Path, name: str, *, seed: int = 0, std: float = 0.
     torch.manual_seed(seed)
     cfg = getattr(tf, cfg_cls)(**{**BASE, **kw, "eos_token_id": eos, **overrides})
     cfg.architectures = [model_cls]
-    model = getattr(tf, model_cls)(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, std)
-    model.eval()
-    model.save_pretrained(folder)
-    tf.GenerationConfig(bos_token_id=0, eos_token_id=eos, pad_token_id=0).save_pretrained(folder)
-    make_tokenizer(folder, VOCAB)
-    return model
+    return save_random(getattr(tf, model_cls)(cfg), folder, std=std, eos=eos)
 
 
 PROMPT = [5, 17, 33, 8, 99, 41, 7, 250, 61]            # longer than every test window (4, 5)

@@ -30,6 +30,15 @@ def make_hf_model(folder: Path, family: str = "llama", *, layers: int = 2, hidde
         model = tf.MistralForCausalLM(cfg)
     else:
         raise ValueError(family)
+    return save_random(model, folder, std=std, eos=eos, vocab=vocab)
+
+
+def save_random(model, folder: Path, *, std: float, eos, vocab: int = VOCAB):
+    """Draw the model's weights from N(0, std), save it as an HF folder (fp32 safetensors, generation config,
+    tokenizer); returns the model in eval mode."""
+    import torch
+    import transformers as tf
+
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, std)

@@ -35,6 +35,20 @@ def run(pair, inp, out=None, *extra):
     return main(args_for(pair, inp, out, *extra))
 
 
+def interrupt_after(monkeypatch, n: int):
+    """Make Engine.generate_iter raise KeyboardInterrupt (as Ctrl-C) after n results (monkeypatch.undo() restores it)."""
+    from specbeam_edge.generate import Engine
+
+    real = Engine.generate_iter
+
+    def stopping(self, *a, **kw):
+        for k, item in enumerate(real(self, *a, **kw)):
+            if k == n:
+                raise KeyboardInterrupt
+            yield item
+    monkeypatch.setattr(Engine, "generate_iter", stopping)
+
+
 @pytest.fixture
 def text_in(tmp_path):
     inp = tmp_path / "in.txt"
@@ -69,15 +83,9 @@ def test_zero_byte_journal_does_not_block_resume(pair, text_in, reference, tmp_p
 
 def test_journal_header_is_written_atomically(pair, text_in, tmp_path, monkeypatch):
     """The journal exists only with a whole, checksummed header (temp file + fsync + rename)."""
-    from specbeam_edge.generate import Engine
-
     out = tmp_path / "out.txt"
 
-    def stop(self, *a, **kw):
-        raise KeyboardInterrupt
-        yield
-
-    monkeypatch.setattr(Engine, "generate_iter", stop)
+    interrupt_after(monkeypatch, 0)
     assert run(pair, text_in, out) == 130
     raw = (tmp_path / "out.txt.journal").read_bytes()
     assert raw.count(b"\n") == 1
@@ -87,20 +95,10 @@ def test_journal_header_is_written_atomically(pair, text_in, tmp_path, monkeypat
 
 
 def test_corrupted_record_is_cut_and_redone(pair, text_in, reference, tmp_path, monkeypatch, capsys):
-    from specbeam_edge.generate import Engine
-
     out = tmp_path / "out.txt"
-    real = Engine.generate_iter
-
-    def five(self, *a, **kw):
-        for n, item in enumerate(real(self, *a, **kw)):
-            if n == 5:
-                raise KeyboardInterrupt
-            yield item
-
-    monkeypatch.setattr(Engine, "generate_iter", five)
+    interrupt_after(monkeypatch, 5)
     assert run(pair, text_in, out) == 130
-    monkeypatch.setattr(Engine, "generate_iter", real)
+    monkeypatch.undo()
     journal = tmp_path / "out.txt.journal"
     lines = journal.read_bytes().split(b"\n")
     lines[3] = lines[3].replace(b'"out": ["', b'"out": ["X')     # record 3 of 5: bytes flipped, checksum fails
@@ -113,20 +111,10 @@ def test_corrupted_record_is_cut_and_redone(pair, text_in, reference, tmp_path, 
 
 
 def test_resume_refuses_an_edited_input(pair, text_in, tmp_path, monkeypatch, capsys):
-    from specbeam_edge.generate import Engine
-
     out = tmp_path / "out.txt"
-    real = Engine.generate_iter
-
-    def three(self, *a, **kw):
-        for n, item in enumerate(real(self, *a, **kw)):
-            if n == 3:
-                raise KeyboardInterrupt
-            yield item
-
-    monkeypatch.setattr(Engine, "generate_iter", three)
+    interrupt_after(monkeypatch, 3)
     assert run(pair, text_in, out) == 130
-    monkeypatch.setattr(Engine, "generate_iter", real)
+    monkeypatch.undo()
     text_in.write_text(text_in.read_text().replace("the", "a", 1))
     capsys.readouterr()
     assert run(pair, text_in, out, "--resume") == 2
@@ -135,14 +123,8 @@ def test_resume_refuses_an_edited_input(pair, text_in, tmp_path, monkeypatch, ca
 
 
 def test_resume_refuses_changed_settings(pair, text_in, tmp_path, monkeypatch, capsys):
-    from specbeam_edge.generate import Engine
-
     out = tmp_path / "out.txt"
-    def stop(self, *a, **kw):
-        raise KeyboardInterrupt
-        yield
-
-    monkeypatch.setattr(Engine, "generate_iter", stop)
+    interrupt_after(monkeypatch, 0)
     assert run(pair, text_in, out) == 130
     monkeypatch.undo()
     capsys.readouterr()
@@ -201,17 +183,7 @@ def test_crlf_and_trailing_cr_give_the_same_output_as_lf(pair, tmp_path):
 
 def test_sigint_to_stdout_keeps_every_finished_line_in_order(pair, text_in, reference, monkeypatch, capsysbinary):
     """Before: Ctrl-C while translating to stdout lost every finished line."""
-    from specbeam_edge.generate import Engine
-
-    real = Engine.generate_iter
-
-    def seven(self, *a, **kw):
-        for n, item in enumerate(real(self, *a, **kw)):
-            if n == 7:
-                raise KeyboardInterrupt
-            yield item
-
-    monkeypatch.setattr(Engine, "generate_iter", seven)
+    interrupt_after(monkeypatch, 7)
     assert run(pair, text_in) == 130
     cap = capsysbinary.readouterr()
     assert cap.out == b"".join(reference.splitlines(keepends=True)[:7])
