@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .cache import TokenTree
+from .tree import TokenTree
 
 NEG = np.float32(-1.0e9)
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import heads
 from .model import OnnxCausalLM
 from .tree import TokenTree
 
@@ -68,7 +69,7 @@ class TreeCache:
     def score(self, new: list[int], topk: int | None = None):
         """One model pass over `new` (each node's parent is cached or earlier in `new`); appends their KV.
 
-        Returns the model head's output for the new nodes, [Q, V] logits (or top-k pairs [Q, k])."""
+        Returns the head output for the new nodes (heads.Dense [Q, V] logits, or heads.TopK [Q, k])."""
         return score_batch([ScoreCall(self, new, topk)])[0]
 
     def _inputs(self, new: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -134,8 +135,8 @@ class ScoreCall:
 def score_batch(calls: list[ScoreCall]) -> list:
     """One pass of one model over the new nodes of several requests' caches (a batch dimension: request b's
     past is left-aligned and zero-padded to the longest, its new rows follow the padded past; padding columns
-    are masked out, padding rows see only themselves). Returns each call's head output ([Q, V] logits or
-    top-k pairs sliced to its own k). Requests whose shapes differ a lot run as separate sub-batches (see
+    are masked out, padding rows see only themselves). Returns each call's head output (heads.Dense, or
+    heads.TopK limited to its own k). Requests whose shapes differ a lot run as separate sub-batches (see
     `_buckets`). Passes longer than the model's context (a draft cache catching up, a very wide first step)
     are split into chunks that fit: the rotary tables hold `context_length` rows."""
     model = calls[0].cache.model
@@ -148,10 +149,9 @@ def score_batch(calls: list[ScoreCall]) -> list:
             sub = [chunk[g] for g in group]
             for (i, part), out in zip(sub, _one_pass(model, [(calls[i].cache, part) for i, part in sub],
                                                       max((calls[i].topk or 0) for i, _ in sub) or None)):
-                k = calls[i].topk
-                outs[i].append(out if not isinstance(out, tuple) or k is None else tuple(o[:, :k] for o in out))
+                outs[i].append(out.limit(calls[i].topk))
         todo = [(i, nodes[limit:]) for i, nodes in todo if len(nodes) > limit]
-    return [_join(o, c.cache.model) for o, c in zip(outs, calls)]
+    return [type(o[0]).join(o) if o else heads.empty(c.cache.model) for o, c in zip(outs, calls)]
 
 
 def _buckets(shapes: list[tuple[int, int]], min_split: int = 4) -> list[list[int]]:
@@ -180,17 +180,6 @@ def _buckets(shapes: list[tuple[int, int]], min_split: int = 4) -> list[list[int
     return out
 
 
-def _join(parts: list, model):
-    if not parts:
-        V = model.cfg.vocab_size
-        return np.zeros((0, V), np.float32)
-    if len(parts) == 1:
-        return parts[0]
-    if isinstance(parts[0], tuple):
-        return tuple(np.concatenate(p) for p in zip(*parts))
-    return np.concatenate(parts)
-
-
 def _one_pass(model, work: list[tuple[TreeCache, list[int]]], topk: int | None) -> list:
     """The model forward for a batch; appends every request's new KV; returns per-request head outputs."""
     inputs = [cache._inputs(new) for cache, new in work]
@@ -201,7 +190,7 @@ def _one_pass(model, work: list[tuple[TreeCache, list[int]]], topk: int | None) 
             kw["static"] = {name: a for name, (a, _) in cache.static.items()}
         out, presents = model.forward(ids[None], pos[None], mask[None, None], cache.past, topk=topk, **kw)
         cache._append(new, mask, presents, whole=True)
-        return [tuple(o[0] for o in out) if isinstance(out, tuple) else out[0]]
+        return heads.wrap(out, batched=True)
     B = len(work)
     Qm = max(len(new) for _, new in work)
     Nm = max(len(cache) for cache, _ in work)
@@ -230,11 +219,11 @@ def _one_pass(model, work: list[tuple[TreeCache, list[int]]], topk: int | None) 
         kw["static"] = _stack_static([cache.static for cache, _ in work])
     out, presents = model.forward(ids, pos, mask, past, topk=topk, **kw)
     results = []
-    for b, ((cache, new), (_, _, m)) in enumerate(zip(work, inputs)):
+    for b, ((cache, new), (_, _, m), head) in enumerate(zip(work, inputs, heads.wrap(out, batched=True))):
         Q = len(new)
         cache._append(new, m, [(k[b:b + 1, :, Nm:Nm + Q], v[b:b + 1, :, Nm:Nm + Q]) for k, v in presents],
                       whole=False)
-        results.append(tuple(o[b, :Q] for o in out) if isinstance(out, tuple) else out[b, :Q])
+        results.append(head.take(slice(0, Q)))
     return results
 
 

@@ -12,7 +12,6 @@ from typing import Protocol
 
 import numpy as np
 
-from .beam import log_softmax
 from .cache import ScoreCall, TreeCache
 from .config import SpeculativeConfig
 
@@ -43,15 +42,8 @@ class _Expansions:
             index = {n: j for j, n in enumerate(need)}
             fresh = [f for f in frontier if f in index]
             rows = [index[f] for f in fresh]
-            if dcache.model.cfg.output == "topk":   # the head returns sorted top-k log-probs: no vocabulary row
-                vals, ids = yield ScoreCall(dcache, need, topk=self.width)
-                top, lps = ids[rows], vals[rows]
-            else:
-                lp = log_softmax((yield ScoreCall(dcache, need))[rows])            # [F, V]
-                w = min(self.width, lp.shape[1])
-                top = np.argpartition(-lp, w - 1, axis=1)[:, :w] if w < lp.shape[1] else \
-                    np.tile(np.arange(lp.shape[1]), (len(fresh), 1))
-                lps = np.take_along_axis(lp, top, axis=1)
+            out = yield ScoreCall(dcache, need, topk=self.width)
+            top, lps = out.top(rows, self.width)
             self.memo.update((f, (t, v)) for f, t, v in zip(fresh, top, lps))
         nodes = [f for f in frontier if f in self.memo]
         if not nodes:

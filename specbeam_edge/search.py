@@ -14,7 +14,7 @@ from types import GeneratorType
 
 import numpy as np
 
-from .beam import BeamSearch, log_softmax
+from .beam import BeamSearch
 from .cache import ScoreCall, TreeCache
 from .results import Stats, peak_rss_mb
 from .sampling import SampleState, choose_width, draw, verify_level
@@ -140,14 +140,9 @@ class ExactSearch:
             stats.draft_tokens_accepted += sum(n in in_tree for n in set(bs.running))
 
     def _beam_logprobs(self, running) -> np.ndarray:
-        """[beams, V] log-probs of the running beams (dense; -inf outside a top-k head's entries)."""
-        if self.topk is None:
-            lp = log_softmax(np.stack([self.rows[n][0][self.rows[n][1]] for n in running]))
-        else:
-            lp = np.full((len(running), self.target.model.cfg.vocab_size), -np.inf, np.float32)
-            for b, n in enumerate(running):
-                (vals, ids), j = self.rows[n]
-                lp[b, ids[j]] = vals[j]
+        """[beams, V] log-probs of the running beams (a top-k head's rows: -inf outside its entries)."""
+        pairs = [self.rows[n] for n in running]
+        lp = type(pairs[0][0]).logprob_rows(pairs, self.target.model.cfg.vocab_size)
         return lp if self.process is None else self.process(lp, self.bs.cur_len)
 
     # 4. commit: keep only the running beams' paths (lazily), in both caches
@@ -192,7 +187,7 @@ class SamplingSearch:
         """Log-probs of `nodes` (and any missing ancestors) in `rows`, by one pass; returns how many were new."""
         new = cache.missing_ancestors(nodes)
         if new:
-            lp = log_softmax((yield ScoreCall(cache, new)))
+            lp = (yield ScoreCall(cache, new)).log_probs()
             for j, n in enumerate(new):
                 d = self.tree.depth(n)
                 if d >= self.P - 1:     # the row of a node at depth d predicts the token at length d + 1

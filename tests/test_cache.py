@@ -41,7 +41,7 @@ def test_cache_matches_recomputation(lm, prompt, steps):
         new = [n for n in dict.fromkeys(new) if n not in cache]
         if not new:
             continue
-        logits = cache.score(new)
+        logits = cache.score(new).logits
         for j, n in enumerate(new):
             np.testing.assert_allclose(logits[j], from_scratch(lm, tree.path(n)), atol=2e-5)
         live = list(dict.fromkeys(live + new))

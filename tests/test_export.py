@@ -26,17 +26,17 @@ def tree_scenario(folder):
     tree = TokenTree()
     prompt_nodes = tree.add_chain(PROMPT)
     cache = TreeCache(lm, tree)
-    phases = [(cache.score(prompt_nodes), [PROMPT[:i + 1] for i in range(len(PROMPT))])]
+    phases = [(cache.score(prompt_nodes).logits, [PROMPT[:i + 1] for i in range(len(PROMPT))])]
     nodes = []
     for p, t in zip(TREE_PARENTS, TREE_TOKENS):
         nodes.append(tree.add(prompt_nodes[-1] if p < 0 else nodes[p], t))
-    phases.append((cache.score(nodes), [tree.path(n) for n in nodes]))
+    phases.append((cache.score(nodes).logits, [tree.path(n) for n in nodes]))
     keep = nodes[5]                       # path prompt -> 12 -> 15 -> 16
     assert cache.compact([keep], min_dead_fraction=0.0)
     assert len(cache) == len(PROMPT) + 3
     nxt = [tree.add(keep, 40), tree.add(keep, 41)]
     nxt.append(tree.add(nxt[0], 42))
-    phases.append((cache.score(nxt), [tree.path(n) for n in nxt]))
+    phases.append((cache.score(nxt).logits, [tree.path(n) for n in nxt]))
     return phases
 
 

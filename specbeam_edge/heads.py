@@ -1,0 +1,103 @@
+"""What a model pass returns for the nodes it scored: one type per head kind (DESIGN section 11).
+
+`Dense` holds a logit row per node (the usual head); `TopK` holds a top-k head's sorted log-probs and token
+ids per node (export --output_kind topk: no full-vocabulary row leaves the graph). Both answer the two
+questions the runtime asks, so no consumer branches on the kind:
+
+- `logprob_rows(pairs, vocab)`: the log-probs [R, V] of rows picked from one or more pass outputs (beam search
+  replays over rows of different passes); a top-k head's rows are -inf outside its k entries;
+- `top(rows, width)`: each row's `width` most probable tokens and their log-probs (the drafters).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .beam import log_softmax
+
+
+class Dense:
+    """Logits [Q, V] fp32 of Q scored nodes."""
+
+    def __init__(self, logits: np.ndarray):
+        self.logits = logits
+
+    def __len__(self) -> int:
+        return len(self.logits)
+
+    def take(self, rows) -> "Dense":
+        return Dense(self.logits[rows])
+
+    def limit(self, k: int | None) -> "Dense":
+        return self
+
+    def log_probs(self) -> np.ndarray:
+        """[Q, V] log-softmax of every row."""
+        return log_softmax(self.logits)
+
+    @staticmethod
+    def logprob_rows(pairs: list[tuple["Dense", int]], vocab: int) -> np.ndarray:
+        return log_softmax(np.stack([h.logits[j] for h, j in pairs]))
+
+    def top(self, rows, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids [R, w], log-probs [R, w]) of each row's w best tokens (unordered within a row)."""
+        lp = log_softmax(self.logits[rows])
+        w = min(width, lp.shape[1])
+        if w < lp.shape[1]:
+            ids = np.argpartition(-lp, w - 1, axis=1)[:, :w]
+        else:
+            ids = np.tile(np.arange(lp.shape[1]), (len(lp), 1))
+        return ids, np.take_along_axis(lp, ids, axis=1)
+
+    @staticmethod
+    def join(parts: list["Dense"]) -> "Dense":
+        return parts[0] if len(parts) == 1 else Dense(np.concatenate([p.logits for p in parts]))
+
+
+class TopK:
+    """A top-k head's log-probs [Q, k] (sorted, best first) and token ids [Q, k] of Q scored nodes."""
+
+    def __init__(self, logprobs: np.ndarray, ids: np.ndarray):
+        self.logprobs, self.ids = logprobs, ids
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def take(self, rows) -> "TopK":
+        return TopK(self.logprobs[rows], self.ids[rows])
+
+    def limit(self, k: int | None) -> "TopK":
+        """The first k entries of each row (a batched pass runs with the largest k its requests asked for)."""
+        return self if k is None else TopK(self.logprobs[:, :k], self.ids[:, :k])
+
+    def log_probs(self) -> np.ndarray:
+        raise ValueError("a top-k head has no full distribution (sampling needs a logits head)")
+
+    @staticmethod
+    def logprob_rows(pairs: list[tuple["TopK", int]], vocab: int) -> np.ndarray:
+        lp = np.full((len(pairs), vocab), -np.inf, np.float32)
+        for b, (h, j) in enumerate(pairs):
+            lp[b, h.ids[j]] = h.logprobs[j]
+        return lp
+
+    def top(self, rows, width: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.ids[rows, :width], self.logprobs[rows, :width]
+
+    @staticmethod
+    def join(parts: list["TopK"]) -> "TopK":
+        if len(parts) == 1:
+            return parts[0]
+        return TopK(np.concatenate([p.logprobs for p in parts]), np.concatenate([p.ids for p in parts]))
+
+
+def wrap(raw, batched: bool):
+    """A model.forward head output (logits, or the (logprobs, ids) pair of a top-k head) -> per-row objects:
+    one for an unbatched pass [n_new, ...], a list per batch row when `batched` ([B, n_new, ...])."""
+    if isinstance(raw, tuple):
+        return [TopK(lp, ids) for lp, ids in zip(*raw)] if batched else TopK(*raw)
+    return [Dense(x) for x in raw] if batched else Dense(raw)
+
+
+def empty(model) -> Dense | TopK:
+    if model.cfg.output == "topk":
+        return TopK(np.zeros((0, 0), np.float32), np.zeros((0, 0), np.int64))
+    return Dense(np.zeros((0, model.cfg.vocab_size), np.float32))
