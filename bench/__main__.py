@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--scenario", default="e2e,batch,cost,peers,sampling,synthetic,offload",
-                    help="comma list of: e2e, batch, cost, peers, sampling, synthetic, offload, ray_scale "
+    ap.add_argument("--scenario", default="e2e,batch,cost,peers,sampling,synthetic,offload,confidence",
+                    help="comma list of: e2e, batch, cost, peers, sampling, synthetic, offload, confidence, ray_scale "
                          "(ray_scale is not in the default: it needs the ray extra)")
     ap.add_argument("--pair", default=str(ROOT / "models" / "ende"), help="pair folder (target/, draft/, hf/)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"), help="output folder for JSON and PNG")
@@ -114,6 +114,16 @@ def main(argv=None) -> int:
             offload.plot(data, out / "offload.png")
             print(common.table(data["scale"]["rows"], offload.SCALE_COLS))
             print(common.table(data["rows"], COLS["offload"]))
+        elif sc == "confidence":
+            from . import confidence
+
+            data = confidence.bench(pair, n_prompts=4 if args.quick else 16, max_new=32 if args.quick else 64,
+                                    reps=1 if args.quick else 2, Ks=(1,) if args.quick else (1, 4),
+                                    threads=args.threads or 2)
+            data["machine"] = info
+            common.write(out, "confidence", data)
+            confidence.plot(data, out / "confidence.png")
+            print(common.table(data["rows"], COLS["confidence"]))
         elif sc == "ray_scale":
             from . import ray_scale
 

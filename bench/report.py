@@ -19,6 +19,7 @@ COLS = {
                   "plain_s", "spec_s"],
     "offload": ["K", "draft", "drafter", "budget", "max_depth", "speedup", "bspp", "bytes_moved_per_pass",
                 "load_ms_per_pass", "wait_ms_per_pass", "compute_ms_per_pass", "identical", "of"],
+    "confidence": ["draft", "K", "min_path_prob", "speedup", "bspp", "draft_passes", "nodes_per_pass", "identical"],
     "ray_scale": ["engine", "cores", "actors", "lines", "shards", "lines_s", "wall_s", "identical"],
 }
 TITLES = {
@@ -29,6 +30,7 @@ TITLES = {
     "sampling": "Speculative beam sampling (DSBD) vs plain beam sampling on the shipped pair",
     "synthetic": "Realistic scale: random large target, synthetic drafter with controlled acceptance",
     "offload": "Target streamed from disk under a memory budget (same placement for both arms)",
+    "confidence": "Tree depth that follows the draft's confidence (min_path_prob), drafting on every pass",
     "ray_scale": "Scale-out on Ray: translate --engine ray with 1 and 2 actors vs the single-process tool",
 }
 
@@ -37,7 +39,7 @@ def render(results: Path, readme: Path, command: str) -> None:
     out = ["# Benchmarks", "",
            "Every figure below was measured by one run of the command shown, on the machine named with it. "
            "Ratios are medians over alternated runs (A B A B) inside that run; absolute times vary with load.", ""]
-    for name in ("e2e", "batch", "peers", "cost", "sampling", "synthetic", "offload", "ray_scale"):
+    for name in ("e2e", "batch", "peers", "cost", "sampling", "synthetic", "offload", "confidence", "ray_scale"):
         path = results / f"{name}.json"
         if not path.exists():
             continue
@@ -51,6 +53,8 @@ def render(results: Path, readme: Path, command: str) -> None:
         if name == "batch":
             out += [f"{d['prompts']} held-out lines sorted by length, up to {d['max_new_tokens']} new tokens, "
                     f"{d['threads']} threads, medians of {d['reps']} alternated runs. Summary: {d['summary']}.", ""]
+            if d.get("notes", {}).get("summary"):
+                out += [f"Note: {d['notes']['summary']}.", ""]
             if d.get("speculation"):
                 out += ["Speculation inside a batch (K=%d, speedup over plain batching at the same batch size):"
                         % d["speculation"]["K"], "", table_md(d["speculation"]["rows"], COLS["batch_speculation"]), ""]

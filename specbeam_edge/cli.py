@@ -45,6 +45,9 @@ def add_search_args(ap: argparse.ArgumentParser, *, beams_flag: str = "--num_bea
                         "pays (the output is the same)")
     s.add_argument("--max_branch_width", type=int, default=4, help="children per expanded draft node")
     s.add_argument("--draft_width", type=int, default=None, help="draft beam width W (default max(K, branch))")
+    s.add_argument("--min_path_prob", type=float, default=0.0,
+                   help="stop a draft branch once the draft's probability of its path from the beam falls below this "
+                        "(0: grow every level up to --max_depth)")
     s.add_argument("--width_threshold", type=float, default=0.0,
                    help="DSBD dynamic width: largest k with P(#accepted >= k) >= this (0: fixed width)")
     s.add_argument("--min_num_beams", type=int, default=1, help="DSBD width floor")
@@ -67,7 +70,7 @@ def configs(args) -> tuple[dict, SpeculativeConfig | None]:
         drafter = args.drafter or ("sample" if sample else "beam")
         spec = SpeculativeConfig(drafter=drafter, budget=args.budget, max_depth=args.max_depth,
                                  max_branch_width=args.max_branch_width, draft_width=args.draft_width,
-                                 width_threshold=getattr(args, "width_threshold", 0.0),
+                                 min_path_prob=args.min_path_prob, width_threshold=getattr(args, "width_threshold", 0.0),
                                  min_num_beams=getattr(args, "min_num_beams", 1),
                                  single_sequence=getattr(args, "single_sequence", False),
                                  adaptive=not getattr(args, "always_speculate", False))

@@ -225,7 +225,9 @@ DRAFTERS = ("beam", "best_first", "sample", "lookup")
 class SpeculativeConfig:
     """Tree knobs. `budget`: draft nodes per target pass (shared by the requests of a batch: each drafts
     max(num_beams, budget // requests in the pass)); `max_depth`: tree levels below each beam;
-    `max_branch_width`: children per expanded node; `drafter`: 'beam' (draft beam search, AtSpeed),
+    `max_branch_width`: children per expanded node; `min_path_prob`: grow below a drafted node only while the
+    draft's probability of the path from its beam stays at least this (the draft's confidence decides the depth,
+    as in SpecExec and EAGLE-2; 0: every level up to max_depth); `drafter`: 'beam' (draft beam search, AtSpeed),
     'best_first' (cumulative draft log-prob with per-depth decay, SpecExec), 'sample' (draft beam
     sampling, the only drafter whose trees may be verified with the p/q rule of do_sample=True), or
     'lookup' (prompt lookup: n-gram continuations from the prompt and the beam itself; no draft model).
@@ -241,6 +243,7 @@ class SpeculativeConfig:
     auto_slack: float = 1.6         # x the cost of a pass over the beams alone
     max_depth: int = 6
     max_branch_width: int = 4
+    min_path_prob: float = 0.0
     draft_width: int | None = None
     decay_factor: float = 0.95
     width_threshold: float = 0.0
@@ -263,6 +266,8 @@ class SpeculativeConfig:
             raise ValueError(f"auto_slack must be >= 1, got {self.auto_slack}")
         _int(self.max_depth, "max_depth", 1)
         _int(self.max_branch_width, "max_branch_width", 1)
+        if not 0 <= _float(self.min_path_prob, "min_path_prob") < 1:
+            raise ValueError(f"min_path_prob must be in [0, 1), got {self.min_path_prob}")
         if self.draft_width is not None:
             _int(self.draft_width, "draft_width", 1)
         if not 0 < _float(self.decay_factor, "decay_factor") <= 1:

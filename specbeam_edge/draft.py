@@ -56,13 +56,16 @@ class DraftBeamSearch:
     non-EOS children (beam score + draft log-prob) of the draft's own K beams (its prediction of the target's
     next beams: with draft == target every level is accepted), then the best other children up to W in all.
     Each node offers up to max(W, max_branch_width) children: the next K beams may all descend from one beam.
-    (A plain width-W beam search does not nest for W > K: other children can push the K beams out.)"""
+    (A plain width-W beam search does not nest for W > K: other children can push the K beams out.)
+    With min_path_prob > 0, a child whose draft path probability from its beam is below it is not drafted
+    unless it is one of the draft's own beams, and the levels stop once the best of those is below it too."""
 
     def __init__(self, spec: SpeculativeConfig, num_beams: int, eos_ids, context_length: int):
         self.K = num_beams
         self.W = spec.draft_width or max(num_beams, spec.max_branch_width)
         self.expand = _Expansions(max(self.W, spec.max_branch_width))
         self.depth, self.budget = spec.max_depth, spec.budget
+        self.min_lp = math.log(spec.min_path_prob) if spec.min_path_prob > 0 else -math.inf
         self.eos = set(int(e) for e in eos_ids)
         self.ctx = context_length
 
@@ -70,9 +73,10 @@ class DraftBeamSearch:
         tree = dcache.tree
         self.expand.prune(dcache)
         frontier = list(dict.fromkeys(roots))
-        score = {}
+        score, rel = {}, {}                  # cumulative score; log-prob of the path from its beam
         for r, s in zip(roots, root_scores):
             score[r] = max(score.get(r, -math.inf), float(s))
+            rel[r] = 0.0
         out, seen, pred = [], set(frontier), set(frontier)
         for _ in range(self.depth):
             frontier = [f for f in frontier if tree.depth(f) + 1 < self.ctx]
@@ -82,19 +86,23 @@ class DraftBeamSearch:
             if not nodes:
                 break
             cum = np.array([score[f] for f in nodes])[:, None] + lps                 # [F, width]
+            path = np.array([rel[f] for f in nodes])[:, None] + lps
             order = [i for i in np.argsort(-cum, axis=None, kind="stable") if int(top.flat[i]) not in self.eos]
             take = min(self.W, self.budget - len(out))
             # the draft's own beams first (its prediction of the target's next K beams), then the best others
             from_pred = [i for i in order if nodes[i // top.shape[1]] in pred][:min(self.K, take)]
+            if self.min_lp > -math.inf and (not from_pred or max(path.flat[i] for i in from_pred) < self.min_lp):
+                break                        # the draft is no longer confident about any of its beams
             chosen = set(from_pred)
-            picks = from_pred + [i for i in order if i not in chosen][:take - len(from_pred)]
+            others = [i for i in order if i not in chosen and path.flat[i] >= self.min_lp]
+            picks = from_pred + others[:take - len(from_pred)]
             frontier = []
             for i in picks:
                 n = tree.add(nodes[i // top.shape[1]], int(top.flat[i]))
                 if n not in seen:
                     seen.add(n)
                     out.append(n)
-                score[n] = float(cum.flat[i])
+                score[n], rel[n] = float(cum.flat[i]), float(path.flat[i])
                 frontier.append(n)
             pred = set(frontier[:len(from_pred)])
         return out
@@ -108,6 +116,7 @@ class BestFirstDrafter:
         self.budget, self.depth = spec.budget, spec.max_depth
         self.expand = _Expansions(spec.max_branch_width)
         self.log_decay = math.log(spec.decay_factor)
+        self.min_lp = math.log(spec.min_path_prob) if spec.min_path_prob > 0 else -math.inf
         self.chunk = max(num_beams, math.ceil(spec.budget / spec.max_depth))
         self.eos = set(int(e) for e in eos_ids)
         self.ctx = context_length
@@ -129,7 +138,7 @@ class BestFirstDrafter:
             nodes, top, lps = yield from self.expand(dcache, expand)
             base_scores = np.array([cum[e] for e in nodes])[:, None] + self.log_decay + lps
             pool.extend((float(base_scores.flat[i]), nodes[i // top.shape[1]], int(top.flat[i]))
-                        for i in range(base_scores.size))
+                        for i in range(base_scores.size) if base_scores.flat[i] >= self.min_lp)
             room = self.budget - len(out)
             if room <= 0 or not pool:
                 break

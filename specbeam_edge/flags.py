@@ -82,9 +82,10 @@ def engine_from_args(args, model: str, draft: str | None):
 
 def speculative_config(*, drafter: str, budget, max_depth: int, max_branch_width: int, draft_width: int | None,
                        always_speculate: bool, width_threshold: float = 0.0, min_num_beams: int = 1,
-                       single_sequence: bool = False) -> SpeculativeConfig:
+                       single_sequence: bool = False, min_path_prob: float = 0.0) -> SpeculativeConfig:
     """The speculation flags every tool shares -> SpeculativeConfig (adaptive unless --always_speculate)."""
     return SpeculativeConfig(drafter=drafter, budget=budget, max_depth=max_depth,
                              max_branch_width=max_branch_width, draft_width=draft_width,
                              width_threshold=width_threshold, min_num_beams=min_num_beams,
-                             single_sequence=single_sequence, adaptive=not always_speculate)
+                             single_sequence=single_sequence, min_path_prob=min_path_prob,
+                             adaptive=not always_speculate)

@@ -20,7 +20,9 @@ def engines(exported):
 SPECS = [SpeculativeConfig(drafter="beam", budget=8, max_depth=2),
          SpeculativeConfig(drafter="beam", budget=32, max_depth=5, max_branch_width=3),
          SpeculativeConfig(drafter="best_first", budget=12, max_depth=4),
-         SpeculativeConfig(drafter="best_first", budget=48, max_depth=8, max_branch_width=2)]
+         SpeculativeConfig(drafter="best_first", budget=48, max_depth=8, max_branch_width=2),
+         SpeculativeConfig(drafter="beam", budget=32, max_depth=5, min_path_prob=0.2),
+         SpeculativeConfig(drafter="best_first", budget=24, max_depth=6, min_path_prob=0.1)]
 
 
 @pytest.mark.parametrize("draft", ["same", "random"])
@@ -44,6 +46,23 @@ def test_speculative_equals_plain(engines, draft, K, spec):
         assert plain.stats.beam_steps_per_pass == 1.0
         assert fast.stats.beam_steps_per_pass >= 1.0
         assert fast.stats.beam_steps == plain.stats.beam_steps
+
+
+@pytest.mark.parametrize("drafter", ["beam", "best_first"])
+def test_min_path_prob_stops_where_the_draft_is_unsure(engines, drafter):
+    """A confidence threshold drafts fewer nodes and passes (it stops branches the draft is unsure of) and
+    changes nothing in the output."""
+    eng = engines["random"]
+    runs = {}
+    for tau in (0.0, 0.5):
+        spec = SpeculativeConfig(drafter=drafter, budget=32, max_depth=6, min_path_prob=tau, adaptive=False)
+        [runs[tau]] = eng.generate(PROMPTS[0], num_beams=2, max_new_tokens=MAX_NEW, speculative=spec)
+    loose, tight = runs[0.0].stats, runs[0.5].stats
+    assert tight.draft_tokens_proposed < loose.draft_tokens_proposed, (tight, loose)
+    assert tight.draft_passes < loose.draft_passes
+    assert [h.tokens for h in runs[0.0].hypotheses] == [h.tokens for h in runs[0.5].hypotheses]
+    with pytest.raises(ValueError, match="min_path_prob"):
+        SpeculativeConfig(min_path_prob=1.0)
 
 
 @pytest.mark.parametrize("K", [1, 2, 4, 8])

@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max_branch_width", type=positive_int, default=4, help="children per expanded draft node")
     s.add_argument("--draft_width", type=positive_int, default=None,
                    help="draft beam width W (default max(K, branch))")
+    s.add_argument("--min_path_prob", type=float, default=0.0,
+                   help="stop a draft branch once the draft's probability of its path from the beam falls below this "
+                        "(0: grow every level up to --max_depth)")
     ap.add_argument("--threads", type=positive_int, default=None, help="onnxruntime intra-op threads")
     ap.add_argument("--stats", action="store_true", help="also print the aggregate statistics as JSON to stderr")
     ap.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary line")
@@ -138,7 +141,7 @@ def speculation(args):
         return None
     return speculative_config(drafter=args.drafter, budget=args.budget, max_depth=args.max_depth,
                               max_branch_width=args.max_branch_width, draft_width=args.draft_width,
-                              always_speculate=args.always_speculate)
+                              min_path_prob=args.min_path_prob, always_speculate=args.always_speculate)
 
 
 # -- input and output ---------------------------------------------------------------------------------------
