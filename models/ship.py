@@ -3,7 +3,7 @@
     python models/ship.py --kind ende --data data/ende --out models/ende     (models/build_pair.sh runs it)
 
 models/ende/target   fp16 weights (fp32 compute): batch-invariant, so speculative output equals plain
-models/ende/draft    int8 (quantize_dynamic: fastest here; the draft needs no batch invariance), top-k head
+models/ende/draft    int8 (quantize_dynamic: fastest here; the draft needs no batch invariance), full logits
 models/ende/variants/target_int8   quantize_dynamic int8, for the cost curve (not batch-invariant)
 models/ende/hf/{target,draft}      the HF checkpoints in fp16 safetensors (peers benchmark, re-export)
 models/ende/test_sample.{en,de}    the first 200 held-out test pairs
@@ -51,8 +51,9 @@ def main(argv=None) -> int:
     for name in ("target", "draft"):
         fp16_copy(data / name, hf / name)
     export(hf / "target", out / "target", precision="fp16", overwrite=True)
-    # top-k head: the drafter reads the sorted top-k, not a full-vocabulary row (no per-level argpartition)
-    export(hf / "draft", out / "draft", precision="int8", output="topk", overwrite=True)
+    # full logits: speculative beam sampling (DSBD) verifies with the draft's whole distribution q, which a
+    # top-k head does not give; beam drafting reads its top children through heads.Dense.top
+    export(hf / "draft", out / "draft", precision="int8", overwrite=True)
     if args.kind == "text":
         docs = [json.loads(l) for l in open(data / "corpus" / "test.txt", encoding="utf-8")]
         paras = [" ".join(p.split()) for d in docs for p in d.split("\n\n") if len(p.split()) >= 8]

@@ -68,7 +68,7 @@ def test_readme_job_from_another_directory(venv):
     pair = ["--model", str(MODELS / "ende" / "target"), "--draft", str(MODELS / "ende" / "draft")]
     proc = run(bin_dir, elsewhere, "specbeam", "translate", "--beam_size", "4", "-q", *pair, stdin=SENTENCE + "\n")
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == "Klicken Sie auf das Symbol, um das Dokument zu ändern.\n"
+    assert proc.stdout == "Klicken Sie auf die Schaltfläche Speichern, um das Dokument zu speichern.\n"
     same = run(bin_dir, elsewhere, "specbeam-translate", "--beam_size", "4", "-q", *pair, stdin=SENTENCE + "\n")
     assert same.stdout == proc.stdout
     assert run(bin_dir, elsewhere, "specbeam-export", "--help").returncode == 0

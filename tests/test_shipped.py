@@ -60,9 +60,10 @@ def test_speculative_equals_plain_on_shipped_pair(engine, K):
     assert [r.text for r in plain] == [r.text for r in fast]
     steps = sum(r.stats.beam_steps for r in fast)
     passes = sum(r.stats.target_passes for r in fast)
-    # measured on this pair: 2.5 steps per pass at K=1; at K=4 all four kept beams must be in the tree,
-    # which this small draft manages only now and then (about 1.05)
-    assert steps / passes > (2.0 if K == 1 else 1.0)
+    # measured on this pair: 1.4-1.8 steps per pass at K=1 (the 2x128 draft follows the retrained target's
+    # top-1 37% of the time); at K=4 all four kept beams must be in the tree, which it manages only now and
+    # then (about 1.04)
+    assert steps / passes > (1.2 if K == 1 else 1.0)
 
 
 @pytest.mark.parametrize("script", ["translate_list.py", "stream_answer.py", "compare.py"])
