@@ -70,7 +70,8 @@ def configs(args) -> tuple[dict, SpeculativeConfig | None]:
         drafter = args.drafter or ("sample" if sample else "beam")
         spec = SpeculativeConfig(drafter=drafter, budget=args.budget, max_depth=args.max_depth,
                                  max_branch_width=args.max_branch_width, draft_width=args.draft_width,
-                                 min_path_prob=args.min_path_prob, width_threshold=getattr(args, "width_threshold", 0.0),
+                                 min_path_prob=args.min_path_prob,
+                                 width_threshold=getattr(args, "width_threshold", 0.0),
                                  min_num_beams=getattr(args, "min_num_beams", 1),
                                  single_sequence=getattr(args, "single_sequence", False),
                                  adaptive=not getattr(args, "always_speculate", False))

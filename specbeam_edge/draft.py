@@ -127,6 +127,7 @@ class BestFirstDrafter:
         roots = list(dict.fromkeys(roots))
         base = {r: tree.depth(r) for r in roots}
         cum = {r: 0.0 for r in roots}
+        rel = {r: 0.0 for r in roots}            # undecayed log-prob of the path from its root (min_path_prob)
         root_of = {r: r for r in roots}
         out, seen, pool = [], set(roots), []
         expand = roots
@@ -137,21 +138,22 @@ class BestFirstDrafter:
                 break
             nodes, top, lps = yield from self.expand(dcache, expand)
             base_scores = np.array([cum[e] for e in nodes])[:, None] + self.log_decay + lps
-            pool.extend((float(base_scores.flat[i]), nodes[i // top.shape[1]], int(top.flat[i]))
-                        for i in range(base_scores.size) if base_scores.flat[i] >= self.min_lp)
+            path = np.array([rel[e] for e in nodes])[:, None] + lps
+            pool.extend((float(base_scores.flat[i]), nodes[i // top.shape[1]], int(top.flat[i]), float(path.flat[i]))
+                        for i in range(base_scores.size) if path.flat[i] >= self.min_lp)
             room = self.budget - len(out)
             if room <= 0 or not pool:
                 break
             pool.sort(key=lambda c: -c[0])
             take, pool = pool[:min(self.chunk, room)], pool[min(self.chunk, room):]
             expand = []
-            for s, p, t in take:
+            for s, p, t, r in take:
                 n = tree.add(p, t)
                 if n in seen:
                     continue
                 seen.add(n)
                 out.append(n)
-                cum[n], root_of[n] = s, root_of[p]
+                cum[n], rel[n], root_of[n] = s, r, root_of[p]
                 expand.append(n)
             if len(out) >= self.budget:
                 break
