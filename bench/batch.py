@@ -20,7 +20,8 @@ def _ours(engine, prompts, K, n_best, max_new, size, spec=None) -> dict:
     res = engine.generate(prompts, num_beams=K, num_return_sequences=n_best, max_new_tokens=max_new,
                           max_batch_size=size, speculative=spec)
     dt = time.perf_counter() - t0
-    return {"seconds": dt, "tokens": sum(_output_len(r.hypotheses[0].tokens, engine) for r in res), "outputs": [[h.tokens for h in r.hypotheses] for r in res],
+    return {"seconds": dt, "tokens": sum(_output_len(r.hypotheses[0].tokens, engine) for r in res),
+            "outputs": [[h.tokens for h in r.hypotheses] for r in res],
             "passes": sum(r.stats.target_passes for r in res), "steps": sum(r.stats.beam_steps for r in res),
             "peak_mb": max(r.stats.peak_memory_mb for r in res),
             "kv_mb": max(r.stats.kv_cache_peak_mb for r in res)}
@@ -33,7 +34,7 @@ def _output_len(tokens: list[int], engine) -> int:
     return len(tokens) - int(bool(tokens) and tokens[-1] in engine.target.cfg.eos_token_ids)
 
 
-def _ct2_generator(hf: Path, threads: int):
+def ct2_generator(hf: Path, threads: int):
     try:
         import ctranslate2
         from ctranslate2.converters import TransformersConverter
@@ -64,7 +65,7 @@ def bench(pair: Path, *, n_prompts=200, max_new=128, reps=2, threads=2, sizes=SI
     ids = [engine.encode(p) for p in prompts]
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))   # both engines get the lines sorted by length
     prompts, ids = [prompts[i] for i in order], [ids[i] for i in order]
-    gen, why = _ct2_generator(pair / "hf" / "target", threads)
+    gen, why = ct2_generator(pair / "hf" / "target", threads)
     toks = [[engine.tokenizer.id_to_token(i) for i in x] for x in ids]
     engine.generate(prompts[:4], num_beams=4, max_new_tokens=8, max_batch_size=4)   # warm-up
     rows, curves = [], {}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from specbeam_edge import Engine, SpeculativeConfig
 
-from .batch import _ct2_generator
+from .batch import ct2_generator
 from .e2e import load_prompts
 
 
@@ -38,7 +38,7 @@ def _transformers(hf: Path, ids_list, K, max_new, eos):
 
 def _ctranslate2(hf: Path, engine, ids_list, K, max_new):
     """CTranslate2 int8 on the same weights, one request at a time: (tokens/s, None) or (None, why not)."""
-    gen, why = _ct2_generator(hf, threads=2)
+    gen, why = ct2_generator(hf, threads=2)
     if gen is None:
         return None, why
     toks = [[engine.tokenizer.id_to_token(i) for i in ids] for ids in ids_list]

@@ -380,7 +380,7 @@ def _languages(src: Path, tokenizer: dict, arch: EncDecArch) -> dict:
 def export_encdec(src: Path, dst: Path, family: str, *, precision: str, layout: str, output: str, overwrite: bool,
                   quiet: bool) -> Path:
     """Write the model folder of an encoder-decoder: encoder.onnx + model.onnx (the decoder) + config."""
-    from .core import FORMAT_VERSION, Progress, _quantize, _save, staged
+    from .core import FORMAT_VERSION, Progress, _save, _save_quantized, staged
 
     if layout != "whole":
         raise ExportError("encoder-decoder models export with layout 'whole' (static cross K/V inputs need it)")
@@ -399,11 +399,7 @@ def export_encdec(src: Path, dst: Path, family: str, *, precision: str, layout: 
         prog.step("write encoder.onnx")
         dec = decoder_model(arch, dw, base, output)
         if precision == "int8":
-            raw = tmp / "model.fp32.onnx"
-            big = _save(dec, raw)
-            quant = _quantize(raw, tmp / "model.onnx", "int8", 32, external=big)
-            raw.unlink()
-            raw.with_name(raw.name + ".data").unlink(missing_ok=True)
+            quant = _save_quantized(dec, tmp / "model.onnx", "int8", 32)
         else:
             _save(dec, tmp / "model.onnx")
         prog.step(f"write model.onnx ({precision})")

@@ -190,7 +190,7 @@ def _one_pass(model, work: list[tuple[TreeCache, list[int]]], topk: int | None) 
             kw["static"] = {name: a for name, (a, _) in cache.static.items()}
         out, presents = model.forward(ids[None], pos[None], mask[None, None], cache.past, topk=topk, **kw)
         cache._append(new, mask, presents, whole=True)
-        return heads.wrap(out, batched=True)
+        return heads.wrap(out)
     B = len(work)
     Qm = max(len(new) for _, new in work)
     Nm = max(len(cache) for cache, _ in work)
@@ -219,7 +219,7 @@ def _one_pass(model, work: list[tuple[TreeCache, list[int]]], topk: int | None) 
         kw["static"] = _stack_static([cache.static for cache, _ in work])
     out, presents = model.forward(ids, pos, mask, past, topk=topk, **kw)
     results = []
-    for b, ((cache, new), (_, _, m), head) in enumerate(zip(work, inputs, heads.wrap(out, batched=True))):
+    for b, ((cache, new), (_, _, m), head) in enumerate(zip(work, inputs, heads.wrap(out))):
         Q = len(new)
         cache._append(new, m, [(k[b:b + 1, :, Nm:Nm + Q], v[b:b + 1, :, Nm:Nm + Q]) for k, v in presents],
                       whole=False)

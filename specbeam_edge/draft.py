@@ -20,6 +20,11 @@ class Drafter(Protocol):
     def __call__(self, dcache: TreeCache, roots: list[int], root_scores: list[float]) -> list[int]: ...
 
 
+def _min_log_prob(spec: SpeculativeConfig) -> float:
+    """log(min_path_prob): a drafted path below it is not grown (-inf: no threshold)."""
+    return math.log(spec.min_path_prob) if spec.min_path_prob > 0 else -math.inf
+
+
 class _Expansions:
     """The draft's top-`width` children (tokens, log-probs) of every node it has scored, kept while the node is
     in the draft cache. A beam the draft scored in an earlier pass (the target then accepted fewer levels than
@@ -65,7 +70,7 @@ class DraftBeamSearch:
         self.W = spec.draft_width or max(num_beams, spec.max_branch_width)
         self.expand = _Expansions(max(self.W, spec.max_branch_width))
         self.depth, self.budget = spec.max_depth, spec.budget
-        self.min_lp = math.log(spec.min_path_prob) if spec.min_path_prob > 0 else -math.inf
+        self.min_lp = _min_log_prob(spec)
         self.eos = set(int(e) for e in eos_ids)
         self.ctx = context_length
 
@@ -116,7 +121,7 @@ class BestFirstDrafter:
         self.budget, self.depth = spec.budget, spec.max_depth
         self.expand = _Expansions(spec.max_branch_width)
         self.log_decay = math.log(spec.decay_factor)
-        self.min_lp = math.log(spec.min_path_prob) if spec.min_path_prob > 0 else -math.inf
+        self.min_lp = _min_log_prob(spec)
         self.chunk = max(num_beams, math.ceil(spec.budget / spec.max_depth))
         self.eos = set(int(e) for e in eos_ids)
         self.ctx = context_length

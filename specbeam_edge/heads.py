@@ -21,9 +21,6 @@ class Dense:
     def __init__(self, logits: np.ndarray):
         self.logits = logits
 
-    def __len__(self) -> int:
-        return len(self.logits)
-
     def take(self, rows) -> "Dense":
         return Dense(self.logits[rows])
 
@@ -59,9 +56,6 @@ class TopK:
     def __init__(self, logprobs: np.ndarray, ids: np.ndarray):
         self.logprobs, self.ids = logprobs, ids
 
-    def __len__(self) -> int:
-        return len(self.ids)
-
     def take(self, rows) -> "TopK":
         return TopK(self.logprobs[rows], self.ids[rows])
 
@@ -89,12 +83,12 @@ class TopK:
         return TopK(np.concatenate([p.logprobs for p in parts]), np.concatenate([p.ids for p in parts]))
 
 
-def wrap(raw, batched: bool):
-    """A model.forward head output (logits, or the (logprobs, ids) pair of a top-k head) -> per-row objects:
-    one for an unbatched pass [n_new, ...], a list per batch row when `batched` ([B, n_new, ...])."""
+def wrap(raw) -> list:
+    """A batched model.forward head output (logits [B, n_new, V], or a top-k head's (logprobs, ids) pair of
+    [B, n_new, k]) -> one object per batch row."""
     if isinstance(raw, tuple):
-        return [TopK(lp, ids) for lp, ids in zip(*raw)] if batched else TopK(*raw)
-    return [Dense(x) for x in raw] if batched else Dense(raw)
+        return [TopK(lp, ids) for lp, ids in zip(*raw)]
+    return [Dense(x) for x in raw]
 
 
 def empty(model) -> Dense | TopK:
