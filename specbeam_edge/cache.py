@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import heads
-from .model import OnnxCausalLM
+from .model import OnnxCausalLM, host, kv_nbytes
 from .tree import TokenTree
 
 
@@ -84,8 +84,12 @@ class TreeCache:
     def _append(self, new: list[int], mask: np.ndarray, kv: list[tuple[np.ndarray, np.ndarray]], whole: bool):
         """Record a pass: kv per layer is past + new (whole=True, the graph's own concat) or the new rows only."""
         N, Q = len(self.nodes), len(new)
-        self.past = kv if whole else [(np.concatenate([k0, k], axis=2), np.concatenate([v0, v], axis=2))
-                                      for (k0, v0), (k, v) in zip(self.past, kv)]
+        if whole:   # the graph's presents: on a resident model they stay on its device
+            self.past = kv
+        else:
+            to_kv = self.model.to_kv
+            self.past = [(to_kv(np.concatenate([host(k0), k], axis=2)), to_kv(np.concatenate([host(v0), v], axis=2)))
+                         for (k0, v0), (k, v) in zip(self.past, kv)]
         vis = np.zeros((N + Q, N + Q), dtype=bool)
         vis[:N, :N] = self.vis
         vis[N:] = mask
@@ -96,7 +100,7 @@ class TreeCache:
         self.positions = np.concatenate([self.positions, [self.tree.depth(n) for n in new]]).astype(np.int64)
         self.passes += 1
         self.tokens_scored += Q
-        self.peak_bytes = max(self.peak_bytes, sum(k.nbytes + v.nbytes for k, v in self.past))
+        self.peak_bytes = max(self.peak_bytes, sum(kv_nbytes(k) + kv_nbytes(v) for k, v in self.past))
 
     def live_slots(self, keep_nodes) -> np.ndarray:
         """Slots on the paths to `keep_nodes` (up to each one's nearest cached ancestor: a draft cache that sat
@@ -116,7 +120,9 @@ class TreeCache:
         if dead == 0 or dead < min_dead_fraction * len(live):
             return False
         idx = np.flatnonzero(live)
-        self.past = [(np.ascontiguousarray(k[:, :, idx]), np.ascontiguousarray(v[:, :, idx])) for k, v in self.past]
+        # a resident cache makes a round trip through the host (rare: only once >= 25% of it is dead)
+        self.past = [(self.model.to_kv(np.ascontiguousarray(host(k)[:, :, idx])),
+                      self.model.to_kv(np.ascontiguousarray(host(v)[:, :, idx]))) for k, v in self.past]
         self.vis = self.vis[np.ix_(idx, idx)]
         self.positions = self.positions[idx]
         self.nodes = [self.nodes[i] for i in idx]
@@ -207,17 +213,18 @@ def _one_pass(model, work: list[tuple[TreeCache, list[int]]], topk: int | None) 
         mask[b, 0, :Q, Nm:Nm + Q] = m[:, N:]
     past = []
     for layer in range(len(work[0][0].past)):
-        k0 = work[0][0].past[layer][0]
+        kvs = [(host(ck), host(cv)) for ck, cv in (cache.past[layer] for cache, _ in work)]
+        k0 = kvs[0][0]
         k = np.zeros((B, k0.shape[1], Nm, k0.shape[3]), k0.dtype)
         v = np.zeros_like(k)
-        for b, (cache, _) in enumerate(work):
-            ck, cv = cache.past[layer]
+        for b, (ck, cv) in enumerate(kvs):
             k[b, :, :ck.shape[2]], v[b, :, :cv.shape[2]] = ck[0], cv[0]
-        past.append((k, v))
+        past.append((model.to_kv(k), model.to_kv(v)))
     kw = {"key_positions": kpos} if model.needs_key_positions else {}
     if work[0][0].static:
         kw["static"] = _stack_static([cache.static for cache, _ in work])
     out, presents = model.forward(ids, pos, mask, past, topk=topk, **kw)
+    presents = [(host(k), host(v)) for k, v in presents]
     results = []
     for b, ((cache, new), (_, _, m), head) in enumerate(zip(work, inputs, heads.wrap(out))):
         Q = len(new)

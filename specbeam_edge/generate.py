@@ -42,18 +42,19 @@ class Engine:
 
     def __init__(self, target: str | Path, draft: str | Path | None = None, *, threads: int | None = None,
                  max_memory: int | None = None, host_memory: int | None = 0, placement: list[str] | None = None,
-                 providers: list[str] | None = None):
+                 providers: list[str] | None = None, kv_resident: bool | None = None):
         """max_memory/host_memory/placement stream the target's layers (split layout; see offload.py);
-        providers: onnxruntime execution providers (default CPU)."""
+        providers: onnxruntime execution providers (default CPU); kv_resident: keep KV caches on the session's
+        device between passes (default: on CUDA only; see OnnxCausalLM)."""
         self.target = OnnxCausalLM(target, threads=threads, max_memory=max_memory, host_memory=host_memory,
-                                   placement=placement, providers=providers)
+                                   placement=placement, providers=providers, kv_resident=kv_resident)
         self.tokenizer = Tokenizer(target)
         self.draft = None
         if draft is not None:
             if not Path(draft).is_dir():
                 raise ModelFolderError(f"draft model folder {draft} does not exist")
             # the draft is small: one thread and no busy-waiting, so it does not steal the target's cores
-            self.draft = OnnxCausalLM(draft, threads=1, providers=providers, spin=False)
+            self.draft = OnnxCausalLM(draft, threads=1, providers=providers, spin=False, kv_resident=kv_resident)
             check_compatible(self.tokenizer, Tokenizer(draft), self.draft.cfg.vocab_size, self.target.cfg.vocab_size)
         self.eos = list(self.target.cfg.eos_token_ids)
         self._init_encoders(threads, providers)

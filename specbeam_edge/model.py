@@ -11,7 +11,7 @@ import onnxruntime as ort
 
 from .config import ModelConfig, ModelFolderError
 from .offload import LayerStore, layer_nbytes, plan
-from .providers import ProviderError, cuda_session, default_providers, wants_cuda
+from .providers import CUDA, ProviderError, cuda_session, default_providers, wants_cuda
 
 
 def _session(path: Path, threads: int | None, providers, spin: bool = True) -> ort.InferenceSession:
@@ -41,16 +41,30 @@ def _declares(sess: ort.InferenceSession, name: str) -> bool:
     return any(i.name == name for i in sess.get_inputs())
 
 
+def host(x) -> np.ndarray:
+    """A KV tensor as a host array: itself, or a copy of a resident OrtValue (the rare paths that need the host:
+    batched passes, compaction)."""
+    return x.numpy() if isinstance(x, ort.OrtValue) else x
+
+
+def kv_nbytes(x) -> int:
+    if isinstance(x, ort.OrtValue):
+        return int(np.prod(x.shape())) * (2 if "float16" in x.data_type() else 4)
+    return x.nbytes
+
+
 class OnnxCausalLM:
     """Loads and validates a model folder; `forward` scores new tokens given a tree mask and past KV."""
 
     def __init__(self, folder: str | Path, *, threads: int | None = None, providers=None,
                  max_memory: int | None = None, host_memory: int | None = 0, placement: list[str] | None = None,
-                 spin: bool = True):
+                 spin: bool = True, kv_resident: bool | None = None):
         """max_memory (bytes): budget for weights held in memory; in the split layout, layers that do not fit
         are streamed per pass from host memory (up to host_memory bytes, None = unlimited) or from disk.
         placement: an explicit list of 'resident' / 'host' / 'disk' per layer instead of the planner.
-        spin: let onnxruntime's threads busy-wait between runs (faster back-to-back runs of one model)."""
+        spin: let onnxruntime's threads busy-wait between runs (faster back-to-back runs of one model).
+        kv_resident: keep the KV cache where the session computes it (OrtValues bound with IOBinding, see
+        `forward`); default: on for CUDA sessions, off on the CPU (where it measured no faster, DESIGN s. 11)."""
         self.cfg = cfg = ModelConfig.load(folder)
         self.folder = Path(folder)
         L = cfg.num_layers
@@ -95,6 +109,9 @@ class OnnxCausalLM:
                 nxt.update({j: self.store.streamed[k + 1] for j in range(i, self.store.streamed[k + 1])})
             self._next_streamed = nxt
         self._check_shapes()
+        first = self.sess if cfg.layout == "whole" else self.layer
+        self.kv_device = "cuda" if CUDA in first.get_providers() else "cpu"
+        self.kv_resident = (self.kv_device == "cuda") if kv_resident is None else bool(kv_resident)
         # the streamed layers share two buffers: one pass at a time per model (threads sharing an Engine)
         self._lock = threading.Lock()
 
@@ -116,10 +133,17 @@ class OnnxCausalLM:
             raise ModelFolderError(f"{self.folder}: graph KV shape {shape} does not match the config "
                                    f"(num_kv_heads {c.num_kv_heads}, head_dim {c.head_dim})")
 
-    def empty_past(self, batch: int = 1) -> list[tuple[np.ndarray, np.ndarray]]:
+    def empty_past(self, batch: int = 1) -> list[tuple]:
         c = self.cfg
-        z = np.zeros((batch, c.num_kv_heads, 0, c.head_dim), np.float32)
+        z = self.to_kv(np.zeros((batch, c.num_kv_heads, 0, c.head_dim), np.float32))
         return [(z, z) for _ in range(c.num_layers)]
+
+    def to_kv(self, a: np.ndarray):
+        """A host KV array as this model keeps its cache: the array itself, or (kv_resident) an OrtValue on the
+        session's device."""
+        if not self.kv_resident:
+            return a
+        return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a), self.kv_device, 0)
 
     def additive_mask(self, mask: np.ndarray) -> np.ndarray:
         return np.where(mask, np.float32(0), np.float32(self.cfg.mask_value)).astype(np.float32)
@@ -130,12 +154,12 @@ class OnnxCausalLM:
         """Score `n_new` tokens.
 
         input_ids, position_ids: int64 [B, n_new]; tree_mask: bool [B, 1, n_new, n_past + n_new] (True = may
-        attend); past: per layer (key, value) [B, kv_heads, n_past, head_dim].
+        attend); past: per layer (key, value) [B, kv_heads, n_past, head_dim], numpy or (kv_resident) OrtValues.
         key_positions: int64 [B, n_past + n_new], the position of every key column; needed (and only accepted)
         when the graph declares `key_position_ids` (sliding-window layers). static: the graph's `static_inputs`
         (config), batched like input_ids.
         Returns (logits [B, n_new, V] fp32, or (topk_logprobs, topk_ids) for a top-k head; presents per layer
-        [B, kv_heads, n_past + n_new, head_dim]).
+        [B, kv_heads, n_past + n_new, head_dim], OrtValues on the session's device when kv_resident).
         """
         ids = np.ascontiguousarray(input_ids, dtype=np.int64)
         pos = np.ascontiguousarray(position_ids, dtype=np.int64)
@@ -150,13 +174,34 @@ class OnnxCausalLM:
             feed = {"input_ids": ids, "position_ids": pos, "attention_mask": mask, **kpos, **extra, **(static or {})}
             for (kn, vn), (k, v) in zip(self.past_names, past):
                 feed[kn], feed[vn] = k, v
-            outs = self.sess.run(self._run_names, feed)
+            if self.kv_resident:
+                outs = self._run_bound(self.sess, feed, self.out_names, [n for p in self.present_names for n in p])
+            else:
+                outs = self.sess.run(self._run_names, feed)
             n = len(self.out_names)
             head = outs[0] if n == 1 else tuple(outs[:n])
             presents = [(outs[n + 2 * i], outs[n + 2 * i + 1]) for i in range(self.cfg.num_layers)]
             return head, presents
         with self._lock:
             return self._forward_layers(ids, pos, mask, past, kpos, extra)
+
+    def _run_bound(self, sess, feed: dict, host_outputs: list[str], device_outputs: list[str]) -> list:
+        """One run with IOBinding: inputs are host arrays or OrtValues already on the device (bound as they
+        are: a resident cache is not copied); `host_outputs` come back as numpy arrays, `device_outputs` stay
+        OrtValues on the session's device (allocated by onnxruntime, so nothing crosses the bus)."""
+        io = sess.io_binding()
+        for name, a in feed.items():
+            if isinstance(a, ort.OrtValue):
+                io.bind_ortvalue_input(name, a)
+            else:
+                io.bind_cpu_input(name, np.ascontiguousarray(a))
+        for name in host_outputs:
+            io.bind_output(name, "cpu")
+        for name in device_outputs:
+            io.bind_output(name, self.kv_device)
+        sess.run_with_iobinding(io)
+        outs = io.get_outputs()
+        return [o.numpy() for o in outs[:len(host_outputs)]] + list(outs[len(host_outputs):])
 
     def _forward_layers(self, ids, pos, mask, past, kpos, extra):
         """The split layout: embed, each layer with its weights (streamed ones double-buffered), head."""
@@ -172,7 +217,10 @@ class OnnxCausalLM:
             t0 = time.perf_counter()
             feed = {"hidden": hidden, "position_ids": pos, "attention_mask": mask, "past_key": k, "past_value": v,
                     **kpos}
-            if self.device == "cpu":
+            if self.kv_resident:   # hidden state and cache stay on the device between layers and passes
+                hidden, pk, pv = self._run_bound(self.layer, {**feed, **weights}, [],
+                                                 ["hidden_out", "present_key", "present_value"])
+            elif self.device == "cpu":
                 hidden, pk, pv = self.layer.run(["hidden_out", "present_key", "present_value"], {**feed, **weights})
             else:  # device weights are OrtValues: run with OrtValues throughout
                 feed = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in feed.items()}
@@ -184,5 +232,8 @@ class OnnxCausalLM:
         store.stats.passes += 1
         for i in store.streamed[:2]:   # both buffers are free: the next pass's first layers load during the
             store.prefetch(i)          # head, the replay and the drafting of the next tree
-        outs = self.head.run(self.out_names, {"hidden": hidden, **extra})
+        if self.kv_resident:
+            outs = self._run_bound(self.head, {"hidden": hidden, **extra}, self.out_names, [])
+        else:
+            outs = self.head.run(self.out_names, {"hidden": hidden, **extra})
         return (outs[0] if len(outs) == 1 else tuple(outs)), presents

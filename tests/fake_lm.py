@@ -17,6 +17,10 @@ class FakeLM:
         self.cfg = SimpleNamespace(vocab_size=vocab, context_length=ctx, eos_token_ids=tuple(eos), generation={}, raw={},
                                    output="logits")
 
+    @staticmethod
+    def to_kv(a):
+        return a
+
     def empty_past(self):
         return [(np.zeros((1, 1, 0, 2), np.float32), np.zeros((1, 1, 0, 2), np.float32))]
 
