@@ -21,8 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--scenario", default="e2e,batch,cost,peers,sampling,synthetic,offload,confidence",
-                    help="comma list of: e2e, batch, cost, peers, sampling, synthetic, offload, confidence, ray_scale "
+    ap.add_argument("--scenario", default="e2e,batch,cost,peers,sampling,synthetic,offload,confidence,kv",
+                    help="comma list of: e2e, batch, cost, peers, sampling, synthetic, offload, confidence, kv, "
+                         "ray_scale "
                          "(ray_scale is not in the default: it needs the ray extra)")
     ap.add_argument("--pair", default=str(ROOT / "models" / "ende"), help="pair folder (target/, draft/, hf/)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"), help="output folder for JSON and PNG")
@@ -124,6 +125,15 @@ def main(argv=None) -> int:
             common.write(out, "confidence", data)
             confidence.plot(data, out / "confidence.png")
             print(common.table(data["rows"], COLS["confidence"]))
+        elif sc == "kv":
+            from . import kv
+
+            data = kv.bench(pair, n_prompts=8 if args.quick else 64, max_new=32 if args.quick else 128,
+                            reps=1 if args.quick else 2, threads=args.threads or 2)
+            data["machine"] = info
+            common.write(out, "kv", data)
+            kv.plot(data, out / "kv.png")
+            print(common.table(data["rows"], COLS["kv"]))
         elif sc == "ray_scale":
             from . import ray_scale
 

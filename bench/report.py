@@ -20,6 +20,7 @@ COLS = {
     "offload": ["K", "draft", "drafter", "budget", "max_depth", "speedup", "bspp", "bytes_moved_per_pass",
                 "load_ms_per_pass", "wait_ms_per_pass", "compute_ms_per_pass", "identical", "of"],
     "confidence": ["draft", "K", "min_path_prob", "speedup", "bspp", "draft_passes", "nodes_per_pass", "identical"],
+    "kv": ["engine", "lines_s", "seconds", "passes", "ms_per_pass", "ms_in_onnxruntime_per_pass", "onnxruntime_share"],
     "ray_scale": ["engine", "cores", "actors", "lines", "shards", "lines_s", "wall_s", "identical"],
 }
 TITLES = {
@@ -31,6 +32,7 @@ TITLES = {
     "synthetic": "Realistic scale: random large target, synthetic drafter with controlled acceptance",
     "offload": "Target streamed from disk under a memory budget (same placement for both arms)",
     "confidence": "Tree depth that follows the draft's confidence (min_path_prob), drafting on every pass",
+    "kv": "Plain beam search one request at a time: where a pass's time goes, host vs resident KV, CTranslate2",
     "ray_scale": "Scale-out on Ray: translate --engine ray with 1 and 2 actors vs the single-process tool",
 }
 
@@ -39,7 +41,7 @@ def render(results: Path, readme: Path, command: str) -> None:
     out = ["# Benchmarks", "",
            "Every figure below was measured by one run of the command shown, on the machine named with it. "
            "Ratios are medians over alternated runs (A B A B) inside that run; absolute times vary with load.", ""]
-    for name in ("e2e", "batch", "peers", "cost", "sampling", "synthetic", "offload", "confidence", "ray_scale"):
+    for name in ("e2e", "batch", "peers", "cost", "sampling", "synthetic", "offload", "confidence", "kv", "ray_scale"):
         path = results / f"{name}.json"
         if not path.exists():
             continue
@@ -84,6 +86,13 @@ def render(results: Path, readme: Path, command: str) -> None:
                     f"(the plain run's next beams with a per-level acceptance, as many decoys as beams per level, "
                     f"every node scored by a resident 1-layer draft). Pass time by tree size (ms): "
                     f"{sc['pass_ms_by_tree_size']}.", "", table_md(sc["rows"], SCALE_COLS), ""]
+        if name == "kv":
+            out += [f"{d['prompts']} held-out lines, K={d['K']}, up to {d['max_new_tokens']} new tokens, "
+                    f"max_batch_size 1, {d['threads']} threads, medians of {d['reps']} alternated runs. Summary: "
+                    f"{d['summary']}. Pass time (ms) by new (Q) and cached (N) tokens: "
+                    f"{d['pass_ms_by_new_and_cached']}. onnxruntime's profile of one pass "
+                    f"(Q={d['op_profile']['Q']}, N={d['op_profile']['N']}, us by op): {d['op_profile']['us_by_op']}.",
+                    ""]
         if name == "ray_scale":
             out += [f"{d['rows'][0]['lines']} lines of the shipped test sample, up to {d['max_new_tokens']} new "
                     f"tokens, shards of {d['shard_lines']} lines, medians of {d['reps']} alternated runs, "
