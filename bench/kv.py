@@ -1,6 +1,7 @@
 """Where a plain beam-search pass's time goes, one request at a time, and what keeping the KV cache resident
 (IOBinding) changes: the shipped target, K=4, held-out lines, host KV vs resident KV vs CTranslate2 int8 at
-max_batch_size 1, alternated in one run. Also: the share of wall-clock inside onnxruntime (the graph's own
+max_batch_size 1, alternated in one run; and the
+main job (speculative, shipped draft, adaptive default) with host and resident KV. Also: the share of wall-clock inside onnxruntime (the graph's own
 arithmetic) against feeding, fetching and Python; onnxruntime's per-op profile of one representative pass; and
 how a pass's cost grows with the cached length (what the cache costs the graph)."""
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from specbeam_edge import Engine
+from specbeam_edge import Engine, SpeculativeConfig
 
 from .batch import _ct2, ct2_generator
 from .common import median
@@ -94,7 +95,12 @@ def _pass_ms(engine: Engine, Q: int, N: int, reps: int = 200) -> float:
 
 def bench(pair: Path, *, n_prompts=64, max_new=128, K=4, reps=2, threads=2) -> dict:
     engines = {"host": Engine(pair / "target", threads=threads, kv_resident=False),
-               "resident": Engine(pair / "target", threads=threads, kv_resident=True)}
+               "resident": Engine(pair / "target", threads=threads, kv_resident=True),
+               # the main job: speculative with the shipped draft and the adaptive default
+               "speculative host": Engine(pair / "target", draft=pair / "draft", threads=threads, kv_resident=False),
+               "speculative resident": Engine(pair / "target", draft=pair / "draft", threads=threads,
+                                              kv_resident=True)}
+    spec = {name: SpeculativeConfig(adaptive=True) if name.startswith("speculative") else None for name in engines}
     timers = {}
     for name, eng in engines.items():
         eng.target.sess = timers[name] = _Timed(eng.target.sess)
@@ -105,13 +111,17 @@ def bench(pair: Path, *, n_prompts=64, max_new=128, K=4, reps=2, threads=2) -> d
     gen, why = ct2_generator(pair / "hf" / "target", threads)
     for eng in engines.values():
         eng.generate(prompts[:2], num_beams=K, max_new_tokens=16, max_batch_size=1)   # warm-up
+    for name in engines:
+        if spec[name] is not None:   # the adaptive chooser's probes belong to the run, not to the warm-up
+            engines[name]._init_state()
     runs = {name: [] for name in [*engines, "ctranslate2_int8"]}
     outputs = {}
     for _ in range(reps):
         for name, eng in engines.items():
             timers[name].seconds = timers[name].calls = 0
             t0 = time.perf_counter()
-            res = eng.generate(prompts, num_beams=K, max_new_tokens=max_new, max_batch_size=1)
+            res = eng.generate(prompts, num_beams=K, max_new_tokens=max_new, max_batch_size=1,
+                               speculative=spec[name])
             dt = time.perf_counter() - t0
             outputs.setdefault(name, [[h.tokens for h in r.hypotheses] for r in res])
             runs[name].append({"seconds": dt, "in_onnxruntime": timers[name].seconds, "passes": timers[name].calls,
@@ -134,7 +144,10 @@ def bench(pair: Path, *, n_prompts=64, max_new=128, K=4, reps=2, threads=2) -> d
         print(row, file=sys.stderr)
     by = {r["engine"]: r for r in rows}
     summary = {"resident_over_host": round(by["host"]["seconds"] / by["resident"]["seconds"], 3),
-               "outputs_identical": outputs["host"] == outputs["resident"]}
+               "speculative_resident_over_host": round(by["speculative host"]["seconds"]
+                                                       / by["speculative resident"]["seconds"], 3),
+               "speculative_host_over_plain_host": round(by["host"]["seconds"] / by["speculative host"]["seconds"], 3),
+               "outputs_identical": all(o == outputs["host"] for o in outputs.values())}
     if "ctranslate2_int8" in by:
         summary["host_over_ctranslate2_batch1"] = round(by["ctranslate2_int8"]["seconds"] / by["host"]["seconds"], 2)
     host = engines["host"]
