@@ -3,6 +3,7 @@ vocabulary row, so a 1,000-node tree does not move 1,000 x V floats out of the t
 equals beam search over full logits; drafters read them directly."""
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from specbeam_edge import Engine, SpeculativeConfig
 
@@ -52,3 +53,23 @@ def test_sampling_refuses_a_topk_head(folders):
     eng = Engine(folders["topk"])
     with pytest.raises(ValueError, match="top-k head"):
         eng.generate(PROMPTS[0], num_beams=2, do_sample=True, max_new_tokens=4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 6), width=st.integers(1, 9), vocab=st.sampled_from([7, 64, 600, 8192]),
+       ties=st.booleans(), seed=st.integers(0, 10 ** 6))
+def test_dense_top_ids_are_each_rows_best(rows, width, vocab, ties, seed):
+    """The drafters' top-w per row (sampled threshold, then a partition of the few candidates): the values it
+    picks are each row's w largest, ties included (coarse values make many)."""
+    from specbeam_edge.heads import _top_ids
+
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, vocab)).astype(np.float32)
+    if ties:
+        x = np.round(x * 2) / 2
+    w = min(width, vocab - 1)
+    ids = _top_ids(x, w)
+    assert ids.shape == (rows, w)
+    for r in range(rows):
+        assert len(set(ids[r].tolist())) == w
+        np.testing.assert_array_equal(np.sort(x[r, ids[r]]), np.sort(x[r])[-w:])
