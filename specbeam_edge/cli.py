@@ -45,6 +45,9 @@ def add_search_args(ap: argparse.ArgumentParser, *, beams_flag: str = "--num_bea
                         "pays (the output is the same)")
     s.add_argument("--max_branch_width", type=int, default=4, help="children per expanded draft node")
     s.add_argument("--draft_width", type=int, default=None, help="draft beam width W (default max(K, branch))")
+    s.add_argument("--with_lookup", action="store_true",
+                   help="also put prompt-lookup spans (copied names, numbers, markup) into the draft model's tree, "
+                        "the budget split by measured acceptance")
     s.add_argument("--min_path_prob", type=float, default=0.0,
                    help="stop a draft branch once the draft's probability of its path from the beam falls below this "
                         "(0: grow every level up to --max_depth)")
@@ -70,7 +73,7 @@ def configs(args) -> tuple[dict, SpeculativeConfig | None]:
         drafter = args.drafter or ("sample" if sample else "beam")
         spec = SpeculativeConfig(drafter=drafter, budget=args.budget, max_depth=args.max_depth,
                                  max_branch_width=args.max_branch_width, draft_width=args.draft_width,
-                                 min_path_prob=args.min_path_prob,
+                                 min_path_prob=args.min_path_prob, with_lookup=args.with_lookup,
                                  width_threshold=getattr(args, "width_threshold", 0.0),
                                  min_num_beams=getattr(args, "min_num_beams", 1),
                                  single_sequence=getattr(args, "single_sequence", False),

@@ -230,7 +230,9 @@ class SpeculativeConfig:
     as in SpecExec and EAGLE-2; 0: every level up to max_depth); `drafter`: 'beam' (draft beam search, AtSpeed),
     'best_first' (cumulative draft log-prob with per-depth decay, SpecExec), 'sample' (draft beam
     sampling, the only drafter whose trees may be verified with the p/q rule of do_sample=True), or
-    'lookup' (prompt lookup: n-gram continuations from the prompt and the beam itself; no draft model).
+    'lookup' (prompt lookup: n-gram continuations from the prompt and the beam itself; no draft model);
+    `with_lookup`: 'beam' and 'best_first' also put prompt-lookup spans into the same tree, the budget split
+    between the two by their measured acceptance (draft.MergedDrafter).
     Sampling knobs (DSBD): `draft_width` draft samples per level (default max(num_beams, max_branch_width)),
     `width_threshold` t (level width = largest k with P(#accepted >= k) >= t; 0 keeps num_beams),
     `min_num_beams` (width floor), `single_sequence` (keep one sequence between passes: the memory-saving
@@ -250,6 +252,7 @@ class SpeculativeConfig:
     min_num_beams: int = 1
     single_sequence: bool = False
     adaptive: bool = False
+    with_lookup: bool = False
 
     def __post_init__(self):
         if not 0 <= _float(self.width_threshold, "width_threshold") < 1:
@@ -270,9 +273,12 @@ class SpeculativeConfig:
             raise ValueError(f"min_path_prob must be in [0, 1), got {self.min_path_prob}")
         if self.draft_width is not None:
             _int(self.draft_width, "draft_width", 1)
+        if self.with_lookup is True and self.drafter not in ("beam", "best_first"):
+            raise ValueError(f"with_lookup merges prompt lookup into a draft model's tree: drafter 'beam' or "
+                             f"'best_first', not {self.drafter!r}")
         if not 0 < _float(self.decay_factor, "decay_factor") <= 1:
             raise ValueError(f"decay_factor must be in (0, 1], got {self.decay_factor}")
-        for name in ("single_sequence", "adaptive"):
+        for name in ("single_sequence", "adaptive", "with_lookup"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 

@@ -208,9 +208,65 @@ class PromptLookupDrafter:
         return out
 
 
+class MergedDrafter:
+    """One tree from the draft model and prompt lookup together: lookup spans (names, numbers, markup copied from
+    the source or repeated from the beam) go in beside the model's tree, sharing one node budget. The split
+    follows measured acceptance: each pass, the nodes each source proposed last time that the target kept
+    (they are on the new beams' paths) count for it, and lookup gets the share of the budget that its accepted
+    nodes per proposed node earn against the model's (within [min_share, 1 - min_share], so the other source
+    keeps being measured). Lookup costs no draft pass; the draft model later scores the lookup nodes it grows
+    below (its cache catches up on their path)."""
+
+    def __init__(self, model, lookup: PromptLookupDrafter, budget: int, num_beams: int, min_share: float = 0.125):
+        self.model, self.lookup = model, lookup
+        self.K, self.min_share = num_beams, min_share
+        self.budget = budget
+        self.counts = {"model": [1.0, 2.0], "lookup": [1.0, 2.0]}   # [accepted, proposed], prior 1/2 each
+        self.last: dict[int, tuple[str, ...]] = {}                  # node -> the sources that proposed it
+        self.floor = 0                                              # depth of the shallowest root last time
+
+    def share(self) -> float:
+        """Lookup's share of the budget: its acceptance rate over the sum of both (smoothed counts)."""
+        rate = {k: a / p for k, (a, p) in self.counts.items()}
+        s = rate["lookup"] / (rate["lookup"] + rate["model"])
+        return min(1 - self.min_share, max(self.min_share, s))
+
+    def _learn(self, tree, roots) -> None:
+        """Count last time's proposals that lie on the new beams' paths (passes without drafting in between
+        only lengthen those paths)."""
+        kept = set()
+        for n in dict.fromkeys(roots):
+            while n >= 0 and tree.depth(n) > self.floor and n not in kept:
+                if n in self.last:
+                    kept.add(n)
+                n = tree.parent(n)
+        for n, sources in self.last.items():
+            for src in sources:
+                self.counts[src][1] += 1
+                self.counts[src][0] += n in kept
+
+    def __call__(self, dcache, roots, root_scores):
+        self._learn(dcache.tree, roots)
+        self.lookup.budget = max(1, round(self.budget * self.share()))
+        self.model.budget = max(self.K, self.budget - self.lookup.budget)
+        self.floor = min(dcache.tree.depth(r) for r in roots)
+        looked = self.lookup(dcache, roots, root_scores)
+        drafted = yield from self.model(dcache, roots, root_scores)
+        self.last = {}
+        for src, nodes in (("lookup", looked), ("model", drafted)):
+            for n in nodes:
+                self.last[n] = self.last.get(n, ()) + (src,)
+        return list(self.last)        # lookup's chains, then the model's: parents before children in each
+
+
 def make_drafter(spec: SpeculativeConfig, num_beams: int, eos_ids, context_length: int, source=None) -> Drafter:
-    """The drafter spec names; `source` (an encoder-decoder request's input ids) feeds prompt lookup."""
+    """The drafter spec names; `source` (an encoder-decoder request's input ids) feeds prompt lookup;
+    spec.with_lookup merges prompt lookup into a model drafter's tree (MergedDrafter)."""
     if spec.drafter == "lookup":
         return PromptLookupDrafter(spec, num_beams, eos_ids, context_length, source=source or ())
     cls = {"beam": DraftBeamSearch, "best_first": BestFirstDrafter}[spec.drafter]
-    return cls(spec, num_beams, eos_ids, context_length)
+    model = cls(spec, num_beams, eos_ids, context_length)
+    if not spec.with_lookup:
+        return model
+    return MergedDrafter(model, PromptLookupDrafter(spec, num_beams, eos_ids, context_length, source=source or ()),
+                         spec.budget, num_beams)

@@ -152,3 +152,74 @@ def test_adaptive_speculation_equals_plain(engines, draft):
     # the choosers are kept per setting on the engine; after these requests both choices were measured
     chooser = eng._choosers[(3, 1.0, SpeculativeConfig(budget=16, max_depth=3))].at(1)   # one request at a time
     assert chooser.count[True] >= 3 and chooser.count[False] >= 3
+
+
+@pytest.mark.parametrize("draft", ["same", "random"])
+@pytest.mark.parametrize("K", [1, 2, 4])
+@pytest.mark.parametrize("drafter", ["beam", "best_first"])
+def test_merged_lookup_tree_equals_plain(engines, draft, K, drafter):
+    """Draft model and prompt lookup in one tree: exact, and lookup nodes are in it (the prompt repeats
+    itself, so lookup has material)."""
+    eng = engines[draft]
+    prompt = [3, 17, 33, 8, 99, 41, 7, 3, 17, 33, 8]
+    spec = SpeculativeConfig(drafter=drafter, budget=24, max_depth=4, with_lookup=True)
+    [plain] = eng.generate(prompt, num_beams=K, max_new_tokens=20, num_return_sequences=K)
+    [fast] = eng.generate(prompt, num_beams=K, max_new_tokens=20, num_return_sequences=K, speculative=spec)
+    assert [h.tokens for h in fast.hypotheses] == [h.tokens for h in plain.hypotheses]
+    [model_only] = eng.generate(prompt, num_beams=K, max_new_tokens=20,
+                                speculative=SpeculativeConfig(drafter=drafter, budget=24, max_depth=4))
+    assert fast.stats.draft_tokens_proposed != model_only.stats.draft_tokens_proposed or \
+        fast.stats.target_passes != model_only.stats.target_passes
+
+
+def test_merged_drafter_splits_the_budget_by_measured_acceptance():
+    from specbeam_edge.draft import MergedDrafter
+    from specbeam_edge.tree import TokenTree
+
+    class Fixed:
+        """A drafter proposing given chains below the first root (a plain callable, as prompt lookup is)."""
+        def __init__(self, chains):
+            self.chains, self.budget = chains, None
+
+        def __call__(self, dcache, roots, scores):
+            out = []
+            for chain in self.chains:
+                node = roots[0]
+                for t in chain[:self.budget]:
+                    node = dcache.tree.add(node, t)
+                    out.append(node)
+            return out
+
+    class FixedModel(Fixed):
+        """The same as a generator drafter, as the model drafters are (they yield their draft passes)."""
+        def __call__(self, dcache, roots, scores):
+            return (yield from iter(())) or Fixed.__call__(self, dcache, roots, scores)
+
+    class View:
+        tree = TokenTree()
+
+    tree = View.tree
+    root = tree.add_chain([1, 2, 3])[-1]
+    lookup, model = Fixed([[7, 8, 9]]), FixedModel([[5, 6]])
+    merged = MergedDrafter(model, lookup, budget=16, num_beams=2)
+    share0 = merged.share()
+    gen = merged(View, [root], [0.0])
+    try:
+        while True:
+            next(gen)
+    except StopIteration as e:
+        nodes = e.value
+    assert [tree.token(n) for n in nodes] == [7, 8, 9, 5, 6]          # lookup's chain, then the model's
+    assert lookup.budget + model.budget == 16 and model.budget >= 2
+    # the target kept two levels of lookup's chain and none of the model's: lookup's share grows
+    new_root = tree.add(tree.add(root, 7), 8)
+    gen = merged(View, [new_root, new_root], [0.0, -1.0])
+    try:
+        while True:
+            next(gen)
+    except StopIteration:
+        pass
+    assert merged.counts["lookup"] == [3.0, 5.0] and merged.counts["model"] == [1.0, 4.0]
+    assert merged.share() > share0 and lookup.budget > 8
+    with pytest.raises(ValueError, match="with_lookup"):
+        SpeculativeConfig(drafter="lookup", with_lookup=True)
