@@ -33,11 +33,15 @@ def same(a, b):
 def test_resident_cache_is_ortvalues_and_host_cache_is_numpy(models):
     for resident, kind in ((True, ort.OrtValue), (False, np.ndarray)):
         lm = OnnxCausalLM(models["target"], kv_resident=resident)
-        assert lm.kv_resident is resident and lm.kv_device == "cpu"
+        cuda = "CUDAExecutionProvider" in lm.sess.get_providers()    # SPECBEAM_PROVIDER=cuda (the GPU check)
+        assert lm.kv_resident is resident and lm.kv_device == ("cuda" if cuda else "cpu")
         cache = TreeCache(lm, TokenTree())
         cache.score(cache.tree.add_chain(PROMPTS[0]))
         assert all(isinstance(k, kind) and isinstance(v, kind) for k, v in cache.past)
-    assert OnnxCausalLM(models["target"]).kv_resident is False     # the CPU default: host arrays
+        if resident:
+            assert cache.past[0][0].device_name() == lm.kv_device
+    # the default: resident on CUDA, host arrays on the CPU
+    assert OnnxCausalLM(models["target"]).kv_resident is cuda
 
 
 @pytest.mark.parametrize("K", [1, 4])

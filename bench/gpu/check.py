@@ -5,6 +5,7 @@ every session of a stage is then a CUDA session with CPU fallback disabled).
     python -m bench.gpu.check cost OUT       # pass time by tree size, realistic-scale target, resident on CUDA
     python -m bench.gpu.check e2e OUT        # exact speculative vs plain beam search at that scale (quick)
     python -m bench.gpu.check offload OUT    # the same target streamed under a memory budget (quick)
+    python -m bench.gpu.check kv OUT         # plain beam search, KV resident on the device vs host arrays
 
 Each stage writes OUT/<stage>_<provider>.json. The realistic-scale target is bench/synthetic.py's random 16x1024 Llama
 (241M parameters, vocab 32000), kept in bench/out/models between runs on a machine that stays up.
@@ -67,7 +68,33 @@ def offload_scale(out: Path) -> dict:
                                **SCALE)
 
 
-STAGES = {"probe": probe, "cost": cost_curve, "e2e": e2e, "offload": offload_scale}
+def kv(out: Path, K: int = 4, max_new: int = 16, reps: int = 3) -> dict:
+    """Plain beam search at the realistic scale with the KV cache resident on the device (I/O binding, the
+    CUDA default) against host arrays (the whole cache crosses the bus twice a pass), alternated."""
+    import numpy as np
+
+    from specbeam_edge import Engine
+
+    target, _ = synthetic.build_models(**SCALE, precision="fp32", cache=CACHE)
+    engines = {r: Engine(target, providers=default_providers(), kv_resident=r) for r in (False, True)}
+    prompt = list(map(int, np.random.default_rng(0).integers(1, 300, size=48)))
+    times, outs = {False: [], True: []}, {}
+    for eng in engines.values():
+        eng.generate(prompt, num_beams=K, max_new_tokens=4)     # warm-up
+    for _ in range(reps):
+        for r, eng in engines.items():
+            t0 = time.perf_counter()
+            [res] = eng.generate(prompt, num_beams=K, max_new_tokens=max_new, min_new_tokens=max_new)
+            times[r].append(time.perf_counter() - t0)
+            outs[r] = [h.tokens for h in res.hypotheses]
+    ms = {("resident" if r else "host"): round(1e3 * min(t) / max_new, 3) for r, t in times.items()}
+    data = {"model": f"random Llama {_L}x{_H}", "K": K, "max_new_tokens": max_new, "ms_per_step": ms,
+            "resident_speedup": round(ms["host"] / ms["resident"], 2), "identical": outs[False] == outs[True]}
+    print(f"kv: {data}", file=sys.stderr)
+    return data
+
+
+STAGES = {"probe": probe, "cost": cost_curve, "e2e": e2e, "offload": offload_scale, "kv": kv}
 
 
 def main(argv=None) -> int:
