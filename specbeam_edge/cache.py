@@ -33,6 +33,10 @@ class TreeCache:
         self.passes = 0
         self.tokens_scored = 0
         self.peak_bytes = 0                      # the largest this request's KV ever was (slots x layers)
+        self.padding = 0                         # dead slots that a batched pass's padding left (nodes -1)
+        self.batch: tuple[_BatchKV, int] | None = None   # (the batch's presents, this request's row) while the
+        #                                          cache is that row, unchanged since: the next pass of the same
+        #                                          batch feeds those arrays as they are (see _adopt)
 
     def __len__(self):
         return len(self.nodes)
@@ -81,8 +85,35 @@ class TreeCache:
         return (np.array([tr.token(n) for n in new], np.int64), np.array([tr.depth(n) for n in new], np.int64),
                 self.tree_mask(new))
 
+    def _adopt(self, new: list[int], mask: np.ndarray, batch: "_BatchKV", row: int):
+        """Record a batched pass by taking this request's row of the batch's presents as the cache (views: no
+        copy). Its slots: [0, N) its own, [N, Nm) the past padding of the batch, [Nm, Nm + Q) the new nodes,
+        [Nm + Q, Nm + Qm) the padding rows; padding slots are dead (node -1, seen by nobody, masked in every
+        pass). A pass over the same requests then feeds the batch arrays without padding them again."""
+        N, Q, Nm, Qm = len(self.nodes), len(new), batch.Nm, batch.Qm
+        T = Nm + Qm
+        self.past = [(k[row:row + 1], v[row:row + 1]) for k, v in batch.presents]
+        vis = np.zeros((T, T), dtype=bool)
+        vis[:N, :N] = self.vis
+        vis[Nm:Nm + Q, :N] = mask[:, :N]
+        vis[Nm:Nm + Q, Nm:Nm + Q] = mask[:, N:]
+        self.vis = vis
+        for j, n in enumerate(new):
+            self.slot[n] = Nm + j
+        self.nodes.extend([-1] * (Nm - N) + list(new) + [-1] * (Qm - Q))
+        pos = np.zeros(T, np.int64)
+        pos[:N] = self.positions
+        pos[Nm:Nm + Q] = [self.tree.depth(n) for n in new]
+        self.positions = pos
+        self.padding += T - N - Q
+        self.batch = (batch, row)
+        self.passes += 1
+        self.tokens_scored += Q
+        self._note_peak()
+
     def _append(self, new: list[int], mask: np.ndarray, kv: list[tuple[np.ndarray, np.ndarray]], whole: bool):
         """Record a pass: kv per layer is past + new (whole=True, the graph's own concat) or the new rows only."""
+        self.batch = None
         N, Q = len(self.nodes), len(new)
         if whole:   # the graph's presents: on a resident model they stay on its device
             self.past = kv
@@ -100,7 +131,13 @@ class TreeCache:
         self.positions = np.concatenate([self.positions, [self.tree.depth(n) for n in new]]).astype(np.int64)
         self.passes += 1
         self.tokens_scored += Q
-        self.peak_bytes = max(self.peak_bytes, sum(kv_nbytes(k) + kv_nbytes(v) for k, v in self.past))
+        self._note_peak()
+
+    def _note_peak(self):
+        """The request's own KV bytes: its slots, not the padding of a batch it is a row of."""
+        T = len(self.nodes)
+        total = sum(kv_nbytes(k) + kv_nbytes(v) for k, v in self.past)
+        self.peak_bytes = max(self.peak_bytes, total * (T - self.padding) // max(T, 1))
 
     def live_slots(self, keep_nodes) -> np.ndarray:
         """Slots on the paths to `keep_nodes` (up to each one's nearest cached ancestor: a draft cache that sat
@@ -114,20 +151,83 @@ class TreeCache:
         return live
 
     def compact(self, keep_nodes, min_dead_fraction: float = 0.25) -> bool:
-        """Drop slots not on the paths to `keep_nodes` once they are at least `min_dead_fraction` of the cache."""
+        """Drop slots not on the paths to `keep_nodes` once they are at least `min_dead_fraction` of the cache.
+        Batch padding does not count: inside its batch it costs nothing the padded pass would not pay anyway
+        (`drop_padding` removes it once the request runs alone)."""
         live = self.live_slots(keep_nodes)
-        dead = len(live) - int(live.sum())
-        if dead == 0 or dead < min_dead_fraction * len(live):
+        dead = len(live) - int(live.sum()) - self.padding
+        if dead <= 0 or dead < min_dead_fraction * (len(live) - self.padding):
             return False
-        idx = np.flatnonzero(live)
+        self._keep(np.flatnonzero(live))
+        return True
+
+    def drop_padding(self) -> None:
+        """Remove batch padding slots into a cache of its own (a request that continues alone, or joins another
+        batch, would otherwise carry them into every pass)."""
+        if self.padding:
+            self.batch = None
+            self._keep(np.flatnonzero(np.array(self.nodes) >= 0))
+
+    def _unpad(self) -> tuple[list, np.ndarray | None]:
+        """Renumber the slots without the batch padding, ahead of a pass that packs this cache into a new batch
+        array; returns (the current arrays, the slots to take from them) for that packing, which then is the
+        only copy (the arrays are replaced when the pass's presents are adopted)."""
+        if not self.padding:
+            return self.past, None
+        idx = np.flatnonzero(np.array(self.nodes) >= 0)
+        old = self.past
+        self.vis = self.vis[np.ix_(idx, idx)]
+        self.positions = self.positions[idx]
+        self.nodes = [self.nodes[i] for i in idx]
+        self.slot = {n: s for s, n in enumerate(self.nodes)}
+        self.padding = 0
+        self.batch = None
+        return old, idx
+
+    def _keep(self, idx: np.ndarray) -> None:
+        if self.batch is not None:       # a row of the batch arrays: compact inside the row, keep its length
+            self._keep_in_row(idx)
+            return
         # a resident cache makes a round trip through the host (rare: only once >= 25% of it is dead)
         self.past = [(self.model.to_kv(np.ascontiguousarray(host(k)[:, :, idx])),
                       self.model.to_kv(np.ascontiguousarray(host(v)[:, :, idx]))) for k, v in self.past]
         self.vis = self.vis[np.ix_(idx, idx)]
         self.positions = self.positions[idx]
         self.nodes = [self.nodes[i] for i in idx]
-        self.slot = {n: s for s, n in enumerate(self.nodes)}
-        return True
+        self.slot = {n: s for s, n in enumerate(self.nodes) if n >= 0}
+        self.padding = self.nodes.count(-1)
+
+    def _keep_in_row(self, idx: np.ndarray) -> None:
+        """Compaction of a batch row: the kept slots move to the front of the row (one copy of them, as any
+        compaction), the rest of the row becomes padding, so the next pass of the batch still feeds its arrays
+        as they are."""
+        n, T = len(idx), len(self.nodes)
+        for k, v in self.past:
+            k[0, :, :n] = k[0][:, idx]
+            v[0, :, :n] = v[0][:, idx]
+        vis = np.zeros((T, T), dtype=bool)
+        vis[:n, :n] = self.vis[np.ix_(idx, idx)]
+        self.vis = vis
+        pos = np.zeros(T, np.int64)
+        pos[:n] = self.positions[idx]
+        self.positions = pos
+        self.nodes = [self.nodes[i] for i in idx] + [-1] * (T - n)
+        self.slot = {nd: s for s, nd in enumerate(self.nodes) if nd >= 0}
+        self.padding = T - n
+
+
+# caches of a batched pass stay rows of its arrays (see TreeCache._adopt); False: the pre-2026-12 layout, each
+# request's cache copied out of the presents after the pass and padded into a new array before the next (kept
+# for the side-by-side measurement in bench/batch.py)
+BATCH_ROWS = True
+
+
+@dataclass
+class _BatchKV:
+    """The presents of one batched pass: per layer (key, value) [B, kv_heads, Nm + Qm, head_dim] on the host."""
+    presents: list
+    Nm: int
+    Qm: int
 
 
 @dataclass
@@ -188,18 +288,56 @@ def _buckets(shapes: list[tuple[int, int]], min_split: int = 4) -> list[list[int
 
 def _one_pass(model, work: list[tuple[TreeCache, list[int]]], topk: int | None) -> list:
     """The model forward for a batch; appends every request's new KV; returns per-request head outputs."""
-    inputs = [cache._inputs(new) for cache, new in work]
     if len(work) == 1:                 # the batch of one: exactly the unpadded pass
-        (cache, new), (ids, pos, mask) = work[0], inputs[0]
+        cache, new = work[0]
+        cache.drop_padding()
+        ids, pos, mask = cache._inputs(new)
         kw = {"key_positions": np.concatenate([cache.positions, pos])[None]} if model.needs_key_positions else {}
         if cache.static:
             kw["static"] = {name: a for name, (a, _) in cache.static.items()}
         out, presents = model.forward(ids[None], pos[None], mask[None, None], cache.past, topk=topk, **kw)
         cache._append(new, mask, presents, whole=True)
         return heads.wrap(out)
-    B = len(work)
+    shared = _same_batch([cache for cache, _ in work])
+    if shared is not None:             # the rows of the last pass's presents, in their order: no padding copy
+        order = sorted(range(len(work)), key=lambda b: work[b][0].batch[1])
+        work = [work[b] for b in order]
+        gathers = None
+    else:                              # packed afresh: each request's own slots only, gathered in one copy
+        gathers = [cache._unpad() for cache, _ in work]
+    inputs = [cache._inputs(new) for cache, new in work]
     Qm = max(len(new) for _, new in work)
     Nm = max(len(cache) for cache, _ in work)
+    results = _one_pass_rows(model, work, inputs, topk, Nm, Qm, shared.presents if shared is not None else None,
+                             gathers)
+    return results if shared is None else [results[i] for i in np.argsort(order)]
+
+
+def _same_batch(caches: list[TreeCache], max_padding: float = 0.10, slack: int = 16) -> _BatchKV | None:
+    """The batch arrays every one of these caches is a row of, if they are exactly all its rows, unchanged, and
+    not mostly padding: rows only grow (by the pass's widest tree) while compaction empties them from the end,
+    so once the longest request's own slots fall below 1 - max_padding of the row (+ slack), the batch is packed
+    afresh (one copy) instead of attending over dead columns every pass."""
+    first = caches[0].batch
+    if first is None:
+        return None
+    shared = first[0]
+    T = shared.Nm + shared.Qm
+    rows = set()
+    for c in caches:
+        if c.batch is None or c.batch[0] is not shared or len(c) != T:
+            return None
+        rows.add(c.batch[1])
+    if rows != set(range(shared.presents[0][0].shape[0])) or len(rows) != len(caches):
+        return None
+    longest = max(len(c) - c.padding for c in caches)
+    return shared if longest + slack >= (1 - max_padding) * T else None
+
+
+def _one_pass_rows(model, work, inputs, topk, Nm, Qm, shared_past, gathers) -> list:
+    """The batched pass proper; shared_past: the batch arrays to feed as they are (rows in work's order); else
+    gathers: per request (its arrays, the slots to take or None for all), packed into new padded arrays."""
+    B = len(work)
     ids = np.zeros((B, Qm), np.int64)
     pos = np.zeros((B, Qm), np.int64)
     kpos = np.zeros((B, Nm + Qm), np.int64)
@@ -211,25 +349,34 @@ def _one_pass(model, work: list[tuple[TreeCache, list[int]]], topk: int | None) 
         kpos[b, :N], kpos[b, Nm:Nm + Q] = cache.positions, p
         mask[b, 0, :Q, :N] = m[:, :N]
         mask[b, 0, :Q, Nm:Nm + Q] = m[:, N:]
-    past = []
-    for layer in range(len(work[0][0].past)):
-        kvs = [(host(ck), host(cv)) for ck, cv in (cache.past[layer] for cache, _ in work)]
-        k0 = kvs[0][0]
-        k = np.zeros((B, k0.shape[1], Nm, k0.shape[3]), k0.dtype)
-        v = np.zeros_like(k)
-        for b, (ck, cv) in enumerate(kvs):
-            k[b, :, :ck.shape[2]], v[b, :, :cv.shape[2]] = ck[0], cv[0]
+    past = shared_past or []
+    for layer in range(0 if shared_past else len(work[0][0].past)):
+        k = v = None
+        for b, (arrays, idx) in enumerate(gathers):
+            ck, cv = host(arrays[layer][0])[0], host(arrays[layer][1])[0]
+            if k is None:
+                k = np.zeros((B, ck.shape[0], Nm, ck.shape[2]), ck.dtype)
+                v = np.zeros_like(k)
+            if idx is None:
+                k[b, :, :ck.shape[1]], v[b, :, :cv.shape[1]] = ck, cv
+            else:     # straight from the old batch row into the new one, without the padding
+                np.take(ck, idx, axis=1, out=k[b, :, :len(idx)], mode="clip")
+                np.take(cv, idx, axis=1, out=v[b, :, :len(idx)], mode="clip")
         past.append((model.to_kv(k), model.to_kv(v)))
     kw = {"key_positions": kpos} if model.needs_key_positions else {}
     if work[0][0].static:
         kw["static"] = _stack_static([cache.static for cache, _ in work])
     out, presents = model.forward(ids, pos, mask, past, topk=topk, **kw)
     presents = [(host(k), host(v)) for k, v in presents]
+    batch = None if getattr(model, "kv_resident", False) or not BATCH_ROWS else _BatchKV(presents, Nm, Qm)
     results = []
     for b, ((cache, new), (_, _, m), head) in enumerate(zip(work, inputs, heads.wrap(out))):
         Q = len(new)
-        cache._append(new, m, [(k[b:b + 1, :, Nm:Nm + Q], v[b:b + 1, :, Nm:Nm + Q]) for k, v in presents],
-                      whole=False)
+        if batch is not None:
+            cache._adopt(new, m, batch, b)
+        else:
+            cache._append(new, m, [(k[b:b + 1, :, Nm:Nm + Q], v[b:b + 1, :, Nm:Nm + Q]) for k, v in presents],
+                          whole=False)
         results.append(head.take(slice(0, Q)))
     return results
 

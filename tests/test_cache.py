@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from specbeam_edge.cache import TreeCache
+from specbeam_edge.cache import ScoreCall, TreeCache
 from specbeam_edge.tree import TokenTree
 from specbeam_edge.model import OnnxCausalLM
 
@@ -76,3 +76,43 @@ def test_tree_mask_rows_are_ancestors():
     cache.vis = np.array([[1, 0], [1, 1]], bool)
     m = cache.tree_mask([b, c, d])
     np.testing.assert_array_equal(m.astype(int), [[1, 1, 1, 0, 0], [1, 1, 0, 1, 0], [1, 1, 1, 0, 1]])
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompts=st.integers(1, 9).flatmap(   # equal lengths: one sub-batch (cache._buckets splits on length)
+    lambda n: st.lists(st.lists(st.integers(1, 300), min_size=n, max_size=n), min_size=2, max_size=3)),
+       steps=st.lists(st.tuples(st.integers(0, 10 ** 6), st.integers(1, 3), st.booleans(), st.floats(0, 1)),
+                      min_size=1, max_size=6))
+def test_batch_rows_match_recomputation(lm, prompts, steps, monkeypatch):
+    """Caches scored together stay rows of their batch's arrays (padding slots dead, compaction inside the row,
+    the next pass feeding the arrays without a copy); every node's logits still equal a from-scratch run."""
+    from specbeam_edge import cache as cache_mod
+
+    shared = []
+    real = cache_mod._same_batch
+    monkeypatch.setattr(cache_mod, "_same_batch", lambda caches: shared.append(real(caches)) or shared[-1])
+    tree = TokenTree()
+    caches = [TreeCache(lm, tree) for _ in prompts]
+    lives = [[tree.add_chain(p)[-1]] for p in prompts]
+    cache_mod.score_batch([ScoreCall(c, tree.add_chain(p)) for c, p in zip(caches, prompts)])
+    first_step = None
+    for pick, width, compact, frac in steps:
+        calls = []
+        for r, (c, live) in enumerate(zip(caches, lives)):
+            parent = live[(pick + r) % len(live)]
+            new = [n for n in dict.fromkeys(tree.add(parent, (pick + 11 * i + r) % 300 + 1) for i in range(width))
+                   if n not in c]
+            calls.append(ScoreCall(c, new))
+        outs = cache_mod.score_batch(calls)
+        for c, call, out, live in zip(caches, calls, outs, lives):
+            for j, n in enumerate(call.nodes):
+                np.testing.assert_allclose(out.logits[j], from_scratch(lm, tree.path(n)), atol=2e-5)
+            live.extend(call.nodes)
+            assert len(c.vis) == len(c) == len(c.positions) and c.padding == c.nodes.count(-1)
+            if compact:
+                c.compact(live[: max(1, int(frac * len(live)))], min_dead_fraction=0.0)
+                live[:] = [n for n in live if n in c]
+        if first_step is None:
+            first_step = all(call.nodes for call in calls)
+    if first_step:    # every request took part in the pass after the prefill: it fed the prefill's arrays
+        assert shared[1] is not None

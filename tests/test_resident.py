@@ -23,10 +23,16 @@ def models(exported):
             "split": exported("llama", "fp32", "split", std=0.3, seed=3, layers=4)}
 
 
-def same(a, b):
-    """Bit for bit: tokens and scores of every hypothesis, and the pass counts."""
+def same(a, b, batched=False):
+    """Bit for bit: tokens and scores of every hypothesis, and the pass counts. Batched passes: host caches stay
+    rows of the batch arrays (cache.py, _adopt) while resident ones are packed afresh, so a batched pass attends
+    over a different number of padding columns, and its sums may round differently in the last bit: scores to
+    1e-5 there, as batched == alone (tests/test_batch.py)."""
     assert [h.tokens for h in a.hypotheses] == [h.tokens for h in b.hypotheses]
-    assert [h.score for h in a.hypotheses] == [h.score for h in b.hypotheses]
+    if batched:
+        np.testing.assert_allclose([h.score for h in a.hypotheses], [h.score for h in b.hypotheses], atol=1e-5)
+    else:
+        assert [h.score for h in a.hypotheses] == [h.score for h in b.hypotheses]
     assert a.stats.target_passes == b.stats.target_passes
 
 
@@ -54,7 +60,7 @@ def test_resident_equals_host(models, K, mode):
         same(host.generate(p, **kw)[0], dev.generate(p, **kw)[0])
     # batched passes gather the residents on the host and hand each request its rows back
     for a, b in zip(host.generate(PROMPTS, max_batch_size=4, **kw), dev.generate(PROMPTS, max_batch_size=4, **kw)):
-        same(a, b)
+        same(a, b, batched=True)
 
 
 def test_resident_sampling_equals_host(models):
@@ -117,4 +123,4 @@ def test_resident_encoder_decoder_equals_host(tmp_path):
     for s in sources:
         same(host.generate(s, **kw)[0], dev.generate(s, **kw)[0])
     for a, b in zip(host.generate(sources, max_batch_size=3, **kw), dev.generate(sources, max_batch_size=3, **kw)):
-        same(a, b)
+        same(a, b, batched=True)
