@@ -51,7 +51,31 @@ def bench(folders: list[Path], past_len: int = 64, sizes=SIZES, reps: int = 7, t
         out["models"][f"{f.parent.name}/{f.name} ({lm.cfg.precision})"] = {
             "ms": {str(q): round(t * 1e3, 3) for q, t in pts.items()},
             "ratio_to_q1": {str(q): round(t / base, 2) for q, t in pts.items()}}
+    if len(folders) >= 2:      # the pair: target first, draft second
+        curves = list(out["models"].values())
+        out["speculation_ceiling"] = ceiling(curves[0]["ms"], curves[1]["ms"])
     return out
+
+
+def _at(ms: dict, q: int) -> float:
+    """A curve's pass time at q nodes, interpolated in log-log between measured sizes."""
+    qs = np.array([int(k) for k in ms], float)
+    return float(np.exp(np.interp(np.log(q), np.log(qs), np.log(list(ms.values())))))
+
+
+def ceiling(target_ms: dict, draft_ms: dict, Ks=(1, 4), depths=(2, 4, 6)) -> list[dict]:
+    """The most exact speculation can gain with these pass costs: every drafted level accepted (depth + 1
+    beam steps per target pass, the oracle's rate), one target pass over K * (depth + 1) nodes and `depth`
+    draft passes over K nodes each, against plain beam search's K-node pass per step; Python overheads left
+    out. "free_draft" drops the draft's cost: the bound for any draft on this target."""
+    rows = []
+    for K in Ks:
+        for depth in depths:
+            tree = _at(target_ms, K * (depth + 1))
+            plain = (depth + 1) * _at(target_ms, K)
+            rows.append({"K": K, "depth": depth, "free_draft": round(plain / tree, 2),
+                         "with_draft": round(plain / (tree + depth * _at(draft_ms, K)), 2)})
+    return rows
 
 
 def plot(data: dict, path: Path):

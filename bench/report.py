@@ -65,6 +65,10 @@ def render(results: Path, readme: Path, command: str) -> None:
             rows = [{"model": k, **{str(q): v["ms"].get(str(q)) for q in sizes}} for k, v in d["models"].items()]
             out += [f"Pass time in ms over a tree of Q nodes on {d['past_len']} cached tokens.", "",
                     table_md(rows, ["model"] + [str(q) for q in sizes]), ""]
+            if d.get("speculation_ceiling"):
+                out += ["The most exact speculation can gain with these costs (every drafted level accepted; "
+                        "`free_draft`: the draft's passes cost nothing; Python overheads left out):", "",
+                        table_md(d["speculation_ceiling"], ["K", "depth", "free_draft", "with_draft"]), ""]
         elif name == "peers":
             tps = d["tokens_per_second"]
             rows = [{"system": k, "tokens/s": v,
