@@ -141,8 +141,8 @@ class OnnxCausalLM:
     def to_kv(self, a: np.ndarray):
         """A host KV array as this model keeps its cache: the array itself, or (kv_resident) an OrtValue on the
         session's device."""
-        if not self.kv_resident:
-            return a
+        if not self.kv_resident or a.size == 0:   # an empty past stays a host array: bound as it is, no device
+            return a                                # allocation of zero bytes
         return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a), self.kv_device, 0)
 
     def additive_mask(self, mask: np.ndarray) -> np.ndarray:
