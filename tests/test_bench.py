@@ -1,0 +1,20 @@
+"""The arithmetic benchmarks report: the speculation ceiling from measured pass-cost curves."""
+import pytest
+
+from bench.cost import _at, ceiling
+
+
+def test_ceiling_on_flat_and_linear_curves():
+    flat = {"1": 2.0, "4": 2.0, "16": 2.0, "64": 2.0}
+    rows = ceiling(flat, {"1": 0.5, "4": 0.5, "16": 0.5}, Ks=(1, 4), depths=(2, 4))
+    for r in rows:     # a pass costs the same whatever its size: every accepted level is a free step
+        assert r["free_draft"] == r["depth"] + 1
+        assert r["with_draft"] == pytest.approx((r["depth"] + 1) * 2.0 / (2.0 + r["depth"] * 0.5), abs=0.01)
+    linear = {str(q): 0.1 * q for q in (1, 2, 4, 8, 16, 32)}
+    assert all(r["free_draft"] == 1.0 for r in ceiling(linear, linear, Ks=(1, 4), depths=(2, 4)))   # no gain
+
+
+def test_curve_interpolation_hits_measured_points():
+    ms = {"1": 1.0, "4": 2.0, "16": 8.0}
+    assert _at(ms, 4) == pytest.approx(2.0) and _at(ms, 1) == pytest.approx(1.0)
+    assert 2.0 < _at(ms, 8) < 8.0
