@@ -61,7 +61,7 @@ libs="$(find "$purelib/nvidia" -name 'lib*.so*' -printf '%h\n' 2>/dev/null | sor
 export LD_LIBRARY_PATH="${libs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export SPECBEAM_PROVIDER=cuda PYTHONUNBUFFERED=1
 
-# 3. the checks, each under its own limit (together 495 s); every session is a CUDA session that refuses CPU fallback
+# 3. the checks, each under its own limit (together 460 s); every session is a CUDA session that refuses CPU fallback
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "nvidia-smi failed"
   python3 -c 'import onnxruntime as o; print("onnxruntime", o.__version__, o.__file__, o.get_available_providers())'
 } > "$out/summary.txt" 2>&1
@@ -75,12 +75,12 @@ stage() {  # stage NAME SECONDS COMMAND...: its output to check.log, its status 
     [ $rc -eq 0 ] || failed=1
     echo "$name: exit $rc$([ $rc -eq 124 ] && echo ' (time limit)') in $((SECONDS - t0)) s" | tee -a "$out/summary.txt"
 }
-stage probe 80 python3 -m bench.gpu.check probe "$out"
-stage tests 120 python3 -m pytest -q -rfE -m "not slow" -p no:cacheprovider tests/test_providers.py \
-    tests/test_speculative.py tests/test_beam.py tests/test_topk.py tests/test_offload.py tests/test_resident.py
-stage cost 90 python3 -m bench.gpu.check cost "$out"
-stage e2e 70 python3 -m bench.gpu.check e2e "$out"
-stage offload 90 python3 -m bench.gpu.check offload "$out"
-stage kv 45 python3 -m bench.gpu.check kv "$out"
+stage probe 70 python3 -m bench.gpu.check probe "$out"
+stage tests 110 python3 -m pytest -q -rfE -m "not slow" -p no:cacheprovider tests/test_providers.py \
+    tests/test_speculative.py tests/test_beam.py tests/test_topk.py tests/test_offload.py tests/test_resident.py tests/test_fp16_compute.py
+stage cost 100 python3 -m bench.gpu.check cost "$out"
+stage e2e 60 python3 -m bench.gpu.check e2e "$out"
+stage offload 80 python3 -m bench.gpu.check offload "$out"
+stage kv 40 python3 -m bench.gpu.check kv "$out"
 grep -hE "q64_over_q1|^(cost|synthetic|scale|kv)" "$out/check.log" | tail -n 9 >> "$out/summary.txt"
 exit $failed

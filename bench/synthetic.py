@@ -20,13 +20,13 @@ from .common import median
 
 
 def build_models(hidden=768, layers=12, vocab=32000, seed=0, precision="fp16", layout="whole",
-                 cache: Path | None = None) -> tuple[Path, Path]:
+                 cache: Path | None = None, compute: str = "fp32") -> tuple[Path, Path]:
     """A random Llama target and a 1-layer random draft over the same vocabulary. The target defaults to fp16
     weights (fp32 compute), not whole-graph int8: onnxruntime's dynamic int8 quantizes activations per pass,
     so tree and single passes round differently and the exact-equality check of this benchmark would not
     hold (see the export notes); the split layout's int8 (DequantizeLinear) is batch-invariant.
     cache: a folder to keep the exported models in between runs (rebuilt only when missing)."""
-    tag = f"L{layers}_H{hidden}_V{vocab}_s{seed}_{precision}_{layout}"
+    tag = f"L{layers}_H{hidden}_V{vocab}_s{seed}_{precision}_{layout}" + ("_c16" if compute == "fp16" else "")
     base = Path(cache) / tag if cache else Path(tempfile.mkdtemp(prefix="specbeam-synth-"))
     if (base / "target" / "specbeam_config.json").exists() and (base / "draft" / "specbeam_config.json").exists():
         return base / "target", base / "draft"
@@ -54,6 +54,7 @@ def build_models(hidden=768, layers=12, vocab=32000, seed=0, precision="fp16", l
         # the tiny test tokenizer has fewer ids than the model; both models share it, so they stay compatible
         target = name == "target"
         out.append(export(base / f"hf_{name}", base / name, precision=precision if target else "fp32",
+                          compute=compute if target else "fp32",
                           layout=layout if target else "whole", quiet=True, overwrite=True))
         shutil.rmtree(base / f"hf_{name}")
     return out[0], out[1]

@@ -25,13 +25,16 @@ def main(argv=None) -> int:
                     help="one graph, or embed/layer/head graphs with per-layer weight files (for streaming)")
     ap.add_argument("--output_kind", choices=("logits", "topk"), default="logits",
                     help="full logits per node, or log-softmax top-k (k is a run-time input) for large vocabularies")
+    ap.add_argument("--compute", choices=("fp32", "fp16"), default="fp32",
+                    help="fp16: weights, activations and KV cache in fp16 (for GPUs; whole layout; logits fp32)")
     ap.add_argument("--block_size", type=int, default=32, help="int4 quantization block size")
     ap.add_argument("--overwrite", action="store_true", help="replace the output folder if it exists")
     ap.add_argument("-q", "--quiet", action="store_true", help="no progress display")
     args = ap.parse_args(argv)
     try:
         out = export(args.input, args.output, precision=args.precision, layout=args.layout,
-                     output=args.output_kind, overwrite=args.overwrite, block_size=args.block_size, quiet=args.quiet)
+                     output=args.output_kind, overwrite=args.overwrite, block_size=args.block_size, quiet=args.quiet,
+                     compute=args.compute)
     except ExportError as e:
         print(f"specbeam-export: error: {e}", file=sys.stderr)
         return 2

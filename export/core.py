@@ -162,12 +162,20 @@ def _layer_checksums(folder: Path, num_layers: int) -> list[str]:
 
 
 def export(src: str | Path, dst: str | Path, *, precision: str = "fp32", layout: str = "whole",
-           output: str = "logits", overwrite: bool = False, block_size: int = 32, quiet: bool = False) -> Path:
+           output: str = "logits", overwrite: bool = False, block_size: int = 32, quiet: bool = False,
+           compute: str = "fp32") -> Path:
     """Export the HF folder `src` into the specbeam model folder `dst`; returns dst.
 
+    compute: "fp32", or "fp16" for GPUs: weights, activations and the KV cache in fp16 (half the memory and
+    bandwidth, tensor cores on CUDA), logits and the tree mask still fp32 at the graph's edge (`_to_fp16`).
     The folder is written to a temporary sibling and renamed at the end, so a failure leaves nothing behind.
     """
     src, dst = Path(src), Path(dst)
+    if compute not in ("fp32", "fp16"):
+        raise ExportError(f"compute {compute!r} is not 'fp32' or 'fp16'")
+    if compute == "fp16" and (layout != "whole" or precision not in ("fp32", "fp16")):
+        raise ExportError("compute fp16 is for the whole layout with fp32 or fp16 weights (it stores fp16 "
+                          f"weights itself), not layout {layout!r} with {precision} weights")
     if precision not in PRECISIONS:
         raise ExportError(f"precision {precision!r} is not one of {PRECISIONS}")
     if layout not in ("whole", "split"):
@@ -178,7 +186,8 @@ def export(src: str | Path, dst: str | Path, *, precision: str = "fp32", layout:
         raise ExportError("layout 'split' supports fp32, fp16 and int8 weights (int4 needs constant weights)")
     if dst.exists() and not overwrite:
         raise ExportError(f"output folder {dst} exists; pass --overwrite to replace it")
-    opts = dict(precision=precision, layout=layout, output=output, block_size=block_size, quiet=quiet)
+    opts = dict(precision="fp16" if compute == "fp16" else precision, layout=layout, output=output,
+                block_size=block_size, quiet=quiet, compute=compute)
     if is_gguf(src):             # transformers dequantizes the file; its config and tokenizer go to a side folder
         with tempfile.TemporaryDirectory(prefix="specbeam-gguf-") as side:
             return _export_decoder(Path(side), dst, unpack(src, Path(side)), src.name, **opts)
@@ -187,13 +196,27 @@ def export(src: str | Path, dst: str | Path, *, precision: str = "fp32", layout:
     from .encdec import export_encdec, family_of
 
     if family_of(src):           # Marian / M2M100 / NLLB: encoder graph + decoder graph (export/encdec.py)
+        if compute != "fp32":
+            raise ExportError("compute fp16 is not available for encoder-decoder models yet (export fp32 compute)")
         return export_encdec(src, dst, family_of(src), precision=precision, layout=layout, output=output,
                              overwrite=overwrite, quiet=quiet)
     return _export_decoder(src, dst, None, src.name, **opts)
 
 
+def _to_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
+    """An fp32 whole graph in fp16 (onnxruntime's converter): initializers, activations and the KV inputs and
+    outputs; the tree mask input and the logits / top-k log-probs outputs stay fp32 (Casts at the edge; the
+    mask's -3.4e38 becomes -inf, which the softmax treats the same), LogSoftmax and TopK run in fp32."""
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    keep = ["attention_mask", "logits", "topk_logprobs"]
+    return convert_float_to_float16(model, keep_io_types=[n for n in keep if n in {
+        *[i.name for i in model.graph.input], *[o.name for o in model.graph.output]}],
+        op_block_list=["LogSoftmax", "TopK"])
+
+
 def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str, *, precision: str, layout: str,
-                    output: str, block_size: int, quiet: bool) -> Path:
+                    output: str, block_size: int, quiet: bool, compute: str = "fp32") -> Path:
     """A decoder-only model from the HF-style folder `src` (weights: read from it when None)."""
     if not (src / "tokenizer.json").is_file():
         raise ExportError(f"{src}: no tokenizer.json (a `tokenizers` fast tokenizer is required)")
@@ -210,8 +233,10 @@ def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str
         files: dict = {}
         quant = {"method": "none", "storage": precision}
         if layout == "whole":
-            base = "fp16" if precision == "fp16" else "fp32"
+            base = "fp16" if precision == "fp16" and compute == "fp32" else "fp32"
             model = graph.whole_model(arch, g, layers, base, output)
+            if compute == "fp16":
+                model = _to_fp16(model)
             prog.step("build graph")
             if precision in ("int8", "int4"):
                 quant = _save_quantized(model, tmp / "model.onnx", precision, block_size)
@@ -240,7 +265,8 @@ def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str
             "hidden_size": arch.hidden, "num_layers": arch.layers, "num_heads": arch.heads,
             "num_kv_heads": arch.kv_heads, "head_dim": arch.head_dim, "context_length": arch.context_length,
             "bos_token_id": arch.bos_token_id, "eos_token_ids": arch.eos_token_ids, "pad_token_id": arch.pad_token_id,
-            "layout": layout, "precision": precision, "quantization": quant, "compute_dtype": "float32",
+            "layout": layout, "precision": precision, "quantization": quant,
+            "compute_dtype": "float16" if compute == "fp16" else "float32",
             # int8/int4 whole graphs quantize activations per tensor at run time: a node's logits then depend on
             # the other nodes in the same pass (measured up to 1e-2), so tree and single passes disagree
             "batch_invariant": not (layout == "whole" and precision in ("int8", "int4")),

@@ -111,6 +111,10 @@ class OnnxCausalLM:
         self._check_shapes()
         first = self.sess if cfg.layout == "whole" else self.layer
         self.kv_device = "cuda" if CUDA in first.get_providers() else "cpu"
+        past0 = self.past_names[0][0] if cfg.layout == "whole" else "past_key"
+        # an fp16-compute graph (export --compute fp16) keeps its KV cache in fp16
+        self.kv_dtype = np.float16 if next(i.type for i in first.get_inputs() if i.name == past0) == \
+            "tensor(float16)" else np.float32
         self.kv_resident = (self.kv_device == "cuda") if kv_resident is None else bool(kv_resident)
         # the streamed layers share two buffers: one pass at a time per model (threads sharing an Engine)
         self._lock = threading.Lock()
@@ -135,7 +139,7 @@ class OnnxCausalLM:
 
     def empty_past(self, batch: int = 1) -> list[tuple]:
         c = self.cfg
-        z = self.to_kv(np.zeros((batch, c.num_kv_heads, 0, c.head_dim), np.float32))
+        z = self.to_kv(np.zeros((batch, c.num_kv_heads, 0, c.head_dim), self.kv_dtype))
         return [(z, z) for _ in range(c.num_layers)]
 
     def to_kv(self, a: np.ndarray):

@@ -44,13 +44,14 @@ def probe(out: Path) -> dict:
 
 
 def cost_curve(out: Path) -> dict:
-    """pass(Q) over a 64-token prompt, fp32 and fp16 weights; the ratio pass(Q=64)/pass(Q=1) is the number the
-    issue asks for (how wide a tree one pass absorbs on this GPU)."""
+    """pass(Q) over a 64-token prompt, fp32 and fp16 compute (export --compute fp16: fp16 weights, activations
+    and KV cache); the ratio pass(Q=64)/pass(Q=1) is the number the issue asks for (how wide a tree one pass
+    absorbs on this GPU)."""
     from specbeam_edge.model import OnnxCausalLM
 
     res = {}
     for precision in ("fp32", "fp16"):
-        target, _ = synthetic.build_models(**SCALE, precision=precision, cache=CACHE)
+        target, _ = synthetic.build_models(**SCALE, precision=precision, cache=CACHE, compute=precision)
         lm = OnnxCausalLM(target, providers=default_providers())
         ms = {str(q): round(1e3 * cost.pass_time(lm, 64, q, reps=7), 3) for q in SIZES}
         res[precision] = {"ms": ms, "ratio_to_q1": {q: round(t / ms["1"], 2) for q, t in ms.items()},
