@@ -236,3 +236,31 @@ def test_each_request_reports_its_own_kv_cache_peak(engine):
         assert b.stats.kv_cache_peak_mb == a.stats.kv_cache_peak_mb > 0
     spec = alone(engine, PROMPTS, speculative=SPECS["beam"], **kw)
     assert all(s.stats.kv_cache_peak_mb > r.stats.kv_cache_peak_mb for s, r in zip(spec, ref))   # + draft cache
+
+
+def test_batch_rows_never_outgrow_the_context(tmp_path):
+    """Batch rows keep padding slots, so a row can grow past context_length while every request's own slots stay
+    below it; a LongRoPE graph (which re-rotates the whole past with tables of context_length rows) refuses such
+    a pass, so rows are packed afresh first. Two requests alone reach 62 and 63 slots; batched they must too."""
+    pytest.importorskip("torch")
+    from export import export
+    from family_models import make_family_model
+    from specbeam_edge.cache import ScoreCall, TreeCache, score_batch
+    from specbeam_edge.model import OnnxCausalLM
+    from specbeam_edge.tree import TokenTree
+
+    make_family_model(tmp_path / "hf", "phi4mini")
+    lm = OnnxCausalLM(export(tmp_path / "hf", tmp_path / "sb", quiet=True))
+    assert lm.cfg.context_length == 64
+    tree = TokenTree()
+    caches = [TreeCache(lm, tree) for _ in range(2)]
+    tips = [tree.add_chain([5 + r] * 40)[-1] for r in range(2)]
+    score_batch([ScoreCall(c, c.missing_ancestors([t])) for c, t in zip(caches, tips)])
+    for k in range(15):
+        calls = []
+        for r, c in enumerate(caches):
+            kids = [tree.add(tips[r], 10 + k)] + ([tree.add(tips[r], 100 + k)] if (k + r) % 2 else [])
+            calls.append(ScoreCall(c, kids))
+            tips[r] = kids[0]
+        score_batch(calls)
+    assert [len(c) - c.padding for c in caches] == [62, 63]
