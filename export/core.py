@@ -211,11 +211,15 @@ def _to_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
     keep = ["attention_mask", "logits", "topk_logprobs"]
-    # without shape inference: it serializes the whole fp32 graph, which fails past 2 GB (same result on the
-    # test graphs, node for node and bit for bit)
-    return convert_float_to_float16(model, keep_io_types=[n for n in keep if n in {
-        *[i.name for i in model.graph.input], *[o.name for o in model.graph.output]}],
-        op_block_list=["LogSoftmax", "TopK"], disable_shape_infer=True)
+    names = {*[i.name for i in model.graph.input], *[o.name for o in model.graph.output]}
+    # through a file: given a ModelProto the converter's shape inference serializes the whole fp32 graph, which
+    # fails past 2 GB; given a path it infers shapes file to file (its types are needed: without them the Casts
+    # around the fp32 TopK come out mistyped)
+    with tempfile.TemporaryDirectory(prefix="specbeam-fp16-") as tmp:
+        path = Path(tmp) / "fp32.onnx"
+        _save(model, path)
+        return convert_float_to_float16(str(path), keep_io_types=[n for n in keep if n in names],
+                                        op_block_list=["LogSoftmax", "TopK"])
 
 
 def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str, *, precision: str, layout: str,
