@@ -162,9 +162,10 @@ class TreeCache:
         return True
 
     def drop_padding(self) -> None:
-        """Remove batch padding slots into a cache of its own (a request that continues alone, or joins another
-        batch, would otherwise carry them into every pass)."""
-        if self.padding:
+        """Leave the batch: this cache's own slots into arrays of its own (a request that continues alone would
+        otherwise attend over the padding every pass, and a cache that sits out passes would keep the whole
+        batch's arrays alive)."""
+        if self.padding or self.batch is not None:
             self.batch = None
             self._keep(np.flatnonzero(np.array(self.nodes) >= 0))
 

@@ -151,6 +151,8 @@ class ExactSearch:
             self.rows = {n: r for n, r in self.rows.items() if n in self.target}
         if speculated and self.draft.model is not None:   # a draft that sat a pass out catches up when next used
             self.draft.compact(self.bs.running)
+        elif self.draft is not None and self.draft.model is not None:
+            self.draft.drop_padding()     # sitting out: hold its own slots, not the rows of a batch that moved on
 
 
 class SamplingSearch:
