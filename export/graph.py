@@ -166,8 +166,21 @@ def _long_rope_attention(b: Builder, arch: Arch, kind: str, proj: dict, q_short:
     n_past = b.node("Shape", [past_k], [p + "n_past"], start=2, end=3)
     past_pos = b.node("Slice", [KEY_POSITIONS, zero, n_past, b.init(p + "one", np.array([1], np.int64))],
                       [p + "past_pos"])
-    past_long = b.node("RotaryEmbedding", [past_k, f"cos_{kind}_delta", f"sin_{kind}_delta", past_pos],
-                       [p + "past_k_long"], rotary_embedding_dim=arch.rotary_dim)
+    # every cached key as its own length-1 sequence ([B*N, kv_heads, 1, D], positions [B*N, 1]): the op refuses a
+    # sequence longer than its tables (context_length rows), and a cache can hold more slots than that (dead
+    # draft nodes, K diverging beams) while every position stays inside; the rotation is per element, so the
+    # result is the same
+    per_key = b.node("Reshape", [b.node("Transpose", [past_k], [p + "pk_t"], perm=[0, 2, 1, 3]),
+                                 b.init(p + "per_key", np.array([-1, arch.kv_heads, 1, arch.head_dim], np.int64))],
+                     [p + "pk_keys"])
+    key_pos = b.node("Reshape", [past_pos, b.init(p + "key_pos", np.array([-1, 1], np.int64))], [p + "pk_pos"])
+    rotated = b.node("RotaryEmbedding", [per_key, f"cos_{kind}_delta", f"sin_{kind}_delta", key_pos],
+                     [p + "pk_rot"], rotary_embedding_dim=arch.rotary_dim)
+    back = b.node("Concat", [b.node("Shape", [past_k], [p + "pk_shape"], start=0, end=1),
+                             b.init(p + "pk_rest", np.array([-1, arch.kv_heads, arch.head_dim], np.int64))],
+                  [p + "pk_back"], axis=0)
+    past_long = b.node("Transpose", [b.node("Reshape", [rotated, back], [p + "pk_bnhd"])], [p + "past_k_long"],
+                       perm=[0, 2, 1, 3])
     a_long = b.node("Attention", [q, k, proj["v_proj"], mask, past_long, past_v],
                     [p + "attn_long", p + "pk_long", p + "pv_long"], **attrs)[0]
     orig = b.init(p + "orig", np.array(arch.ropes[kind].original_max, np.int64))

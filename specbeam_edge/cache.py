@@ -301,8 +301,8 @@ def _one_pass(model, work: list[tuple[TreeCache, list[int]]], topk: int | None) 
         return heads.wrap(out)
     shared = _same_batch([cache for cache, _ in work])
     if shared is not None and shared.Nm + shared.Qm + max(len(new) for _, new in work) > model.cfg.context_length:
-        shared = None      # rows longer than the context: LongRoPE graphs re-rotate the whole past with tables of
-        #                    context_length rows and refuse longer ones; packing keeps each request's own slots
+        shared = None      # rows would outgrow the context: pack each request's own slots instead of attending
+        #                    over ever more padding (LongRoPE graphs from before 2026-12 also refused such a past)
     if shared is not None:             # the rows of the last pass's presents, in their order: no padding copy
         order = sorted(range(len(work)), key=lambda b: work[b][0].batch[1])
         work = [work[b] for b in order]

@@ -238,19 +238,27 @@ def test_each_request_reports_its_own_kv_cache_peak(engine):
     assert all(s.stats.kv_cache_peak_mb > r.stats.kv_cache_peak_mb for s, r in zip(spec, ref))   # + draft cache
 
 
-def test_batch_rows_never_outgrow_the_context(tmp_path):
-    """Batch rows keep padding slots, so a row can grow past context_length while every request's own slots stay
-    below it; a LongRoPE graph (which re-rotates the whole past with tables of context_length rows) refuses such
-    a pass, so rows are packed afresh first. Two requests alone reach 62 and 63 slots; batched they must too."""
+@pytest.fixture(scope="module")
+def phi4mini(tmp_path_factory):
+    """A tiny Phi-4-mini (LongRoPE: the graph re-rotates cached keys), context 64."""
     pytest.importorskip("torch")
     from export import export
     from family_models import make_family_model
+
+    base = tmp_path_factory.mktemp("phi4mini")
+    make_family_model(base / "hf", "phi4mini")
+    return export(base / "hf", base / "sb", quiet=True)
+
+
+def test_batch_rows_never_outgrow_the_context(phi4mini):
+    """Batch rows keep padding slots, so a row can grow past context_length while every request's own slots stay
+    below it; rows are then packed afresh (as long caches, they would only cost attention). Two requests alone
+    reach 62 and 63 slots; batched they must too."""
     from specbeam_edge.cache import ScoreCall, TreeCache, score_batch
     from specbeam_edge.model import OnnxCausalLM
     from specbeam_edge.tree import TokenTree
 
-    make_family_model(tmp_path / "hf", "phi4mini")
-    lm = OnnxCausalLM(export(tmp_path / "hf", tmp_path / "sb", quiet=True))
+    lm = OnnxCausalLM(phi4mini)
     assert lm.cfg.context_length == 64
     tree = TokenTree()
     caches = [TreeCache(lm, tree) for _ in range(2)]
@@ -264,3 +272,18 @@ def test_batch_rows_never_outgrow_the_context(tmp_path):
             tips[r] = kids[0]
         score_batch(calls)
     assert [len(c) - c.padding for c in caches] == [62, 63]
+
+
+def test_long_rope_cache_longer_than_the_context(phi4mini):
+    """A cache can hold more slots than context_length (dead draft nodes, K diverging beams) while every position
+    stays inside; LongRoPE graphs re-rotate every cached key, one key per rotary row, so such passes run
+    (onnxruntime refused a past longer than its rotary tables before) and speculation stays exact."""
+    eng = Engine(phi4mini, draft=phi4mini)
+    rng = np.random.default_rng(0)
+    spec = SpeculativeConfig(drafter="beam", budget=16, max_depth=4)
+    for L in (30, 40):
+        prompt = rng.integers(1, 200, L).tolist()
+        kw = dict(num_beams=4, max_new_tokens=64, eos_token_id=[])
+        [plain] = eng.generate(prompt, **kw)
+        [fast] = eng.generate(prompt, speculative=spec, **kw)
+        assert fast.hypotheses[0].tokens == plain.hypotheses[0].tokens
