@@ -161,6 +161,11 @@ class TreeCache:
         self._keep(np.flatnonzero(live))
         return True
 
+    def release(self) -> None:
+        """Let go of the KV (the request is finished); the bookkeeping stays for statistics."""
+        self.past = [] if self.model is None else self.model.empty_past()
+        self.batch = None
+
     def drop_padding(self) -> None:
         """Leave the batch: this cache's own slots into arrays of its own (a request that continues alone would
         otherwise attend over the padding every pass, and a cache that sits out passes would keep the whole

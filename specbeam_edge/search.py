@@ -29,7 +29,13 @@ class Progress:
 
 
 def _kv_peak_mb(*caches) -> float:
-    return sum(c.peak_bytes for c in caches if c is not None) / 2**20
+    """The caches' peak, and then their KV is let go: a finished request's cache may be a row of a batch's
+    arrays (cache.py, batch rows), which it would otherwise keep alive for as long as its result is held."""
+    peak = sum(c.peak_bytes for c in caches if c is not None) / 2**20
+    for c in caches:
+        if c is not None:
+            c.release()
+    return peak
 
 
 def _grow(grow, dcache, roots, scores):

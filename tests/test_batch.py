@@ -287,3 +287,24 @@ def test_long_rope_cache_longer_than_the_context(phi4mini):
         [plain] = eng.generate(prompt, **kw)
         [fast] = eng.generate(prompt, speculative=spec, **kw)
         assert fast.hypotheses[0].tokens == plain.hypotheses[0].tokens
+
+
+def test_finished_requests_let_go_of_their_kv(engine):
+    """A finished request's cache may be a row of its batch's arrays; once the request is done its KV is let go,
+    so finished requests do not keep whole batches alive while the rest of the job runs (measured before the
+    fix: 300 lines at K=4 peaked at 7.4 GB instead of 1.8 GB)."""
+    import gc
+
+    from specbeam_edge.cache import TreeCache
+
+    def caches_with_kv():
+        gc.collect()
+        return sum(1 for c in gc.get_objects()
+                   if isinstance(c, TreeCache) and c.past and c.past[0][0].shape[2] > 0)
+
+    done = 0
+    for _ in engine.generate_iter(PROMPTS, num_beams=4, max_new_tokens=MAX_NEW, max_batch_size=2,
+                                  speculative=SPECS["beam"]):
+        done += 1
+        if done < len(PROMPTS):     # at most the running requests' target and draft caches hold KV
+            assert caches_with_kv() <= 2 * 2, done
