@@ -15,8 +15,8 @@ case "$KIND" in
     python models/build_corpus.py --out "$D/corpus"
     [ -f "$D/tok/tokenizer.json" ] || $TRAIN tokenizer --data "$D/corpus" --out "$D/tok"
     # target: Llama 6x256 (the first shipped run: 4.2 M tokens in 50 minutes), then continued from it with label
-    # smoothing and the help corpora upweighted on a 24 M-token cosine schedule; the shipped target stopped at
-    # 12 M tokens (session time) and averages its last 3 snapshots (models/ende/README.md)
+    # smoothing and the help corpora upweighted on a 24 M-token cosine schedule (resumed from its checkpoints
+    # across sessions); the shipped target averages its last 3 snapshots (models/ende/README.md)
     $TRAIN lm --data "$D/corpus" --tokenizer "$D/tok" --ckpt "$D/run_target0" \
         --layers 6 --hidden 256 --heads 4 --kv_heads 2 --schedule cosine --lr 3e-3 --warmup 30 --tokens 8e6 \
         --minutes 50
