@@ -33,21 +33,19 @@ class _Timed:
     def __getattr__(self, name):
         return getattr(self._s, name)
 
-    def run(self, *a, **k):
+    def _timed(self, fn, *a, **k):
         t0 = time.perf_counter()
         try:
-            return self._s.run(*a, **k)
+            return fn(*a, **k)
         finally:
             self.seconds += time.perf_counter() - t0
             self.calls += 1
 
+    def run(self, *a, **k):
+        return self._timed(self._s.run, *a, **k)
+
     def run_with_iobinding(self, *a, **k):
-        t0 = time.perf_counter()
-        try:
-            return self._s.run_with_iobinding(*a, **k)
-        finally:
-            self.seconds += time.perf_counter() - t0
-            self.calls += 1
+        return self._timed(self._s.run_with_iobinding, *a, **k)
 
 
 def _op_profile(folder: Path, threads: int, Q: int, N: int, reps: int = 200) -> dict:
