@@ -182,49 +182,44 @@ class TreeCache:
             return self.past, None
         idx = np.flatnonzero(np.array(self.nodes) >= 0)
         old = self.past
-        self.vis = self.vis[np.ix_(idx, idx)]
-        self.positions = self.positions[idx]
-        self.nodes = [self.nodes[i] for i in idx]
-        self.slot = {n: s for s, n in enumerate(self.nodes)}
-        self.padding = 0
         self.batch = None
+        self._renumber(idx, len(idx))
         return old, idx
 
     def _keep(self, idx: np.ndarray) -> None:
-        if self.batch is not None:       # a row of the batch arrays: compact inside the row, keep its length
-            self._keep_in_row(idx)
+        """Keep the slots `idx` (in order). A batch row compacts inside the row and keeps its length: the kept
+        slots move to its front (one copy of them, as any compaction) and the rest becomes padding, so the next
+        pass of the batch still feeds its arrays as they are. Otherwise the kept slots become arrays of their own
+        (a resident cache makes a round trip through the host: rare, only once >= 25% of it is dead)."""
+        if self.batch is not None:
+            n = len(idx)
+            for k, v in self.past:
+                k[0, :, :n] = k[0][:, idx]
+                v[0, :, :n] = v[0][:, idx]
+            self._renumber(idx, len(self.nodes))
             return
-        # a resident cache makes a round trip through the host (rare: only once >= 25% of it is dead)
         self.past = [(self.model.to_kv(np.ascontiguousarray(host(k)[:, :, idx])),
                       self.model.to_kv(np.ascontiguousarray(host(v)[:, :, idx]))) for k, v in self.past]
-        self.vis = self.vis[np.ix_(idx, idx)]
-        self.positions = self.positions[idx]
-        self.nodes = [self.nodes[i] for i in idx]
-        self.slot = {n: s for s, n in enumerate(self.nodes) if n >= 0}
-        self.padding = self.nodes.count(-1)
+        self._renumber(idx, len(idx))
 
-    def _keep_in_row(self, idx: np.ndarray) -> None:
-        """Compaction of a batch row: the kept slots move to the front of the row (one copy of them, as any
-        compaction), the rest of the row becomes padding, so the next pass of the batch still feeds its arrays
-        as they are."""
-        n, T = len(idx), len(self.nodes)
-        for k, v in self.past:
-            k[0, :, :n] = k[0][:, idx]
-            v[0, :, :n] = v[0][:, idx]
-        vis = np.zeros((T, T), dtype=bool)
+    def _renumber(self, idx: np.ndarray, length: int) -> None:
+        """Slot bookkeeping after keeping the slots `idx`, moved to the front of `length` slots (the rest
+        padding: dead, node -1)."""
+        n = len(idx)
+        vis = np.zeros((length, length), dtype=bool)
         vis[:n, :n] = self.vis[np.ix_(idx, idx)]
         self.vis = vis
-        pos = np.zeros(T, np.int64)
+        pos = np.zeros(length, np.int64)
         pos[:n] = self.positions[idx]
         self.positions = pos
-        self.nodes = [self.nodes[i] for i in idx] + [-1] * (T - n)
+        self.nodes = [self.nodes[i] for i in idx] + [-1] * (length - n)
         self.slot = {nd: s for s, nd in enumerate(self.nodes) if nd >= 0}
-        self.padding = T - n
+        self.padding = length - n
 
 
 # caches of a batched pass stay rows of its arrays (see TreeCache._adopt); False: the pre-2026-12 layout, each
-# request's cache copied out of the presents after the pass and padded into a new array before the next (kept
-# for the side-by-side measurement in bench/batch.py)
+# request's cache copied out of the presents after the pass and padded into a new array before the next (the
+# A/B of DESIGN section 11, "Batch rows", switches it)
 BATCH_ROWS = True
 
 
@@ -358,26 +353,13 @@ def _one_pass_rows(model, work, inputs, topk, Nm, Qm, shared_past, gathers) -> l
         kpos[b, :N], kpos[b, Nm:Nm + Q] = cache.positions, p
         mask[b, 0, :Q, :N] = m[:, :N]
         mask[b, 0, :Q, Nm:Nm + Q] = m[:, N:]
-    past = shared_past or []
-    for layer in range(0 if shared_past else len(work[0][0].past)):
-        k = v = None
-        for b, (arrays, idx) in enumerate(gathers):
-            ck, cv = host(arrays[layer][0])[0], host(arrays[layer][1])[0]
-            if k is None:
-                k = np.zeros((B, ck.shape[0], Nm, ck.shape[2]), ck.dtype)
-                v = np.zeros_like(k)
-            if idx is None:
-                k[b, :, :ck.shape[1]], v[b, :, :cv.shape[1]] = ck, cv
-            else:     # straight from the old batch row into the new one, without the padding
-                np.take(ck, idx, axis=1, out=k[b, :, :len(idx)], mode="clip")
-                np.take(cv, idx, axis=1, out=v[b, :, :len(idx)], mode="clip")
-        past.append((model.to_kv(k), model.to_kv(v)))
+    past = shared_past if shared_past is not None else _pack(model, gathers, Nm)
     kw = {"key_positions": kpos} if model.needs_key_positions else {}
     if work[0][0].static:
         kw["static"] = _stack_static([cache.static for cache, _ in work])
     out, presents = model.forward(ids, pos, mask, past, topk=topk, **kw)
     presents = [(host(k), host(v)) for k, v in presents]
-    batch = None if getattr(model, "kv_resident", False) or not BATCH_ROWS else _BatchKV(presents, Nm, Qm)
+    batch = None if model.kv_resident or not BATCH_ROWS else _BatchKV(presents, Nm, Qm)
     results = []
     for b, ((cache, new), (_, _, m), head) in enumerate(zip(work, inputs, heads.wrap(out))):
         Q = len(new)
@@ -388,6 +370,26 @@ def _one_pass_rows(model, work, inputs, topk, Nm, Qm, shared_past, gathers) -> l
                           whole=False)
         results.append(head.take(slice(0, Q)))
     return results
+
+
+def _pack(model, gathers: list, Nm: int) -> list:
+    """New padded past arrays [B, kv_heads, Nm, head_dim] per layer from each request's (arrays, slots to take
+    or None for all), straight from its old arrays (a batch row's own slots, without its padding): one copy."""
+    past = []
+    for layer in range(len(gathers[0][0])):
+        k = v = None
+        for b, (arrays, idx) in enumerate(gathers):
+            ck, cv = host(arrays[layer][0])[0], host(arrays[layer][1])[0]
+            if k is None:
+                k = np.zeros((len(gathers), ck.shape[0], Nm, ck.shape[2]), ck.dtype)
+                v = np.zeros_like(k)
+            if idx is None:
+                k[b, :, :ck.shape[1]], v[b, :, :cv.shape[1]] = ck, cv
+            else:
+                np.take(ck, idx, axis=1, out=k[b, :, :len(idx)], mode="clip")
+                np.take(cv, idx, axis=1, out=v[b, :, :len(idx)], mode="clip")
+        past.append((model.to_kv(k), model.to_kv(v)))
+    return past
 
 
 def _stack_static(statics: list[dict]) -> dict[str, np.ndarray]:

@@ -28,14 +28,14 @@ class Progress:
     stats: Stats
 
 
-def _kv_peak_mb(*caches) -> float:
-    """The caches' peak, and then their KV is let go: a finished request's cache may be a row of a batch's
-    arrays (cache.py, batch rows), which it would otherwise keep alive for as long as its result is held."""
-    peak = sum(c.peak_bytes for c in caches if c is not None) / 2**20
+def _finish(*caches) -> float:
+    """A finished request's KV peak (MB); its caches then let go of their KV: with batch rows a cache is a view of
+    its batch's arrays, and finished requests stay referenced until the whole job ends (300 lines at K=4 peaked
+    at 7.4 GB instead of 1.8 GB)."""
+    caches = [c for c in caches if c is not None]
     for c in caches:
-        if c is not None:
-            c.release()
-    return peak
+        c.release()
+    return sum(c.peak_bytes for c in caches) / 2**20
 
 
 def _grow(grow, dcache, roots, scores):
@@ -108,7 +108,7 @@ class ExactSearch:
             yield Progress(bs, stats)
         stats.generated_tokens = bs.cur_len - self.P
         stats.peak_memory_mb = peak_rss_mb()
-        stats.kv_cache_peak_mb = _kv_peak_mb(self.target, self.draft)
+        stats.kv_cache_peak_mb = _finish(self.target, self.draft)
         store = getattr(self.target.model, "store", None)
         if store is not None and store.streamed:
             stats.offload = {**store.stats.per_pass(), "placement": list(store.placement.places)}
@@ -227,7 +227,7 @@ class SamplingSearch:
         stats.widths = st.widths
         stats.generated_tokens = st.cur_len - self.P
         stats.peak_memory_mb = peak_rss_mb()
-        stats.kv_cache_peak_mb = _kv_peak_mb(self.target, self.draft)
+        stats.kv_cache_peak_mb = _finish(self.target, self.draft)
         stats.seconds = time.perf_counter() - t0
 
     # 1. the draft samples gamma levels of beam sampling (i.i.d. draws, q recorded per level)
