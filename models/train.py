@@ -230,7 +230,19 @@ def build_model(args, vocab_size: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if args.init:
-        return LlamaForCausalLM.from_pretrained(args.init, torch_dtype=torch.float32)
+        model = LlamaForCausalLM.from_pretrained(args.init, torch_dtype=torch.float32)
+        if args.init_layers:        # a draft cut from the target: its embedding, these layers, final norm, head
+            keep = [int(i) for i in args.init_layers.split(",")]
+            n = model.config.num_hidden_layers
+            if not keep or any(not 0 <= i < n for i in keep):
+                raise SystemExit(f"--init_layers {args.init_layers}: {args.init} has layers 0..{n - 1}")
+            model.model.layers = torch.nn.ModuleList(model.model.layers[i] for i in keep)
+            for j, layer in enumerate(model.model.layers):
+                layer.self_attn.layer_idx = j
+            model.config.num_hidden_layers = len(keep)
+            if getattr(model.config, "layer_types", None):
+                model.config.layer_types = [model.config.layer_types[i] for i in keep]
+        return model
     cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=args.hidden, num_hidden_layers=args.layers,
                       num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
                       intermediate_size=int(math.ceil(8 * args.hidden / 3 / 16) * 16),
@@ -486,6 +498,8 @@ def main(argv=None) -> int:
     m.add_argument("--mix", default="", help="source repeats per epoch, e.g. libreoffice=3,gimp=2 (others: 1)")
     m.add_argument("--label_smoothing", type=float, default=0.0, help="label smoothing of the CE loss")
     m.add_argument("--init", default=None, help="start from this HF model folder")
+    m.add_argument("--init_layers", default="", help="with --init: keep only these decoder layers, e.g. 0,4,5 (a "
+                   "draft cut from the target; the embedding, final norm and head are kept)")
     m.add_argument("--teacher", default=None, help="HF model folder: add KL to its logits (and --align_topk)")
     m.add_argument("--kd_weight", type=float, default=1.0, help="weight of the KL term (with --teacher)")
     m.add_argument("--align_topk", type=int, default=0, help="top-K alignment term with the teacher's top K (0: off)")

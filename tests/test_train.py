@@ -137,3 +137,27 @@ def test_resume_with_other_settings_is_refused(tiny_corpus, tmp_path):
     _lm(data, tok_dir, tmp_path / "cos", 1, schedule="cosine")
     with pytest.raises(SystemExit, match=r"other settings \{'tokens': \('64', '128'\)\}"):
         _lm(data, tok_dir, tmp_path / "cos", 2, schedule="cosine")
+
+
+def test_init_layers_cuts_a_draft_from_the_target(tiny_corpus, tmp_path):
+    torch = pytest.importorskip("torch")
+    import argparse
+    from transformers import LlamaForCausalLM
+
+    data, tok_dir = tiny_corpus
+    _lm(data, tok_dir, tmp_path / "target", 1, layers=3)
+    hf = tmp_path / "hf"
+    train.main(["average", "--ckpt", str(tmp_path / "target"), "--last", "1", "--out", str(hf)])
+    full = LlamaForCausalLM.from_pretrained(hf).state_dict()
+    cut = train.build_model(argparse.Namespace(init=str(hf), init_layers="0,2"), 300)
+    assert cut.config.num_hidden_layers == 2
+    sd = cut.state_dict()
+    for k, v in sd.items():        # layer 1 of the cut is the target's layer 2; embedding, norm, head copied
+        src = k.replace("layers.1.", "layers.2.") if "layers.1." in k else k
+        assert torch.equal(v, full[src]), k
+    with pytest.raises(SystemExit, match=r"--init_layers 0,3: .* has layers 0\.\.2"):
+        train.build_model(argparse.Namespace(init=str(hf), init_layers="0,3"), 300)
+    # a run started from the cut trains and writes a 2-layer model folder
+    _lm(data, tok_dir, tmp_path / "draft", 2, init=str(hf), init_layers="0,2")
+    train.main(["average", "--ckpt", str(tmp_path / "draft"), "--last", "1", "--out", str(tmp_path / "d")])
+    assert json.loads((tmp_path / "d" / "config.json").read_text())["num_hidden_layers"] == 2
