@@ -4,7 +4,8 @@
     python models/evaluate.py --target $DATA/ende/eval/target --systems target_beam4 --lines 300   # a checkpoint
 
 Reports BLEU/chrF (sacrebleu) of the target with greedy and beam-4 search and of the draft alone (greedy),
-teacher-forced draft/target agreement (greedy match, top-4 overlap, sum min(p, q)), and beam steps per target
+teacher-forced draft/target agreement (greedy match, top-4 overlap, sum min(p, q)) on the references and on the
+target's own beam-4 translations (`agreement_own`: the text speculation has to predict), and beam steps per target
 pass of exact speculative beam search at K = 1 and 4. Prints JSON; --out writes it to a file.
 """
 from __future__ import annotations
@@ -37,11 +38,12 @@ def teacher_forced(lm, ids: list[int], k: int = 8):
     return top, np.take_along_axis(logp, top, -1)
 
 
-SYSTEMS = ("agreement", "target_greedy", "target_beam4", "draft_greedy", "speculative")
+SYSTEMS = ("agreement", "agreement_own", "target_greedy", "target_beam4", "draft_greedy", "speculative")
 
 
-def agreement(engine: Engine, prompts, ref, sep: int, report: dict) -> None:
-    """Teacher-forced draft/target agreement on the first 200 reference translations (German side only)."""
+def agreement(engine: Engine, prompts, ref, sep: int, report: dict, key: str = "agreement") -> None:
+    """Teacher-forced draft/target agreement on the first 200 given translations (German side only): the
+    references, or the target's own beam-search outputs (the text speculation has to predict)."""
     match, top4, alpha, n = 0.0, 0.0, 0.0, 0
     for p, r in zip(prompts[:200], ref[:200]):
         ids = engine.encode(p) + engine.tokenizer.encode(r) + list(engine.eos[:1])
@@ -55,7 +57,7 @@ def agreement(engine: Engine, prompts, ref, sep: int, report: dict) -> None:
             q = dict(zip(b.tolist(), np.exp(lb).tolist()))
             alpha += sum(min(pa, q[t]) for t, pa in zip(a.tolist(), np.exp(la).tolist()) if t in q)
         n += len(tt)
-    report["agreement"] = {"positions": n, "greedy_match": round(match / n, 4), "top4_overlap": round(top4 / n, 4),
+    report[key] = {"positions": n, "greedy_match": round(match / n, 4), "top4_overlap": round(top4 / n, 4),
                            "sum_min_p_q_top8": round(alpha / n, 4)}
 
 
@@ -69,6 +71,8 @@ def main(argv=None) -> int:
     ap.add_argument("--draft", default=None, help="draft model folder (default: PAIR/draft)")
     ap.add_argument("--systems", default=",".join(SYSTEMS),
                     help=f"comma-separated subset of {','.join(SYSTEMS)} (without the draft ones no draft is loaded)")
+    ap.add_argument("--spec_batch", type=int, default=1, help="requests per pass in the speculative runs "
+                    "(1: one at a time, the main job; the tree budget is shared by a pass's requests)")
     ap.add_argument("--out", default=None, help="write the JSON report here")
     args = ap.parse_args(argv)
     import sacrebleu
@@ -80,7 +84,7 @@ def main(argv=None) -> int:
     pair = Path(args.pair)
     target = Path(args.target) if args.target else pair / "target"
     draft = Path(args.draft) if args.draft else pair / "draft"
-    needs_draft = bool(set(systems) & {"agreement", "draft_greedy", "speculative"})
+    needs_draft = bool(set(systems) & {"agreement", "agreement_own", "draft_greedy", "speculative"})
     engine = Engine(target, draft=draft if needs_draft else None)
     draft_only = Engine(draft) if "draft_greedy" in systems else None
     rows = [l.rstrip("\n").split("\t") for l in open(args.test, encoding="utf-8")][: args.lines]
@@ -92,9 +96,13 @@ def main(argv=None) -> int:
     sep = engine.tokenizer.encode("<|de|>")[0]
     if "agreement" in systems:
         agreement(engine, prompts, ref, sep, report)
-    def run(eng, K, spec=None, limit=None):
+    if "agreement_own" in systems:      # on the target's own beam-4 translations of the same sources
+        own = [r.text for r in engine.generate(prompts[:200], num_beams=4, max_new_tokens=args.max_new_tokens)]
+        agreement(engine, prompts, own, sep, report, key="agreement_own")
+    def run(eng, K, spec=None, limit=None, batch=32):
         t0 = time.perf_counter()
-        res = eng.generate(prompts[:limit], num_beams=K, max_new_tokens=args.max_new_tokens, speculative=spec)
+        res = eng.generate(prompts[:limit], num_beams=K, max_new_tokens=args.max_new_tokens, speculative=spec,
+                           max_batch_size=batch)
         dt = time.perf_counter() - t0
         hyp = [r.text for r in res]
         steps = sum(r.stats.beam_steps for r in res)
@@ -111,10 +119,13 @@ def main(argv=None) -> int:
         print(name, report[name], file=sys.stderr)
     spec = SpeculativeConfig()
     for K in (1, 4) if "speculative" in systems else ():
-        hyp, st = run(engine, K, spec, limit=100)
-        plain, _ = run(engine, K, None, limit=100)
+        # one request at a time, as the README's main job runs: the tree budget is per target pass, shared by
+        # the requests in it, so in a batch of 32 each request drafts max(K, 48 // 32) nodes
+        hyp, st = run(engine, K, spec, limit=100, batch=args.spec_batch)
+        plain, pst = run(engine, K, None, limit=100, batch=args.spec_batch)
         report[f"speculative_K{K}"] = {**st, "identical_to_plain": sum(a == b for a, b in zip(hyp, plain)),
-                                       "of": len(hyp), "spec": vars(spec)}
+                                       "of": len(hyp), "batch": args.spec_batch,
+                                       "plain_seconds": pst["seconds"], "spec": vars(spec)}
         print(f"speculative K={K}", report[f"speculative_K{K}"], file=sys.stderr)
     text = json.dumps(report, indent=2)
     if args.out:
