@@ -223,3 +223,25 @@ def test_merged_drafter_splits_the_budget_by_measured_acceptance():
     assert merged.share() > share0 and lookup.budget > 8
     with pytest.raises(ValueError, match="with_lookup"):
         SpeculativeConfig(drafter="lookup", with_lookup=True)
+
+
+def test_default_draft_width_spends_the_budget_on_width_for_several_beams():
+    """K > 1: a level is accepted only when it holds all K next beams, so the default tree is 4K wide (at least two
+    levels deep) instead of K wide and max_depth deep; K = 1 keeps max_branch_width children per level."""
+    from specbeam_edge.draft import DraftBeamSearch
+
+    def width(K, budget=48, **kw):
+        return DraftBeamSearch(SpeculativeConfig(budget=budget, **kw), K, [0], 512).width(budget)
+
+    assert [width(K) for K in (1, 2, 4, 8)] == [4, 8, 16, 24]
+    assert width(4, budget=8) == 4 and width(1, budget=2) == 4        # never below K or max_branch_width
+    assert width(4, draft_width=5) == 5 and width(2, max_branch_width=6) == 8
+
+
+def test_default_tree_at_K4_is_exact_and_uses_its_width(engines):
+    spec = SpeculativeConfig(budget=48, max_depth=6, adaptive=False)
+    [plain] = engines["random"].generate(PROMPTS[0], num_beams=4, max_new_tokens=MAX_NEW)
+    [fast] = engines["random"].generate(PROMPTS[0], num_beams=4, max_new_tokens=MAX_NEW, speculative=spec)
+    assert [h.tokens for h in fast.hypotheses] == [h.tokens for h in plain.hypotheses]
+    # 16 nodes per level, three levels: 48 per pass (a pass near the end may stop early at the length limit)
+    assert fast.stats.draft_tokens_proposed > 24 * fast.stats.target_passes
