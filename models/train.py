@@ -448,6 +448,11 @@ def distil(args) -> None:
     rows = [l.rstrip("\n").split("\t") for l in open(data / "train.tsv", encoding="utf-8")]
     names = (data / "train.source").read_text(encoding="utf-8").split() if (data / "train.source").exists() \
         else ["all"] * len(rows)
+    if args.sources:                                  # only these corpora (e.g. the test's domain)
+        keep = set(args.sources.split(","))
+        if not keep & set(names):
+            raise SystemExit(f"distil --sources {args.sources}: {data / 'train.source'} names {sorted(set(names))}")
+        rows, names = [r for r, n in zip(rows, names) if n in keep], [n for n in names if n in keep]
     part = out / "train.partial.tsv"                 # resumable: lines already written are skipped
     done = sum(1 for _ in open(part, encoding="utf-8")) // args.return_beams if part.exists() else 0
     engine = Engine(args.teacher)
@@ -524,6 +529,8 @@ def main(argv=None) -> int:
     d.add_argument("--num_beams", type=int, default=4, help="teacher beam width")
     d.add_argument("--return_beams", type=int, default=1, help="final beams written per source (<= num_beams)")
     d.add_argument("--max_new_tokens", type=int, default=160, help="generation limit")
+    d.add_argument("--sources", default="", help="comma-separated corpus sources to translate (train.source "
+                   "names, e.g. libreoffice,gimp; default all)")
     d.add_argument("--chunk", type=int, default=32, help="sources per generate call (and per resume point)")
     d.add_argument("--limit", type=int, default=0, help="only the first N sources (0: all)")
     args = ap.parse_args(argv)

@@ -161,3 +161,31 @@ def test_init_layers_cuts_a_draft_from_the_target(tiny_corpus, tmp_path):
     _lm(data, tok_dir, tmp_path / "draft", 2, init=str(hf), init_layers="0,2")
     train.main(["average", "--ckpt", str(tmp_path / "draft"), "--last", "1", "--out", str(tmp_path / "d")])
     assert json.loads((tmp_path / "d" / "config.json").read_text())["num_hidden_layers"] == 2
+
+
+@pytest.mark.slow                                    # a short training run, an export and a beam search
+def test_distil_writes_the_teachers_beams_for_the_chosen_sources(tiny_corpus, tmp_path):
+    pytest.importorskip("torch")
+    from export import export
+
+    data, tok_dir = tiny_corpus
+    n = len((data / "train.tsv").read_text(encoding="utf-8").splitlines())
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in ("train.tsv", "valid.tsv"):
+        (src / f).write_bytes((data / f).read_bytes())
+    (src / "train.source").write_text("".join("help\n" if i % 3 else "mo\n" for i in range(n)))
+    _lm(data, tok_dir, tmp_path / "t", 2)
+    train.main(["average", "--ckpt", str(tmp_path / "t"), "--last", "1", "--out", str(tmp_path / "hf")])
+    export(tmp_path / "hf", tmp_path / "onnx", precision="fp32", quiet=True)
+    out = tmp_path / "kd"
+    argv = ["distil", "--teacher", str(tmp_path / "onnx"), "--data", str(src), "--out", str(out), "--sources", "help",
+            "--return_beams", "2", "--max_new_tokens", "6", "--chunk", "8"]
+    train.main(argv)
+    rows = (out / "train.tsv").read_text(encoding="utf-8").splitlines()
+    eng = [l.split("\t")[0] for l in (src / "train.tsv").read_text(encoding="utf-8").splitlines()]
+    help_rows = [e for i, e in enumerate(eng) if i % 3]
+    assert [r.split("\t")[0] for r in rows[::2]] == help_rows and len(rows) == 2 * len(help_rows)
+    assert set((out / "train.source").read_text().split()) == {"help"} and (out / "valid.tsv").exists()
+    with pytest.raises(SystemExit, match="--sources nope: .* names \\['help', 'mo'\\]"):
+        train.main(argv[:-8] + ["--out", str(tmp_path / "kd2"), "--sources", "nope"])
