@@ -1,4 +1,6 @@
-"""Shipped pair end to end: plain beam search vs exact speculative beam search, alternated A B A B."""
+"""Shipped pair end to end: plain beam search vs exact speculative beam search, alternated A B A B, one request
+at a time (the README's main job: one line, batch 1; the tree budget is per target pass, shared by the requests
+in it, so a batch of 12 would give each request a twelfth of it)."""
 from __future__ import annotations
 
 import sys
@@ -15,9 +17,9 @@ def load_prompts(pair: Path, n: int) -> list[str]:
     return lines[:n]
 
 
-def run_once(engine, prompts, K, spec, max_new):
+def run_once(engine, prompts, K, spec, max_new, batch=1):
     t0 = time.perf_counter()
-    res = engine.generate(prompts, num_beams=K, max_new_tokens=max_new, speculative=spec)
+    res = engine.generate(prompts, num_beams=K, max_new_tokens=max_new, speculative=spec, max_batch_size=batch)
     dt = time.perf_counter() - t0
     steps = sum(r.stats.beam_steps for r in res)
     passes = sum(r.stats.target_passes for r in res)
@@ -27,7 +29,7 @@ def run_once(engine, prompts, K, spec, max_new):
             "accepted": sum(r.stats.draft_tokens_accepted for r in res), "texts": [r.text for r in res]}
 
 
-def bench(pair: Path, *, Ks=(1, 2, 4, 8), specs=None, n_prompts=12, reps=3, max_new=128, threads=None):
+def bench(pair: Path, *, Ks=(1, 2, 4, 8), specs=None, n_prompts=12, reps=3, max_new=128, threads=None, batch=1):
     engine = Engine(pair / "target", draft=pair / "draft", threads=threads)
     prompts = [engine.tokenizer.format_prompt(p) for p in load_prompts(pair, n_prompts)]
     specs = specs or [SpeculativeConfig(drafter="lookup", budget=16, max_depth=6, max_branch_width=2),
@@ -45,8 +47,8 @@ def bench(pair: Path, *, Ks=(1, 2, 4, 8), specs=None, n_prompts=12, reps=3, max_
                 continue
             ratios, a_runs, b_runs = [], [], []
             for _ in range(reps):          # A B A B: plain then speculative, back to back
-                a = run_once(engine, prompts, K, None, max_new)
-                b = run_once(engine, prompts, K, spec, max_new)
+                a = run_once(engine, prompts, K, None, max_new, batch)
+                b = run_once(engine, prompts, K, spec, max_new, batch)
                 ratios.append(a["seconds"] / b["seconds"])
                 a_runs.append(a)
                 b_runs.append(b)
@@ -64,7 +66,8 @@ def bench(pair: Path, *, Ks=(1, 2, 4, 8), specs=None, n_prompts=12, reps=3, max_
             rows.append(row)
             print(f"K={K} {spec.drafter:10s} budget={spec.budget:3d} speedup {row['speedup']:.2f}x "
                   f"bspp {row['bspp']:.2f} identical {row['identical']}/{len(prompts)}", file=sys.stderr)
-    return {"pair": pair.name, "prompts": len(prompts), "reps": reps, "max_new_tokens": max_new, "rows": rows}
+    return {"pair": pair.name, "prompts": len(prompts), "batch": batch, "reps": reps, "max_new_tokens": max_new,
+            "rows": rows}
 
 
 def plot(data: dict, path: Path):
