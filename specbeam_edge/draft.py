@@ -69,7 +69,7 @@ class DraftBeamSearch:
         self.K = num_beams
         self.fixed_W, self.branch = spec.draft_width, spec.max_branch_width
         self.depth, self.budget = spec.max_depth, spec.budget
-        self.expand = _Expansions(self.width(spec.budget))
+        self.expand = _Expansions(max(self.width(spec.budget), spec.max_branch_width))
         self.min_lp = _min_log_prob(spec)
         self.eos = set(int(e) for e in eos_ids)
         self.ctx = context_length
