@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Rebuild a shipped pair from Debian packages: corpus, tokenizer, target, draft, export.
-#   bash models/build_pair.sh ende   # en->de pair: about 3 hours on 2 CPU cores (the target); every stage resumes
+#   bash models/build_pair.sh ende   # en->de pair: about 5 hours on 2 CPU cores (target 4 h, draft 1 h); every stage resumes
 #   bash models/build_pair.sh text   # English prose + code pair (Python docs), about 35 minutes
 # Every training stage keeps its run folder (checkpoints) under $DATA/<kind>/run_*: rerunning the script after
 # a stop continues each stage where it stopped; finished stages return at once. DATA defaults to ./data.
@@ -25,17 +25,20 @@ case "$KIND" in
         --schedule cosine --lr 1e-3 --warmup 50 --tokens "${TARGET_TOKENS:-2.4e7}" --mix libreoffice=2,gimp=2 \
         --label_smoothing 0.1 --snapshot_every 400 --keep_snapshots 6
     $TRAIN average --ckpt "$D/run_target" --last 3 --out "$D/target"
-    # draft: Llama 2x128 pre-trained with cross-entropy, then token-level KL to the target plus the top-K
-    # alignment hinge (AtSpeed-S) on the same corpus
-    $TRAIN lm --data "$D/corpus" --tokenizer "$D/tok" --ckpt "$D/run_draft_ce" \
-        --layers 2 --hidden 128 --heads 2 --kv_heads 1 --schedule cosine --lr 3e-3 --warmup 30 --tokens 4e6 \
-        --minutes 10
-    $TRAIN average --ckpt "$D/run_draft_ce" --last 1 --out "$D/draft_ce"
-    $TRAIN lm --data "$D/corpus" --tokenizer "$D/tok" --ckpt "$D/run_draft_kd" --init "$D/draft_ce" \
-        --teacher "$D/target" --align_topk 4 --tokens 1.5e6 --lr 1e-3 --warmup 10 --mix libreoffice=2,gimp=2
-    $TRAIN average --ckpt "$D/run_draft_kd" --last 1 --out "$D/draft_kd"
-    $TRAIN lm --data "$D/corpus" --tokenizer "$D/tok" --ckpt "$D/run_draft" --init "$D/draft_kd" \
+    # draft: a 2-layer cut of the target (its layers 0 and 5 with its embedding, final norm and head), trained
+    # with token-level KL to the target plus the top-4 alignment hinge (AtSpeed-S) on the corpus, then on the
+    # target's own beam-4 translations of the help corpora, all 4 final beams per source (sequence-level KD)
+    $TRAIN lm --data "$D/corpus" --tokenizer "$D/tok" --ckpt "$D/run_draft_cut" --init "$D/target" --init_layers 0,5 \
         --teacher "$D/target" --align_topk 4 --tokens 3e6 --lr 7e-4 --warmup 10 --mix libreoffice=2,gimp=2
+    $TRAIN average --ckpt "$D/run_draft_cut" --last 1 --out "$D/draft_cut"
+    [ -f "$D/target_onnx/config.json" ] || python -m export -i "$D/target" -o "$D/target_onnx" -p fp16 -q
+    $TRAIN distil --teacher "$D/target_onnx" --data "$D/corpus" --out "$D/kd" --sources libreoffice,gimp \
+        --num_beams 4 --return_beams 4 --chunk 64
+    $TRAIN lm --data "$D/kd" --tokenizer "$D/tok" --ckpt "$D/run_draft_kd" --init "$D/draft_cut" \
+        --teacher "$D/target" --align_topk 4 --tokens 7e6 --lr 7e-4 --warmup 10 --snapshot_every 400
+    $TRAIN average --ckpt "$D/run_draft_kd" --last 1 --out "$D/draft_kd"
+    $TRAIN lm --data "$D/kd" --tokenizer "$D/tok" --ckpt "$D/run_draft" --init "$D/draft_kd" \
+        --teacher "$D/target" --align_topk 4 --tokens 5e6 --lr 4e-4 --warmup 10 --snapshot_every 400 --seed 1
     $TRAIN average --ckpt "$D/run_draft" --last 1 --out "$D/draft"
     ;;
   text)

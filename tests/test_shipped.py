@@ -56,14 +56,15 @@ def test_speculative_equals_plain_on_shipped_pair(engine, K):
     src = (PAIR / "test_sample.en").read_text("utf-8").splitlines()[:6]
     prompts = [engine.tokenizer.format_prompt(s) for s in src]
     plain = engine.generate(prompts, num_beams=K, max_new_tokens=96)
-    fast = engine.generate(prompts, num_beams=K, max_new_tokens=96, speculative=SpeculativeConfig())
+    # one request at a time, as the main job runs (a batch shares the tree budget among its requests)
+    fast = engine.generate(prompts, num_beams=K, max_new_tokens=96, speculative=SpeculativeConfig(adaptive=False),
+                           max_batch_size=1)
     assert [r.text for r in plain] == [r.text for r in fast]
     steps = sum(r.stats.beam_steps for r in fast)
     passes = sum(r.stats.target_passes for r in fast)
-    # measured on this pair: 1.4-1.8 steps per pass at K=1 (the 2x128 draft follows the retrained target's
-    # top-1 37% of the time); at K=4 all four kept beams must be in the tree, which it manages only now and
-    # then (about 1.04)
-    assert steps / passes > (1.2 if K == 1 else 1.0)
+    # measured on this pair (100 held-out paragraphs, models/ende/README.md): 3.9 steps per pass at K=1, 2.3 at
+    # K=4; the floors leave room for these six lines
+    assert steps / passes > (3.0 if K == 1 else 1.8), steps / passes
 
 
 @pytest.mark.parametrize("script", ["translate_list.py", "stream_answer.py", "compare.py"])
