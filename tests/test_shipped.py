@@ -75,3 +75,30 @@ def test_examples_run(script):
     assert lines and all(l.strip() for l in lines)
     if script == "compare.py":          # the same text with and without the draft
         assert lines[0].split("\t")[1] == lines[1].split("\t")[1]
+
+
+def test_evaluate_reports_every_system_on_the_shipped_pair(tmp_path):
+    """models/evaluate.py end to end on four held-out lines: scores, agreement on the references and on the
+    target's own translations, and speculative runs one request at a time that match plain search."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("specbeam_models_evaluate", ROOT / "models" / "evaluate.py")
+    evaluate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(evaluate)
+
+    en = (PAIR / "test_sample.en").read_text("utf-8").splitlines()[:4]
+    de = (PAIR / "test_sample.de").read_text("utf-8").splitlines()[:4]
+    (tmp_path / "test.tsv").write_text("".join(f"{a}\t{b}\n" for a, b in zip(en, de)), encoding="utf-8")
+    out = tmp_path / "eval.json"
+    assert evaluate.main(["--pair", str(PAIR), "--test", str(tmp_path / "test.tsv"), "--lines", "4",
+                          "--max_new_tokens", "48", "--out", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    for key in ("agreement", "agreement_own"):
+        assert rep[key]["positions"] > 0 and 0 <= rep[key]["greedy_match"] <= 1, rep[key]
+    assert 0 < rep["target_beam4"]["bleu"] <= 100 and 0 < rep["draft_greedy"]["chrf"] <= 100
+    for K in (1, 4):
+        run = rep[f"speculative_K{K}"]
+        assert run["batch"] == 1 and run["identical_to_plain"] == run["of"] == 4, run
+        assert run["beam_steps_per_pass"] > 1
+    with pytest.raises(SystemExit, match="unknown \\['nope'\\]"):
+        evaluate.main(["--pair", str(PAIR), "--test", str(tmp_path / "test.tsv"), "--systems", "nope"])
