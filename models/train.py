@@ -229,13 +229,19 @@ def build_model(args, vocab_size: int):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    if getattr(args, "init_layers", "") and not args.init:
+        raise SystemExit("--init_layers cuts layers out of the --init model: pass --init too")
     if args.init:
         model = LlamaForCausalLM.from_pretrained(args.init, torch_dtype=torch.float32)
         if args.init_layers:        # a draft cut from the target: its embedding, these layers, final norm, head
-            keep = [int(i) for i in args.init_layers.split(",")]
             n = model.config.num_hidden_layers
-            if not keep or any(not 0 <= i < n for i in keep):
-                raise SystemExit(f"--init_layers {args.init_layers}: {args.init} has layers 0..{n - 1}")
+            try:
+                keep = [int(i) for i in args.init_layers.split(",")]
+            except ValueError:
+                keep = []
+            if not keep or any(not 0 <= i < n for i in keep) or len(set(keep)) != len(keep):
+                raise SystemExit(f"--init_layers {args.init_layers}: distinct layer numbers separated by commas; "
+                                 f"{args.init} has layers 0..{n - 1}")
             model.model.layers = torch.nn.ModuleList(model.model.layers[i] for i in keep)
             for j, layer in enumerate(model.model.layers):
                 layer.self_attn.layer_idx = j
@@ -260,7 +266,7 @@ def atomic_save(obj, path: Path) -> None:
 
 
 SHAPE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "seq_len", "batch", "lr", "warmup", "schedule", "mix",
-               "label_smoothing", "seed", "teacher", "align_topk", "align_weight", "kd_weight", "init")
+               "label_smoothing", "seed", "teacher", "align_topk", "align_weight", "kd_weight", "init", "init_layers")
 
 
 def train_lm(args) -> None:
@@ -273,8 +279,8 @@ def train_lm(args) -> None:
     state = torch.load(ckpt / "last.pt", weights_only=False) if (ckpt / "last.pt").exists() else None
     if state is not None:                            # resuming: the run's defining flags must not change
         defining = SHAPE_FLAGS + (("tokens",) if args.schedule == "cosine" else ())   # cosine: its length
-        diff = {k: (state["args"].get(k), getattr(args, k)) for k in defining
-                if state["args"].get(k) != getattr(args, k)}
+        saved = {"init_layers": "", **state["args"]}   # runs saved before --init_layers existed had none
+        diff = {k: (saved.get(k), getattr(args, k)) for k in defining if saved.get(k) != getattr(args, k)}
         if diff:
             raise SystemExit(f"{ckpt} was started with other settings {diff} (saved, given): rerun with the saved "
                              f"settings to resume, or pass another --ckpt folder to start a new run")
@@ -444,21 +450,26 @@ def distil(args) -> None:
     if (out / "train.tsv").exists():
         print(f"distil: {out / 'train.tsv'} exists (delete it to regenerate)", file=sys.stderr)
         return
-    out.mkdir(parents=True, exist_ok=True)
     rows = [l.rstrip("\n").split("\t") for l in open(data / "train.tsv", encoding="utf-8")]
-    names = (data / "train.source").read_text(encoding="utf-8").split() if (data / "train.source").exists() \
-        else ["all"] * len(rows)
+    has_names = (data / "train.source").exists()
+    names = (data / "train.source").read_text(encoding="utf-8").split() if has_names else ["all"] * len(rows)
     if args.sources:                                  # only these corpora (e.g. the test's domain)
+        if not has_names:
+            raise SystemExit(f"distil --sources needs {data / 'train.source'} (each pair's corpus name)")
         keep = set(args.sources.split(","))
-        if not keep & set(names):
-            raise SystemExit(f"distil --sources {args.sources}: {data / 'train.source'} names {sorted(set(names))}")
+        unknown = sorted(keep - set(names))
+        if unknown:
+            raise SystemExit(f"distil --sources {args.sources}: no pairs from {unknown}; "
+                             f"{data / 'train.source'} names {sorted(set(names))}")
         rows, names = [r for r, n in zip(rows, names) if n in keep], [n for n in names if n in keep]
+    out.mkdir(parents=True, exist_ok=True)
     part = out / "train.partial.tsv"                 # resumable: lines already written are skipped
     done = sum(1 for _ in open(part, encoding="utf-8")) // args.return_beams if part.exists() else 0
     engine = Engine(args.teacher)
     with open(part, "a", encoding="utf-8") as f, open(out / "train.partial.source", "a", encoding="utf-8") as fs:
-        for s in range(done, min(len(rows), args.limit or len(rows)), args.chunk):
-            chunk = rows[s:s + args.chunk]
+        end = min(len(rows), args.limit or len(rows))
+        for s in range(done, end, args.chunk):
+            chunk = rows[s:min(s + args.chunk, end)]
             res = engine.generate([engine.tokenizer.format_prompt(r[0]) for r in chunk], num_beams=args.num_beams,
                                   num_return_sequences=args.return_beams, max_new_tokens=args.max_new_tokens)
             for r, name, hyp in zip(chunk, names[s:s + args.chunk], res):

@@ -155,10 +155,15 @@ def test_init_layers_cuts_a_draft_from_the_target(tiny_corpus, tmp_path):
     for k, v in sd.items():        # layer 1 of the cut is the target's layer 2; embedding, norm, head copied
         src = k.replace("layers.1.", "layers.2.") if "layers.1." in k else k
         assert torch.equal(v, full[src]), k
-    with pytest.raises(SystemExit, match=r"--init_layers 0,3: .* has layers 0\.\.2"):
-        train.build_model(argparse.Namespace(init=str(hf), init_layers="0,3"), 300)
-    # a run started from the cut trains and writes a 2-layer model folder
+    for bad in ("0,3", "0,0", "0,2,", "x"):
+        with pytest.raises(SystemExit, match=r"--init_layers .*: distinct layer numbers .* has layers 0\.\.2"):
+            train.build_model(argparse.Namespace(init=str(hf), init_layers=bad), 300)
+    with pytest.raises(SystemExit, match="pass --init too"):
+        train.build_model(argparse.Namespace(init=None, init_layers="0"), 300)
+    # a run started from the cut trains and writes a 2-layer model folder; its cut is part of the run
     _lm(data, tok_dir, tmp_path / "draft", 2, init=str(hf), init_layers="0,2")
+    with pytest.raises(SystemExit, match=r"other settings \{'init_layers': \('0,2', '1,2'\)\}"):
+        _lm(data, tok_dir, tmp_path / "draft", 3, init=str(hf), init_layers="1,2")
     train.main(["average", "--ckpt", str(tmp_path / "draft"), "--last", "1", "--out", str(tmp_path / "d")])
     assert json.loads((tmp_path / "d" / "config.json").read_text())["num_hidden_layers"] == 2
 
@@ -187,5 +192,10 @@ def test_distil_writes_the_teachers_beams_for_the_chosen_sources(tiny_corpus, tm
     help_rows = [e for i, e in enumerate(eng) if i % 3]
     assert [r.split("\t")[0] for r in rows[::2]] == help_rows and len(rows) == 2 * len(help_rows)
     assert set((out / "train.source").read_text().split()) == {"help"} and (out / "valid.tsv").exists()
-    with pytest.raises(SystemExit, match="--sources nope: .* names \\['help', 'mo'\\]"):
-        train.main(argv[:-8] + ["--out", str(tmp_path / "kd2"), "--sources", "nope"])
+    for bad in ("nope", "help,nope"):       # every name must be one the corpus has; nothing is written
+        with pytest.raises(SystemExit, match=r"no pairs from \['nope'\]; .* names \['help', 'mo'\]"):
+            train.main(argv[:-8] + ["--out", str(tmp_path / "kd2"), "--sources", bad])
+    assert not (tmp_path / "kd2").exists()
+    # --limit below --chunk stops at the limit
+    train.main(argv[:-8] + ["--out", str(tmp_path / "kd3"), "--limit", "3", "--chunk", "8"])
+    assert len((tmp_path / "kd3" / "train.tsv").read_text(encoding="utf-8").splitlines()) == 3
