@@ -46,7 +46,10 @@ def agreement(engine: Engine, prompts, ref, sep: int, report: dict, key: str = "
     references, or the target's own beam-search outputs (the text speculation has to predict)."""
     match, top4, alpha, n = 0.0, 0.0, 0.0, 0
     for p, r in zip(prompts[:200], ref[:200]):
-        ids = engine.encode(p) + engine.tokenizer.encode(r) + list(engine.eos[:1])
+        # a translation given as text is encoded; the target's own output comes as the tokens it produced (their
+        # re-encoding differs where the model chose a non-canonical tokenisation)
+        out = engine.tokenizer.encode(r) + list(engine.eos[:1]) if isinstance(r, str) else list(r)
+        ids = engine.encode(p) + out
         start = ids.index(sep)
         (tt, tl), (dd, dl) = (teacher_forced(lm, ids) for lm in (engine.target, engine.draft))
         tt, tl, dd, dl = tt[start:-1], tl[start:-1], dd[start:-1], dl[start:-1]
@@ -97,7 +100,8 @@ def main(argv=None) -> int:
     if "agreement" in systems:
         agreement(engine, prompts, ref, sep, report)
     if "agreement_own" in systems:      # on the target's own beam-4 translations of the same sources
-        own = [r.text for r in engine.generate(prompts[:200], num_beams=4, max_new_tokens=args.max_new_tokens)]
+        own = [r.hypotheses[0].tokens for r in engine.generate(prompts[:200], num_beams=4,
+                                                                max_new_tokens=args.max_new_tokens)]
         agreement(engine, prompts, own, sep, report, key="agreement_own")
     def run(eng, K, spec=None, limit=None, batch=32):
         t0 = time.perf_counter()
