@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Rebuild a shipped pair from Debian packages: corpus, tokenizer, target, draft, export.
-#   bash models/build_pair.sh ende   # en->de pair: about 5 hours on 2 CPU cores (target 4 h, draft 1 h); every stage resumes
+#   bash models/build_pair.sh ende   # en->de pair: about 5.5 hours on 2 CPU cores (target 4 h, draft 80 min); every stage resumes
 #   bash models/build_pair.sh text   # English prose + code pair (Python docs), about 35 minutes
 # Every training stage keeps its run folder (checkpoints) under $DATA/<kind>/run_*: rerunning the script after
 # a stop continues each stage where it stopped; finished stages return at once. DATA defaults to ./data.
@@ -31,7 +31,7 @@ case "$KIND" in
     $TRAIN lm --data "$D/corpus" --tokenizer "$D/tok" --ckpt "$D/run_draft_cut" --init "$D/target" --init_layers 0,5 \
         --teacher "$D/target" --align_topk 4 --tokens 3e6 --lr 7e-4 --warmup 10 --mix libreoffice=2,gimp=2
     $TRAIN average --ckpt "$D/run_draft_cut" --last 1 --out "$D/draft_cut"
-    [ -f "$D/target_onnx/config.json" ] || python -m export -i "$D/target" -o "$D/target_onnx" -p fp16 -q
+    [ -f "$D/target_onnx/specbeam_config.json" ] || python -m export -i "$D/target" -o "$D/target_onnx" -p fp16 -q
     $TRAIN distil --teacher "$D/target_onnx" --data "$D/corpus" --out "$D/kd" --sources libreoffice,gimp \
         --num_beams 4 --return_beams 4 --chunk 64
     $TRAIN lm --data "$D/kd" --tokenizer "$D/tok" --ckpt "$D/run_draft_kd" --init "$D/draft_cut" \

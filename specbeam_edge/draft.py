@@ -78,8 +78,9 @@ class DraftBeamSearch:
         """Nodes per level: `draft_width`, else max(K, max_branch_width, min(4K, budget // 2)). For K > 1 a level
         is accepted only when it holds all K of the target's next beams, which the draft's own top K rarely are:
         spending the budget on width (4K, at least two levels) rather than depth measured 1.11 -> 1.58 beam steps
-        per target pass at K=4, 1.76 -> 2.14 at K=2, 1.02 -> 1.23 at K=8 (budget 48, the shipped pair); K=1
-        keeps max_branch_width children per level (DESIGN section 11, "Draft width")."""
+        per target pass at K=4, 1.76 -> 2.14 at K=2, 1.02 -> 1.23 at K=8 (budget 48, a draft cut from the shipped
+        target before its KD stage); K=1 keeps max_branch_width children per level (DESIGN section 11, "Draft
+        width")."""
         if self.fixed_W:
             return self.fixed_W
         return max(self.K, self.branch, min(4 * self.K, budget // 2))

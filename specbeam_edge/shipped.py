@@ -1,6 +1,6 @@
 """Where the shipped model pairs (models/ende, models/text) are found.
 
-They live in the repository's models/ folder (~78 MB with their recipes), which a source checkout and an
+They live in the repository's models/ folder (~92 MB with their recipes), which a source checkout and an
 editable install (`pip install -e .`) see beside this package. A regular install (`pip install .`) does not
 carry them: point SPECBEAM_MODELS at a models/ folder, or pass model folders with --model/--draft.
 """
@@ -33,7 +33,7 @@ def shipped(pair: str, role: str = "target") -> Path:
 
 def missing_message(folder: Path) -> str:
     where = (f"{ENV}={os.environ[ENV]}" if os.environ.get(ENV) else
-             "this installation (a regular `pip install .` does not include the ~78 MB models/ folder)")
+             "this installation (a regular `pip install .` does not include the ~92 MB models/ folder)")
     return (f"the shipped model folder {folder} is not in {where}: pass your model folders with --model "
             f"(and --draft), or set {ENV} to the repository's models/ folder (it holds the pairs "
             f"{', '.join(PAIRS)}, each with target/ and draft/)")

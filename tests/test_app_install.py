@@ -81,7 +81,7 @@ def test_shipped_models_from_another_directory(venv):
     assert missing.returncode == 2 and missing.stdout == ""
     assert missing.stderr == (
         f"specbeam: error: the shipped model folder {site}/models/ende/target is not in this installation (a "
-        f"regular `pip install .` does not include the ~78 MB models/ folder): pass your model folders with "
+        f"regular `pip install .` does not include the ~92 MB models/ folder): pass your model folders with "
         f"--model (and --draft), or set SPECBEAM_MODELS to the repository's models/ folder (it holds the pairs "
         f"ende, text, each with target/ and draft/)\n")
     found = run(bin_dir, elsewhere, "specbeam", "generate", "Open the file.", "--num_beams", "4",

@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(the translations are the same)")
     s.add_argument("--max_branch_width", type=positive_int, default=4, help="children per expanded draft node")
     s.add_argument("--draft_width", type=positive_int, default=None,
-                   help="draft beam width W (default max(K, branch))")
+                   help="nodes per draft level W (beam drafter: default max(K, branch, min(4K, "
+                   "budget // 2)); samples per level (sample drafter: default max(K, branch))")
     s.add_argument("--min_path_prob", type=float, default=0.0,
                    help="stop a draft branch once the draft's probability of its path from the beam falls below this "
                         "(0: grow every level up to --max_depth)")
