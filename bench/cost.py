@@ -63,18 +63,26 @@ def _at(ms: dict, q: int) -> float:
     return float(np.exp(np.interp(np.log(q), np.log(qs), np.log(list(ms.values())))))
 
 
-def ceiling(target_ms: dict, draft_ms: dict, Ks=(1, 4), depths=(2, 4, 6)) -> list[dict]:
+def ceiling(target_ms: dict, draft_ms: dict, Ks=(1, 4), depths=(2, 4, 6), budget: int = 48) -> list[dict]:
     """The most exact speculation can gain with these pass costs: every drafted level accepted (depth + 1
-    beam steps per target pass, the oracle's rate), one target pass over K * (depth + 1) nodes and `depth`
-    draft passes over K nodes each, against plain beam search's K-node pass per step; Python overheads left
-    out. "free_draft" drops the draft's cost: the bound for any draft on this target."""
+    beam steps per target pass, the oracle's rate), one target pass over the K beams and the tree, and a draft pass
+    per level (over the K beams, then over the level's W nodes), against plain beam search's K-node pass per step;
+    Python overheads left out. Trees K wide for each depth, then the default tree at `budget` (W =
+    DraftBeamSearch.width, depth min(6, budget // W)). "free_draft" drops the draft's cost: the bound for any draft
+    on this target with that tree."""
+    from specbeam_edge import SpeculativeConfig
+    from specbeam_edge.draft import DraftBeamSearch
+
     rows = []
     for K in Ks:
-        for depth in depths:
-            tree = _at(target_ms, K * (depth + 1))
+        W = DraftBeamSearch(SpeculativeConfig(budget=budget), K, [0], 1 << 20).width(budget)
+        shapes = [(K, d, "K wide") for d in depths] + [(W, min(6, budget // W), f"default, budget {budget}")]
+        for width, depth, tree_kind in shapes:
+            tree = _at(target_ms, K + width * depth)
             plain = (depth + 1) * _at(target_ms, K)
-            rows.append({"K": K, "depth": depth, "free_draft": round(plain / tree, 2),
-                         "with_draft": round(plain / (tree + depth * _at(draft_ms, K)), 2)})
+            draft = _at(draft_ms, K) + (depth - 1) * _at(draft_ms, width)
+            rows.append({"K": K, "tree": tree_kind, "width": width, "depth": depth,
+                         "free_draft": round(plain / tree, 2), "with_draft": round(plain / (tree + draft), 2)})
     return rows
 
 

@@ -68,7 +68,7 @@ def render(results: Path, readme: Path, command: str) -> None:
             if d.get("speculation_ceiling"):
                 out += ["The most exact speculation can gain with these costs (every drafted level accepted; "
                         "`free_draft`: the draft's passes cost nothing; Python overheads left out):", "",
-                        table_md(d["speculation_ceiling"], ["K", "depth", "free_draft", "with_draft"]), ""]
+                        table_md(d["speculation_ceiling"], ["K", "tree", "width", "depth", "free_draft", "with_draft"]), ""]
         elif name == "peers":
             tps = d["tokens_per_second"]
             rows = [{"system": k, "tokens/s": v,
