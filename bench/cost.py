@@ -68,15 +68,17 @@ def ceiling(target_ms: dict, draft_ms: dict, Ks=(1, 4), depths=(2, 4, 6), budget
     beam steps per target pass, the oracle's rate), one target pass over the K beams and the tree, and a draft pass
     per level (over the K beams, then over the level's W nodes), against plain beam search's K-node pass per step;
     Python overheads left out. Trees K wide for each depth, then the default tree at `budget` (W =
-    DraftBeamSearch.width, depth min(6, budget // W)). "free_draft" drops the draft's cost: the bound for any draft
-    on this target with that tree."""
+    draft.default_width, depth min(max_depth, budget // W)). "free_draft" drops the draft's cost: the bound for any
+    draft on this target with that tree."""
     from specbeam_edge import SpeculativeConfig
-    from specbeam_edge.draft import DraftBeamSearch
+    from specbeam_edge.draft import default_width
 
+    spec = SpeculativeConfig(budget=budget)
     rows = []
     for K in Ks:
-        W = DraftBeamSearch(SpeculativeConfig(budget=budget), K, [0], 1 << 20).width(budget)
-        shapes = [(K, d, "K wide") for d in depths] + [(W, min(6, budget // W), f"default, budget {budget}")]
+        W = default_width(K, spec.max_branch_width, budget)
+        default = (W, min(spec.max_depth, budget // W), f"default, budget {budget}")
+        shapes = [(K, d, "K wide") for d in depths] + [default]
         for width, depth, tree_kind in shapes:
             tree = _at(target_ms, K + width * depth)
             plain = (depth + 1) * _at(target_ms, K)

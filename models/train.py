@@ -229,7 +229,7 @@ def build_model(args, vocab_size: int):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if getattr(args, "init_layers", "") and not args.init:
+    if args.init_layers and not args.init:
         raise SystemExit("--init_layers cuts layers out of the --init model: pass --init too")
     if args.init:
         model = LlamaForCausalLM.from_pretrained(args.init, torch_dtype=torch.float32)

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from .config import ModelFolderError, SpeculativeConfig
 # shared with the apps (they import the runtime, never the reverse); re-exported for existing callers
-from .flags import DEFAULT_MODELS, PROVIDERS, add_memory_args, budget_arg, engine_from_args, parse_size  # noqa: F401
+from .flags import (DEFAULT_MODELS, DRAFT_WIDTH_HELP, PROVIDERS, add_memory_args, budget_arg,  # noqa: F401
+                    engine_from_args, parse_size)
 from .shipped import shipped
 
 
@@ -44,8 +45,7 @@ def add_search_args(ap: argparse.ArgumentParser, *, beams_flag: str = "--num_bea
                    help="draft on every pass; by default beam search measures both ways and drafts only while it "
                         "pays (the output is the same)")
     s.add_argument("--max_branch_width", type=int, default=4, help="children per expanded draft node")
-    s.add_argument("--draft_width", type=int, default=None, help="nodes per draft level W (beam drafter: default max(K, branch, min(4K, "
-                   "budget // 2)); samples per level (sample drafter: default max(K, branch))")
+    s.add_argument("--draft_width", type=int, default=None, help=DRAFT_WIDTH_HELP)
     s.add_argument("--with_lookup", action="store_true",
                    help="also put prompt-lookup spans (copied names, numbers, markup) into the draft model's tree, "
                         "the budget split by measured acceptance")

@@ -56,6 +56,16 @@ class _Expansions:
         return nodes, np.stack([self.memo[n][0] for n in nodes]), np.stack([self.memo[n][1] for n in nodes])
 
 
+def default_width(num_beams: int, max_branch_width: int, budget: int) -> int:
+    """Nodes per level of draft beam search when `draft_width` is not given: max(K, max_branch_width, min(4K,
+    budget // 2)). For K > 1 a level is accepted only when it holds all K of the target's next beams, which the
+    draft's own top K rarely are: spending the budget on width (4K, at least two levels) rather than depth measured
+    1.11 -> 1.58 beam steps per target pass at K=4, 1.76 -> 2.14 at K=2, 1.02 -> 1.23 at K=8 (budget 48, a draft cut
+    from the shipped target before its KD stage); K=1 keeps max_branch_width children per level (DESIGN section 11,
+    "Draft width")."""
+    return max(num_beams, max_branch_width, min(4 * num_beams, budget // 2))
+
+
 class DraftBeamSearch:
     """AtSpeed-style: a draft beam search for up to `max_depth` levels from all live beams. Per level, the K best
     non-EOS children (beam score + draft log-prob) of the draft's own K beams (its prediction of the target's
@@ -75,15 +85,8 @@ class DraftBeamSearch:
         self.ctx = context_length
 
     def width(self, budget: int) -> int:
-        """Nodes per level: `draft_width`, else max(K, max_branch_width, min(4K, budget // 2)). For K > 1 a level
-        is accepted only when it holds all K of the target's next beams, which the draft's own top K rarely are:
-        spending the budget on width (4K, at least two levels) rather than depth measured 1.11 -> 1.58 beam steps
-        per target pass at K=4, 1.76 -> 2.14 at K=2, 1.02 -> 1.23 at K=8 (budget 48, a draft cut from the shipped
-        target before its KD stage); K=1 keeps max_branch_width children per level (DESIGN section 11, "Draft
-        width")."""
-        if self.fixed_W:
-            return self.fixed_W
-        return max(self.K, self.branch, min(4 * self.K, budget // 2))
+        """Nodes per level at this pass's budget: `draft_width`, else default_width."""
+        return self.fixed_W or default_width(self.K, self.branch, budget)
 
     def __call__(self, dcache, roots, root_scores):
         tree = dcache.tree

@@ -13,6 +13,10 @@ DEFAULT_MODELS = models_root()   # models/ beside the package, or $SPECBEAM_MODE
 _UNITS = (("tb", 2**40), ("gb", 2**30), ("mb", 2**20), ("kb", 2**10), ("b", 1))
 
 
+DRAFT_WIDTH_HELP = ("nodes per draft level W (beam drafter: default max(K, branch, min(4K, budget // 2))); samples "
+                    "per level (sample drafter: default max(K, branch))")
+
+
 def budget_arg(text: str):
     """--budget: a positive integer or 'auto'."""
     return "auto" if text == "auto" else positive_int(text)

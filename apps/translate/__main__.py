@@ -27,8 +27,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from specbeam_edge.config import ModelFolderError
-from specbeam_edge.flags import (DEFAULT_MODELS, add_memory_args, budget_arg, engine_from_args, finite_float,
-                                 positive_int, speculative_config)
+from specbeam_edge.flags import (DEFAULT_MODELS, DRAFT_WIDTH_HELP, add_memory_args, budget_arg, engine_from_args,
+                                 finite_float, positive_int, speculative_config)
 
 from .journal import Journal, JournalError, OutputLock
 from .ray_engine import add_ray_args
@@ -101,9 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft on every pass; by default the tool measures both ways and drafts only while it pays "
                         "(the translations are the same)")
     s.add_argument("--max_branch_width", type=positive_int, default=4, help="children per expanded draft node")
-    s.add_argument("--draft_width", type=positive_int, default=None,
-                   help="nodes per draft level W (beam drafter: default max(K, branch, min(4K, "
-                   "budget // 2)); samples per level (sample drafter: default max(K, branch))")
+    s.add_argument("--draft_width", type=positive_int, default=None, help=DRAFT_WIDTH_HELP)
     s.add_argument("--min_path_prob", type=float, default=0.0,
                    help="stop a draft branch once the draft's probability of its path from the beam falls below this "
                         "(0: grow every level up to --max_depth)")
