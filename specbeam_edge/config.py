@@ -234,7 +234,7 @@ class SpeculativeConfig:
     `with_lookup`: 'beam' and 'best_first' also put prompt-lookup spans into the same tree, the budget split
     between the two by their measured acceptance (draft.MergedDrafter).
     `draft_width`: nodes per level of the 'beam' drafter (default max(K, max_branch_width, min(4K, budget // 2)):
-    wide, shallow trees for K > 1; draft.DraftBeamSearch.width) and draft samples per level of 'sample'.
+    wide, shallow trees for K > 1; draft.default_width) and draft samples per level of 'sample'.
     Sampling knobs (DSBD): `draft_width` (default max(num_beams, max_branch_width)),
     `width_threshold` t (level width = largest k with P(#accepted >= k) >= t; 0 keeps num_beams),
     `min_num_beams` (width floor), `single_sequence` (keep one sequence between passes: the memory-saving
