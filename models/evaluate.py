@@ -76,6 +76,8 @@ def main(argv=None) -> int:
                     help=f"comma-separated subset of {','.join(SYSTEMS)} (without the draft ones no draft is loaded)")
     ap.add_argument("--spec_batch", type=int, default=1, help="requests per pass in the speculative runs "
                     "(1: one at a time, the main job; the tree budget is shared by a pass's requests)")
+    ap.add_argument("--spec_budget", type=int, default=SpeculativeConfig().budget,
+                    help="draft nodes per target pass in the speculative runs (default: SpeculativeConfig's)")
     ap.add_argument("--out", default=None, help="write the JSON report here")
     args = ap.parse_args(argv)
     import sacrebleu
@@ -121,7 +123,7 @@ def main(argv=None) -> int:
         report[name] = {"bleu": round(sacrebleu.corpus_bleu(hyp, [ref]).score, 2),
                         "chrf": round(sacrebleu.corpus_chrf(hyp, [ref]).score, 2), **st}
         print(name, report[name], file=sys.stderr)
-    spec = SpeculativeConfig()
+    spec = SpeculativeConfig(budget=args.spec_budget)
     for K in (1, 4) if "speculative" in systems else ():
         # one request at a time, as the README's main job runs: the tree budget is per target pass, shared by
         # the requests in it, so in a batch of 32 each request drafts max(K, 48 // 32) nodes
