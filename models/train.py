@@ -192,6 +192,76 @@ class Batches:
         return ids[sl, :-1], labels[sl]
 
 
+def split_unit(ids: np.ndarray, scored: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A pair unit [EOS, *en, SEP, *de] (scored from the German side on) -> (en, de)."""
+    k = 1 + int(np.argmax(scored[1:]))               # first German token
+    return ids[1:k - 1], ids[k:]
+
+
+class PairBatches:
+    """Deterministic epochs of padded (source, target) batches for an encoder-decoder: epoch e shuffles the
+    (mix-weighted) pairs with seed + e, sorts each window of 64 batches' worth of pairs by length (little
+    padding), and cuts batches of at most `budget` padded tokens (source + target, the decoder-only rows'
+    B x T). Resumes at (epoch, row) like Batches; row counts batches."""
+
+    def __init__(self, units, sources, mix: dict[str, int], budget: int, eos: int, start: int, pad: int, seed: int):
+        self.pairs = [split_unit(*u) for u in units]
+        self.budget, self.eos, self.start, self.pad, self.seed = budget, eos, start, pad, seed
+        self.index = np.asarray([i for i, s in enumerate(sources) for _ in range(mix.get(s, 1))], np.int64)
+        self.epoch, self.row = 0, 0
+        self._plan = None
+
+    def tokens_per_epoch(self) -> int:
+        return int(sum(len(self.pairs[i][0]) + len(self.pairs[i][1]) + 2 for i in self.index))
+
+    def _size(self, i: int) -> tuple[int, int]:
+        en, de = self.pairs[i]
+        return len(en) + 1, len(de) + 1              # + EOS on the source; + start / EOS on the decoder side
+
+    def _epoch_plan(self) -> list[np.ndarray]:
+        if self._plan is None or self._plan[0] != self.epoch:
+            order = np.random.default_rng(self.seed + self.epoch).permutation(self.index)
+            plan, window = [], 64 * max(1, self.budget // 64)
+            for s in range(0, len(order), window):
+                chunk = sorted(order[s:s + window].tolist(), key=lambda i: self._size(i))
+                cur, S, L = [], 0, 0
+                for i in chunk:
+                    a, b = self._size(i)
+                    if cur and (len(cur) + 1) * (max(S, a) + max(L, b)) > self.budget:
+                        plan.append(np.asarray(cur))
+                        cur, S, L = [], 0, 0
+                    cur.append(i)
+                    S, L = max(S, a), max(L, b)
+                if cur:
+                    plan.append(np.asarray(cur))
+            self._plan = (self.epoch, np.random.default_rng(self.seed + self.epoch).permutation(len(plan)), plan)
+        return [self._plan[2][j] for j in self._plan[1]]
+
+    def batch(self, idx) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """source ids [n, S] (pad), source mask [n, S], decoder input [n, L] (start, *de), labels [n, L]
+        (*de, EOS; IGNORE on padding)."""
+        S = max(self._size(i)[0] for i in idx)
+        L = max(self._size(i)[1] for i in idx)
+        src = np.full((len(idx), S), self.pad, np.int64)
+        dec = np.full((len(idx), L), self.pad, np.int64)
+        lab = np.full((len(idx), L), IGNORE, np.int64)
+        for r, i in enumerate(idx):
+            en, de = self.pairs[i]
+            src[r, :len(en) + 1] = [*en, self.eos]
+            dec[r, :len(de) + 1] = [self.start, *de]
+            lab[r, :len(de) + 1] = [*de, self.eos]
+        return src, (src != self.pad).astype(np.int64), dec, lab
+
+    def next(self):
+        plan = self._epoch_plan()
+        if self.row >= len(plan):
+            self.epoch, self.row = self.epoch + 1, 0
+            plan = self._epoch_plan()
+        idx = plan[self.row]
+        self.row += 1
+        return self.batch(idx)
+
+
 # ---------------------------------------------------------------------------------------------- training
 
 def lr_at(step: int, args) -> float:
@@ -225,10 +295,35 @@ def scored_logits(model, x, keep):
     return model.lm_head(hidden.flatten(0, 1)[keep])
 
 
-def build_model(args, vocab_size: int):
+def encdec_logits(model, src, src_mask, dec, keep):
+    """Logits of the scored decoder positions of an encoder-decoder: src/src_mask [B, S], dec [B, L], keep bool
+    [B*L] -> [N, V]."""
+    hidden = model.model(input_ids=src, attention_mask=src_mask, decoder_input_ids=dec).last_hidden_state
+    return model.lm_head(hidden.flatten(0, 1)[keep])
+
+
+def build_model(args, vocab_size: int, sep: int = 1):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    if getattr(args, "arch", "llama") == "m2m100":
+        if args.init or args.teacher:
+            raise SystemExit("--arch m2m100 trains an encoder-decoder from scratch: --init and --teacher are for "
+                             "the decoder-only (llama) models")
+        from transformers import M2M100Config, M2M100ForConditionalGeneration
+
+        # pad: the separator token, which an encoder-decoder never sees (EOS doubles as the decoder-only models'
+        # pad, but an encoder masks its padding and M2M100's positions skip pad tokens: the pad id must be a row
+        # of its position table, so a small id); the decoder starts from EOS, as fairseq's models do
+        cfg = M2M100Config(vocab_size=vocab_size, d_model=args.hidden, encoder_layers=args.layers,
+                           decoder_layers=args.layers, encoder_attention_heads=args.heads,
+                           decoder_attention_heads=args.heads, encoder_ffn_dim=4 * args.hidden,
+                           decoder_ffn_dim=4 * args.hidden, max_position_embeddings=512, dropout=0.0,
+                           attention_dropout=0.0, activation_dropout=0.0, encoder_layerdrop=0.0,
+                           decoder_layerdrop=0.0, activation_function="relu", scale_embedding=True,
+                           pad_token_id=sep, bos_token_id=0, eos_token_id=0, decoder_start_token_id=0,
+                           tie_word_embeddings=True)
+        return M2M100ForConditionalGeneration(cfg)
     if args.init_layers and not args.init:
         raise SystemExit("--init_layers cuts layers out of the --init model: pass --init too")
     if args.init:
@@ -265,7 +360,7 @@ def atomic_save(obj, path: Path) -> None:
     os.replace(tmp, path)                            # a crash mid-write leaves the previous file intact
 
 
-SHAPE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "seq_len", "batch", "lr", "warmup", "schedule", "mix",
+SHAPE_FLAGS = ("arch", "layers", "hidden", "heads", "kv_heads", "seq_len", "batch", "lr", "warmup", "schedule", "mix",
                "label_smoothing", "seed", "teacher", "align_topk", "align_weight", "kd_weight", "init", "init_layers")
 
 
@@ -279,7 +374,7 @@ def train_lm(args) -> None:
     state = torch.load(ckpt / "last.pt", weights_only=False) if (ckpt / "last.pt").exists() else None
     if state is not None:                            # resuming: the run's defining flags must not change
         defining = SHAPE_FLAGS + (("tokens",) if args.schedule == "cosine" else ())   # cosine: its length
-        saved = {"init_layers": "", **state["args"]}   # runs saved before --init_layers existed had none
+        saved = {"init_layers": "", "arch": "llama", **state["args"]}   # flags older runs did not save
         diff = {k: (saved.get(k), getattr(args, k)) for k in defining if saved.get(k) != getattr(args, k)}
         if diff:
             raise SystemExit(f"{ckpt} was started with other settings {diff} (saved, given): rerun with the saved "
@@ -292,10 +387,27 @@ def train_lm(args) -> None:
     vocab_size = len(known) + sum(1 for t in vocab["added_tokens"] if t["content"] not in known)
     vocab_size = int(math.ceil(vocab_size / 64) * 64)
     T, B = args.seq_len, args.batch
-    batches = Batches(units, sources, parse_mix(args.mix), T, B, eos=0, seed=args.seed)
-    v_ids, v_lab = pack(valid_units, range(len(valid_units)), T, 0)
+    encdec = args.arch == "m2m100"
+    if encdec:
+        from tokenizers import Tokenizer
+        sep = Tokenizer.from_file(str(tok_dir / "tokenizer.json")).token_to_id(SEP)
+        kw = dict(budget=T * B, eos=0, start=0, pad=sep)
+        batches = PairBatches(units, sources, parse_mix(args.mix), seed=args.seed, **kw)
+        valid = PairBatches(valid_units, ["all"] * len(valid_units), {}, seed=0, **kw)
+        v_batches = [valid.batch(idx) for idx in valid._epoch_plan()]
+    else:
+        sep = 1
+        batches = Batches(units, sources, parse_mix(args.mix), T, B, eos=0, seed=args.seed)
+        v_ids, v_lab = pack(valid_units, range(len(valid_units)), T, 0)
+        v_batches = [(v_ids[s:s + 16, :-1], v_lab[s:s + 16]) for s in range(0, len(v_ids), 16)]
 
-    model = build_model(args, vocab_size)
+    def logits_of(m, batch, keep):
+        if encdec:
+            src, mask, dec, _ = (torch.from_numpy(a) for a in batch)
+            return encdec_logits(m, src, mask, dec, keep)
+        return scored_logits(m, torch.from_numpy(batch[0]), keep)
+
+    model = build_model(args, vocab_size, sep)
     model.config.use_cache = False
     teacher = None
     if args.teacher:
@@ -323,14 +435,14 @@ def train_lm(args) -> None:
     total_steps = max(1, int(float(args.tokens)) // (T * B))
 
     def evaluate() -> float:
-        """Mean CE (no smoothing) of the German side of the validation pairs."""
+        """Mean CE (no smoothing) of the German side of the validation pairs (and its closing EOS)."""
         model.eval()
         tot, n = 0.0, 0
         with torch.no_grad():
-            for s in range(0, len(v_ids), 16):
-                x, y = torch.from_numpy(v_ids[s:s + 16, :-1]), torch.from_numpy(v_lab[s:s + 16]).flatten()
+            for batch in v_batches:
+                y = torch.from_numpy(batch[-1]).flatten()
                 keep = y != IGNORE
-                tot += torch.nn.functional.cross_entropy(scored_logits(model, x, keep), y[keep],
+                tot += torch.nn.functional.cross_entropy(logits_of(model, batch, keep), y[keep],
                                                          reduction="sum").item()
                 n += int(keep.sum())
         model.train()
@@ -361,15 +473,15 @@ def train_lm(args) -> None:
             break
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args)
-        x_np, y_np = batches.next()
-        x, y = torch.from_numpy(x_np), torch.from_numpy(y_np).flatten()
+        batch = batches.next()
+        y = torch.from_numpy(batch[-1]).flatten()
         keep = y != IGNORE
-        s_flat = scored_logits(model, x, keep)                      # [N scored, V]
+        s_flat = logits_of(model, batch, keep)                      # [N scored, V]
         loss = torch.nn.functional.cross_entropy(s_flat, y[keep], label_smoothing=args.label_smoothing)
         parts = {"ce": round(loss.item(), 4)}
         if teacher is not None:                                     # token-level KD and top-K alignment
             with torch.no_grad():
-                t_flat = scored_logits(teacher, x, keep)
+                t_flat = logits_of(teacher, batch, keep)
             kd = torch.nn.functional.kl_div(torch.log_softmax(s_flat, -1), torch.log_softmax(t_flat, -1),
                                             log_target=True, reduction="batchmean")
             loss = loss + args.kd_weight * kd
@@ -411,7 +523,7 @@ def train_lm(args) -> None:
 def average(args) -> None:
     """Average the last N weight snapshots of a run into a Hugging Face model folder."""
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, GenerationConfig
 
     ckpt, out = Path(args.ckpt), Path(args.out)
     snaps = sorted((ckpt / "snap").glob("step*.pt"))[-args.last:]
@@ -422,12 +534,14 @@ def average(args) -> None:
         sd = torch.load(p, weights_only=True)
         mean = sd if mean is None else {k: mean[k] + sd[k] for k in mean}
     mean = {k: v / len(snaps) for k, v in mean.items()}
-    model = LlamaForCausalLM(LlamaConfig.from_pretrained(ckpt))
+    cfg = AutoConfig.from_pretrained(ckpt)
+    model = (AutoModelForSeq2SeqLM if cfg.is_encoder_decoder else AutoModelForCausalLM).from_config(cfg)
     model.load_state_dict(mean)
     model.config.use_cache = True
     model.save_pretrained(out)
-    GenerationConfig(bos_token_id=0, eos_token_id=0, pad_token_id=0, num_beams=4,
-                     max_new_tokens=128).save_pretrained(out)
+    extra = {"decoder_start_token_id": cfg.decoder_start_token_id} if cfg.is_encoder_decoder else {}
+    GenerationConfig(bos_token_id=0, eos_token_id=0, pad_token_id=cfg.pad_token_id, num_beams=4,
+                     max_new_tokens=128, **extra).save_pretrained(out)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         (out / f).write_bytes((ckpt / f).read_bytes())
     state = torch.load(ckpt / "last.pt", weights_only=False)
@@ -486,6 +600,42 @@ def distil(args) -> None:
             (out / f).write_bytes((data / f).read_bytes())
 
 
+def bleu(args) -> None:
+    """BLEU / chrF of a trained Hugging Face folder (either architecture) on held-out pairs, with PyTorch's
+    generate (the same decoding for both, so architectures compare before any export)."""
+    import sacrebleu
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    torch.set_num_threads(args.threads)
+    folder = Path(args.model)
+    cfg = AutoConfig.from_pretrained(folder)
+    model = (AutoModelForSeq2SeqLM if cfg.is_encoder_decoder else AutoModelForCausalLM).from_pretrained(folder).eval()
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    eos, sep, n_tok = tok.token_to_id(EOS), tok.token_to_id(SEP), tok.get_vocab_size()
+    pairs = [l.rstrip("\n").split("\t") for l in open(args.test, encoding="utf-8")][:args.lines]
+    hyps, t0 = [], time.time()
+    with torch.no_grad():
+        for en, _ in pairs:
+            ids = tok.encode(en, add_special_tokens=False).ids
+            kw = dict(num_beams=args.num_beams, do_sample=False, max_new_tokens=args.max_new_tokens,
+                      eos_token_id=eos, pad_token_id=cfg.pad_token_id, early_stopping=True)
+            if cfg.is_encoder_decoder:
+                out = model.generate(input_ids=torch.tensor([[*ids, eos]]),
+                                     decoder_start_token_id=cfg.decoder_start_token_id, **kw)[0, 1:]
+            else:
+                prompt = [eos, *ids, sep]
+                out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                     **kw)[0, len(prompt):]
+            hyps.append(tok.decode([t for t in out.tolist() if t != eos and t < n_tok]))
+    refs = [p[1] for p in pairs]
+    report = {"model": folder.name, "arch": cfg.model_type, "lines": len(pairs), "num_beams": args.num_beams,
+              "bleu": round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2),
+              "chrf": round(sacrebleu.corpus_chrf(hyps, [refs]).score, 2), "seconds": round(time.time() - t0, 1)}
+    print(json.dumps(report))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -497,10 +647,14 @@ def main(argv=None) -> int:
     m.add_argument("--data", required=True, help="folder with train.tsv and valid.tsv (+ .source files for --mix)")
     m.add_argument("--tokenizer", required=True, help="folder with tokenizer.json and tokenizer_config.json")
     m.add_argument("--ckpt", required=True, help="run folder: checkpoints, snapshots; resumed when it has last.pt")
-    m.add_argument("--layers", type=int, default=6, help="decoder layers")
+    m.add_argument("--arch", choices=("llama", "m2m100"), default="llama",
+                   help="llama: decoder-only (the prompt format's source and translation in one sequence); m2m100: "
+                        "encoder-decoder (NLLB's architecture: pre-norm, --layers encoder and --layers decoder "
+                        "layers, FFN 4 x hidden, one embedding for encoder, decoder and head)")
+    m.add_argument("--layers", type=int, default=6, help="decoder layers (m2m100: per stack)")
     m.add_argument("--hidden", type=int, default=256, help="hidden size")
     m.add_argument("--heads", type=int, default=4, help="attention heads")
-    m.add_argument("--kv_heads", type=int, default=2, help="key/value heads (GQA)")
+    m.add_argument("--kv_heads", type=int, default=2, help="key/value heads (GQA; llama)")
     m.add_argument("--tokens", default="5e6", help="stop after this many tokens (cosine: the schedule's length)")
     m.add_argument("--minutes", type=float, default=0, help="stop this invocation after N minutes (0: no cap); "
                    "the schedule does not depend on it")
@@ -544,6 +698,13 @@ def main(argv=None) -> int:
                    "names, e.g. libreoffice,gimp; default all)")
     d.add_argument("--chunk", type=int, default=32, help="sources per generate call (and per resume point)")
     d.add_argument("--limit", type=int, default=0, help="only the first N sources (0: all)")
+    b = sub.add_parser("bleu", help="BLEU / chrF of a trained HF folder on held-out pairs (PyTorch generate)")
+    b.add_argument("--model", required=True, help="HF model folder written by `average`")
+    b.add_argument("--test", required=True, help="held-out pairs (english<TAB>german)")
+    b.add_argument("--lines", type=int, default=300, help="the first N pairs")
+    b.add_argument("--num_beams", type=int, default=4, help="beam width (1: greedy)")
+    b.add_argument("--max_new_tokens", type=int, default=160, help="generation limit")
+    b.add_argument("--threads", type=int, default=2, help="torch threads")
     args = ap.parse_args(argv)
     if args.cmd == "tokenizer":
         train_tokenizer(Path(args.data), Path(args.out), args.vocab)
@@ -551,6 +712,8 @@ def main(argv=None) -> int:
         average(args)
     elif args.cmd == "distil":
         distil(args)
+    elif args.cmd == "bleu":
+        bleu(args)
     else:
         train_lm(args)
     return 0

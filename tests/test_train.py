@@ -199,3 +199,44 @@ def test_distil_writes_the_teachers_beams_for_the_chosen_sources(tiny_corpus, tm
     # --limit below --chunk stops at the limit
     train.main(argv[:-8] + ["--out", str(tmp_path / "kd3"), "--limit", "3", "--chunk", "8"])
     assert len((tmp_path / "kd3" / "train.tsv").read_text(encoding="utf-8").splitlines()) == 3
+
+
+def test_pair_batches_pad_split_and_resume():
+    units = [(np.array([0, 5, 6, 1, 7, 8, 9]), np.array([1, 0, 0, 0, 1, 1, 1], bool)),
+             (np.array([0, 5, 1, 7]), np.array([1, 0, 0, 1], bool))]
+    assert [a.tolist() for a in train.split_unit(*units[0])] == [[5, 6], [7, 8, 9]]
+    b = train.PairBatches(units, ["a", "b"], {}, budget=64, eos=0, start=2, pad=99, seed=0)
+    src, mask, dec, lab = b.batch(np.array([0, 1]))
+    assert src.tolist() == [[5, 6, 0], [5, 0, 99]] and mask.tolist() == [[1, 1, 1], [1, 1, 0]]
+    assert dec.tolist() == [[2, 7, 8, 9], [2, 7, 99, 99]]
+    assert lab.tolist() == [[7, 8, 9, 0], [7, 0, train.IGNORE, train.IGNORE]]
+    tight = train.PairBatches(units, ["a", "b"], {}, budget=9, eos=0, start=2, pad=99, seed=0)
+    assert sorted(len(x) for x in tight._epoch_plan()) == [1, 1]      # 2 x (3 + 4) > 9: one pair each
+    first = [tight.next()[0].tolist() for _ in range(5)]
+    again = train.PairBatches(units, ["a", "b"], {}, budget=9, eos=0, start=2, pad=99, seed=0)
+    again.epoch, again.row = 1, 1                                        # resumed after 3 batches
+    assert again.next()[0].tolist() == first[3]
+
+
+@pytest.mark.slow                                    # two short encoder-decoder runs and a BLEU pass: ~10 s
+def test_encdec_run_resumes_averages_and_scores(tiny_corpus, tmp_path, capsys):
+    torch = pytest.importorskip("torch")
+    data, tok_dir = tiny_corpus
+    kw = dict(arch="m2m100", hidden=32, heads=2)
+    _lm(data, tok_dir, tmp_path / "straight", 4, **kw)
+    _lm(data, tok_dir, tmp_path / "resumed", 2, **kw)
+    _lm(data, tok_dir, tmp_path / "resumed", 4, **kw)
+    a = torch.load(tmp_path / "straight" / "last.pt", weights_only=False)
+    b = torch.load(tmp_path / "resumed" / "last.pt", weights_only=False)
+    assert a["step"] == b["step"] == 4 and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert any("val_loss" in m for m in b["log"])
+    train.main(["average", "--ckpt", str(tmp_path / "resumed"), "--last", "1", "--out", str(tmp_path / "hf")])
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert cfg["model_type"] == "m2m_100" and cfg["encoder_layers"] == cfg["decoder_layers"] == 1
+    capsys.readouterr()
+    train.main(["bleu", "--model", str(tmp_path / "hf"), "--test", str(data / "valid.tsv"), "--lines", "3",
+                "--num_beams", "2", "--max_new_tokens", "8", "--threads", "1"])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["arch"] == "m2m_100" and report["lines"] == 3 and report["bleu"] >= 0
+    with pytest.raises(SystemExit, match="from scratch"):
+        _lm(data, tok_dir, tmp_path / "bad", 1, init=str(tmp_path / "hf"), **kw)
