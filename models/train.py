@@ -544,6 +544,10 @@ def average(args) -> None:
                      max_new_tokens=128, **extra).save_pretrained(out)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         (out / f).write_bytes((ckpt / f).read_bytes())
+    if cfg.is_encoder_decoder:      # the source alone goes to the encoder (the runtime appends EOS), no markers
+        tcfg = json.loads((out / "tokenizer_config.json").read_text())
+        tcfg.pop("prompt_format", None)
+        (out / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2))
     state = torch.load(ckpt / "last.pt", weights_only=False)
     vals = [m["val_loss"] for m in state["log"] if "val_loss" in m]
     summary = {"params": state["params"], "tokens": state["seen"], "steps": state["step"],

@@ -96,7 +96,8 @@ def tiny_corpus(tmp_path_factory):
     tok_dir = root / "tok"
     tok_dir.mkdir()
     tok.save(str(tok_dir / "tokenizer.json"))
-    (tok_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": train.EOS}))
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": train.EOS,
+                                                                "prompt_format": "<|endoftext|>{source}<|de|>"}))
     return data, tok_dir
 
 
@@ -233,6 +234,7 @@ def test_encdec_run_resumes_averages_and_scores(tiny_corpus, tmp_path, capsys):
     train.main(["average", "--ckpt", str(tmp_path / "resumed"), "--last", "1", "--out", str(tmp_path / "hf")])
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert cfg["model_type"] == "m2m_100" and cfg["encoder_layers"] == cfg["decoder_layers"] == 1
+    assert "prompt_format" not in json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
     capsys.readouterr()
     train.main(["bleu", "--model", str(tmp_path / "hf"), "--test", str(data / "valid.tsv"), "--lines", "3",
                 "--num_beams", "2", "--max_new_tokens", "8", "--threads", "1"])
@@ -240,3 +242,17 @@ def test_encdec_run_resumes_averages_and_scores(tiny_corpus, tmp_path, capsys):
     assert report["arch"] == "m2m_100" and report["lines"] == 3 and report["bleu"] >= 0
     with pytest.raises(SystemExit, match="from scratch"):
         _lm(data, tok_dir, tmp_path / "bad", 1, init=str(tmp_path / "hf"), **kw)
+    # the folder exports as an encoder-decoder and the runtime's beam search gives transformers' output
+    from transformers import AutoModelForSeq2SeqLM
+
+    from export.__main__ import main as export_main
+    from specbeam_edge import Engine
+    assert export_main(["-i", str(tmp_path / "hf"), "-o", str(tmp_path / "onnx"), "-p", "fp32", "-q"]) == 0
+    eng = Engine(tmp_path / "onnx")
+    hf = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "hf").eval()
+    source = (data / "valid.tsv").read_text(encoding="utf-8").splitlines()[0].split("\t")[0]
+    [ours] = eng.generate([eng.tokenizer.format_prompt(source)], num_beams=2, max_new_tokens=6)
+    ids = eng.tokenizer.encode(source) + [0]
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([ids]), num_beams=2, max_new_tokens=6, do_sample=False)[0].tolist()
+    assert len(ref) >= 3 and list(ours.hypotheses[0].tokens) == [t for t in ref[1:] if t != hf.config.pad_token_id]
