@@ -11,10 +11,19 @@ class PassChooser:
     seconds per beam step of each choice (an exponential average). Each choice is tried `warmup` times first;
     afterwards the slower one is probed now and then so that a change (longer contexts, another domain, a busy
     machine) is noticed: every `probe_every` passes at first, the interval doubling (up to `max_interval`)
-    each time a probe confirms the choice. Passes that include the prompt's prefill are not counted."""
+    each time a probe confirms the choice. Passes that include the prompt's prefill are not counted.
 
-    def __init__(self, warmup: int = 3, probe_every: int = 16, max_interval: int = 512, smoothing: float = 0.25):
+    Plain passes are measured first. A tree pass also reports the most beam steps it could have given (every
+    drafted level accepted); when even that best case is slower per step than plain search, the tree cannot
+    pay on this machine at any acceptance rate, so speculation's remaining warm-up is skipped and it is probed
+    only every `hopeless_every` passes (a probe costs the draft's catch-up over the whole context, a tree and a
+    larger target pass: about 12 plain steps with the shipped pair on 2 CPU cores, where the warm-up and probes
+    every 512 passes cost the main job 3-6%)."""
+
+    def __init__(self, warmup: int = 3, probe_every: int = 16, max_interval: int = 512, smoothing: float = 0.25,
+                 hopeless_every: int = 4096):
         self.warmup, self.probe_every, self.max_interval, self.smoothing = warmup, probe_every, max_interval, smoothing
+        self.hopeless_every = hopeless_every
         self.rate: dict[bool, float] = {}
         self.count = {True: 0, False: 0}
         self.passes = 0
@@ -22,6 +31,11 @@ class PassChooser:
         self.next_probe = None
         self.probing = False
         self._pass: tuple[object, bool] | None = None   # (pass id, choice): one choice per shared pass
+        self.best_case: float | None = None   # lowest seconds per step a tree pass could have reached
+
+    def cannot_pay(self) -> bool:
+        """Even a fully accepted tree would be slower per beam step than plain search (measured)."""
+        return self.best_case is not None and False in self.rate and self.best_case > self.rate[False]
 
     def best(self) -> bool:
         return self.rate[True] <= self.rate[False]
@@ -37,15 +51,23 @@ class PassChooser:
 
     def _choose(self) -> bool:
         self.passes += 1
-        for arm in (True, False):
-            if self.count[arm] < self.warmup:
+        hopeless = self.cannot_pay()
+        for arm in (False, True):
+            if self.count[arm] < self.warmup and not (arm and hopeless):
                 return arm
+        if hopeless and self.interval < self.hopeless_every:
+            self.interval, self.next_probe = self.hopeless_every, self.passes + self.hopeless_every
         if self.next_probe is None:
             self.next_probe = self.passes + self.interval
         self.probing = self.passes >= self.next_probe
         return (not self.best()) if self.probing else self.best()
 
-    def update(self, speculated: bool, seconds: float, steps: int) -> None:
+    def update(self, speculated: bool, seconds: float, steps: int, max_steps: int | None = None) -> None:
+        """One pass's measurement; max_steps (tree passes): the beam steps it would have given had every drafted
+        level been accepted (the tree's depth + 1)."""
+        if speculated and max_steps:
+            best = seconds / max(max_steps, steps)
+            self.best_case = best if self.best_case is None else min(self.best_case, best)
         before = self.best() if len(self.rate) == 2 else None
         r = seconds / max(1, steps)
         old = self.rate.get(speculated)
@@ -55,7 +77,10 @@ class PassChooser:
         if self.probing:
             self.probing = False
             same = self.best() == before
-            self.interval = min(2 * self.interval, self.max_interval) if same else self.probe_every
+            if not same:
+                self.interval = self.probe_every
+            else:
+                self.interval = self.hopeless_every if self.cannot_pay() else min(2 * self.interval, self.max_interval)
             self.next_probe = self.passes + self.interval
 
 

@@ -94,14 +94,16 @@ class ExactSearch:
             tp = time.perf_counter()
             chooser = self.chooser.at(self.load) if self.chooser is not None else None
             speculate = self.grow is not None and (chooser is None or chooser.choose(self.pass_id))
-            steps0 = stats.beam_steps
+            steps0, depth0 = stats.beam_steps, self.tree.depth(self.bs.running[0])
             drafted = (yield from self._grow()) if speculate else []
             yield from self._score(drafted)
             stats.plain_passes += self.grow is not None and not speculate
             self._replay(set(drafted))
             self._commit(speculate)
             if chooser is not None and stats.target_passes > 1:   # the first pass carries the prefill
-                chooser.update(speculate, time.perf_counter() - tp, stats.beam_steps - steps0)
+                levels = max((self.tree.depth(n) - depth0 for n in drafted), default=0)
+                chooser.update(speculate, time.perf_counter() - tp, stats.beam_steps - steps0,
+                               max_steps=1 + levels if speculate else None)
             if stats.time_to_first_token is None:
                 stats.time_to_first_token = time.perf_counter() - t0
             stats.seconds = time.perf_counter() - t0
