@@ -14,8 +14,10 @@ class PassChooser:
     each time a probe confirms the choice. Passes that include the prompt's prefill are not counted.
 
     Plain passes are measured first. A tree pass also reports the most beam steps it could have given (every
-    drafted level accepted); when even that best case is slower per step than plain search, the tree cannot
-    pay on this machine at any acceptance rate, so speculation's remaining warm-up is skipped and it is probed
+    drafted level accepted; none when it drafted nothing); when even that best case, taken from tree passes that
+    follow a tree pass (the first one after plain passes also pays the draft's catch-up over the context), is
+    slower per step than plain search, the tree cannot pay on this machine at any acceptance rate, so
+    speculation's remaining warm-up is skipped and it is probed
     only every `hopeless_every` passes (a probe costs the draft's catch-up over the whole context, a tree and a
     larger target pass: about 12 plain steps with the shipped pair on 2 CPU cores, where the warm-up and probes
     every 512 passes cost the main job 3-6%)."""
@@ -32,6 +34,7 @@ class PassChooser:
         self.probing = False
         self._pass: tuple[object, bool] | None = None   # (pass id, choice): one choice per shared pass
         self.best_case: float | None = None   # lowest seconds per step a tree pass could have reached
+        self._last, self.after_tree = False, False   # the previous pass's choice; whether this pass follows a tree
 
     def cannot_pay(self) -> bool:
         """Even a fully accepted tree would be slower per beam step than plain search (measured)."""
@@ -50,13 +53,19 @@ class PassChooser:
         return choice
 
     def _choose(self) -> bool:
+        choice = self._decide()
+        self.after_tree, self._last = self._last, choice
+        return choice
+
+    def _decide(self) -> bool:
         self.passes += 1
         hopeless = self.cannot_pay()
         for arm in (False, True):
             if self.count[arm] < self.warmup and not (arm and hopeless):
                 return arm
-        if hopeless and self.interval < self.hopeless_every:
-            self.interval, self.next_probe = self.hopeless_every, self.passes + self.hopeless_every
+        if hopeless and self.interval < self._hopeless_interval():
+            self.interval = self._hopeless_interval()
+            self.next_probe = self.passes + self.interval
         if self.next_probe is None:
             self.next_probe = self.passes + self.interval
         self.probing = self.passes >= self.next_probe
@@ -65,7 +74,7 @@ class PassChooser:
     def update(self, speculated: bool, seconds: float, steps: int, max_steps: int | None = None) -> None:
         """One pass's measurement; max_steps (tree passes): the beam steps it would have given had every drafted
         level been accepted (the tree's depth + 1)."""
-        if speculated and max_steps:
+        if speculated and max_steps and self.after_tree:
             best = seconds / max(max_steps, steps)
             self.best_case = best if self.best_case is None else min(self.best_case, best)
         before = self.best() if len(self.rate) == 2 else None
@@ -80,8 +89,12 @@ class PassChooser:
             if not same:
                 self.interval = self.probe_every
             else:
-                self.interval = self.hopeless_every if self.cannot_pay() else min(2 * self.interval, self.max_interval)
+                self.interval = (self._hopeless_interval() if self.cannot_pay()
+                                 else min(2 * self.interval, self.max_interval))
             self.next_probe = self.passes + self.interval
+
+    def _hopeless_interval(self) -> int:
+        return max(self.hopeless_every, self.max_interval)
 
 
 class ChoosersByLoad:

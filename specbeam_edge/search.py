@@ -103,7 +103,7 @@ class ExactSearch:
             if chooser is not None and stats.target_passes > 1:   # the first pass carries the prefill
                 levels = max((self.tree.depth(n) - depth0 for n in drafted), default=0)
                 chooser.update(speculate, time.perf_counter() - tp, stats.beam_steps - steps0,
-                               max_steps=1 + levels if speculate else None)
+                               max_steps=1 + levels if speculate and levels else None)
             if stats.time_to_first_token is None:
                 stats.time_to_first_token = time.perf_counter() - t0
             stats.seconds = time.perf_counter() - t0

@@ -150,14 +150,47 @@ def test_pass_chooser_stops_trying_a_tree_that_cannot_pay():
         seen.append(arm)
         # a pass over a 3-level tree costs 5 plain steps; 1 step accepted: best case 5/4 > 1 per step
         ch.update(arm, seconds=5.0 if arm else 1.0, steps=2 if arm else 1, max_steps=4 if arm else None)
-    assert seen[:4] == [False, False, False, True] and ch.cannot_pay()
+    # the first tree pass after plain ones (the draft's catch-up) is not judged by its best case, the second is
+    assert seen[:5] == [False, False, False, True, True] and seen[5] is False and ch.cannot_pay()
     tried = [i for i, arm in enumerate(seen) if arm]
-    assert tried[1:] and all(b - a >= 32 for a, b in zip(tried, tried[1:]))    # only the long-interval probes
+    assert tried[:2] == [3, 4] and tried[2:]                                  # then only long-interval probes
+    assert all(b - a >= 32 for a, b in zip(tried[1:], tried[2:]))
     ok = PassChooser(warmup=3, probe_every=4, max_interval=16, hopeless_every=32)
     for _ in range(6):                  # best case 3/4 per step beats plain: the warm-up runs its course
         arm = ok.choose()
         ok.update(arm, seconds=3.0 if arm else 1.0, steps=1, max_steps=4 if arm else None)
     assert ok.count == {True: 3, False: 3} and not ok.cannot_pay()
+    empty = PassChooser(warmup=3, probe_every=4, max_interval=16, hopeless_every=32)
+    for _ in range(6):                  # tree passes that drafted nothing report no best case
+        arm = empty.choose()
+        empty.update(arm, seconds=1.5 if arm else 1.0, steps=1)
+    assert empty.count == {True: 3, False: 3} and not empty.cannot_pay()
+
+
+def test_tree_passes_report_their_best_case(engines, monkeypatch):
+    """ExactSearch tells the chooser each tree pass's best case: drafted depth + 1 steps (at least the steps it
+    gave, at most max_depth + 1), and none when the drafter proposed nothing (prompt lookup without a match)."""
+    from specbeam_edge.adaptive import PassChooser
+
+    calls = []
+    real = PassChooser.update
+
+    def spy(self, speculated, seconds, steps, max_steps=None):
+        calls.append((speculated, steps, max_steps))
+        return real(self, speculated, seconds, steps, max_steps)
+    monkeypatch.setattr(PassChooser, "update", spy)
+    eng = engines["same"]
+    eng.generate(PROMPTS[0], num_beams=2, max_new_tokens=24,
+                 speculative=SpeculativeConfig(budget=16, max_depth=3, adaptive=True))
+    trees = [(s, m) for spec, s, m in calls if spec]
+    assert trees and all(m is not None and s <= m <= 4 for s, m in trees)
+    assert all(m is None for spec, _, m in calls if not spec)
+    calls.clear()
+    from specbeam_edge.draft import PromptLookupDrafter
+    monkeypatch.setattr(PromptLookupDrafter, "__call__", lambda self, dcache, roots, scores: [])   # no match
+    eng.generate(PROMPTS[0], num_beams=1, max_new_tokens=16,
+                 speculative=SpeculativeConfig(drafter="lookup", budget=8, max_depth=3, adaptive=True))
+    assert any(spec for spec, _, _ in calls) and all(m is None for spec, _, m in calls if spec)
 
 
 @pytest.mark.parametrize("draft", ["same", "random"])
