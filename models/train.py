@@ -1,4 +1,5 @@
-"""Train a small Llama-architecture model (target or draft) on the en->de pairs, resumably.
+"""Train a small model (target or draft: decoder-only Llama, or an M2M100 encoder-decoder) on the en->de pairs,
+resumably.
 
 A run lives in a checkpoint folder (--ckpt): `last.pt` holds the model, the optimizer, the schedule step and
 the data position, written atomically every --ckpt_minutes and on SIGTERM / Ctrl-C, so a stopped run
@@ -194,6 +195,8 @@ class Batches:
 
 def split_unit(ids: np.ndarray, scored: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """A pair unit [EOS, *en, SEP, *de] (scored from the German side on) -> (en, de)."""
+    if not scored[1:].any():
+        raise SystemExit("an encoder-decoder trains on translation pairs (train.tsv): this unit has no German side")
     k = 1 + int(np.argmax(scored[1:]))               # first German token
     return ids[1:k - 1], ids[k:]
 
@@ -370,6 +373,11 @@ def train_lm(args) -> None:
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     tok_dir, data, ckpt = Path(args.tokenizer), Path(args.data), Path(args.ckpt)
+    if args.arch == "m2m100" and (args.init or args.teacher or args.init_layers):
+        raise SystemExit("--arch m2m100 trains an encoder-decoder from scratch: --init, --init_layers and --teacher "
+                         "are for the decoder-only (llama) models")
+    if args.arch == "m2m100" and (data / "train.txt").exists():
+        raise SystemExit(f"--arch m2m100 needs translation pairs: {data} holds a text corpus (train.txt)")
     ckpt.mkdir(parents=True, exist_ok=True)
     state = torch.load(ckpt / "last.pt", weights_only=False) if (ckpt / "last.pt").exists() else None
     if state is not None:                            # resuming: the run's defining flags must not change
@@ -495,7 +503,7 @@ def train_lm(args) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
-        seen += T * B
+        seen += sum(a.size for a in batch[:1] + batch[2:3]) if encdec else T * B   # m2m100: source + decoder
         if step % args.log_every == 0:
             wall = time.time() - t0
             msg = {"step": step, "tokens": seen, "loss": round(loss.item(), 4), **parts,
@@ -547,6 +555,7 @@ def average(args) -> None:
     if cfg.is_encoder_decoder:      # the source alone goes to the encoder (the runtime appends EOS), no markers
         tcfg = json.loads((out / "tokenizer_config.json").read_text())
         tcfg.pop("prompt_format", None)
+        tcfg["pad_token"] = SEP                      # the encoder-decoder's pad (build_model)
         (out / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2))
     state = torch.load(ckpt / "last.pt", weights_only=False)
     vals = [m["val_loss"] for m in state["log"] if "val_loss" in m]
@@ -624,7 +633,7 @@ def bleu(args) -> None:
         for en, _ in pairs:
             ids = tok.encode(en, add_special_tokens=False).ids
             kw = dict(num_beams=args.num_beams, do_sample=False, max_new_tokens=args.max_new_tokens,
-                      eos_token_id=eos, pad_token_id=cfg.pad_token_id, early_stopping=True)
+                      eos_token_id=eos, pad_token_id=cfg.pad_token_id)   # the rest from generation_config.json
             if cfg.is_encoder_decoder:
                 out = model.generate(input_ids=torch.tensor([[*ids, eos]]),
                                      decoder_start_token_id=cfg.decoder_start_token_id, **kw)[0, 1:]
@@ -647,7 +656,8 @@ def main(argv=None) -> int:
     t.add_argument("--data", required=True, help="folder with train.tsv")
     t.add_argument("--out", required=True, help="output folder")
     t.add_argument("--vocab", type=int, default=8192, help="vocabulary size")
-    m = sub.add_parser("lm", help="train (or resume) a causal LM; KD and top-K alignment when --teacher is given")
+    m = sub.add_parser("lm", help="train (or resume) a model (decoder-only, or --arch m2m100 encoder-decoder); KD "
+                                  "and top-K alignment when --teacher is given")
     m.add_argument("--data", required=True, help="folder with train.tsv and valid.tsv (+ .source files for --mix)")
     m.add_argument("--tokenizer", required=True, help="folder with tokenizer.json and tokenizer_config.json")
     m.add_argument("--ckpt", required=True, help="run folder: checkpoints, snapshots; resumed when it has last.pt")
@@ -659,14 +669,16 @@ def main(argv=None) -> int:
     m.add_argument("--hidden", type=int, default=256, help="hidden size")
     m.add_argument("--heads", type=int, default=4, help="attention heads")
     m.add_argument("--kv_heads", type=int, default=2, help="key/value heads (GQA; llama)")
-    m.add_argument("--tokens", default="5e6", help="stop after this many tokens (cosine: the schedule's length)")
+    m.add_argument("--tokens", default="5e6", help="stop after this many tokens (cosine: the schedule's length); "
+                   "counted as steps of batch x seq_len tokens")
     m.add_argument("--minutes", type=float, default=0, help="stop this invocation after N minutes (0: no cap); "
                    "the schedule does not depend on it")
     m.add_argument("--schedule", choices=("invsqrt", "cosine"), default="cosine",
                    help="after warm-up: inverse square root (open-ended) or cosine to 10 %% over --tokens")
     m.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     m.add_argument("--warmup", type=int, default=30, help="warm-up steps")
-    m.add_argument("--batch", type=int, default=8, help="rows per step")
+    m.add_argument("--batch", type=int, default=8, help="rows per step (m2m100: batch x seq_len is the token budget "
+                   "of a padded batch, source + target)")
     m.add_argument("--seq_len", type=int, default=256, help="tokens per row (pairs longer than this are dropped)")
     m.add_argument("--max_ratio", type=float, default=2.5, help="drop pairs whose sides differ more in length")
     m.add_argument("--mix", default="", help="source repeats per epoch, e.g. libreoffice=3,gimp=2 (others: 1)")

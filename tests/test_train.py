@@ -213,10 +213,12 @@ def test_pair_batches_pad_split_and_resume():
     assert lab.tolist() == [[7, 8, 9, 0], [7, 0, train.IGNORE, train.IGNORE]]
     tight = train.PairBatches(units, ["a", "b"], {}, budget=9, eos=0, start=2, pad=99, seed=0)
     assert sorted(len(x) for x in tight._epoch_plan()) == [1, 1]      # 2 x (3 + 4) > 9: one pair each
-    first = [tight.next()[0].tolist() for _ in range(5)]
+    first = [[a.tolist() for a in tight.next()] for _ in range(5)]
     again = train.PairBatches(units, ["a", "b"], {}, budget=9, eos=0, start=2, pad=99, seed=0)
     again.epoch, again.row = 1, 1                                        # resumed after 3 batches
-    assert again.next()[0].tolist() == first[3]
+    assert [a.tolist() for a in again.next()] == first[3]
+    with pytest.raises(SystemExit, match="no German side"):
+        train.split_unit(np.array([0, 5, 6]), np.array([1, 0, 0], bool))
 
 
 @pytest.mark.slow                                    # two short encoder-decoder runs and a BLEU pass: ~10 s
@@ -234,7 +236,8 @@ def test_encdec_run_resumes_averages_and_scores(tiny_corpus, tmp_path, capsys):
     train.main(["average", "--ckpt", str(tmp_path / "resumed"), "--last", "1", "--out", str(tmp_path / "hf")])
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert cfg["model_type"] == "m2m_100" and cfg["encoder_layers"] == cfg["decoder_layers"] == 1
-    assert "prompt_format" not in json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    tcfg = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    assert "prompt_format" not in tcfg and tcfg["pad_token"] == train.SEP
     capsys.readouterr()
     train.main(["bleu", "--model", str(tmp_path / "hf"), "--test", str(data / "valid.tsv"), "--lines", "3",
                 "--num_beams", "2", "--max_new_tokens", "8", "--threads", "1"])
