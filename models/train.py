@@ -309,10 +309,7 @@ def build_model(args, vocab_size: int, sep: int = 1):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if getattr(args, "arch", "llama") == "m2m100":
-        if args.init or args.teacher:
-            raise SystemExit("--arch m2m100 trains an encoder-decoder from scratch: --init and --teacher are for "
-                             "the decoder-only (llama) models")
+    if getattr(args, "arch", "llama") == "m2m100":   # from scratch: train_lm refuses --init/--teacher for it
         from transformers import M2M100Config, M2M100ForConditionalGeneration
 
         # pad: the separator token, which an encoder-decoder never sees (EOS doubles as the decoder-only models'
@@ -503,7 +500,7 @@ def train_lm(args) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
-        seen += sum(a.size for a in batch[:1] + batch[2:3]) if encdec else T * B   # m2m100: source + decoder
+        seen += batch[0].size + batch[2].size if encdec else T * B   # m2m100: padded source + decoder input
         if step % args.log_every == 0:
             wall = time.time() - t0
             msg = {"step": step, "tokens": seen, "loss": round(loss.item(), 4), **parts,
