@@ -305,11 +305,61 @@ def encdec_logits(model, src, src_mask, dec, keep):
     return model.lm_head(hidden.flatten(0, 1)[keep])
 
 
+def load_pretrained(folder, arch: str):
+    """An HF folder of this architecture (llama: decoder-only, m2m100: encoder-decoder), fp32."""
+    import torch
+    from transformers import AutoConfig, LlamaForCausalLM, M2M100ForConditionalGeneration
+
+    kind = AutoConfig.from_pretrained(folder).model_type
+    want = {"llama": "llama", "m2m100": "m2m_100"}[arch]
+    if kind != want:
+        raise SystemExit(f"{folder} holds a {kind} model; --arch {arch} needs a {want} folder")
+    cls = M2M100ForConditionalGeneration if arch == "m2m100" else LlamaForCausalLM
+    return cls.from_pretrained(folder, torch_dtype=torch.float32)
+
+
+def load_init(args):
+    """The --init model; with --init_layers, a draft cut from it: its embedding, these (decoder) layers, final
+    norm and head (an encoder-decoder keeps its whole encoder: it runs once per request)."""
+    import torch
+
+    arch = getattr(args, "arch", "llama")
+    model = load_pretrained(args.init, arch)
+    if not args.init_layers:
+        return model
+    stack = model.model.decoder if arch == "m2m100" else model.model
+    n = len(stack.layers)
+    try:
+        keep = [int(i) for i in args.init_layers.split(",")]
+    except ValueError:
+        keep = []
+    if not keep or any(not 0 <= i < n for i in keep) or len(set(keep)) != len(keep):
+        raise SystemExit(f"--init_layers {args.init_layers}: distinct layer numbers separated by commas; "
+                         f"{args.init} has {'decoder ' if arch == 'm2m100' else ''}layers 0..{n - 1}")
+    stack.layers = torch.nn.ModuleList(stack.layers[i] for i in keep)
+    for j, layer in enumerate(stack.layers):
+        layer.self_attn.layer_idx = j
+        if arch == "m2m100":
+            layer.encoder_attn.layer_idx = j
+    if arch == "m2m100":
+        model.config.decoder_layers = len(keep)
+    else:
+        model.config.num_hidden_layers = len(keep)
+        if getattr(model.config, "layer_types", None):
+            model.config.layer_types = [model.config.layer_types[i] for i in keep]
+    return model
+
+
+
 def build_model(args, vocab_size: int, sep: int = 1):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if getattr(args, "arch", "llama") == "m2m100":   # from scratch: train_lm refuses --init/--teacher for it
+    if args.init_layers and not args.init:
+        raise SystemExit("--init_layers cuts layers out of the --init model: pass --init too")
+    if args.init:
+        return load_init(args)
+    if getattr(args, "arch", "llama") == "m2m100":
         from transformers import M2M100Config, M2M100ForConditionalGeneration
 
         # pad: the separator token, which an encoder-decoder never sees (EOS doubles as the decoder-only models'
@@ -324,26 +374,6 @@ def build_model(args, vocab_size: int, sep: int = 1):
                            pad_token_id=sep, bos_token_id=0, eos_token_id=0, decoder_start_token_id=0,
                            tie_word_embeddings=True)
         return M2M100ForConditionalGeneration(cfg)
-    if args.init_layers and not args.init:
-        raise SystemExit("--init_layers cuts layers out of the --init model: pass --init too")
-    if args.init:
-        model = LlamaForCausalLM.from_pretrained(args.init, torch_dtype=torch.float32)
-        if args.init_layers:        # a draft cut from the target: its embedding, these layers, final norm, head
-            n = model.config.num_hidden_layers
-            try:
-                keep = [int(i) for i in args.init_layers.split(",")]
-            except ValueError:
-                keep = []
-            if not keep or any(not 0 <= i < n for i in keep) or len(set(keep)) != len(keep):
-                raise SystemExit(f"--init_layers {args.init_layers}: distinct layer numbers separated by commas; "
-                                 f"{args.init} has layers 0..{n - 1}")
-            model.model.layers = torch.nn.ModuleList(model.model.layers[i] for i in keep)
-            for j, layer in enumerate(model.model.layers):
-                layer.self_attn.layer_idx = j
-            model.config.num_hidden_layers = len(keep)
-            if getattr(model.config, "layer_types", None):
-                model.config.layer_types = [model.config.layer_types[i] for i in keep]
-        return model
     cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=args.hidden, num_hidden_layers=args.layers,
                       num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
                       intermediate_size=int(math.ceil(8 * args.hidden / 3 / 16) * 16),
@@ -370,9 +400,6 @@ def train_lm(args) -> None:
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     tok_dir, data, ckpt = Path(args.tokenizer), Path(args.data), Path(args.ckpt)
-    if args.arch == "m2m100" and (args.init or args.teacher or args.init_layers):
-        raise SystemExit("--arch m2m100 trains an encoder-decoder from scratch: --init, --init_layers and --teacher "
-                         "are for the decoder-only (llama) models")
     if args.arch == "m2m100" and (data / "train.txt").exists():
         raise SystemExit(f"--arch m2m100 needs translation pairs: {data} holds a text corpus (train.txt)")
     ckpt.mkdir(parents=True, exist_ok=True)
@@ -416,8 +443,7 @@ def train_lm(args) -> None:
     model.config.use_cache = False
     teacher = None
     if args.teacher:
-        from transformers import LlamaForCausalLM
-        teacher = LlamaForCausalLM.from_pretrained(args.teacher, torch_dtype=torch.float32).eval()
+        teacher = load_pretrained(args.teacher, args.arch).eval()
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
@@ -682,7 +708,8 @@ def main(argv=None) -> int:
     m.add_argument("--label_smoothing", type=float, default=0.0, help="label smoothing of the CE loss")
     m.add_argument("--init", default=None, help="start from this HF model folder")
     m.add_argument("--init_layers", default="", help="with --init: keep only these decoder layers, e.g. 0,4,5 (a "
-                   "draft cut from the target; the embedding, final norm and head are kept)")
+                   "draft cut from the target; the embedding, final norm and head are kept; m2m100: the whole "
+                   "encoder too)")
     m.add_argument("--teacher", default=None, help="HF model folder: add KL to its logits (and --align_topk)")
     m.add_argument("--kd_weight", type=float, default=1.0, help="weight of the KL term (with --teacher)")
     m.add_argument("--align_topk", type=int, default=0, help="top-K alignment term with the teacher's top K (0: off)")

@@ -243,8 +243,6 @@ def test_encdec_run_resumes_averages_and_scores(tiny_corpus, tmp_path, capsys):
                 "--num_beams", "2", "--max_new_tokens", "8", "--threads", "1"])
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["arch"] == "m2m_100" and report["lines"] == 3 and report["bleu"] >= 0
-    with pytest.raises(SystemExit, match="from scratch"):
-        _lm(data, tok_dir, tmp_path / "bad", 1, init=str(tmp_path / "hf"), **kw)
     # the folder exports as an encoder-decoder and the runtime's beam search gives transformers' output
     from transformers import AutoModelForSeq2SeqLM
 
@@ -259,3 +257,35 @@ def test_encdec_run_resumes_averages_and_scores(tiny_corpus, tmp_path, capsys):
     with torch.no_grad():
         ref = hf.generate(torch.tensor([ids]), num_beams=2, max_new_tokens=6, do_sample=False)[0].tolist()
     assert len(ref) >= 3 and list(ours.hypotheses[0].tokens) == [t for t in ref[1:] if t != hf.config.pad_token_id]
+
+
+@pytest.mark.slow                                    # a short encoder-decoder run, a cut and a KD run: ~10 s
+def test_encdec_draft_is_cut_from_the_target_and_distilled(tiny_corpus, tmp_path):
+    torch = pytest.importorskip("torch")
+    import argparse
+    from transformers import M2M100ForConditionalGeneration
+
+    data, tok_dir = tiny_corpus
+    kw = dict(arch="m2m100", hidden=32, heads=2, layers=3)
+    _lm(data, tok_dir, tmp_path / "target", 2, **kw)
+    hf = tmp_path / "hf"
+    train.main(["average", "--ckpt", str(tmp_path / "target"), "--last", "1", "--out", str(hf)])
+    full = M2M100ForConditionalGeneration.from_pretrained(hf).state_dict()
+    cut = train.build_model(argparse.Namespace(arch="m2m100", init=str(hf), init_layers="0,2"), 300)
+    assert cut.config.decoder_layers == 2 and cut.config.encoder_layers == 3
+    sd = cut.state_dict()
+    assert len(sd) < len(full)
+    for k, v in sd.items():        # the whole encoder, decoder layers 0 and 2 (as 0 and 1), embedding, norms
+        src = k.replace("decoder.layers.1.", "decoder.layers.2.")
+        assert torch.equal(v, full[src]), k
+    with pytest.raises(SystemExit, match=r"--init_layers 0,3: .* has decoder layers 0\.\.2"):
+        train.build_model(argparse.Namespace(arch="m2m100", init=str(hf), init_layers="0,3"), 300)
+    with pytest.raises(SystemExit, match=r"holds a m2m_100 model; --arch llama needs a llama folder"):
+        train.build_model(argparse.Namespace(arch="llama", init=str(hf), init_layers=""), 300)
+    # the cut trains with KL + top-K alignment to the encoder-decoder teacher, and exports with one fewer layer
+    _lm(data, tok_dir, tmp_path / "draft", 2, init=str(hf), init_layers="0,2", teacher=str(hf), align_topk=2, **kw)
+    log = torch.load(tmp_path / "draft" / "last.pt", weights_only=False)["log"]
+    assert all(m["kd"] >= 0 and m["align"] >= 0 for m in log if "loss" in m)
+    train.main(["average", "--ckpt", str(tmp_path / "draft"), "--last", "1", "--out", str(tmp_path / "d")])
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert (cfg["encoder_layers"], cfg["decoder_layers"]) == (3, 2)
