@@ -33,6 +33,12 @@ SOURCE_MASK = "encoder_attention_mask"
 _ACTIVATIONS = {"swish": "silu", "silu": "silu", "relu": "relu", "gelu": "gelu"}
 
 
+# HF config.json key of a draft cut from its target with the target's encoder, embedding and cross K/V
+# projections frozen: the target decoder layer whose cross K/V each of its decoder layers uses (the runtime then
+# skips the draft's encoder pass; specbeam_config.json `encoder_decoder.target_cross_layers`)
+TARGET_CROSS_KEY = "specbeam_target_cross_layers"
+
+
 def cross_names(i: int) -> tuple[str, str]:
     return f"cross_key.{i}", f"cross_value.{i}"
 
@@ -412,6 +418,13 @@ def export_encdec(src: Path, dst: Path, family: str, *, precision: str, layout: 
         if "source_tokenizer.json" in tokenizers:
             facts["source_tokenizer"] = "source_tokenizer.json"
         L = arch.decoder_layers
+        shared = json.loads((src / "config.json").read_text(encoding="utf-8")).get(TARGET_CROSS_KEY)
+        if shared is not None:      # a draft trained on its target's frozen encoder (models/train.py --freeze_encoder)
+            if (not isinstance(shared, list) or len(shared) != L
+                    or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in shared)):
+                raise ExportError(f"{src / 'config.json'}: {TARGET_CROSS_KEY} must list one target layer (an integer "
+                                  f">= 0) per decoder layer ({L}), got {shared!r}")
+            facts["target_cross_layers"] = shared
         cfg = {
             "format_version": FORMAT_VERSION, "family": family, "vocab_size": arch.vocab_size,
             "hidden_size": arch.d_model, "num_layers": L, "num_heads": arch.heads, "num_kv_heads": arch.heads,

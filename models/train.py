@@ -351,6 +351,26 @@ def load_init(args):
 
 
 
+def freeze_encoder(model, args) -> None:
+    """A draft that shares its target's encoder output: the encoder, the shared embedding (tied to the head) and
+    each kept decoder layer's cross-attention K/V projections stay the --init model's, and the config records
+    which target layer each decoder layer came from (export: `target_cross_layers`)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from export.encdec import TARGET_CROSS_KEY
+
+    if args.arch != "m2m100" or not args.init:
+        raise SystemExit("--freeze_encoder keeps an encoder-decoder's encoder from its --init model: pass --arch "
+                         "m2m100 and --init")
+    for p in [*model.model.shared.parameters(), *model.model.encoder.parameters()]:
+        p.requires_grad_(False)
+    for layer in model.model.decoder.layers:
+        for p in [*layer.encoder_attn.k_proj.parameters(), *layer.encoder_attn.v_proj.parameters()]:
+            p.requires_grad_(False)
+    keep = [int(i) for i in args.init_layers.split(",")] if args.init_layers else \
+        list(range(len(model.model.decoder.layers)))
+    setattr(model.config, TARGET_CROSS_KEY, keep)
+
+
 def build_model(args, vocab_size: int, sep: int = 1):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -391,7 +411,8 @@ def atomic_save(obj, path: Path) -> None:
 
 
 SHAPE_FLAGS = ("arch", "layers", "hidden", "heads", "kv_heads", "seq_len", "batch", "lr", "warmup", "schedule", "mix",
-               "label_smoothing", "seed", "teacher", "align_topk", "align_weight", "kd_weight", "init", "init_layers")
+               "label_smoothing", "seed", "teacher", "align_topk", "align_weight", "kd_weight", "init", "init_layers",
+               "freeze_encoder")
 
 
 def train_lm(args) -> None:
@@ -441,11 +462,13 @@ def train_lm(args) -> None:
 
     model = build_model(args, vocab_size, sep)
     model.config.use_cache = False
+    if args.freeze_encoder:
+        freeze_encoder(model, args)
     teacher = None
     if args.teacher:
         teacher = load_pretrained(args.teacher, args.arch).eval()
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and p.requires_grad]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 and p.requires_grad]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95))
     step, seen, log, minutes_before = 0, 0, [], 0.0
@@ -710,6 +733,9 @@ def main(argv=None) -> int:
     m.add_argument("--init_layers", default="", help="with --init: keep only these decoder layers, e.g. 0,4,5 (a "
                    "draft cut from the target; the embedding, final norm and head are kept; m2m100: the whole "
                    "encoder too)")
+    m.add_argument("--freeze_encoder", action="store_true", help="m2m100 with --init: keep the --init model's "
+                   "encoder, embedding (so also the head) and the kept layers' cross K/V projections as they are, "
+                   "so the draft can use the target's encoder output at run time (no encoder pass of its own)")
     m.add_argument("--teacher", default=None, help="HF model folder: add KL to its logits (and --align_topk)")
     m.add_argument("--kd_weight", type=float, default=1.0, help="weight of the KL term (with --teacher)")
     m.add_argument("--align_topk", type=int, default=0, help="top-K alignment term with the teacher's top K (0: off)")

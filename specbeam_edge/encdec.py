@@ -119,6 +119,48 @@ class Encoder:
         return statics
 
 
+def shared_cross_layers(target: Encoder, draft: Encoder, draft_model: OnnxCausalLM,
+                        target_model: OnnxCausalLM) -> list[int] | None:
+    """A draft cut from its target with the target's encoder, embedding and cross K/V projections kept as they
+    were (models/train.py --freeze_encoder) declares, per decoder layer, the target layer whose cross K/V it
+    uses (`encoder_decoder.target_cross_layers`); the runtime then feeds it the target's and skips its encoder
+    pass. Checked once on a probe source: a draft trained for another target is refused, not run slowly.
+    None when the draft declares nothing."""
+    layers = draft_model.cfg.raw["encoder_decoder"].get("target_cross_layers")
+    if layers is None:
+        return None
+    path = Path(draft_model.folder) / "specbeam_config.json"
+    n_t, n_d = target_model.cfg.num_layers, draft_model.cfg.num_layers
+    if (not isinstance(layers, list) or len(layers) != n_d
+            or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n_t for i in layers)):
+        raise ModelFolderError(f"{path}: encoder_decoder.target_cross_layers must list one target decoder layer "
+                               f"(0..{n_t - 1}) per draft decoder layer ({n_d}), got {layers!r}")
+    shape = lambda m: (m.cfg.num_kv_heads, m.cfg.head_dim)   # noqa: E731
+    if shape(draft_model) != shape(target_model):
+        raise ModelFolderError(f"{path}: target_cross_layers needs the target's cross K/V shape (heads, head_dim) "
+                               f"{shape(target_model)}; the draft's is {shape(draft_model)}")
+    probe = [3 + i % 13 for i in range(16)] + [draft.eos[0]]      # any ordinary ids, ending in EOS
+    t, d = target.encode([probe])[0], draft.encode([probe])[0]
+    worst = 0.0
+    for j, i in enumerate(layers):
+        for dn, tn in zip(cross_names(j), cross_names(i)):
+            a, b = d[dn][0], t[tn][0]
+            worst = max(worst, float(np.abs(a - b).max() / (np.abs(b).max() + 1e-6)))
+    if worst > 2e-2:                 # fp16 / int8 storage of the same weights moves them by ~1e-3
+        raise ModelFolderError(f"{path}: the draft declares it uses the target's encoder (target_cross_layers "
+                               f"{layers}), but its cross K/V differ from {target_model.folder}'s by {worst:.3g} "
+                               f"(relative): it was trained for another target")
+    return list(layers)
+
+
+def shared_statics(target_statics: dict, layers: list[int]) -> dict:
+    """The draft's static decoder inputs taken from the target's (see shared_cross_layers)."""
+    out = {SOURCE_MASK: target_statics[SOURCE_MASK]}
+    for j, i in enumerate(layers):
+        out.update({dn: target_statics[tn] for dn, tn in zip(cross_names(j), cross_names(i))})
+    return out
+
+
 class EncoderQueue:
     """Encodes requests' sources on demand, `batch` at a time in request order: the scheduler starts requests
     in order, so asking for request i encodes it with the next ones about to join (one encoder run for them)."""

@@ -17,7 +17,8 @@ import numpy as np
 from .adaptive import ChoosersByLoad, PassChooser, auto_budget, cost_curve
 from .config import GenerationConfig, ModelFolderError, SpeculativeConfig
 from .draft import make_drafter
-from .encdec import Encoder, EncoderQueue, is_encoder_decoder, logits_processor
+from .encdec import (Encoder, EncoderQueue, is_encoder_decoder, logits_processor, shared_cross_layers,
+                     shared_statics)
 from .model import OnnxCausalLM
 from .results import Hypothesis, Result, Stats, StreamChunk, peak_rss_mb
 from .scheduler import Job, Scheduler
@@ -63,7 +64,7 @@ class Engine:
     def _init_encoders(self, threads, providers):
         """Encoder-decoder folders (encdec.py): the target's encoder, and the draft's (a draft of an
         encoder-decoder target is one too: it needs its own cross K/V)."""
-        self.encoder = self.draft_encoder = None
+        self.encoder = self.draft_encoder = self.draft_cross = None
         kinds = [is_encoder_decoder(m) for m in (self.target, self.draft) if m is not None]
         if len(set(kinds)) > 1:
             raise ModelFolderError(f"the target {self.target.folder} and the draft {self.draft.folder} must both be "
@@ -72,6 +73,9 @@ class Engine:
             self.encoder = Encoder(self.target, threads=threads, providers=providers)
             if self.draft is not None:
                 self.draft_encoder = Encoder(self.draft, threads=1, providers=providers, spin=False)
+                self.draft_cross = shared_cross_layers(self.encoder, self.draft_encoder, self.draft, self.target)
+                if self.draft_cross is not None:     # the draft reads the target's cross K/V: no encoder pass
+                    self.draft_encoder = None
 
     def _init_state(self):
         """What an engine learns across requests (cost curve, pass choosers); a lock makes sharing one engine
@@ -209,7 +213,12 @@ class Engine:
         dq = EncoderQueue(self.draft_encoder, sources, batch) if self.draft_encoder is not None else None
 
         def static(i, with_draft):
-            return tq.get(i), (dq.get(i) if with_draft and dq is not None else None)
+            t = tq.get(i)
+            if not with_draft:
+                return t, None
+            if self.draft_cross is not None:
+                return t, shared_statics(t, self.draft_cross)
+            return t, (dq.get(i) if dq is not None else None)
         return [lambda with_draft, i=i: static(i, with_draft) for i in range(len(sources))]
 
     # -- public API: generate_step -> stream (one request); generate_iter -> generate (batches) -------------

@@ -345,3 +345,82 @@ def test_sentencepiece_m2m100_languages_match_transformers(encdec):
                                  forced_bos_token_id=slow.get_lang_id(tgt))
         [res] = eng.generate(text, num_beams=2, max_new_tokens=MAX_NEW, src_lang="de", tgt_lang=tgt)
         assert res.hypotheses[0].tokens == out[0, 1:].tolist()
+
+
+def _cut_draft(hf, out, keep, *, perturb_encoder=False):
+    """A draft cut from the target's HF folder as models/train.py --freeze_encoder leaves it: the target's
+    encoder, embedding and cross K/V projections, decoder layers `keep` (their other weights retrained: here
+    perturbed), and the config marker the export reads."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForSeq2SeqLM
+
+    from export.encdec import TARGET_CROSS_KEY
+
+    model = AutoModelForSeq2SeqLM.from_pretrained(hf)
+    stack = model.model.decoder
+    stack.layers = torch.nn.ModuleList(stack.layers[i] for i in keep)
+    model.config.decoder_layers = len(keep)
+    setattr(model.config, TARGET_CROSS_KEY, list(keep))
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".decoder.layers." in name and "encoder_attn.k_proj" not in name and "encoder_attn.v_proj" not in name:
+                p.add_(0.1 * torch.randn_like(p))
+            if perturb_encoder and ".encoder.layers.0.fc1" in name:
+                p.add_(0.5 * torch.randn_like(p))
+    model.save_pretrained(out)
+    for f in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        if (hf / f).is_file():
+            shutil.copy(hf / f, out / f)
+    return export(out, out.parent / (out.name + "_sb"), precision="fp32", quiet=True)
+
+
+@pytest.mark.parametrize("kind", ["marian", "m2m100"])
+def test_draft_sharing_the_target_encoder(encdec, kind, tmp_path):
+    """A draft declaring target_cross_layers runs no encoder pass: it gets the target's cross K/V of those
+    layers, which equal what its own encoder gives, and speculation still equals plain search."""
+    target, _ = encdec(kind)
+    hf = target.parent / "hf"
+    draft = _cut_draft(hf, tmp_path / "draft", [1])
+    assert json.loads((draft / "specbeam_config.json").read_text())["encoder_decoder"]["target_cross_layers"] == [1]
+    eng = Engine(target, draft=draft)
+    assert eng.draft_cross == [1] and eng.draft_encoder is None
+    own = Engine(draft)                    # the draft alone runs its own encoder
+    for src in SOURCES[kind]:
+        [t] = eng.encoder.encode([src])
+        [d] = own.encoder.encode([src])
+        shared = eng._statics([src], 1)[0](True)[1]
+        assert sorted(shared) == sorted(d)
+        for name, (arr, axis) in d.items():
+            np.testing.assert_allclose(shared[name][0], arr, atol=1e-5)
+            assert shared[name][1] == axis
+        for K in (1, 4):
+            [plain] = eng.generate(src, num_beams=K, max_new_tokens=14, num_return_sequences=K)
+            [fast] = eng.generate(src, num_beams=K, max_new_tokens=14, num_return_sequences=K, speculative=SPEC)
+            _same_or_near_tie(plain, fast)
+            assert fast.stats.draft_tokens_proposed > 0
+    # batched requests share it too
+    together = eng.generate(SOURCES[kind], num_beams=4, max_new_tokens=14, speculative=SPEC, max_batch_size=2)
+    for src, b in zip(SOURCES[kind], together):
+        [a] = eng.generate(src, num_beams=4, max_new_tokens=14)
+        assert [h.tokens for h in a.hypotheses] == [h.tokens for h in b.hypotheses]
+
+
+def test_draft_sharing_another_encoder_is_refused(encdec, tmp_path):
+    target, _ = encdec("m2m100")
+    hf = target.parent / "hf"
+    bad = _cut_draft(hf, tmp_path / "bad", [0], perturb_encoder=True)
+    with pytest.raises(ModelFolderError, match=r"target_cross_layers \[0\]\), but its cross K/V differ .* another "
+                                               r"target"):
+        Engine(target, draft=bad)
+    good = _cut_draft(hf, tmp_path / "good", [0, 1])
+    cfg_path = good / "specbeam_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    for layers in ([0], [0, 2], "0,1", [0, True]):
+        cfg["encoder_decoder"]["target_cross_layers"] = layers
+        cfg_path.write_text(json.dumps(cfg))
+        with pytest.raises(ModelFolderError, match=r"target_cross_layers must list one target decoder layer "
+                                                   r"\(0\.\.1\) per draft decoder layer \(2\)"):
+            Engine(target, draft=good)

@@ -108,7 +108,7 @@ def _lm(data, tok_dir, ckpt, steps, **over):
     argv = ["lm", "--data", str(data), "--tokenizer", str(tok_dir), "--ckpt", str(ckpt),
             "--tokens", str(steps * flags["seq_len"] * flags["batch"]), "--log_every", "1", "--eval_every", "2"]
     for k, v in flags.items():
-        argv += [f"--{k}", str(v)]
+        argv += [f"--{k}"] if v is True else [f"--{k}", str(v)]
     train.main(argv)
 
 
@@ -289,3 +289,44 @@ def test_encdec_draft_is_cut_from_the_target_and_distilled(tiny_corpus, tmp_path
     train.main(["average", "--ckpt", str(tmp_path / "draft"), "--last", "1", "--out", str(tmp_path / "d")])
     cfg = json.loads((tmp_path / "d" / "config.json").read_text())
     assert (cfg["encoder_layers"], cfg["decoder_layers"]) == (3, 2)
+
+
+@pytest.mark.slow                                    # a target, a frozen-encoder draft run, two exports: ~15 s
+def test_frozen_encoder_draft_uses_the_targets_encoder_at_run_time(tiny_corpus, tmp_path):
+    torch = pytest.importorskip("torch")
+    from transformers import M2M100ForConditionalGeneration
+
+    from export import export
+    from specbeam_edge import Engine, SpeculativeConfig
+
+    data, tok_dir = tiny_corpus
+    kw = dict(arch="m2m100", hidden=32, heads=2, layers=2)
+    _lm(data, tok_dir, tmp_path / "target", 2, **kw)
+    hf = tmp_path / "hf"
+    train.main(["average", "--ckpt", str(tmp_path / "target"), "--last", "1", "--out", str(hf)])
+    with pytest.raises(SystemExit, match="--freeze_encoder keeps an encoder-decoder's encoder from its --init"):
+        _lm(data, tok_dir, tmp_path / "bad", 1, freeze_encoder=True, **kw)
+    _lm(data, tok_dir, tmp_path / "draft", 3, init=str(hf), init_layers="1", teacher=str(hf), align_topk=2,
+        freeze_encoder=True, lr=5e-2, **kw)
+    train.main(["average", "--ckpt", str(tmp_path / "draft"), "--last", "1", "--out", str(tmp_path / "d")])
+    full = M2M100ForConditionalGeneration.from_pretrained(hf).state_dict()
+    cut = M2M100ForConditionalGeneration.from_pretrained(tmp_path / "d")
+    assert cut.config.specbeam_target_cross_layers == [1]
+    moved = []
+    for k, v in cut.state_dict().items():      # frozen: encoder, embedding, cross K/V; the rest trained
+        src = k.replace("decoder.layers.0.", "decoder.layers.1.")
+        same = torch.equal(v, full[src])
+        if (".encoder." in k or "shared" in k or "lm_head" in k or "embed_tokens" in k or "encoder_attn.k_proj" in k
+                or "encoder_attn.v_proj" in k):
+            assert same, k
+        elif "embed_positions" not in k:
+            moved.append(not same)
+    assert moved and all(moved)
+    export(hf, tmp_path / "t_sb", precision="fp32", quiet=True)
+    export(tmp_path / "d", tmp_path / "d_sb", precision="int8", quiet=True)
+    eng = Engine(tmp_path / "t_sb", draft=tmp_path / "d_sb")
+    assert eng.draft_cross == [1] and eng.draft_encoder is None
+    src = eng.tokenizer.format_prompt("open the file")
+    [plain] = eng.generate(src, num_beams=2, max_new_tokens=6)
+    [fast] = eng.generate(src, num_beams=2, max_new_tokens=6, speculative=SpeculativeConfig(budget=8, max_depth=3))
+    assert plain.hypotheses[0].tokens == fast.hypotheses[0].tokens
