@@ -24,12 +24,13 @@ from specbeam_edge import Engine, SpeculativeConfig  # noqa: E402
 from specbeam_edge.beam import log_softmax  # noqa: E402
 
 
-def teacher_forced(lm, ids: list[int], k: int = 8):
+def teacher_forced(lm, ids: list[int], k: int = 8, static: dict | None = None):
     """(top-k ids [n, k], their log-probs [n, k]) of every position; read from a top-k head when the model has
-    one (its log-probs are normalised over the whole vocabulary), else from full logits."""
+    one (its log-probs are normalised over the whole vocabulary), else from full logits. static: an
+    encoder-decoder's cross K/V and source mask (ids are then the decoder's)."""
     n = len(ids)
     mask = np.tril(np.ones((n, n), bool))[None, None]
-    head, _ = lm.forward(np.array([ids]), np.arange(n)[None], mask, lm.empty_past(), topk=k)
+    head, _ = lm.forward(np.array([ids]), np.arange(n)[None], mask, lm.empty_past(), topk=k, static=static)
     if isinstance(head, tuple):
         logp, top = head
         return top[0], logp[0]
@@ -49,9 +50,16 @@ def agreement(engine: Engine, prompts, ref, sep: int, report: dict, key: str = "
         # a translation given as text is encoded; the target's own output comes as the tokens it produced (their
         # re-encoding differs where the model chose a non-canonical tokenisation)
         out = engine.tokenizer.encode(r) + list(engine.eos[:1]) if isinstance(r, str) else list(r)
-        ids = engine.encode(p) + out
-        start = ids.index(sep)
-        (tt, tl), (dd, dl) = (teacher_forced(lm, ids) for lm in (engine.target, engine.draft))
+        statics = (None, None)
+        if engine.encoder is not None:     # encoder-decoder: the decoder reads its prompt, then the translation
+            prompt = engine.encoder.decoder_prompt()
+            ids, start = prompt + out, len(prompt) - 1
+            statics = [{n: a for n, (a, _) in st.items()} for st in engine._statics([engine.encode(p)], 1)[0](True)]
+        else:
+            ids = engine.encode(p) + out
+            start = ids.index(sep)
+        (tt, tl), (dd, dl) = (teacher_forced(lm, ids, static=st) for lm, st in zip((engine.target, engine.draft),
+                                                                                    statics))
         tt, tl, dd, dl = tt[start:-1], tl[start:-1], dd[start:-1], dl[start:-1]
         match += float((tt[:, 0] == dd[:, 0]).sum())
         top4 += sum(len(set(a[:4]) & set(b[:4])) / 4 for a, b in zip(tt, dd))
@@ -98,7 +106,7 @@ def main(argv=None) -> int:
     report: dict = {"lines": len(rows), "target": str(target)}
 
     # agreement, teacher-forced on the reference translations (target side only)
-    sep = engine.tokenizer.encode("<|de|>")[0]
+    sep = engine.tokenizer.encode("<|de|>")[0] if engine.encoder is None else None
     if "agreement" in systems:
         agreement(engine, prompts, ref, sep, report)
     if "agreement_own" in systems:      # on the target's own beam-4 translations of the same sources

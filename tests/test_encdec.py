@@ -424,3 +424,24 @@ def test_draft_sharing_another_encoder_is_refused(encdec, tmp_path):
         with pytest.raises(ModelFolderError, match=r"target_cross_layers must list one target decoder layer "
                                                    r"\(0\.\.1\) per draft decoder layer \(2\)"):
             Engine(target, draft=good)
+
+
+def test_evaluate_agreement_of_an_encoder_decoder_pair(encdec, tmp_path):
+    """models/evaluate.py's teacher-forced agreement runs on encoder-decoder pairs: a target agrees with itself
+    everywhere, and with a draft sharing its encoder (other decoder weights) less."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("specbeam_models_evaluate",
+                                                  Path(__file__).parents[1] / "models" / "evaluate.py")
+    evaluate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(evaluate)
+    target, _ = encdec("m2m100")
+    refs = [[7, 9, 11, 13, 2], [20, 21, 22, 2]]
+    report = {}
+    evaluate.agreement(Engine(target, draft=target), SOURCES["m2m100"], refs, None, report, key="self")
+    assert report["self"]["positions"] == 9
+    assert report["self"]["greedy_match"] == report["self"]["top4_overlap"] == 1.0
+    draft = _cut_draft(target.parent / "hf", tmp_path / "draft", [1])
+    evaluate.agreement(Engine(target, draft=draft), SOURCES["m2m100"], refs, None, report, key="cut")
+    assert report["cut"]["positions"] == 9 and report["cut"]["top4_overlap"] < 1.0
