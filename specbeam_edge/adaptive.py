@@ -109,14 +109,15 @@ class ChoosersByLoad:
 
 
 def cost_curve(lm, sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), past: int = 32,
-               reps: int = 3) -> dict[int, float]:
-    """Measured pass time (s) of model `lm` over a tree of Q nodes on top of `past` cached tokens."""
+               reps: int = 3, static: dict | None = None) -> dict[int, float]:
+    """Measured pass time (s) of model `lm` over a tree of Q nodes on top of `past` cached tokens. static: an
+    encoder-decoder's static inputs (a source's cross K/V and mask, batch 1)."""
     rng = np.random.default_rng(0)
     ctx = lm.cfg.context_length
     mask = np.tril(np.ones((past, past), bool))[None, None]
     kw = {"key_positions": np.arange(past)[None]} if lm.needs_key_positions else {}
     _, kv = lm.forward(rng.integers(1, lm.cfg.vocab_size, (1, past)), np.arange(past)[None], mask,
-                       lm.empty_past(), **kw)
+                       lm.empty_past(), static=static, **kw)
     out = {}
     for q in sizes:
         if past + q > ctx:
@@ -128,7 +129,7 @@ def cost_curve(lm, sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), past: in
         times = []
         for _ in range(reps):
             t0 = time.perf_counter()
-            lm.forward(ids, pos, m, kv, **kw)
+            lm.forward(ids, pos, m, kv, static=static, **kw)
             times.append(time.perf_counter() - t0)
         out[q] = float(np.median(times))
     return out

@@ -119,6 +119,11 @@ class Encoder:
         return statics
 
 
+def probe_source(n: int, eos: int) -> list[int]:
+    """A source of n ordinary token ids ending in EOS (load-time checks and cost measurements)."""
+    return [3 + i % 13 for i in range(n - 1)] + [eos]
+
+
 def shared_cross_layers(target: Encoder, draft: Encoder, draft_model: OnnxCausalLM,
                         target_model: OnnxCausalLM) -> list[int] | None:
     """A draft cut from its target with the target's encoder, embedding and cross K/V projections kept as they
@@ -139,7 +144,7 @@ def shared_cross_layers(target: Encoder, draft: Encoder, draft_model: OnnxCausal
     if shape(draft_model) != shape(target_model):
         raise ModelFolderError(f"{path}: target_cross_layers needs the target's cross K/V shape (heads, head_dim) "
                                f"{shape(target_model)}; the draft's is {shape(draft_model)}")
-    probe = [3 + i % 13 for i in range(16)] + [draft.eos[0]]      # any ordinary ids, ending in EOS
+    probe = probe_source(17, draft.eos[0])
     t, d = target.encode([probe])[0], draft.encode([probe])[0]
     worst = 0.0
     for j, i in enumerate(layers):

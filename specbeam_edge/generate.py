@@ -17,8 +17,8 @@ import numpy as np
 from .adaptive import ChoosersByLoad, PassChooser, auto_budget, cost_curve
 from .config import GenerationConfig, ModelFolderError, SpeculativeConfig
 from .draft import make_drafter
-from .encdec import (Encoder, EncoderQueue, is_encoder_decoder, logits_processor, shared_cross_layers,
-                     shared_statics)
+from .encdec import (Encoder, EncoderQueue, is_encoder_decoder, logits_processor, probe_source,
+                     shared_cross_layers, shared_statics)
 from .model import OnnxCausalLM
 from .results import Hypothesis, Result, Stats, StreamChunk, peak_rss_mb
 from .scheduler import Job, Scheduler
@@ -109,7 +109,10 @@ class Engine:
     def cost_curve(self, sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), past: int = 32,
                    reps: int = 3) -> dict[int, float]:
         """Measured target pass time (s) over a tree of Q nodes on top of `past` cached tokens."""
-        return cost_curve(self.target, sizes, past, reps)
+        static = None
+        if self.encoder is not None:      # a decoder pass reads a source's cross K/V: a source of `past` tokens
+            static = {n: a for n, (a, _) in self.encoder.encode([probe_source(past, self.encoder.eos[0])])[0].items()}
+        return cost_curve(self.target, sizes, past, reps, static)
 
     def auto_budget(self, num_beams: int, slack: float = 1.6) -> int:
         """The largest tree whose pass costs at most `slack` times a pass over the beams alone (adaptive.py);

@@ -445,3 +445,17 @@ def test_evaluate_agreement_of_an_encoder_decoder_pair(encdec, tmp_path):
     draft = _cut_draft(target.parent / "hf", tmp_path / "draft", [1])
     evaluate.agreement(Engine(target, draft=draft), SOURCES["m2m100"], refs, None, report, key="cut")
     assert report["cut"]["positions"] == 9 and report["cut"]["top4_overlap"] < 1.0
+
+
+def test_auto_budget_measures_the_decoder_with_a_source(encdec):
+    """budget='auto' measures the target's pass cost; an encoder-decoder's decoder pass needs a source's cross
+    K/V (it used to fail for want of them)."""
+    target, _ = encdec("m2m100")
+    eng = Engine(target, draft=target)
+    curve = eng.cost_curve(sizes=(1, 2, 4), reps=1)
+    assert sorted(curve) == [1, 2, 4] and all(t > 0 for t in curve.values())
+    auto = SpeculativeConfig(budget="auto", max_depth=3)
+    for src in SOURCES["m2m100"]:
+        [plain] = eng.generate(src, num_beams=2, max_new_tokens=10)
+        [fast] = eng.generate(src, num_beams=2, max_new_tokens=10, speculative=auto)
+        _same_or_near_tie(plain, fast)
