@@ -259,6 +259,13 @@ def test_encdec_run_resumes_averages_and_scores(tiny_corpus, tmp_path, capsys):
     assert len(ref) >= 3 and list(ours.hypotheses[0].tokens) == [t for t in ref[1:] if t != hf.config.pad_token_id]
 
 
+def _encdec_target(data, tok_dir, root, kw):
+    """A tiny encoder-decoder trained two steps and averaged into an HF folder (root/hf)."""
+    _lm(data, tok_dir, root / "target", 2, **kw)
+    train.main(["average", "--ckpt", str(root / "target"), "--last", "1", "--out", str(root / "hf")])
+    return root / "hf"
+
+
 @pytest.mark.slow                                    # a short encoder-decoder run, a cut and a KD run: ~10 s
 def test_encdec_draft_is_cut_from_the_target_and_distilled(tiny_corpus, tmp_path):
     torch = pytest.importorskip("torch")
@@ -267,9 +274,7 @@ def test_encdec_draft_is_cut_from_the_target_and_distilled(tiny_corpus, tmp_path
 
     data, tok_dir = tiny_corpus
     kw = dict(arch="m2m100", hidden=32, heads=2, layers=3)
-    _lm(data, tok_dir, tmp_path / "target", 2, **kw)
-    hf = tmp_path / "hf"
-    train.main(["average", "--ckpt", str(tmp_path / "target"), "--last", "1", "--out", str(hf)])
+    hf = _encdec_target(data, tok_dir, tmp_path, kw)
     full = M2M100ForConditionalGeneration.from_pretrained(hf).state_dict()
     cut = train.build_model(argparse.Namespace(arch="m2m100", init=str(hf), init_layers="0,2"), 300)
     assert cut.config.decoder_layers == 2 and cut.config.encoder_layers == 3
@@ -301,9 +306,7 @@ def test_frozen_encoder_draft_uses_the_targets_encoder_at_run_time(tiny_corpus, 
 
     data, tok_dir = tiny_corpus
     kw = dict(arch="m2m100", hidden=32, heads=2, layers=2)
-    _lm(data, tok_dir, tmp_path / "target", 2, **kw)
-    hf = tmp_path / "hf"
-    train.main(["average", "--ckpt", str(tmp_path / "target"), "--last", "1", "--out", str(hf)])
+    hf = _encdec_target(data, tok_dir, tmp_path, kw)
     with pytest.raises(SystemExit, match="--freeze_encoder keeps an encoder-decoder's encoder from its --init"):
         _lm(data, tok_dir, tmp_path / "bad", 1, freeze_encoder=True, **kw)
     _lm(data, tok_dir, tmp_path / "draft", 3, init=str(hf), init_layers="1", teacher=str(hf), align_topk=2,
