@@ -43,7 +43,7 @@ def bench(pair: Path, *, Ks=(1, 2, 4, 8), specs=None, n_prompts=12, reps=3, max_
     rows = []
     for K in Ks:
         for spec in specs:
-            if spec.budget < K or (spec.draft_width or K) < K:
+            if (spec.budget != "auto" and spec.budget < K) or (spec.draft_width or K) < K:
                 continue
             ratios, a_runs, b_runs = [], [], []
             for _ in range(reps):          # A B A B: plain then speculative, back to back
@@ -64,7 +64,7 @@ def bench(pair: Path, *, Ks=(1, 2, 4, 8), specs=None, n_prompts=12, reps=3, max_
                    "accepted_per_proposed": b0["accepted"] / max(1, b0["proposed"]),
                    "identical": sum(x == y for x, y in zip(a_runs[0]["texts"], b0["texts"])), "of": len(prompts)}
             rows.append(row)
-            print(f"K={K} {spec.drafter:10s} budget={spec.budget:3d} speedup {row['speedup']:.2f}x "
+            print(f"K={K} {spec.drafter:10s} budget={spec.budget!s:>4} speedup {row['speedup']:.2f}x "
                   f"bspp {row['bspp']:.2f} identical {row['identical']}/{len(prompts)}", file=sys.stderr)
     return {"pair": pair.name, "prompts": len(prompts), "batch": batch, "reps": reps, "max_new_tokens": max_new,
             "rows": rows}
