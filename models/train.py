@@ -350,7 +350,6 @@ def load_init(args):
     return model
 
 
-
 def freeze_encoder(model, args) -> None:
     """A draft that shares its target's encoder output: the encoder, the shared embedding (tied to the head) and
     each kept decoder layer's cross-attention K/V projections stay the --init model's, and the config records

@@ -63,7 +63,8 @@ class Engine:
 
     def _init_encoders(self, threads, providers):
         """Encoder-decoder folders (encdec.py): the target's encoder, and the draft's (a draft of an
-        encoder-decoder target is one too: it needs its own cross K/V)."""
+        encoder-decoder target is one too: it needs its own cross K/V, or reads the target's when it declares
+        `target_cross_layers`)."""
         self.encoder = self.draft_encoder = self.draft_cross = None
         kinds = [is_encoder_decoder(m) for m in (self.target, self.draft) if m is not None]
         if len(set(kinds)) > 1:
