@@ -78,13 +78,14 @@ def plot(data: dict, path: Path):
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for drafter, marker in (("beam", "o"), ("best_first", "s")):
         for K in sorted({r["K"] for r in data["rows"]}):
-            rs = [r for r in data["rows"] if r["K"] == K and r["drafter"] == drafter and not r.get("adaptive")]
+            rs = [r for r in data["rows"] if r["K"] == K and r["drafter"] == drafter and not r.get("adaptive")
+                  and r["budget"] != "auto"]      # "auto" rows have no fixed budget to place on the axis
             if not rs:
                 continue
             axes[0].plot([r["budget"] for r in rs], [r["speedup"] for r in rs], marker=marker,
                          label=f"K={K} {drafter}")
             axes[1].plot([r["budget"] for r in rs], [r["bspp"] for r in rs], marker=marker, label=f"K={K} {drafter}")
-    ad = [r for r in data["rows"] if r.get("adaptive")]
+    ad = [r for r in data["rows"] if r.get("adaptive") and r["budget"] != "auto"]
     if ad:
         axes[0].scatter([r["budget"] for r in ad], [r["speedup"] for r in ad], marker="*", s=90, color="black",
                         label="adaptive (apps' default)", zorder=3)

@@ -140,10 +140,10 @@ def shared_cross_layers(target: Encoder, draft: Encoder, draft_model: OnnxCausal
             or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n_t for i in layers)):
         raise ModelFolderError(f"{path}: encoder_decoder.target_cross_layers must list one target decoder layer "
                                f"(0..{n_t - 1}) per draft decoder layer ({n_d}), got {layers!r}")
-    shape = lambda m: (m.cfg.num_kv_heads, m.cfg.head_dim)   # noqa: E731
-    if shape(draft_model) != shape(target_model):
+    want, got = ((m.cfg.num_kv_heads, m.cfg.head_dim) for m in (target_model, draft_model))
+    if got != want:
         raise ModelFolderError(f"{path}: target_cross_layers needs the target's cross K/V shape (heads, head_dim) "
-                               f"{shape(target_model)}; the draft's is {shape(draft_model)}")
+                               f"{want}; the draft's is {got}")
     probe = probe_source(17, draft.eos[0])
     t, d = target.encode([probe])[0], draft.encode([probe])[0]
     worst = 0.0
