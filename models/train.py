@@ -426,7 +426,7 @@ def train_lm(args) -> None:
     state = torch.load(ckpt / "last.pt", weights_only=False) if (ckpt / "last.pt").exists() else None
     if state is not None:                            # resuming: the run's defining flags must not change
         defining = SHAPE_FLAGS + (("tokens",) if args.schedule == "cosine" else ())   # cosine: its length
-        saved = {"init_layers": "", "arch": "llama", **state["args"]}   # flags older runs did not save
+        saved = {**lm_defaults(), **state["args"]}   # a flag added after the run started: its default
         diff = {k: (saved.get(k), getattr(args, k)) for k in defining if saved.get(k) != getattr(args, k)}
         if diff:
             raise SystemExit(f"{ckpt} was started with other settings {diff} (saved, given): rerun with the saved "
@@ -694,7 +694,12 @@ def bleu(args) -> None:
     print(json.dumps(report))
 
 
-def main(argv=None) -> int:
+def lm_defaults() -> dict:
+    """Every `lm` flag's default: what a run started before the flag existed trained with."""
+    return vars(build_parser().parse_args(["lm", "--data", "", "--tokenizer", "", "--ckpt", ""]))
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("tokenizer", help="train the byte-level BPE tokenizer")
@@ -770,7 +775,11 @@ def main(argv=None) -> int:
     b.add_argument("--num_beams", type=int, default=4, help="beam width (1: greedy)")
     b.add_argument("--max_new_tokens", type=int, default=160, help="generation limit")
     b.add_argument("--threads", type=int, default=2, help="torch threads")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     if args.cmd == "tokenizer":
         train_tokenizer(Path(args.data), Path(args.out), args.vocab)
     elif args.cmd == "average":

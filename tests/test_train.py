@@ -129,6 +129,22 @@ def test_resumed_run_matches_an_uninterrupted_one(tiny_corpus, tmp_path):
     assert log["summary"]["steps"] == 6 and log["summary"]["averaged"] == ["step00000003", "step00000006"]
 
 
+def test_a_run_saved_before_a_flag_existed_resumes(tiny_corpus, tmp_path):
+    """A flag added to `lm` later (here --freeze_encoder, --init_layers) is absent from older runs' saved settings:
+    they trained with its default, so resuming with the default continues the run instead of refusing it."""
+    torch = pytest.importorskip("torch")
+    data, tok_dir = tiny_corpus
+    _lm(data, tok_dir, tmp_path / "run", 1)
+    state = torch.load(tmp_path / "run" / "last.pt", weights_only=False)
+    for k in ("freeze_encoder", "init_layers", "arch"):
+        del state["args"][k]
+    torch.save(state, tmp_path / "run" / "last.pt")
+    _lm(data, tok_dir, tmp_path / "run", 2)
+    assert torch.load(tmp_path / "run" / "last.pt", weights_only=False)["step"] == 2
+    with pytest.raises(SystemExit, match=r"other settings \{'freeze_encoder': \(False, True\)\}"):
+        _lm(data, tok_dir, tmp_path / "run", 3, freeze_encoder=True)
+
+
 def test_resume_with_other_settings_is_refused(tiny_corpus, tmp_path):
     data, tok_dir = tiny_corpus
     _lm(data, tok_dir, tmp_path / "run", 1)
