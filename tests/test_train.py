@@ -275,6 +275,24 @@ def test_encdec_run_resumes_averages_and_scores(tiny_corpus, tmp_path, capsys):
     assert len(ref) >= 3 and list(ours.hypotheses[0].tokens) == [t for t in ref[1:] if t != hf.config.pad_token_id]
 
 
+@pytest.mark.slow                                    # four short encoder-decoder runs: ~10 s
+def test_bf16_trains_close_to_fp32_and_resumes_exactly(tiny_corpus, tmp_path):
+    """--bf16 runs the forward passes in bfloat16 (the weights then differ from an fp32 run's), reaches about
+    the same validation loss, and a resumed bf16 run still ends with exactly an uninterrupted one's weights."""
+    torch = pytest.importorskip("torch")
+    data, tok_dir = tiny_corpus
+    kw = dict(arch="m2m100", hidden=32, heads=2)
+    _lm(data, tok_dir, tmp_path / "fp32", 4, **kw)
+    _lm(data, tok_dir, tmp_path / "bf16", 4, bf16=True, **kw)
+    _lm(data, tok_dir, tmp_path / "resumed", 2, bf16=True, **kw)
+    _lm(data, tok_dir, tmp_path / "resumed", 4, bf16=True, **kw)
+    a, b, c = (torch.load(tmp_path / r / "last.pt", weights_only=False) for r in ("fp32", "bf16", "resumed"))
+    assert not all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert all(torch.equal(b["model"][k], c["model"][k]) for k in b["model"])
+    va, vb = a["log"][-1]["val_loss"], b["log"][-1]["val_loss"]
+    assert abs(va - vb) < 0.02 * va, (va, vb)
+
+
 def _encdec_target(data, tok_dir, root, kw):
     """A tiny encoder-decoder trained two steps and averaged into an HF folder (root/hf)."""
     _lm(data, tok_dir, root / "target", 2, **kw)
