@@ -383,6 +383,23 @@ def _languages(src: Path, tokenizer: dict, arch: EncDecArch) -> dict:
     return {"language_codes": codes, "source_language": "suffix" if legacy else "prefix"}
 
 
+def cross_probe(encoder: Path, layers: int, eos: int, head_dim: int) -> dict:
+    """A fingerprint of an encoder's cross K/V: the source, the sampled positions and head dims, and each cross
+    tensor's values there (all heads). A draft that shares its target's encoder ships this instead of the
+    encoder: the runtime compares it with the target's cross K/V of the same source at load."""
+    import onnxruntime as ort
+
+    source = [3 + i % 13 for i in range(16)] + [eos]
+    sess = ort.InferenceSession(str(encoder), providers=["CPUExecutionProvider"])
+    names = [n for i in range(layers) for n in cross_names(i)]
+    outs = sess.run(names, {"input_ids": np.array([source], np.int64),
+                            "attention_mask": np.ones((1, len(source)), np.int64)})
+    pos, dims = list(range(0, len(source), 4)), list(range(0, head_dim, 16))
+    return {"source": source, "positions": pos, "dims": dims,
+            "values": {n: [round(float(v), 5) for v in o[0][:, pos][:, :, dims].reshape(-1)]
+                       for n, o in zip(names, outs)}}
+
+
 def export_encdec(src: Path, dst: Path, family: str, *, precision: str, layout: str, output: str, overwrite: bool,
                   quiet: bool) -> Path:
     """Write the model folder of an encoder-decoder: encoder.onnx + model.onnx (the decoder) + config."""
@@ -425,6 +442,10 @@ def export_encdec(src: Path, dst: Path, family: str, *, precision: str, layout: 
                 raise ExportError(f"{src / 'config.json'}: {TARGET_CROSS_KEY} must list one target layer (an integer "
                                   f">= 0) per decoder layer ({L}), got {shared!r}")
             facts["target_cross_layers"] = shared
+            # its encoder is the target's: ship a fingerprint to check that against, not a second copy
+            facts["target_cross_probe"] = cross_probe(tmp / "encoder.onnx", L, (arch.eos_token_ids or [0])[0],
+                                                         arch.head_dim)
+            (tmp / "encoder.onnx").unlink()
         cfg = {
             "format_version": FORMAT_VERSION, "family": family, "vocab_size": arch.vocab_size,
             "hidden_size": arch.d_model, "num_layers": L, "num_heads": arch.heads, "num_kv_heads": arch.heads,
@@ -432,7 +453,8 @@ def export_encdec(src: Path, dst: Path, family: str, *, precision: str, layout: 
             "eos_token_ids": arch.eos_token_ids, "pad_token_id": arch.pad_token_id, "layout": "whole",
             "precision": precision, "quantization": quant, "compute_dtype": "float32",
             "batch_invariant": precision != "int8", "mask": "additive_float32", "mask_value": MASK_VALUE,
-            "present": "concat", "output": output, "files": {"model": "model.onnx", "encoder": "encoder.onnx"},
+            "present": "concat", "output": output,
+            "files": {"model": "model.onnx", **({} if shared is not None else {"encoder": "encoder.onnx"})},
             "static_inputs": [SOURCE_MASK] + [n for i in range(L) for n in cross_names(i)],
             "encoder_decoder": {"encoder_layers": arch.encoder_layers, "source_vocab_size": arch.source_vocab_size,
                                 **facts},

@@ -99,11 +99,16 @@ def main(argv=None) -> int:
     draft = Path(args.draft) if args.draft else pair / "draft"
     needs_draft = bool(set(systems) & {"agreement", "agreement_own", "draft_greedy", "speculative"})
     engine = Engine(target, draft=draft if needs_draft else None)
-    draft_only = Engine(draft) if "draft_greedy" in systems else None
+    draft_only = None
+    if "draft_greedy" in systems and engine.draft_cross is None:
+        draft_only = Engine(draft)
     rows = [l.rstrip("\n").split("\t") for l in open(args.test, encoding="utf-8")][: args.lines]
     src, ref = [r[0] for r in rows], [r[1] for r in rows]
     prompts = [engine.tokenizer.format_prompt(s) for s in src]
     report: dict = {"lines": len(rows), "target": str(target)}
+    if "draft_greedy" in systems and draft_only is None:   # no encoder of its own: it runs only beside its target
+        report["draft_greedy"] = {"skipped": "the draft reads the target's encoder (target_cross_layers)"}
+        systems.remove("draft_greedy")
 
     # agreement, teacher-forced on the reference translations (target side only)
     sep = engine.tokenizer.encode("<|de|>")[0] if engine.encoder is None else None

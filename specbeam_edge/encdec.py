@@ -40,6 +40,9 @@ class Encoder:
             self.suppressed = [int(t) for t in facts.get("suppressed_token_ids", [])]
             name = cfg.files["encoder"]
         except (KeyError, TypeError, ValueError) as e:
+            if "target_cross_layers" in facts and "encoder" not in cfg.files:
+                raise ModelFolderError(f"{folder} has no encoder: it is a draft that reads its target's "
+                                       f"(target_cross_layers); run it as the draft of that target") from None
             raise ModelFolderError(f"{path}: encoder_decoder/files.encoder incomplete ({e}); re-export the model") \
                 from None
         if not (folder / name).is_file():
@@ -124,14 +127,15 @@ def probe_source(n: int, eos: int) -> list[int]:
     return [3 + i % 13 for i in range(n - 1)] + [eos]
 
 
-def shared_cross_layers(target: Encoder, draft: Encoder, draft_model: OnnxCausalLM,
-                        target_model: OnnxCausalLM) -> list[int] | None:
+def shared_cross_layers(target: Encoder, draft_model: OnnxCausalLM, target_model: OnnxCausalLM) -> list[int] | None:
     """A draft cut from its target with the target's encoder, embedding and cross K/V projections kept as they
     were (models/train.py --freeze_encoder) declares, per decoder layer, the target layer whose cross K/V it
-    uses (`encoder_decoder.target_cross_layers`); the runtime then feeds it the target's and skips its encoder
-    pass. Checked once on a probe source: a draft trained for another target is refused, not run slowly.
-    None when the draft declares nothing."""
-    layers = draft_model.cfg.raw["encoder_decoder"].get("target_cross_layers")
+    uses (`encoder_decoder.target_cross_layers`), and ships no encoder: the runtime feeds it the target's cross
+    K/V. Checked once at load against the fingerprint the export took from the draft's encoder
+    (`target_cross_probe`): a draft trained for another target is refused, not run slowly.
+    None when the draft declares nothing (it has its own encoder)."""
+    facts = draft_model.cfg.raw["encoder_decoder"]
+    layers = facts.get("target_cross_layers")
     if layers is None:
         return None
     path = Path(draft_model.folder) / "specbeam_config.json"
@@ -144,13 +148,19 @@ def shared_cross_layers(target: Encoder, draft: Encoder, draft_model: OnnxCausal
     if got != want:
         raise ModelFolderError(f"{path}: target_cross_layers needs the target's cross K/V shape (heads, head_dim) "
                                f"{want}; the draft's is {got}")
-    probe = probe_source(17, draft.eos[0])
-    t, d = target.encode([probe])[0], draft.encode([probe])[0]
-    worst = 0.0
-    for j, i in enumerate(layers):
-        for dn, tn in zip(cross_names(j), cross_names(i)):
-            a, b = d[dn][0], t[tn][0]
-            worst = max(worst, float(np.abs(a - b).max() / (np.abs(b).max() + 1e-6)))
+    probe = facts.get("target_cross_probe")
+    try:
+        source, pos, dims, values = (probe[k] for k in ("source", "positions", "dims", "values"))
+        [t] = target.encode([list(source)])
+        worst = 0.0
+        for j, i in enumerate(layers):
+            for dn, tn in zip(cross_names(j), cross_names(i)):
+                a = np.asarray(values[dn], np.float32)
+                b = t[tn][0][0][:, pos][:, :, dims].reshape(-1)
+                worst = max(worst, float(np.abs(a - b).max() / (np.abs(b).max() + 1e-6)))
+    except (TypeError, KeyError, IndexError, ValueError) as e:
+        raise ModelFolderError(f"{path}: encoder_decoder.target_cross_probe missing or malformed ({e!r}); re-export "
+                               f"the draft") from None
     if worst > 2e-2:                 # fp16 / int8 storage of the same weights moves them by ~1e-3
         raise ModelFolderError(f"{path}: the draft declares it uses the target's encoder (target_cross_layers "
                                f"{layers}), but its cross K/V differ from {target_model.folder}'s by {worst:.3g} "

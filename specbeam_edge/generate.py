@@ -73,10 +73,9 @@ class Engine:
         if kinds[0]:
             self.encoder = Encoder(self.target, threads=threads, providers=providers)
             if self.draft is not None:
-                self.draft_encoder = Encoder(self.draft, threads=1, providers=providers, spin=False)
-                self.draft_cross = shared_cross_layers(self.encoder, self.draft_encoder, self.draft, self.target)
-                if self.draft_cross is not None:     # the draft reads the target's cross K/V: no encoder pass
-                    self.draft_encoder = None
+                self.draft_cross = shared_cross_layers(self.encoder, self.draft, self.target)
+                if self.draft_cross is None:         # else it reads the target's cross K/V: no encoder pass
+                    self.draft_encoder = Encoder(self.draft, threads=1, providers=providers, spin=False)
 
     def _init_state(self):
         """What an engine learns across requests (cost curve, pass choosers); a lock makes sharing one engine

@@ -347,10 +347,11 @@ def test_sentencepiece_m2m100_languages_match_transformers(encdec):
         assert res.hypotheses[0].tokens == out[0, 1:].tolist()
 
 
-def _cut_draft(hf, out, keep, *, perturb_encoder=False):
+def _cut_draft(hf, out, keep, *, perturb_encoder=False, own=False):
     """A draft cut from the target's HF folder as models/train.py --freeze_encoder leaves it: the target's
     encoder, embedding and cross K/V projections, decoder layers `keep` (their other weights retrained: here
-    perturbed), and the config marker the export reads."""
+    perturbed), and the config marker the export reads. own: also return the same draft exported without the
+    marker (with its own encoder)."""
     import shutil
 
     import torch
@@ -374,20 +375,30 @@ def _cut_draft(hf, out, keep, *, perturb_encoder=False):
     for f in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         if (hf / f).is_file():
             shutil.copy(hf / f, out / f)
-    return export(out, out.parent / (out.name + "_sb"), precision="fp32", quiet=True)
+    shared = export(out, out.parent / (out.name + "_sb"), precision="fp32", quiet=True)
+    if not own:
+        return shared
+    cfg = json.loads((out / "config.json").read_text())
+    del cfg[TARGET_CROSS_KEY]
+    (out / "config.json").write_text(json.dumps(cfg))
+    return shared, export(out, out.parent / (out.name + "_own"), precision="fp32", quiet=True)
 
 
 @pytest.mark.parametrize("kind", ["marian", "m2m100"])
 def test_draft_sharing_the_target_encoder(encdec, kind, tmp_path):
-    """A draft declaring target_cross_layers runs no encoder pass: it gets the target's cross K/V of those
-    layers, which equal what its own encoder gives, and speculation still equals plain search."""
+    """A draft declaring target_cross_layers ships no encoder and runs no encoder pass: it gets the target's
+    cross K/V of those layers, which equal what its own encoder gives, and speculation still equals plain
+    search."""
     target, _ = encdec(kind)
     hf = target.parent / "hf"
-    draft = _cut_draft(hf, tmp_path / "draft", [1])
+    draft, own_folder = _cut_draft(hf, tmp_path / "draft", [1], own=True)
     assert json.loads((draft / "specbeam_config.json").read_text())["encoder_decoder"]["target_cross_layers"] == [1]
+    assert not (draft / "encoder.onnx").exists() and (own_folder / "encoder.onnx").is_file()
     eng = Engine(target, draft=draft)
     assert eng.draft_cross == [1] and eng.draft_encoder is None
-    own = Engine(draft)                    # the draft alone runs its own encoder
+    with pytest.raises(ModelFolderError, match="has no encoder: it is a draft that reads its target's"):
+        Engine(draft)
+    own = Engine(own_folder)               # the same draft exported with its own encoder
     for src in SOURCES[kind]:
         [t] = eng.encoder.encode([src])
         [d] = own.encoder.encode([src])
@@ -418,6 +429,11 @@ def test_draft_sharing_another_encoder_is_refused(encdec, tmp_path):
     good = _cut_draft(hf, tmp_path / "good", [0, 1])
     cfg_path = good / "specbeam_config.json"
     cfg = json.loads(cfg_path.read_text())
+    probe = cfg["encoder_decoder"].pop("target_cross_probe")
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(ModelFolderError, match=r"target_cross_probe missing or malformed .* re-export the draft"):
+        Engine(target, draft=good)
+    cfg["encoder_decoder"]["target_cross_probe"] = probe
     for layers in ([0], [0, 2], "0,1", [0, True]):
         cfg["encoder_decoder"]["target_cross_layers"] = layers
         cfg_path.write_text(json.dumps(cfg))
@@ -445,6 +461,15 @@ def test_evaluate_agreement_of_an_encoder_decoder_pair(encdec, tmp_path):
     draft = _cut_draft(target.parent / "hf", tmp_path / "draft", [1])
     evaluate.agreement(Engine(target, draft=draft), SOURCES["m2m100"], refs, None, report, key="cut")
     assert report["cut"]["positions"] == 9 and report["cut"]["top4_overlap"] < 1.0
+    # that draft has no encoder, so it has no greedy score of its own: the report says why instead of failing
+    test = tmp_path / "test.tsv"
+    test.write_text("a b c\td e f\nb c\te f\n", encoding="utf-8")
+    out = tmp_path / "eval.json"
+    evaluate.main(["--target", str(target), "--draft", str(draft), "--test", str(test), "--systems",
+                   "target_greedy,draft_greedy", "--max_new_tokens", "6", "--out", str(out)])
+    rep = json.loads(out.read_text())
+    assert rep["draft_greedy"] == {"skipped": "the draft reads the target's encoder (target_cross_layers)"}
+    assert rep["target_greedy"]["bleu"] >= 0
 
 
 def test_auto_budget_measures_the_decoder_with_a_source(encdec):
