@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
-from .graph import Builder, _vi
+from .graph import Builder, _vi, stored_weight
 from .hf import ExportError, load_config
 
 ARCHITECTURES = {"MarianMTModel": "marian", "M2M100ForConditionalGeneration": "m2m100"}
@@ -159,11 +159,11 @@ def read_model(folder: Path, family: str):
 
 
 # -- graph pieces ------------------------------------------------------------------------------------------
-def _w(b: Builder, name: str, a: np.ndarray, precision: str) -> str:
-    """A weight initializer as fp32 (fp16 storage: stored half, cast once in the graph)."""
-    if precision == "fp16" and a.ndim == 2:
-        b.init(name + ".f16", a.astype(np.float16))
-        return b.node("Cast", [name + ".f16"], [name], to=F32)
+def _w(b: Builder, name: str, a: np.ndarray, precision: str, axis: int = 1) -> str:
+    """A weight initializer as fp32: 2-D weights as stored (graph.stored_weight: fp16 or int8w, folded at
+    load), vectors fp32. axis: the output-channel axis (0 for an embedding table)."""
+    if a.ndim == 2:
+        return stored_weight(b, name, a, precision, axis)
     return b.init(name, a)
 
 
@@ -218,7 +218,7 @@ def _weights(b: Builder, w: dict, p: str, precision: str) -> dict:
 
 def _embed(b: Builder, arch: EncDecArch, ids: str, pos: str, table: np.ndarray, pos_table: np.ndarray,
            precision: str, p: str) -> str:
-    emb = _w(b, p + "embed", table, precision)
+    emb = _w(b, p + "embed", table, precision, axis=0)
     x = b.node("Gather", [emb, ids], [p + "tok"], axis=0)
     if arch.embed_scale != 1.0:
         x = b.node("Mul", [x, b.init(p + "escale", np.array(arch.embed_scale, np.float32))], [p + "tok_s"])
@@ -403,12 +403,12 @@ def cross_probe(encoder: Path, layers: int, eos: int, head_dim: int) -> dict:
 def export_encdec(src: Path, dst: Path, family: str, *, precision: str, layout: str, output: str, overwrite: bool,
                   quiet: bool) -> Path:
     """Write the model folder of an encoder-decoder: encoder.onnx + model.onnx (the decoder) + config."""
-    from .core import FORMAT_VERSION, Progress, _save, _save_quantized, staged
+    from .core import FORMAT_VERSION, INT8W, Progress, _save, _save_quantized, staged
 
     if layout != "whole":
         raise ExportError("encoder-decoder models export with layout 'whole' (static cross K/V inputs need it)")
-    if precision not in ("fp32", "fp16", "int8"):
-        raise ExportError(f"encoder-decoder models export as fp32, fp16 or int8, not {precision!r}")
+    if precision not in ("fp32", "fp16", "int8w", "int8"):
+        raise ExportError(f"encoder-decoder models export as fp32, fp16, int8w or int8, not {precision!r}")
     t0 = time.time()
     prog = Progress(4, quiet)
     tokenizers = _tokenizers(src, family)
@@ -416,8 +416,8 @@ def export_encdec(src: Path, dst: Path, family: str, *, precision: str, layout: 
     prog.step("read weights")
     defaults, facts = _generation(src, arch)
     with staged(dst, prog) as tmp:
-        base = "fp16" if precision == "fp16" else "fp32"
-        quant = {"method": "none", "storage": precision}
+        base = precision if precision in ("fp16", "int8w") else "fp32"
+        quant = INT8W if precision == "int8w" else {"method": "none", "storage": precision}
         _save(encoder_model(arch, ew, dw, base), tmp / "encoder.onnx")
         prog.step("write encoder.onnx")
         dec = decoder_model(arch, dw, base, output)

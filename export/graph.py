@@ -73,9 +73,29 @@ def _vi(name, elem, shape):
     return oh.make_tensor_value_info(name, elem, shape)
 
 
+def stored_weight(b: Builder, name: str, w: np.ndarray, precision: str, axis: int = 1) -> str:
+    """The fp32 tensor `name` of a weight initializer as stored: fp32; fp16 (half, one Cast); int8w for 2-D
+    weights (int8 with one scale per output channel: axis 1 of a [in, out] MatMul weight, axis 0 of an
+    embedding table; a Cast and a Mul by the scales). onnxruntime folds the Cast/Mul of initializers when it
+    loads the graph, so compute is fp32 and a node's logits do not depend on the other nodes in its pass
+    (batch-invariant, unlike int8's dynamic activation quantization)."""
+    if precision == "fp16":
+        b.init(name + ".f16", w.astype(np.float16))
+        return b.node("Cast", [name + ".f16"], [name], to=F32)
+    if precision == "int8w" and w.ndim == 2:
+        q, s = quantize_int8(w if axis == 1 else w.T)
+        q, s = (q, s) if axis == 1 else (q.T, s[:, None])
+        b.init(name + ".i8", q)
+        b.init(name + ".scale", s)
+        return b.node("Mul", [b.node("Cast", [name + ".i8"], [name + ".i8f"], to=F32), name + ".scale"], [name])
+    return b.init(name, w)
+
+
 def weight_value(b: Builder, arch: Arch, i: int, key: str, w: np.ndarray | None, precision: str, as_input: bool):
     """Return the name of an fp32 tensor holding weight `key` of layer i (initializer or input, maybe cast)."""
     base = f"layers.{i}.{key}" if not as_input else key
+    if precision == "int8w" and not as_input:
+        return stored_weight(b, base, w, precision)
     if precision == "fp16" or (precision == "int8" and key not in MATMULS):
         stored = TensorProto.FLOAT16 if precision == "fp16" else F32
     else:
@@ -300,21 +320,15 @@ def kv_names(i: int):
 
 
 def _global_inits(b: Builder, g: dict, precision: str) -> tuple[str, str, str]:
-    """Embedding (fp32 Gather, or fp16 + Cast), final norm, lm_head (MatMul-ready; quantized later if asked)."""
-    if precision == "fp16":
-        b.init("embed.weight.f16", g["embed"].astype(np.float16))
-        emb = b.node("Cast", ["embed.weight.f16"], ["embed.weight"], to=F32)
-        b.init("lm_head.weight.f16", g["lm_head"].astype(np.float16))
-        head = b.node("Cast", ["lm_head.weight.f16"], ["lm_head.weight"], to=F32)
-    else:
-        emb = b.init("embed.weight", g["embed"])
-        head = b.init("lm_head.weight", g["lm_head"])
+    """Embedding, final norm, lm_head as stored (stored_weight; int8/int4 quantize the graph afterwards)."""
+    emb = stored_weight(b, "embed.weight", g["embed"], precision, axis=0)
+    head = stored_weight(b, "lm_head.weight", g["lm_head"], precision, axis=1)
     return emb, b.init("norm.weight", g["norm"]), head
 
 
 def whole_model(arch: Arch, g: dict, layers: list[dict], precision: str, output: str) -> onnx.ModelProto:
-    """Precision here is the storage of weights in the graph: fp32 or fp16 (int8/int4 are applied afterwards
-    by onnxruntime's quantizers on the fp32 graph)."""
+    """Precision here is the storage of weights in the graph: fp32, fp16 or int8w (int8/int4 are applied
+    afterwards by onnxruntime's quantizers on the fp32 graph)."""
     b = Builder()
     _common_inputs(b, arch, with_ids=True)
     emb, norm, head = _global_inits(b, g, precision)

@@ -3,6 +3,7 @@ transformers `generate(num_beams=K)` (sequences, and scores to 1e-4), speculativ
 import json
 
 import numpy as np
+import onnx
 import pytest
 
 from encdec_models import LANGS, PAD, VOCAB, make_encdec_model
@@ -212,12 +213,19 @@ def test_source_lookup_proposes_source_spans_and_equals_plain(encdec):
 
 @pytest.mark.parametrize("kind", ["marian", "nllb"])
 def test_int8_draft_and_fp16_target(encdec, kind):
-    """An int8 export of the target drafts for it (output unchanged); an fp16 export decodes, and speculation
-    over it equals its own plain search."""
+    """An int8 export of the target drafts for it (output unchanged); fp16 and int8w (int8 weight storage, fp32
+    compute) exports decode, and speculation over them equals their own plain search."""
     target, _ = encdec(kind)
     int8, _ = encdec(kind, precision="int8")
     fp16, _ = encdec(kind, precision="fp16")
-    for tgt, draft in ((target, int8), (fp16, fp16)):
+    int8w, _ = encdec(kind, precision="int8w")
+    cfg = json.loads((int8w / "specbeam_config.json").read_text())
+    assert cfg["batch_invariant"] and cfg["quantization"]["storage"] == "int8w"
+    for f in ("encoder.onnx", "model.onnx"):     # tiny models: the fp32 position tables weigh as much
+        assert (int8w / f).stat().st_size < (fp16 / f).stat().st_size
+        inits = onnx.load(str(int8w / f)).graph.initializer
+        assert any(t.data_type == onnx.TensorProto.INT8 and len(t.dims) == 2 for t in inits)
+    for tgt, draft in ((target, int8), (fp16, fp16), (int8w, int8)):
         eng = Engine(tgt, draft=draft)
         for src in SOURCES[kind]:
             [plain] = eng.generate(src, num_beams=4, max_new_tokens=14, num_return_sequences=2)

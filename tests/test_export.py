@@ -16,7 +16,7 @@ PROMPT = [5, 17, 33, 8, 99, 41, 7, 250, 61]
 TREE_PARENTS = [-1, -1, 0, 0, 1, 2, 5]
 TREE_TOKENS = [11, 12, 13, 14, 15, 16, 17]
 # measured on these tiny random models (logit std ~0.6): max |diff| / max |logit|
-TOL = {"fp32": 1e-5, "fp16": 2e-3, "int8": 3e-2, "int4": 0.2}
+TOL = {"fp32": 1e-5, "fp16": 2e-3, "int8w": 2e-2, "int8": 3e-2, "int4": 0.2}
 
 
 def tree_scenario(folder):
@@ -41,7 +41,7 @@ def tree_scenario(folder):
 
 
 @pytest.mark.parametrize("name", ["llama", "llama3rope", "qwen2", "mistral"])
-@pytest.mark.parametrize("precision", ["fp32", "fp16", "int8", "int4"])
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "int8w", "int8", "int4"])
 def test_parity_with_torch(name, precision, hf_models, exported):
     _, model = hf_models(name)
     folder = exported(name, precision)
@@ -49,6 +49,29 @@ def test_parity_with_torch(name, precision, hf_models, exported):
         ref = torch_path_logits(model, paths)
         err = np.abs(ours - ref).max() / np.abs(ref).max()
         assert err < TOL[precision], (name, precision, err)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "int8w"])
+def test_tree_pass_equals_single_paths(precision, exported):
+    """Exact speculation compares a tree pass with one-path passes, so a target's precision must be
+    batch-invariant: each node's logits in the branching tree pass equal those of its path scored alone. int8w
+    stores int8 weights but computes in fp32 (onnxruntime folds the dequantization at load), so it qualifies,
+    at about half of fp16's size; int8 (dynamic activation quantization) does not, and says so."""
+    folder = exported("qwen2", precision)
+    cfg = json.loads((folder / "specbeam_config.json").read_text())
+    assert cfg["batch_invariant"] is True and cfg["precision"] == precision
+    _, (tree_logits, paths), _ = tree_scenario(folder)
+    lm = OnnxCausalLM(folder)
+    for row, path in zip(tree_logits, paths):
+        tree = TokenTree()
+        alone = TreeCache(lm, tree).score(tree.add_chain(path)).logits[-1]
+        np.testing.assert_allclose(row, alone, atol=1e-5 * np.abs(alone).max(), rtol=0)
+    if precision == "int8w":
+        size = (folder / "model.onnx").stat().st_size
+        assert size < 0.6 * (exported("qwen2", "fp16") / "model.onnx").stat().st_size
+        assert cfg["quantization"]["weight_type"] == "int8"
+        dynamic = json.loads((exported("qwen2", "int8") / "specbeam_config.json").read_text())
+        assert dynamic["batch_invariant"] is False
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "int8"])
@@ -93,6 +116,8 @@ def test_export_cli_and_config(hf_models, tmp_path):
     assert cfg["precision"] == "int8" and "quantize_dynamic" in cfg["quantization"]["method"]
     assert cfg["num_kv_heads"] == 2 and cfg["layout"] == "whole"
     assert main(["-i", str(src), "-o", str(out), "-q"]) == 2          # exists: refused
+    with pytest.raises(ExportError, match="'int8w' is for the whole layout"):
+        export(src, tmp_path / "w", precision="int8w", layout="split", quiet=True)
     assert main(["-i", str(src), "-o", str(out), "-q", "--overwrite"]) == 0
 
 
