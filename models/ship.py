@@ -7,6 +7,11 @@ models/ende/draft    int8 (quantize_dynamic: fastest here; the draft needs no ba
 models/ende/variants/target_int8   quantize_dynamic int8, for the cost curve (not batch-invariant)
 models/ende/hf/{target,draft}      the HF checkpoints in fp16 safetensors (peers benchmark, re-export)
 models/ende/test_sample.{en,de}    the first 200 held-out test pairs
+
+An encoder-decoder pair (train.py --arch m2m100; its draft cut with --freeze_encoder) ships smaller, to fit
+models/ beside its HF target: the target as int8w (int8 weight storage, fp32 compute: batch-invariant), the
+draft int8 without an encoder of its own (it reads the target's), no int8 variant, and only the target's HF
+checkpoint (the draft's stays in DATA/hf/draft).
 """
 from __future__ import annotations
 
@@ -21,11 +26,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from export import export  # noqa: E402
 
 
+def is_encoder_decoder(folder: Path) -> bool:
+    return bool(json.loads((folder / "config.json").read_text(encoding="utf-8")).get("is_encoder_decoder"))
+
+
 def fp16_copy(src: Path, dst: Path):
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-    m = AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float16)
+    auto = AutoModelForSeq2SeqLM if is_encoder_decoder(src) else AutoModelForCausalLM
+    m = auto.from_pretrained(src, torch_dtype=torch.float16)
     m.save_pretrained(dst)
     for f in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         if (src / f).exists():
@@ -46,20 +56,27 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     data, out = Path(args.data), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    # the en->de pair ships its HF checkpoints (peers benchmark); the text pair keeps them in the data folder
+    encdec = is_encoder_decoder(data / "target")
+    # the en->de pair ships its HF checkpoints (peers benchmark; an encoder-decoder pair only the target's); the
+    # text pair keeps them in the data folder
     hf = out / "hf" if args.kind == "ende" else data / "hf"
-    for name in ("target", "draft"):
-        fp16_copy(data / name, hf / name)
-    export(hf / "target", out / "target", precision="fp16", overwrite=True)
+    fp16_copy(data / "target", hf / "target")
+    fp16_copy(data / "draft", (data / "hf" if encdec else hf) / "draft")
+    if encdec and (hf / "draft").exists():    # a decoder-only pair shipped here before
+        shutil.rmtree(hf / "draft")
+    export(hf / "target", out / "target", precision="int8w" if encdec else "fp16", overwrite=True)
     # full logits: speculative beam sampling (DSBD) verifies with the draft's whole distribution q, which a
     # top-k head does not give; beam drafting reads its top children through heads.Dense.top
-    export(hf / "draft", out / "draft", precision="int8", overwrite=True)
+    export((data / "hf" if encdec else hf) / "draft", out / "draft", precision="int8", overwrite=True)
     if args.kind == "text":
         docs = [json.loads(l) for l in open(data / "corpus" / "test.txt", encoding="utf-8")]
         paras = [" ".join(p.split()) for d in docs for p in d.split("\n\n") if len(p.split()) >= 8]
         (out / "test_sample.txt").write_text("".join(p + "\n" for p in paras[:200]), encoding="utf-8")
         return 0
-    export(hf / "target", out / "variants" / "target_int8", precision="int8", overwrite=True)
+    if encdec:
+        shutil.rmtree(out / "variants", ignore_errors=True)
+    else:
+        export(hf / "target", out / "variants" / "target_int8", precision="int8", overwrite=True)
     rows = [l.rstrip("\n").split("\t") for l in open(data / "corpus" / "test.tsv", encoding="utf-8")][:200]
     (out / "test_sample.en").write_text("".join(r[0] + "\n" for r in rows), encoding="utf-8")
     (out / "test_sample.de").write_text("".join(r[1] + "\n" for r in rows), encoding="utf-8")

@@ -2,6 +2,7 @@
 and a resumed run that ends with exactly the weights of an uninterrupted one."""
 import importlib.util
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,9 @@ _spec = importlib.util.spec_from_file_location("models_train", ROOT / "models" /
 train = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(train)
 IGNORE = train.IGNORE
+_ship_spec = importlib.util.spec_from_file_location("models_ship", ROOT / "models" / "ship.py")
+ship = importlib.util.module_from_spec(_ship_spec)
+_ship_spec.loader.exec_module(ship)
 
 
 def _unit(en, de, eos=0, sep=1):
@@ -330,12 +334,11 @@ def test_encdec_draft_is_cut_from_the_target_and_distilled(tiny_corpus, tmp_path
     assert (cfg["encoder_layers"], cfg["decoder_layers"]) == (3, 2)
 
 
-@pytest.mark.slow                                    # a target, a frozen-encoder draft run, two exports: ~15 s
+@pytest.mark.slow                                    # a target, a frozen-encoder draft run, ship.py: ~20 s
 def test_frozen_encoder_draft_uses_the_targets_encoder_at_run_time(tiny_corpus, tmp_path):
     torch = pytest.importorskip("torch")
     from transformers import M2M100ForConditionalGeneration
 
-    from export import export
     from specbeam_edge import Engine, SpeculativeConfig
 
     data, tok_dir = tiny_corpus
@@ -359,9 +362,20 @@ def test_frozen_encoder_draft_uses_the_targets_encoder_at_run_time(tiny_corpus, 
         elif "embed_positions" not in k:
             moved.append(not same)
     assert moved and all(moved)
-    export(hf, tmp_path / "t_sb", precision="fp32", quiet=True)
-    export(tmp_path / "d", tmp_path / "d_sb", precision="int8", quiet=True)
-    eng = Engine(tmp_path / "t_sb", draft=tmp_path / "d_sb")
+    # models/ship.py: the target int8w, the draft int8 without an encoder, only the target's HF checkpoint
+    pair_data = tmp_path / "pair_data"
+    (pair_data / "corpus").mkdir(parents=True)
+    shutil.copytree(hf, pair_data / "target")
+    shutil.copytree(tmp_path / "d", pair_data / "draft")
+    shutil.copy(data / "valid.tsv", pair_data / "corpus" / "test.tsv")
+    out = tmp_path / "shipped"
+    assert ship.main(["--kind", "ende", "--data", str(pair_data), "--out", str(out)]) == 0
+    assert sorted(p.name for p in (out / "hf").iterdir()) == ["target"] and not (out / "variants").exists()
+    assert (pair_data / "hf" / "draft" / "config.json").is_file() and not (out / "draft" / "encoder.onnx").exists()
+    cfg = json.loads((out / "target" / "specbeam_config.json").read_text())
+    assert cfg["precision"] == "int8w" and cfg["batch_invariant"]
+    assert (out / "test_sample.en").read_text().splitlines()[0] == (data / "valid.tsv").read_text().split("\t")[0]
+    eng = Engine(out / "target", draft=out / "draft")
     assert eng.draft_cross == [1] and eng.draft_encoder is None
     src = eng.tokenizer.format_prompt("open the file")
     [plain] = eng.generate(src, num_beams=2, max_new_tokens=6)
