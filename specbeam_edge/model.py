@@ -15,14 +15,7 @@ from .providers import CUDA, ProviderError, cuda_session, default_providers, wan
 
 
 def _session(path: Path, threads: int | None, providers, spin: bool = True) -> ort.InferenceSession:
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    so.intra_op_num_threads = threads or min(os.cpu_count() or 1, 8)
-    so.inter_op_num_threads = 1
-    so.log_severity_level = 3
-    # a draft session must not busy-wait between runs: draft and target alternate, and spinning threads of
-    # one session steal the cores from the other (measured: target pass 16.6 ms instead of 6.9 ms)
-    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+    so = session_options(threads, spin)
     providers = list(providers or default_providers())
     try:
         if wants_cuda(providers):   # every node on CUDA, or ProviderError naming the ones that would not be
@@ -32,6 +25,23 @@ def _session(path: Path, threads: int | None, providers, spin: bool = True) -> o
         raise
     except Exception as e:  # onnxruntime raises several exception types for bad files
         raise ModelFolderError(f"{path}: onnxruntime cannot load this graph ({str(e).splitlines()[0][:200]})") from None
+
+
+def session_options(threads: int | None, spin: bool = True, fold_limit_bytes: int = 0) -> ort.SessionOptions:
+    """The CPU/CUDA session options of every graph; fold_limit_bytes other than 0 only for tests."""
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.intra_op_num_threads = threads or min(os.cpu_count() or 1, 8)
+    so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    # a draft session must not busy-wait between runs: draft and target alternate, and spinning threads of
+    # one session steal the cores from the other (measured: target pass 16.6 ms instead of 6.9 ms)
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+    # fold every constant subgraph, however large (0: no limit): fp16 and int8w weights are widened to fp32
+    # once, at load. onnxruntime >= 1.27 leaves a node whose output exceeds 1 GiB unfolded by default (an
+    # embedding of 65,536 x 4,097 fp32 was then widened on every pass: 2.3 s per pass, measured)
+    so.add_session_config_entry("optimization.constant_folding_max_output_size_in_bytes", str(fold_limit_bytes))
+    return so
 
 
 KEY_POSITIONS = "key_position_ids"   # optional input: the position of every key column (sliding-window layers)
