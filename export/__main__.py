@@ -22,7 +22,8 @@ def main(argv=None) -> int:
     ap.add_argument("-p", "--precision", choices=PRECISIONS, default="fp32",
                     help="weight precision: fp32; fp16 storage; int8w (int8 weight storage, per output channel, "
                     "dequantized at load: fp32 compute, batch-invariant, about half of fp16's size; whole layout); "
-                    "int8 (quantize_dynamic: int8 activations too, not batch-invariant); int4 (MatMulNBits)")
+                    "int8 (whole layout: quantize_dynamic, int8 activations too, not batch-invariant; split "
+                    "layout: int8 weights per output channel, batch-invariant); int4 (MatMulNBits)")
     ap.add_argument("--layout", choices=("whole", "split"), default="whole",
                     help="one graph, or embed/layer/head graphs with per-layer weight files (for streaming)")
     ap.add_argument("--output_kind", choices=("logits", "topk"), default="logits",

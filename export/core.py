@@ -184,8 +184,8 @@ def export(src: str | Path, dst: str | Path, *, precision: str = "fp32", layout:
     if output not in ("logits", "topk"):
         raise ExportError(f"output {output!r} is not 'logits' or 'topk'")
     if layout == "split" and precision == "int8w":
-        raise ExportError("precision 'int8w' is for the whole layout (the split layout's int8 already stores int8 "
-                          "weights per output channel: use -p int8 there)")
+        raise ExportError("precision 'int8w' is for the whole layout (for streamed layers, a decoder-only model's "
+                          "-p int8 --layout split stores int8 weights per output channel)")
     if layout == "split" and precision == "int4":
         raise ExportError("layout 'split' supports fp32, fp16 and int8 weights (int4 needs constant weights)")
     if dst.exists() and not overwrite:

@@ -445,7 +445,8 @@ def export_encdec(src: Path, dst: Path, family: str, *, precision: str, layout: 
             # its encoder is the target's: ship a fingerprint to check that against, not a second copy
             facts["target_cross_probe"] = cross_probe(tmp / "encoder.onnx", L, (arch.eos_token_ids or [0])[0],
                                                          arch.head_dim)
-            (tmp / "encoder.onnx").unlink()
+            for f in ("encoder.onnx", "encoder.onnx.data"):    # (the second: a graph past 2 GB)
+                (tmp / f).unlink(missing_ok=True)
         cfg = {
             "format_version": FORMAT_VERSION, "family": family, "vocab_size": arch.vocab_size,
             "hidden_size": arch.d_model, "num_layers": L, "num_heads": arch.heads, "num_kv_heads": arch.heads,

@@ -7,8 +7,8 @@ continues where it stopped when the same command is run again (after a crash: fr
 `snap/` keeps the last --keep_snapshots weight snapshots (every --snapshot_every steps) for checkpoint
 averaging (`average`), which writes the Hugging Face model folder (config.json, model.safetensors,
 generation_config.json, tokenizer files, train_log.json) that `python -m export` and `models/ship.py` read.
-PyTorch, CPU, fp32; reproducible given the seed, the data and the flags: the schedule is by steps, never by
-wall-clock time.
+PyTorch, CPU, fp32 (--bf16: forward passes, the teacher's included, under bfloat16 autocast); reproducible given
+the seed, the data and the flags: the schedule is by steps, never by wall-clock time.
 
     python models/train.py tokenizer --data $DATA/ende/corpus --out $DATA/ende/tok
     python models/train.py lm --data $DATA/ende/corpus --tokenizer $DATA/ende/tok --ckpt $DATA/ende/run_target \
@@ -367,7 +367,20 @@ def freeze_encoder(model, args) -> None:
             p.requires_grad_(False)
     keep = [int(i) for i in args.init_layers.split(",")] if args.init_layers else \
         list(range(len(model.model.decoder.layers)))
-    setattr(model.config, TARGET_CROSS_KEY, keep)
+    prev = getattr(model.config, TARGET_CROSS_KEY, None)    # --init is itself a draft of that target
+    setattr(model.config, TARGET_CROSS_KEY, keep if prev is None else [prev[i] for i in keep])
+
+
+def drop_shared_encoder_mark(model) -> None:
+    """An --init draft that shared its target's encoder, trained here without --freeze_encoder, has an encoder
+    of its own from now on: it must not declare the target's (the export would drop its trained encoder)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from export.encdec import TARGET_CROSS_KEY
+
+    if getattr(model.config, TARGET_CROSS_KEY, None) is not None:
+        delattr(model.config, TARGET_CROSS_KEY)
+        print(f"note: the --init model shared its target's encoder ({TARGET_CROSS_KEY}); without --freeze_encoder "
+              f"this run trains its own", file=sys.stderr)
 
 
 def build_model(args, vocab_size: int, sep: int = 1):
@@ -470,6 +483,8 @@ def train_lm(args) -> None:
         print("warning: --bf16 on a CPU without AVX512-BF16 or AMX runs slower than fp32", file=sys.stderr)
     if args.freeze_encoder:
         freeze_encoder(model, args)
+    elif args.arch == "m2m100":
+        drop_shared_encoder_mark(model)
     teacher = None
     if args.teacher:
         teacher = load_pretrained(args.teacher, args.arch).eval()
@@ -757,10 +772,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "the end of each invocation) for `average`")
     m.add_argument("--keep_snapshots", type=int, default=8, help="weight snapshots kept for averaging")
     m.add_argument("--threads", type=int, default=2, help="torch threads")
-    m.add_argument("--bf16", action="store_true", help="forward passes under bfloat16 autocast (weights, optimizer "
-                   "and validation stay fp32): 1.57x the steps per second of fp32 on a CPU with AVX512-BF16 "
-                   "(6+6 x 384 encoder-decoder, 2,048-token batches, 2 threads); slower without it. A run may "
-                   "switch it when resumed")
+    m.add_argument("--bf16", action="store_true", help="forward passes (the --teacher's too) under bfloat16 "
+                   "autocast; weights, optimizer and validation stay fp32. On a CPU with AVX512-BF16: 1.1-1.25x "
+                   "the tokens per second of fp32 in train.py runs (6+6 x 384 encoder-decoder, 2 threads; 1.57x "
+                   "for fixed-shape batches); slower without it. A run may switch it when resumed")
     m.add_argument("--seed", type=int, default=0, help="random seed")
     m.add_argument("--log_every", type=int, default=20, help="log every N steps")
     m.add_argument("--eval_every", type=int, default=10, help="validation loss every N log lines")

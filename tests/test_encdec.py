@@ -441,13 +441,37 @@ def test_draft_sharing_another_encoder_is_refused(encdec, tmp_path):
     cfg_path.write_text(json.dumps(cfg))
     with pytest.raises(ModelFolderError, match=r"target_cross_probe missing or malformed .* re-export the draft"):
         Engine(target, draft=good)
+    for bad, why in (({**probe, "values": {k: [float("nan")] * len(v) for k, v in probe["values"].items()}},
+                      r"differ from .* by nan"),
+                     ({**probe, "source": [10 ** 6] * 3}, r"cannot reproduce the draft's encoder fingerprint")):
+        cfg["encoder_decoder"]["target_cross_probe"] = bad
+        cfg_path.write_text(json.dumps(cfg))
+        with pytest.raises(ModelFolderError, match=why):
+            Engine(target, draft=good)
     cfg["encoder_decoder"]["target_cross_probe"] = probe
-    for layers in ([0], [0, 2], "0,1", [0, True]):
+    for layers in ([0], "0,1", [0, True], [0, -1]):
         cfg["encoder_decoder"]["target_cross_layers"] = layers
         cfg_path.write_text(json.dumps(cfg))
         with pytest.raises(ModelFolderError, match=r"target_cross_layers must list one target decoder layer "
-                                                   r"\(0\.\.1\) per draft decoder layer \(2\)"):
+                                                   r"\(an integer >= 0\) per draft decoder layer \(2\)"):
             Engine(target, draft=good)
+    cfg["encoder_decoder"]["target_cross_layers"] = [0, 2]      # a target with more layers than this one
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(ModelFolderError, match=r"reads the cross K/V of target decoder layers \[0, 2\], but .* has "
+                                               r"2: it was trained for another target"):
+        Engine(target, draft=good)
+
+
+def test_large_shared_encoder_draft_ships_no_encoder_data(encdec, tmp_path, monkeypatch):
+    """A graph past protobuf's limit keeps its tensors in <graph>.data: a draft sharing its target's encoder
+    must drop that file with encoder.onnx (it kept it: the whole encoder again)."""
+    from export import core
+
+    target, _ = encdec("m2m100")
+    monkeypatch.setattr(core, "EXTERNAL_DATA_BYTES", 0)          # every graph counts as large
+    draft = _cut_draft(target.parent / "hf", tmp_path / "draft", [1])
+    assert sorted(p.name for p in draft.iterdir() if ".onnx" in p.name) == ["model.onnx", "model.onnx.data"]
+    assert Engine(target, draft=draft).draft_cross == [1]
 
 
 def test_evaluate_agreement_of_an_encoder_decoder_pair(encdec, tmp_path):

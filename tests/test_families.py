@@ -192,7 +192,7 @@ def test_config_records_layer_kinds(family):
     assert "key_position_ids" not in cfg["io"]["inputs"]
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int8", "int4"])
+@pytest.mark.parametrize("precision", ["fp32", "int8w", "int8", "int4"])
 def test_large_graph_layout_leaves_only_the_model(tmp_path, monkeypatch, precision):
     """Graphs past protobuf's limit keep their tensors in model.onnx.data (quantized ones too); int8/int4 quantize a
     temporary fp32 graph, whose .data file must not stay in the folder (it did: 1.7 GB of gemma-3-270m's 2.7 GB

@@ -352,6 +352,13 @@ def test_frozen_encoder_draft_uses_the_targets_encoder_at_run_time(tiny_corpus, 
     full = M2M100ForConditionalGeneration.from_pretrained(hf).state_dict()
     cut = M2M100ForConditionalGeneration.from_pretrained(tmp_path / "d")
     assert cut.config.specbeam_target_cross_layers == [1]
+    # a second frozen phase from that draft keeps the target's layer numbers; a phase that trains the encoder
+    # drops the declaration (the draft then has an encoder of its own)
+    for name, extra, want in (("again", dict(freeze_encoder=True), [1]), ("own", {}, None)):
+        _lm(data, tok_dir, tmp_path / name, 1, init=str(tmp_path / "d"), teacher=str(hf), **extra, **kw)
+        train.main(["average", "--ckpt", str(tmp_path / name), "--last", "1", "--out", str(tmp_path / (name + "_hf"))])
+        cfg = json.loads((tmp_path / (name + "_hf") / "config.json").read_text())
+        assert cfg.get("specbeam_target_cross_layers") == want, name
     moved = []
     for k, v in cut.state_dict().items():      # frozen: encoder, embedding, cross K/V; the rest trained
         src = k.replace("decoder.layers.0.", "decoder.layers.1.")
