@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.export_sizes", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--families", default="smollm2,qwen3", help=f"comma list of: {', '.join(SHAPES)}")
-    ap.add_argument("--precisions", default="fp16,int8", help="comma list of: fp32, fp16, int8, int4")
+    ap.add_argument("--precisions", default="fp16,int8", help="comma list of: fp32, fp16, int8w, int8, int4")
     ap.add_argument("--layout", choices=("whole", "split"), default="whole", help="graph layout of every export")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"), help="output folder for the JSON")
     ap.add_argument("--work", default=None, help="scratch folder (default: a temporary one, removed at the end)")
