@@ -389,7 +389,9 @@ def cross_probe(encoder: Path, layers: int, eos: int, head_dim: int) -> dict:
     encoder: the runtime compares it with the target's cross K/V of the same source at load."""
     import onnxruntime as ort
 
-    source = [3 + i % 13 for i in range(16)] + [eos]
+    from specbeam_edge.encdec import probe_source
+
+    source = probe_source(17, eos)
     sess = ort.InferenceSession(str(encoder), providers=["CPUExecutionProvider"])
     names = [n for i in range(layers) for n in cross_names(i)]
     outs = sess.run(names, {"input_ids": np.array([source], np.int64),

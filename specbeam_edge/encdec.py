@@ -160,16 +160,16 @@ def shared_cross_layers(target: Encoder, draft_model: OnnxCausalLM, target_model
     probe = facts.get("target_cross_probe")
     try:
         source, pos, dims, values = (probe[k] for k in ("source", "positions", "dims", "values"))
-        source = [int(x) for x in source]
-        wanted = [(np.asarray(values[dn], np.float32), tn, list(pos), list(dims))
+        source, pos, dims = [int(x) for x in source], list(pos), list(dims)
+        wanted = [(np.asarray(values[dn], np.float32), tn)
                   for j, i in enumerate(layers) for dn, tn in zip(cross_names(j), cross_names(i))]
     except (TypeError, KeyError, IndexError, ValueError) as e:
         raise ModelFolderError(f"{path}: encoder_decoder.target_cross_probe missing or malformed ({e!r}); re-export "
                                f"the draft") from None
     try:
         [t] = target.encode([source])
-        worst = max(float(np.abs(a - b).max() / (np.abs(b).max() + 1e-6))
-                    for a, b in ((a, t[tn][0][0][:, pos][:, :, dims].reshape(-1)) for a, tn, pos, dims in wanted))
+        got = [t[tn][0][0][:, pos][:, :, dims].reshape(-1) for _, tn in wanted]
+        worst = float(np.max([np.abs(a - b).max() / (np.abs(b).max() + 1e-6) for (a, _), b in zip(wanted, got)]))
     except Exception as e:  # onnxruntime's own errors (ids outside the vocabulary), shapes that do not match
         raise ModelFolderError(f"{path}: {target_model.folder}'s encoder cannot reproduce the draft's encoder "
                                f"fingerprint ({str(e).splitlines()[0][:160]}): it was trained for another "
