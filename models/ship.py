@@ -60,14 +60,15 @@ def main(argv=None) -> int:
     # the en->de pair ships its HF checkpoints (peers benchmark; an encoder-decoder pair only the target's); the
     # text pair keeps them in the data folder
     hf = out / "hf" if args.kind == "ende" else data / "hf"
+    hf_draft = (data / "hf" if encdec else hf) / "draft"
     fp16_copy(data / "target", hf / "target")
-    fp16_copy(data / "draft", (data / "hf" if encdec else hf) / "draft")
-    if encdec and (hf / "draft").exists():    # a decoder-only pair shipped here before
-        shutil.rmtree(hf / "draft")
+    fp16_copy(data / "draft", hf_draft)
+    if hf_draft != hf / "draft":              # (a decoder-only pair's, shipped here before)
+        shutil.rmtree(hf / "draft", ignore_errors=True)
     export(hf / "target", out / "target", precision="int8w" if encdec else "fp16", overwrite=True)
     # full logits: speculative beam sampling (DSBD) verifies with the draft's whole distribution q, which a
     # top-k head does not give; beam drafting reads its top children through heads.Dense.top
-    export((data / "hf" if encdec else hf) / "draft", out / "draft", precision="int8", overwrite=True)
+    export(hf_draft, out / "draft", precision="int8", overwrite=True)
     if args.kind == "text":
         docs = [json.loads(l) for l in open(data / "corpus" / "test.txt", encoding="utf-8")]
         paras = [" ".join(p.split()) for d in docs for p in d.split("\n\n") if len(p.split()) >= 8]
