@@ -24,17 +24,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from export import export  # noqa: E402
-
-
-def is_encoder_decoder(folder: Path) -> bool:
-    return bool(json.loads((folder / "config.json").read_text(encoding="utf-8")).get("is_encoder_decoder"))
+from export.encdec import family_of  # noqa: E402
 
 
 def fp16_copy(src: Path, dst: Path):
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-    auto = AutoModelForSeq2SeqLM if is_encoder_decoder(src) else AutoModelForCausalLM
+    auto = AutoModelForSeq2SeqLM if family_of(src) else AutoModelForCausalLM
     m = auto.from_pretrained(src, torch_dtype=torch.float16)
     m.save_pretrained(dst)
     for f in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
@@ -56,7 +53,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     data, out = Path(args.data), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    encdec = is_encoder_decoder(data / "target")
+    encdec = family_of(data / "target") is not None
     # the en->de pair ships its HF checkpoints (peers benchmark; an encoder-decoder pair only the target's); the
     # text pair keeps them in the data folder
     hf = out / "hf" if args.kind == "ende" else data / "hf"

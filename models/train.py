@@ -329,10 +329,7 @@ def load_init(args):
         return model
     stack = model.model.decoder if arch == "m2m100" else model.model
     n = len(stack.layers)
-    try:
-        keep = [int(i) for i in args.init_layers.split(",")]
-    except ValueError:
-        keep = []
+    keep = layer_list(args.init_layers)
     if not keep or any(not 0 <= i < n for i in keep) or len(set(keep)) != len(keep):
         raise SystemExit(f"--init_layers {args.init_layers}: distinct layer numbers separated by commas; "
                          f"{args.init} has {'decoder ' if arch == 'm2m100' else ''}layers 0..{n - 1}")
@@ -350,13 +347,30 @@ def load_init(args):
     return model
 
 
-def freeze_encoder(model, args) -> None:
-    """A draft that shares its target's encoder output: the encoder, the shared embedding (tied to the head) and
-    each kept decoder layer's cross-attention K/V projections stay the --init model's, and the config records
-    which target layer each decoder layer came from (export: `target_cross_layers`)."""
+def layer_list(spec: str) -> list[int]:
+    """--init_layers as numbers ([] when it is not a comma-separated list of integers)."""
+    try:
+        return [int(i) for i in spec.split(",")]
+    except ValueError:
+        return []
+
+
+def share_target_encoder(model, args) -> None:
+    """--freeze_encoder: a draft that shares its target's encoder output. The encoder, the shared embedding (tied
+    to the head) and each kept decoder layer's cross-attention K/V projections stay the --init model's, and the
+    config records which target layer each decoder layer came from (export: `target_cross_layers`; composed
+    when --init is itself such a draft). Without it, an --init draft that shared its target's encoder trains an
+    encoder of its own from now on, so it must not declare the target's (the export would drop it)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from export.encdec import TARGET_CROSS_KEY
 
+    prev = getattr(model.config, TARGET_CROSS_KEY, None)
+    if not args.freeze_encoder:
+        if prev is not None:
+            delattr(model.config, TARGET_CROSS_KEY)
+            print(f"note: the --init model shared its target's encoder ({TARGET_CROSS_KEY}); without "
+                  f"--freeze_encoder this run trains its own", file=sys.stderr)
+        return
     if args.arch != "m2m100" or not args.init:
         raise SystemExit("--freeze_encoder keeps an encoder-decoder's encoder from its --init model: pass --arch "
                          "m2m100 and --init")
@@ -365,22 +379,8 @@ def freeze_encoder(model, args) -> None:
     for layer in model.model.decoder.layers:
         for p in [*layer.encoder_attn.k_proj.parameters(), *layer.encoder_attn.v_proj.parameters()]:
             p.requires_grad_(False)
-    keep = [int(i) for i in args.init_layers.split(",")] if args.init_layers else \
-        list(range(len(model.model.decoder.layers)))
-    prev = getattr(model.config, TARGET_CROSS_KEY, None)    # --init is itself a draft of that target
+    keep = layer_list(args.init_layers) if args.init_layers else list(range(len(model.model.decoder.layers)))
     setattr(model.config, TARGET_CROSS_KEY, keep if prev is None else [prev[i] for i in keep])
-
-
-def drop_shared_encoder_mark(model) -> None:
-    """An --init draft that shared its target's encoder, trained here without --freeze_encoder, has an encoder
-    of its own from now on: it must not declare the target's (the export would drop its trained encoder)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from export.encdec import TARGET_CROSS_KEY
-
-    if getattr(model.config, TARGET_CROSS_KEY, None) is not None:
-        delattr(model.config, TARGET_CROSS_KEY)
-        print(f"note: the --init model shared its target's encoder ({TARGET_CROSS_KEY}); without --freeze_encoder "
-              f"this run trains its own", file=sys.stderr)
 
 
 def build_model(args, vocab_size: int, sep: int = 1):
@@ -481,10 +481,8 @@ def train_lm(args) -> None:
     if args.bf16 and not any(getattr(torch.cpu, f, lambda: True)() for f in ("_is_avx512_bf16_supported",
                                                                              "_is_amx_tile_supported")):
         print("warning: --bf16 on a CPU without AVX512-BF16 or AMX runs slower than fp32", file=sys.stderr)
-    if args.freeze_encoder:
-        freeze_encoder(model, args)
-    elif args.arch == "m2m100":
-        drop_shared_encoder_mark(model)
+    if args.freeze_encoder or args.arch == "m2m100":
+        share_target_encoder(model, args)
     teacher = None
     if args.teacher:
         teacher = load_pretrained(args.teacher, args.arch).eval()
