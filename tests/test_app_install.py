@@ -1,11 +1,12 @@
 """A regular (non-editable) install into a fresh virtual environment, then the README's jobs from another
 directory: only project-named packages land in site-packages, every module of the checkout is in them, the
-commands run, and a missing shipped model says what to do. Nothing is downloaded: the venv sees this
-Python's packages (--system-site-packages) and pip installs with --no-deps --no-index."""
+commands run, and a missing shipped model says what to do. Nothing is downloaded: the venv sees the packages of
+the environment running the tests (a .pth file) and pip installs with --no-deps --no-index."""
 import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -30,9 +31,17 @@ def venv(tmp_path_factory):
         else:
             shutil.copy(ROOT / name, src / name)
     env_dir = base / "venv"
-    # --without-pip: the venv's bundled setuptools would shadow this Python's newer one in the build
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(env_dir)], check=True)
+    # The new venv sees this interpreter's packages through a .pth file: --system-site-packages would give it the
+    # base Python's, whose setuptools may be too old for pyproject.toml's license (an SPDX string) when the tests
+    # run in a virtual environment (CI's). A plain path line: the editable install's own .pth hooks stay off.
+    # --without-pip: the venv's bundled setuptools would shadow this environment's newer one in the build.
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], check=True)
     py = env_dir / "bin" / "python"
+    new_site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                   capture_output=True, text=True, check=True).stdout.strip())
+    new_site.mkdir(parents=True, exist_ok=True)
+    here = dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))
+    (new_site / "_parent_env.pth").write_text("".join(f"{d}\n" for d in here))
     subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
                     str(src)], check=True, cwd=base)
     site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
