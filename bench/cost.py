@@ -63,7 +63,8 @@ def _at(ms: dict, q: int) -> float:
     return float(np.exp(np.interp(np.log(q), np.log(qs), np.log(list(ms.values())))))
 
 
-def ceiling(target_ms: dict, draft_ms: dict, Ks=(1, 4), depths=(2, 4, 6), budget: int = 48) -> list[dict]:
+def ceiling(target_ms: dict, draft_ms: dict, Ks=(1, 4), depths=(2, 4, 6), budget: int | None = None
+            ) -> list[dict]:
     """The most exact speculation can gain with these pass costs: every drafted level accepted (depth + 1
     beam steps per target pass, the oracle's rate), one target pass over the K beams and the tree, and a draft pass
     per level (over the K beams, then over the level's W nodes), against plain beam search's K-node pass per step;
@@ -73,7 +74,8 @@ def ceiling(target_ms: dict, draft_ms: dict, Ks=(1, 4), depths=(2, 4, 6), budget
     from specbeam_edge import SpeculativeConfig
     from specbeam_edge.draft import default_width
 
-    spec = SpeculativeConfig(budget=budget)
+    spec = SpeculativeConfig() if budget is None else SpeculativeConfig(budget=budget)
+    budget = spec.budget
     rows = []
     for K in Ks:
         W = default_width(K, spec.max_branch_width, budget)

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from .config import ModelFolderError, SpeculativeConfig
 # shared with the apps (they import the runtime, never the reverse); re-exported for existing callers
-from .flags import (DEFAULT_MODELS, DRAFT_WIDTH_HELP, PROVIDERS, add_memory_args, budget_arg,  # noqa: F401
-                    engine_from_args, parse_size)
+from .flags import (DEFAULT_BUDGET, DEFAULT_MODELS, DRAFT_WIDTH_HELP, PROVIDERS, add_memory_args,  # noqa: F401
+                    budget_arg, engine_from_args, parse_size)
 from .shipped import shipped
 
 
@@ -38,7 +38,7 @@ def add_search_args(ap: argparse.ArgumentParser, *, beams_flag: str = "--num_bea
                    help="tree growth: draft beam search (AtSpeed), best-first by draft log-prob (SpecExec), "
                         "draft beam sampling (the only one for --do_sample; the default then), or prompt lookup "
                         "(n-gram continuations; needs no draft model)")
-    s.add_argument("--budget", type=budget_arg, default=48,
+    s.add_argument("--budget", type=budget_arg, default=DEFAULT_BUDGET,
                    help="draft tree nodes per target pass, or 'auto' (chosen from the measured pass-cost curve)")
     s.add_argument("--max_depth", type=int, default=6, help="tree levels below each beam")
     s.add_argument("--always_speculate", action="store_true",

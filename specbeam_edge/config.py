@@ -219,6 +219,11 @@ class GenerationConfig:
 
 
 DRAFTERS = ("beam", "best_first", "sample", "lookup")
+# Draft nodes per target pass by default. 80, not 48: at K = 4 the default width is 16 nodes a level, so 48 nodes
+# gave three levels (at most 4 steps per pass) and the shipped pair 2.37 steps; 80 gives five levels and 2.61
+# (100 held-out lines, identical output). K = 1 and 2 are bound by max_depth, not by the budget, below 80
+# (4 x 6 and 8 x 6 nodes), so they draw the same trees. docs/DESIGN.md section 11, "The default budget".
+DEFAULT_BUDGET = 80
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -243,7 +248,7 @@ class SpeculativeConfig:
     while it pays, with a probe of the other choice now and then to keep the comparison current. The output is
     the same either way, so a draft that does not pay on this machine costs a few probes instead of every pass."""
     drafter: str = "beam"
-    budget: int | str = 48          # or "auto": the largest tree whose measured pass cost stays within auto_slack
+    budget: int | str = DEFAULT_BUDGET  # or "auto": the largest tree whose measured pass cost stays within auto_slack
     auto_slack: float = 1.6         # x the cost of a pass over the beams alone
     max_depth: int = 6
     max_branch_width: int = 4

@@ -27,7 +27,7 @@ def test_generate_uses_the_models_prompt_format():
 
 def test_generate_help_shows_defaults():
     out = specbeam("generate", "--help").stdout
-    assert "(default: 48)" in out and "tree levels below each beam (default: 6)" in out
+    assert "(default: 80)" in out and "tree levels below each beam (default: 6)" in out
     assert "models/ende/target" in out and "--raw" in out and "--format" not in out
     assert "(default: None)" not in out and "(default: False)" not in out
 

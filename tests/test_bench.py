@@ -10,10 +10,12 @@ def test_ceiling_on_flat_and_linear_curves():
     for r in rows:     # a pass costs the same whatever its size: every accepted level is a free step
         assert r["free_draft"] == r["depth"] + 1
         assert r["with_draft"] == pytest.approx((r["depth"] + 1) * 2.0 / (2.0 + r["depth"] * 0.5), abs=0.01)
-    # K wide at each depth, then the default tree at budget 48: K=1 4 wide x 6, K=4 16 wide x 3
+    # K wide at each depth, then the default tree at budget 80: K=1 4 wide x 6, K=4 16 wide x 5
     assert [(r["K"], r["width"], r["depth"]) for r in rows] == [(1, 1, 2), (1, 1, 4), (1, 4, 6),
-                                                                 (4, 4, 2), (4, 4, 4), (4, 16, 3)]
-    linear = {str(q): 0.1 * q for q in (1, 2, 4, 8, 16, 32, 64)}
+                                                                 (4, 4, 2), (4, 4, 4), (4, 16, 5)]
+    at48 = ceiling(flat, {"1": 0.5, "4": 0.5, "16": 0.5}, Ks=(4,), depths=(2,), budget=48)
+    assert (at48[-1]["width"], at48[-1]["depth"], at48[-1]["tree"]) == (16, 3, "default, budget 48")
+    linear = {str(q): 0.1 * q for q in (1, 2, 4, 8, 16, 32, 64, 128)}
     for r in ceiling(linear, linear, Ks=(1, 4), depths=(2, 4)):
         # cost grows with nodes: a K-wide tree gains nothing, a wider one loses (K + W d nodes for d + 1 steps)
         assert r["free_draft"] == pytest.approx(min(1.0, (r["depth"] + 1) * r["K"]

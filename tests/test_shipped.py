@@ -62,9 +62,9 @@ def test_speculative_equals_plain_on_shipped_pair(engine, K):
     assert [r.text for r in plain] == [r.text for r in fast]
     steps = sum(r.stats.beam_steps for r in fast)
     passes = sum(r.stats.target_passes for r in fast)
-    # measured on this pair (100 held-out paragraphs, models/ende/README.md): 4.13 steps per pass at K=1, 2.37
-    # at K=4; the floors leave room for these six lines
-    assert steps / passes > (3.0 if K == 1 else 1.8), steps / passes
+    # measured on this pair (100 held-out paragraphs, models/ende/README.md): 4.13 steps per pass at K=1, 2.61
+    # at K=4 (the default budget of 80); the floors leave room for these six lines
+    assert steps / passes > (3.0 if K == 1 else 2.0), steps / passes
 
 
 @pytest.mark.parametrize("script", ["translate_list.py", "stream_answer.py", "compare.py"])

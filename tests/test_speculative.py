@@ -295,6 +295,20 @@ def test_default_draft_width_spends_the_budget_on_width_for_several_beams():
     assert width(4, draft_width=5) == 5 and width(2, max_branch_width=6) == 8
 
 
+def test_default_budget_deepens_K4_and_leaves_K1_K2_trees_alone():
+    """The default budget (80) gives K = 4 five levels of 16 nodes (48 gave three); K = 1 and 2 stay bound by
+    max_depth (4 x 6 and 8 x 6 nodes), so their trees are those of budget 48."""
+    from specbeam_edge.draft import default_width
+
+    spec = SpeculativeConfig()
+    shape = {K: (default_width(K, spec.max_branch_width, spec.budget),) for K in (1, 2, 4, 8)}
+    shape = {K: (W, min(spec.max_depth, spec.budget // W)) for K, (W,) in shape.items()}
+    assert shape == {1: (4, 6), 2: (8, 6), 4: (16, 5), 8: (32, 2)}
+    for K in (1, 2):
+        W48 = default_width(K, spec.max_branch_width, 48)
+        assert (W48, min(spec.max_depth, 48 // W48)) == shape[K]
+
+
 def test_default_tree_at_K4_is_exact_and_uses_its_width(engines):
     spec = SpeculativeConfig(budget=48, max_depth=6, adaptive=False)
     [plain] = engines["random"].generate(PROMPTS[0], num_beams=4, max_new_tokens=MAX_NEW)

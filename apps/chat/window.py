@@ -13,6 +13,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog
                                QPushButton, QSpinBox, QSplitter, QTextBrowser, QVBoxLayout, QWidget)
 
 from specbeam_edge import Engine, SpeculativeConfig
+from specbeam_edge.config import DEFAULT_BUDGET
 from specbeam_edge.shipped import missing_message, models_root
 
 from .render import CURSOR, insert_answer
@@ -166,7 +167,7 @@ class ChatWindow(QMainWindow):
         self.draft_edit.setText(str(s.value("draft", self.store.get("draft", str(models_root() / "ende" / "draft")))))
         self.mode.setCurrentIndex(int(s.value("mode", 0)))
         self.beams.setValue(int(s.value("beams", 4)))
-        self.budget.setValue(int(s.value("budget", 48)))
+        self.budget.setValue(int(s.value("budget", DEFAULT_BUDGET)))
         self.max_new.setValue(int(s.value("max_new_tokens", 128)))
         self.temperature.setValue(float(s.value("temperature", 1.0)))
         self.highlight.setChecked(_bool(s.value("highlight", True)))

@@ -27,8 +27,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from specbeam_edge.config import ModelFolderError
-from specbeam_edge.flags import (DEFAULT_MODELS, DRAFT_WIDTH_HELP, add_memory_args, budget_arg, engine_from_args,
-                                 finite_float, positive_int, speculative_config)
+from specbeam_edge.flags import (DEFAULT_BUDGET, DEFAULT_MODELS, DRAFT_WIDTH_HELP, add_memory_args, budget_arg,
+                                 engine_from_args, finite_float, positive_int, speculative_config)
 
 from .journal import Journal, JournalError, OutputLock
 from .ray_engine import add_ray_args
@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = ap.add_argument_group("speculation")
     s.add_argument("--drafter", choices=("beam", "best_first", "lookup"), default="beam",
                    help="tree growth policy (lookup = prompt lookup, no draft model needed)")
-    s.add_argument("--budget", type=budget_arg, default=48, help="draft tree nodes per target pass, or 'auto'")
+    s.add_argument("--budget", type=budget_arg, default=DEFAULT_BUDGET,
+                   help="draft tree nodes per target pass, or 'auto'")
     s.add_argument("--max_depth", type=positive_int, default=6, help="tree levels below each beam")
     s.add_argument("--always_speculate", action="store_true",
                    help="draft on every pass; by default the tool measures both ways and drafts only while it pays "
