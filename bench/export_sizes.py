@@ -5,11 +5,14 @@ Hub ships them): sizes and times do not depend on the values.
     python -m bench.export_sizes --families smollm2,qwen3 --precisions fp16,int8
 
 CPU and memory heavy (Qwen3-0.6B: ~1.2 GB of bf16 weights, several GB of RAM per export). Each export runs in its
-own process, so its peak RSS is its own. Writes bench/results/export_sizes.json and prints a table.
+own process, so its peak RSS is its own. Writes bench/results/export_sizes.json (a row replaces the one of an
+earlier run for the same family, precision and layout; the others stay, each with its run's date) and prints a
+table; `python -m bench` renders it into bench/README.md.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -97,6 +100,15 @@ def export_once(src: Path, dst: Path, precision: str, layout: str) -> dict:
             "peak_rss_gb": round(usage.ru_maxrss / 2**20, 2), "size_mb": round(_folder_bytes(dst) / 2**20, 1)}
 
 
+def merge_rows(out: Path, rows: list[dict]) -> list[dict]:
+    """Earlier runs' rows (other families, precisions or layouts) followed by this run's."""
+    key = lambda r: (r["family"], r["precision"], r.get("layout", "whole"))   # noqa: E731
+    path = out / "export_sizes.json"
+    old = json.loads(path.read_text())["rows"] if path.exists() else []
+    new = {key(r) for r in rows}
+    return [r for r in old if key(r) not in new] + rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.export_sizes", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -123,7 +135,8 @@ def main(argv=None) -> int:
                   file=sys.stderr)
             for precision in args.precisions.split(","):
                 dst = work / f"sb_{name}_{precision}"
-                row = {"family": name, "shapes_of": SHAPES[name][0], "params_m": round(params / 1e6, 1),
+                row = {"family": name, "shapes_of": SHAPES[name][0], "date": info["date"][:10],
+                       "params_m": round(params / 1e6, 1),
                        "hf_bf16_mb": round(_folder_bytes(src) / 2**20, 1), **export_once(src, dst, precision,
                                                                                        args.layout)}
                 rows.append(row)
@@ -133,7 +146,7 @@ def main(argv=None) -> int:
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
-    path = common.write(Path(args.out), "export_sizes", {"machine": info, "rows": rows})
+    path = common.write(Path(args.out), "export_sizes", {"machine": info, "rows": merge_rows(Path(args.out), rows)})
     print(common.table(rows, list(rows[0]) if rows else []))
     print(f"wrote {path}", file=sys.stderr)
     return 0

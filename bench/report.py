@@ -22,6 +22,8 @@ COLS = {
     "confidence": ["draft", "K", "min_path_prob", "speedup", "bspp", "draft_passes", "nodes_per_pass", "identical"],
     "kv": ["engine", "lines_s", "seconds", "passes", "ms_per_pass", "ms_in_onnxruntime_per_pass", "onnxruntime_share"],
     "ray_scale": ["engine", "cores", "actors", "lines", "shards", "lines_s", "wall_s", "identical"],
+    "export_sizes": ["shapes_of", "params_m", "hf_bf16_mb", "precision", "layout", "export_s", "peak_rss_gb",
+                     "size_mb", "date"],
 }
 TITLES = {
     "e2e": "Shipped en->de pair: exact speculative vs plain beam search (same runtime, A/B alternated)",
@@ -34,21 +36,31 @@ TITLES = {
     "confidence": "Tree depth that follows the draft's confidence (min_path_prob), drafting on every pass",
     "kv": "Plain beam search one request at a time: where a pass's time goes, host vs resident KV, CTranslate2",
     "ray_scale": "Scale-out on Ray: translate --engine ray with 1 and 2 actors vs the single-process tool",
+    "export_sizes": "Export size per precision at real shapes (random weights)",
 }
+EXPORT_SIZES_NOTE = (
+    "Random bf16 weights at each family's real shapes, one export per child process (`peak_rss_gb` is its own); "
+    "each row comes from the run on its date (`python -m bench.export_sizes --families F --precisions P`). int8w "
+    "(int8 weight storage, fp32 compute after onnxruntime folds the dequantization at load) is batch-invariant, so "
+    "exact speculation holds, at about half of fp16's folder; `quantize_dynamic` int8 keeps the embedding fp32 (a "
+    "Gather is not quantized) and is not batch-invariant. Tied embeddings are stored twice in every precision (the "
+    "Gather table and the head).")
 
 
 def render(results: Path, readme: Path, command: str) -> None:
     out = ["# Benchmarks", "",
            "Every figure below was measured by one run of the command shown, on the machine named with it. "
            "Ratios are medians over alternated runs (A B A B) inside that run; absolute times vary with load.", ""]
-    for name in ("e2e", "batch", "peers", "cost", "sampling", "synthetic", "offload", "confidence", "kv", "ray_scale"):
+    for name in ("e2e", "batch", "peers", "cost", "sampling", "synthetic", "offload", "confidence", "kv", "ray_scale",
+                 "export_sizes"):
         path = results / f"{name}.json"
         if not path.exists():
             continue
         d = json.loads(path.read_text())
         m = d.get("machine", {})
+        how = "`python -m bench.export_sizes`" if name == "export_sizes" else f"`{command} --scenario {name}`"
         out += [f"## {TITLES[name]}", "",
-                f"`{command} --scenario {name}` — {m.get('date', '?')}, {m.get('cpu', '?')}, {m.get('cores', '?')} "
+                f"{how} — {m.get('date', '?')}, {m.get('cpu', '?')}, {m.get('cores', '?')} "
                 f"cores, load at start {m.get('loadavg_at_start', '?')}, onnxruntime {m.get('onnxruntime', '?')}", ""]
         if name in COLS:
             out += [table_md(d["rows"], COLS[name]), ""]
@@ -97,6 +109,8 @@ def render(results: Path, readme: Path, command: str) -> None:
                     f"{d['pass_ms_by_new_and_cached']}. onnxruntime's profile of one pass "
                     f"(Q={d['op_profile']['Q']}, N={d['op_profile']['N']}, us by op): {d['op_profile']['us_by_op']}.",
                     ""]
+        if name == "export_sizes":
+            out += [EXPORT_SIZES_NOTE, ""]
         if name == "ray_scale":
             out += [f"{d['rows'][0]['lines']} lines of the shipped test sample, up to {d['max_new_tokens']} new "
                     f"tokens, shards of {d['shard_lines']} lines, medians of {d['reps']} alternated runs, "

@@ -26,3 +26,28 @@ def test_curve_interpolation_hits_measured_points():
     ms = {"1": 1.0, "4": 2.0, "16": 8.0}
     assert _at(ms, 4) == pytest.approx(2.0) and _at(ms, 1) == pytest.approx(1.0)
     assert 2.0 < _at(ms, 8) < 8.0
+
+
+def test_export_sizes_rows_accumulate_and_render(tmp_path):
+    """A run of bench.export_sizes replaces only its own rows, and bench/README.md shows them (the report once
+    dropped the section, so a `python -m bench` run erased it)."""
+    import json
+
+    from bench.export_sizes import merge_rows
+    from bench.report import render
+
+    def row(family, precision, mb):
+        return {"family": family, "shapes_of": family.upper(), "date": "2026-12-01", "params_m": 1.0,
+                "hf_bf16_mb": 2.0, "precision": precision, "layout": "whole", "export_s": 1.0, "peak_rss_gb": 0.1,
+                "size_mb": mb}
+
+    assert merge_rows(tmp_path, [row("a", "fp16", 10)]) == [row("a", "fp16", 10)]
+    (tmp_path / "export_sizes.json").write_text(json.dumps({"rows": [row("a", "fp16", 10), row("a", "int8w", 5)]}))
+    rows = merge_rows(tmp_path, [row("a", "fp16", 11), row("b", "int8w", 7)])
+    assert [(r["family"], r["precision"], r["size_mb"]) for r in rows] == [("a", "int8w", 5), ("a", "fp16", 11),
+                                                                          ("b", "int8w", 7)]
+    (tmp_path / "export_sizes.json").write_text(json.dumps({"machine": {"date": "2026-12-01"}, "rows": rows}))
+    readme = tmp_path / "README.md"
+    render(tmp_path, readme, "python -m bench")
+    text = readme.read_text()
+    assert "## Export size per precision" in text and "| B | 1 | 2 | int8w | whole |" in text
