@@ -3,7 +3,7 @@
     specbeam-chat [--db PATH] [--settings PATH]      (from a checkout also: python -m apps.chat)
 
 On Linux, Qt's X11 plugin needs a few system libraries (Debian/Ubuntu: apt-get install libxcb-cursor0
-libxkbcommon-x11-0 libegl1 libgl1); without a display run it under `xvfb-run`, or set
+libxkbcommon-x11-0 libxcb-icccm4 libxcb-keysyms1 libegl1 libgl1; the app names any other that is missing); without a display run it under `xvfb-run`, or set
 QT_QPA_PLATFORM=offscreen to render without showing anything.
 """
 import argparse
@@ -12,8 +12,15 @@ import os
 import re
 import sys
 
-# library (as ctypes.util.find_library names it) -> Debian/Ubuntu package
-XCB_LIBRARIES = {"xcb-cursor": "libxcb-cursor0", "xkbcommon-x11": "libxkbcommon-x11-0"}
+# every X11 library Qt's xcb plugin links against (libqxcb.so, libQt6XcbQpa.so.6; as ctypes.util.find_library names
+# it) -> Debian/Ubuntu package. A fresh Debian 12 with libxcb-cursor0 and libxkbcommon-x11-0 still lacked
+# libxcb-icccm4 and libxcb-keysyms1, and Qt aborted naming only xcb-cursor.
+XCB_LIBRARIES = {"xcb-cursor": "libxcb-cursor0", "xkbcommon-x11": "libxkbcommon-x11-0", "xcb-icccm": "libxcb-icccm4",
+                 "xcb-keysyms": "libxcb-keysyms1", "xcb-image": "libxcb-image0", "xcb-randr": "libxcb-randr0",
+                 "xcb-render-util": "libxcb-render-util0", "xcb-render": "libxcb-render0", "xcb-shape": "libxcb-shape0",
+                 "xcb-shm": "libxcb-shm0", "xcb-sync": "libxcb-sync1", "xcb-util": "libxcb-util1",
+                 "xcb-xfixes": "libxcb-xfixes0", "xcb-xkb": "libxcb-xkb1", "xcb": "libxcb1", "X11-xcb": "libx11-xcb1",
+                 "X11": "libx11-6", "xkbcommon": "libxkbcommon0"}
 SONAME_PACKAGES = {"libEGL": "libegl1", "libGL": "libgl1", "libOpenGL": "libopengl0", "libxkbcommon": "libxkbcommon0",
                    "libfontconfig": "libfontconfig1", "libdbus-1": "libdbus-1-3", "libglib-2.0": "libglib2.0-0"}
 
