@@ -56,6 +56,28 @@ class _Expansions:
         return nodes, np.stack([self.memo[n][0] for n in nodes]), np.stack([self.memo[n][1] for n in nodes])
 
 
+def level_picks(is_pred: np.ndarray, top: np.ndarray, cum: np.ndarray, path: np.ndarray, eos: np.ndarray, K: int,
+                take: int, min_lp: float) -> tuple[np.ndarray, int] | None:
+    """One level of draft beam search over F expandable nodes' `top` children [F, w] (cumulative scores `cum`,
+    path log-probs from their beams `path`): flat indices into [F, w] of the children to draft, the first
+    `n_pred` of them being the draft's own next beams (the K best non-EOS children of nodes with `is_pred`),
+    then the best other non-EOS children whose path log-prob is >= min_lp, `take` in all. None: stop growing
+    (min_lp > -inf and no own beam reaches it). Array work only: the list comprehensions it replaced took
+    145 us a level over 16 x 16 children (K = 4's default tree) and 614 us over 32 x 32; this 31 and 46 us."""
+    w = top.shape[1]
+    order = np.argsort(-cum, axis=None, kind="stable")
+    order = order[~np.isin(top.ravel()[order], eos)]
+    own = is_pred[order // w]
+    from_pred = order[own][:min(K, take)]
+    paths = path.ravel()
+    if min_lp > -math.inf and (len(from_pred) == 0 or paths[from_pred].max() < min_lp):
+        return None
+    rest = np.ones(len(order), bool)
+    rest[np.flatnonzero(own)[:len(from_pred)]] = False
+    others = order[rest & (paths[order] >= min_lp)]
+    return np.concatenate([from_pred, others[:take - len(from_pred)]]), len(from_pred)
+
+
 def default_width(num_beams: int, max_branch_width: int, budget: int) -> int:
     """Nodes per level of draft beam search when `draft_width` is not given: max(K, max_branch_width, min(4K,
     budget // 2)). For K > 1 a level is accepted only when it holds all K of the target's next beams, which the
@@ -81,7 +103,7 @@ class DraftBeamSearch:
         self.depth, self.budget = spec.max_depth, spec.budget
         self.expand = _Expansions(max(self.width(spec.budget), spec.max_branch_width))
         self.min_lp = _min_log_prob(spec)
-        self.eos = set(int(e) for e in eos_ids)
+        self.eos = np.array(sorted(set(int(e) for e in eos_ids)), np.int64)
         self.ctx = context_length
 
     def width(self, budget: int) -> int:
@@ -107,24 +129,22 @@ class DraftBeamSearch:
                 break
             cum = np.array([score[f] for f in nodes])[:, None] + lps                 # [F, width]
             path = np.array([rel[f] for f in nodes])[:, None] + lps
-            order = [i for i in np.argsort(-cum, axis=None, kind="stable") if int(top.flat[i]) not in self.eos]
-            take = min(W, self.budget - len(out))
             # the draft's own beams first (its prediction of the target's next K beams), then the best others
-            from_pred = [i for i in order if nodes[i // top.shape[1]] in pred][:min(self.K, take)]
-            if self.min_lp > -math.inf and (not from_pred or max(path.flat[i] for i in from_pred) < self.min_lp):
+            level = level_picks(np.array([f in pred for f in nodes]), top, cum, path, self.eos, self.K,
+                                min(W, self.budget - len(out)), self.min_lp)
+            if level is None:
                 break                        # the draft is no longer confident about any of its beams
-            chosen = set(from_pred)
-            others = [i for i in order if i not in chosen and path.flat[i] >= self.min_lp]
-            picks = from_pred + others[:take - len(from_pred)]
+            picks, n_pred = level
             frontier = []
-            for i in picks:
-                n = tree.add(nodes[i // top.shape[1]], int(top.flat[i]))
+            for f, t, s, r in zip((picks // top.shape[1]).tolist(), top.ravel()[picks].tolist(),
+                                  cum.ravel()[picks].tolist(), path.ravel()[picks].tolist()):
+                n = tree.add(nodes[f], t)
                 if n not in seen:
                     seen.add(n)
                     out.append(n)
-                score[n], rel[n] = float(cum.flat[i]), float(path.flat[i])
+                score[n], rel[n] = s, r
                 frontier.append(n)
-            pred = set(frontier[:len(from_pred)])
+            pred = set(frontier[:n_pred])
         return out
 
 

@@ -1,6 +1,10 @@
 """Speculative beam search == plain beam search on the same graph, for any draft and drafter."""
+import math
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specbeam_edge import Engine, SpeculativeConfig
 
@@ -316,3 +320,42 @@ def test_default_tree_at_K4_is_exact_and_uses_its_width(engines):
     assert [h.tokens for h in fast.hypotheses] == [h.tokens for h in plain.hypotheses]
     # 16 nodes per level, three levels: 48 per pass (a pass near the end may stop early at the length limit)
     assert fast.stats.draft_tokens_proposed > 24 * fast.stats.target_passes
+
+
+def _reference_level(nodes, pred, top, cum, path, eos, K, take, min_lp):
+    """The level selection as list comprehensions (what draft.level_picks replaced)."""
+    order = [i for i in np.argsort(-cum, axis=None, kind="stable") if int(top.flat[i]) not in eos]
+    from_pred = [i for i in order if nodes[i // top.shape[1]] in pred][:min(K, take)]
+    if min_lp > -math.inf and (not from_pred or max(path.flat[i] for i in from_pred) < min_lp):
+        return None
+    chosen = set(from_pred)
+    others = [i for i in order if i not in chosen and path.flat[i] >= min_lp]
+    return from_pred + others[:take - len(from_pred)], len(from_pred)
+
+
+@settings(max_examples=200, deadline=None)
+@given(F=st.integers(1, 12), w=st.integers(1, 8), K=st.integers(1, 6), take=st.integers(1, 40),
+       min_p=st.sampled_from([0.0, 0.05, 0.3]), n_eos=st.integers(0, 2), coarse=st.booleans(),
+       seed=st.integers(0, 10 ** 6))
+def test_level_picks_equal_the_list_reference(F, w, K, take, min_p, n_eos, coarse, seed):
+    """draft.level_picks (array work) picks the same children in the same order as the list comprehensions it
+    replaced, ties (coarse scores), EOS children and min_path_prob included."""
+    from specbeam_edge.draft import level_picks
+
+    rng = np.random.default_rng(seed)
+    nodes = list(range(100, 100 + F))
+    pred = set(rng.choice(nodes, size=rng.integers(1, F + 1), replace=False).tolist())
+    top = rng.integers(0, 12, size=(F, w))
+    lps = np.log(rng.dirichlet(np.ones(w), size=F)).astype(np.float32)
+    if coarse:
+        lps = np.round(lps)
+    cum = rng.standard_normal(F)[:, None] + lps
+    path = rng.uniform(-1, 0, F)[:, None] + lps
+    eos = list(range(n_eos))
+    min_lp = math.log(min_p) if min_p > 0 else -math.inf
+    ref = _reference_level(nodes, pred, top, cum, path, set(eos), K, take, min_lp)
+    got = level_picks(np.array([n in pred for n in nodes]), top, cum, path, np.array(eos, np.int64), K, take, min_lp)
+    if ref is None:
+        assert got is None
+    else:
+        assert got is not None and got[0].tolist() == ref[0] and got[1] == ref[1]
