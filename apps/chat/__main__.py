@@ -3,8 +3,8 @@
     specbeam-chat [--db PATH] [--settings PATH]      (from a checkout also: python -m apps.chat)
 
 On Linux, Qt's X11 plugin needs a few system libraries (Debian/Ubuntu: apt-get install libxcb-cursor0
-libxkbcommon-x11-0 libxcb-icccm4 libxcb-keysyms1 libegl1 libgl1; the app names any other that is missing); without a display run it under `xvfb-run`, or set
-QT_QPA_PLATFORM=offscreen to render without showing anything.
+libxkbcommon-x11-0 libxcb-icccm4 libxcb-keysyms1 libegl1 libgl1; the app names any other that is missing);
+without a display run it under `xvfb-run`, or set QT_QPA_PLATFORM=offscreen to render without showing anything.
 """
 import argparse
 import ctypes.util
