@@ -26,8 +26,9 @@ def main(argv=None) -> int:
                     "layout: int8 weights per output channel, batch-invariant); int4 (MatMulNBits)")
     ap.add_argument("--layout", choices=("whole", "split"), default="whole",
                     help="one graph, or embed/layer/head graphs with per-layer weight files (for streaming)")
-    ap.add_argument("--output_kind", choices=("logits", "topk"), default="logits",
-                    help="full logits per node, or log-softmax top-k (k is a run-time input) for large vocabularies")
+    ap.add_argument("--output_kind", choices=("logits", "topk", "both"), default="logits",
+                    help="full logits per node; log-softmax top-k (k is a run-time input) for large vocabularies; "
+                         "or both, chosen per run (a draft: exact search reads its top-k, sampling its logits)")
     ap.add_argument("--compute", choices=("fp32", "fp16"), default="fp32",
                     help="fp16: weights, activations and KV cache in fp16 (for GPUs; whole layout; logits fp32)")
     ap.add_argument("--block_size", type=int, default=32, help="int4 quantization block size")

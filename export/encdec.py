@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
-from .graph import Builder, _vi, stored_weight
+from .graph import Builder, _vi, add_topk, head_io, stored_weight
 from .hf import ExportError, load_config
 
 ARCHITECTURES = {"MarianMTModel": "marian", "M2M100ForConditionalGeneration": "m2m100"}
@@ -321,12 +321,9 @@ def decoder_model(arch: EncDecArch, dw: dict, precision: str, output: str) -> on
     logits = b.node("MatMul", [x, head], ["head_mm"])
     if dw["final_logits_bias"] is not None:        # Marian
         logits = b.node("Add", [logits, b.init("final_logits_bias", dw["final_logits_bias"])], ["head_biased"])
-    if output == "topk":
-        b.inputs.append(_vi("topk", I64, [1]))
-        lp = b.node("LogSoftmax", [logits], ["head_logprobs"], axis=-1)
-        b.node("TopK", [lp, "topk"], ["topk_logprobs", "topk_ids"], axis=-1, largest=1, sorted=1)
-        b.outputs += [_vi("topk_logprobs", F32, ["batch", "n_new", "k"]), _vi("topk_ids", I64, ["batch", "n_new", "k"])]
-    else:
+    if output != "logits":
+        add_topk(b, logits)
+    if output != "topk":
         b.node("Identity", [logits], ["logits"])
         b.outputs.append(_vi("logits", F32, ["batch", "n_new", arch.vocab_size]))
     return b.model("specbeam_decoder")
@@ -463,9 +460,8 @@ def export_encdec(src: Path, dst: Path, family: str, *, precision: str, layout: 
                                 **facts},
             "io": {"inputs": ["input_ids", "position_ids", "attention_mask", SOURCE_MASK, "cross_key.{i}",
                               "cross_value.{i}", "past_key_values.{i}.key", "past_key_values.{i}.value"]
-                   + (["topk"] if output == "topk" else []),
-                   "outputs": (["topk_logprobs", "topk_ids"] if output == "topk" else ["logits"])
-                   + ["present.{i}.key", "present.{i}.value"],
+                   + head_io(output)[0],
+                   "outputs": head_io(output)[1] + ["present.{i}.key", "present.{i}.value"],
                    "encoder_inputs": ["input_ids", "attention_mask"],
                    "encoder_outputs": ["encoder_hidden_states", "cross_key.{i}", "cross_value.{i}"]},
             "generation": defaults,

@@ -291,6 +291,26 @@ def _common_inputs(b: Builder, arch: Arch, with_ids: bool):
         b.node("Where", [inside, "attention_mask", floor], ["sliding_mask"])
 
 
+OUTPUT_KINDS = ("logits", "topk", "both")
+
+
+def head_io(output: str) -> tuple[list[str], list[str]]:
+    """(extra inputs, head outputs) of a graph whose head is `output`: 'logits' (a row per node), 'topk' (the
+    log-softmax top-k, k a run-time input) or 'both' (either, chosen per run by the outputs asked for: a draft that
+    speculative sampling reads in full and exact search through its top-k)."""
+    return (["topk"] if output != "logits" else [],
+            (["topk_logprobs", "topk_ids"] if output != "logits" else []) + (["logits"] if output != "topk" else []))
+
+
+def add_topk(b: Builder, logits: str) -> None:
+    """The top-k head over `logits` [B, n_new, V]: the `topk` input, LogSoftmax, TopK (sorted, best first)."""
+    b.inputs.append(_vi("topk", TensorProto.INT64, [1]))
+    lp = b.node("LogSoftmax", [logits], ["head_logprobs"], axis=-1)
+    b.node("TopK", [lp, "topk"], ["topk_logprobs", "topk_ids"], axis=-1, largest=1, sorted=1)
+    b.outputs += [_vi("topk_logprobs", F32, ["batch", "n_new", "k"]),
+                  _vi("topk_ids", TensorProto.INT64, ["batch", "n_new", "k"])]
+
+
 def _head(b: Builder, arch: Arch, x: str, norm, lm_head, output: str, precision: str):
     h = b.node("RMSNormalization", [x, norm], ["final_h"], axis=-1, epsilon=arch.rms_eps)
     logits = b.node("MatMul", [h, lm_head], ["head_logits" if output == "topk" or arch.final_softcap else "logits"])
@@ -298,13 +318,9 @@ def _head(b: Builder, arch: Arch, x: str, norm, lm_head, output: str, precision:
         cap = b.init("final_softcap", np.array(arch.final_softcap, np.float32))
         t = b.node("Tanh", [b.node("Div", [logits, cap], ["capped_in"])], ["capped_tanh"])
         logits = b.node("Mul", [t, cap], ["logits" if output != "topk" else "capped_logits"])
-    if output == "topk":
-        b.inputs.append(_vi("topk", TensorProto.INT64, [1]))
-        lp = b.node("LogSoftmax", [logits], ["head_logprobs"], axis=-1)
-        b.node("TopK", [lp, "topk"], ["topk_logprobs", "topk_ids"], axis=-1, largest=1, sorted=1)
-        b.outputs += [_vi("topk_logprobs", F32, ["batch", "n_new", "k"]),
-                      _vi("topk_ids", TensorProto.INT64, ["batch", "n_new", "k"])]
-    else:
+    if output != "logits":
+        add_topk(b, logits)
+    if output != "topk":
         b.outputs.append(_vi("logits", F32, ["batch", "n_new", arch.vocab_size]))
 
 

@@ -63,9 +63,9 @@ def main(argv=None) -> int:
     if hf_draft != hf / "draft":              # (a decoder-only pair's, shipped here before)
         shutil.rmtree(hf / "draft", ignore_errors=True)
     export(hf / "target", out / "target", precision="int8w" if encdec else "fp16", overwrite=True)
-    # full logits: speculative beam sampling (DSBD) verifies with the draft's whole distribution q, which a
-    # top-k head does not give; beam drafting reads its top children through heads.Dense.top
-    export(hf_draft, out / "draft", precision="int8", overwrite=True)
+    # both heads: speculative beam sampling (DSBD) verifies with the draft's whole distribution q (its logits),
+    # exact search's draft levels read the graph's TopK (no Python top-k over 8,192-token rows per level)
+    export(hf_draft, out / "draft", precision="int8", output="both", overwrite=True)
     if args.kind == "text":
         docs = [json.loads(l) for l in open(data / "corpus" / "test.txt", encoding="utf-8")]
         paras = [" ".join(p.split()) for d in docs for p in d.split("\n\n") if len(p.split()) >= 8]

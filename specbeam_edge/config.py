@@ -78,6 +78,12 @@ def _model_fields(raw: dict, path: Path) -> dict:
     return out
 
 
+def _output_kind(kind, folder) -> str:
+    if kind not in ("logits", "topk", "both"):
+        raise ModelFolderError(f"{folder}: specbeam_config.json 'output' is {kind!r}, not 'logits', 'topk' or 'both'")
+    return kind
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     folder: Path
@@ -117,7 +123,7 @@ class ModelConfig:
             cfg = cls(folder=folder, family=raw["family"], **ints,
                       bos_token_id=raw.get("bos_token_id"), eos_token_ids=tuple(raw.get("eos_token_ids") or ()),
                       pad_token_id=raw.get("pad_token_id"), layout=raw["layout"], precision=raw["precision"],
-                      output=raw.get("output", "logits"), mask_value=float(raw["mask_value"]), files=raw["files"],
+                      output=_output_kind(raw.get("output", "logits"), folder), mask_value=float(raw["mask_value"]), files=raw["files"],
                       generation=raw.get("generation", {}), raw=raw)
         except KeyError as e:
             raise ModelFolderError(f"{path}: missing key {e}") from None

@@ -80,7 +80,12 @@ class OnnxCausalLM:
         L = cfg.num_layers
         self.past_names = [(f"past_key_values.{i}.key", f"past_key_values.{i}.value") for i in range(L)]
         self.present_names = [(f"present.{i}.key", f"present.{i}.value") for i in range(L)]
+        # head outputs: 'both' graphs (a draft for exact search and sampling) answer a run that gives a top-k with
+        # their top-k outputs and any other with their logits; onnxruntime returns only the outputs asked for
+        self.has_topk = cfg.output in ("topk", "both")
         self.out_names = ["topk_logprobs", "topk_ids"] if cfg.output == "topk" else ["logits"]
+        all_heads = {"topk": ["topk_logprobs", "topk_ids"], "logits": ["logits"],
+                     "both": ["topk_logprobs", "topk_ids", "logits"]}[cfg.output]
         # per-request inputs fixed for the whole request (e.g. cross-attention K/V of an encoder-decoder)
         self.static_inputs = list(cfg.raw.get("static_inputs", []))
         if self.static_inputs and cfg.layout != "whole":
@@ -93,10 +98,8 @@ class OnnxCausalLM:
             self.needs_key_positions = _declares(self.sess, KEY_POSITIONS)
             want_in = {"input_ids", "position_ids", "attention_mask", *[n for p in self.past_names for n in p],
                        *([KEY_POSITIONS] if self.needs_key_positions else []), *self.static_inputs}
-            want_out = {*self.out_names, *[n for p in self.present_names for n in p]}
-            self._check_io(self.sess, want_in | ({"topk"} if cfg.output == "topk" else set()), want_out,
-                           cfg.files["model"])
-            self._run_names = self.out_names + [n for p in self.present_names for n in p]
+            want_out = {*all_heads, *[n for p in self.present_names for n in p]}
+            self._check_io(self.sess, want_in | ({"topk"} if self.has_topk else set()), want_out, cfg.files["model"])
         else:
             self.embed = _session(self.folder / cfg.files["embed"], threads, providers, spin)
             self.layer = _session(self.folder / cfg.files["layer"], threads, providers, spin)
@@ -108,8 +111,8 @@ class OnnxCausalLM:
                                         *[m["name"] for m in manifest],
                                         *([KEY_POSITIONS] if self.needs_key_positions else [])},
                            {"hidden_out", "present_key", "present_value"}, cfg.files["layer"])
-            self._check_io(self.head, {"hidden"} | ({"topk"} if cfg.output == "topk" else set()),
-                           set(self.out_names), cfg.files["head"])
+            self._check_io(self.head, {"hidden"} | ({"topk"} if self.has_topk else set()), set(all_heads),
+                           cfg.files["head"])
             fixed = sum((self.folder / cfg.files[k]).stat().st_size for k in ("embed", "head"))
             self.placement = plan(L, layer_nbytes(manifest), fixed, max_memory, host_memory, placement)
             self.device = "cuda" if "CUDAExecutionProvider" in self.layer.get_providers() else "cpu"
@@ -172,7 +175,8 @@ class OnnxCausalLM:
         key_positions: int64 [B, n_past + n_new], the position of every key column; needed (and only accepted)
         when the graph declares `key_position_ids` (sliding-window layers). static: the graph's `static_inputs`
         (config), batched like input_ids.
-        Returns (logits [B, n_new, V] fp32, or (topk_logprobs, topk_ids) for a top-k head; presents per layer
+        Returns (logits [B, n_new, V] fp32, or (topk_logprobs, topk_ids) for a top-k head and for a 'both' head
+        given `topk`; presents per layer
         [B, kv_heads, n_past + n_new, head_dim], OrtValues on the session's device when kv_resident).
         """
         ids = np.ascontiguousarray(input_ids, dtype=np.int64)
@@ -180,7 +184,8 @@ class OnnxCausalLM:
         if pos.size and int(pos.max()) >= self.cfg.context_length:
             raise ValueError(f"position {int(pos.max())} exceeds the model's context length {self.cfg.context_length}")
         mask = self.additive_mask(tree_mask)
-        extra = {"topk": np.array([topk or 1], np.int64)} if self.cfg.output == "topk" else {}
+        extra = {"topk": np.array([topk or 1], np.int64)} if self.has_topk else {}
+        names = ["topk_logprobs", "topk_ids"] if self.cfg.output == "both" and topk else self.out_names
         if self.needs_key_positions != (key_positions is not None):
             raise ValueError(f"{self.folder}: key_positions must be given iff the graph declares {KEY_POSITIONS}")
         kpos = {KEY_POSITIONS: np.ascontiguousarray(key_positions, dtype=np.int64)} if self.needs_key_positions else {}
@@ -188,16 +193,17 @@ class OnnxCausalLM:
             feed = {"input_ids": ids, "position_ids": pos, "attention_mask": mask, **kpos, **extra, **(static or {})}
             for (kn, vn), (k, v) in zip(self.past_names, past):
                 feed[kn], feed[vn] = k, v
+            present = [n for p in self.present_names for n in p]
             if self.kv_resident:
-                outs = self._run_bound(self.sess, feed, self.out_names, [n for p in self.present_names for n in p])
+                outs = self._run_bound(self.sess, feed, names, present)
             else:
-                outs = self.sess.run(self._run_names, feed)
-            n = len(self.out_names)
+                outs = self.sess.run(names + present, feed)
+            n = len(names)
             head = outs[0] if n == 1 else tuple(outs[:n])
             presents = [(outs[n + 2 * i], outs[n + 2 * i + 1]) for i in range(self.cfg.num_layers)]
             return head, presents
         with self._lock:
-            return self._forward_layers(ids, pos, mask, past, kpos, extra)
+            return self._forward_layers(ids, pos, mask, past, kpos, extra, names)
 
     def _run_bound(self, sess, feed: dict, host_outputs: list[str], device_outputs: list[str]) -> list:
         """One run with IOBinding: inputs are host arrays or OrtValues already on the device (bound as they
@@ -217,7 +223,7 @@ class OnnxCausalLM:
         outs = io.get_outputs()
         return [o.numpy() for o in outs[:len(host_outputs)]] + list(outs[len(host_outputs):])
 
-    def _forward_layers(self, ids, pos, mask, past, kpos, extra):
+    def _forward_layers(self, ids, pos, mask, past, kpos, extra, names):
         """The split layout: embed, each layer with its weights (streamed ones double-buffered), head."""
         store = self.store
         if store.streamed:
@@ -247,7 +253,7 @@ class OnnxCausalLM:
         for i in store.streamed[:2]:   # both buffers are free: the next pass's first layers load during the
             store.prefetch(i)          # head, the replay and the drafting of the next tree
         if self.kv_resident:
-            outs = self._run_bound(self.head, {"hidden": hidden, **extra}, self.out_names, [])
+            outs = self._run_bound(self.head, {"hidden": hidden, **extra}, names, [])
         else:
-            outs = self.head.run(self.out_names, {"hidden": hidden, **extra})
+            outs = self.head.run(names, {"hidden": hidden, **extra})
         return (outs[0] if len(outs) == 1 else tuple(outs)), presents

@@ -73,3 +73,64 @@ def test_dense_top_ids_are_each_rows_best(rows, width, vocab, ties, seed):
     for r in range(rows):
         assert len(set(ids[r].tolist())) == w
         np.testing.assert_array_equal(np.sort(x[r, ids[r]]), np.sort(x[r])[-w:])
+
+
+@pytest.fixture(scope="module")
+def both(exported):
+    """A 1-layer draft exported three ways: logits, top-k, and both heads in one graph (whole and split)."""
+    kw = dict(std=0.3, seed=11, layers=1)
+    return {kind: exported("llama", output=kind, **kw) for kind in ("logits", "topk", "both")} | \
+        {"split_both": exported("llama", layout="split", output="both", **kw),
+         "split_logits": exported("llama", layout="split", **kw)}
+
+
+@pytest.mark.parametrize("layout", ["whole", "split"])
+def test_both_head_answers_with_logits_or_topk(both, layout):
+    """export --output_kind both: a run without top-k returns the logits graph's logits, a run with one the top-k
+    graph's (log-probs, ids); onnxruntime computes only the head asked for."""
+    from specbeam_edge.model import OnnxCausalLM
+
+    name = {"whole": ("both", "logits"), "split": ("split_both", "split_logits")}[layout]
+    m, ref, topk = (OnnxCausalLM(both[n]) for n in (*name, "topk"))
+    ids = np.array([[3, 17, 33, 8]], np.int64)
+    pos = np.arange(4, dtype=np.int64)[None]
+    mask = np.tril(np.ones((4, 4), bool))[None, None]
+    logits, _ = m.forward(ids, pos, mask, m.empty_past())
+    np.testing.assert_allclose(logits, ref.forward(ids, pos, mask, ref.empty_past())[0], atol=1e-6)
+    (lp, tok), _ = m.forward(ids, pos, mask, m.empty_past(), topk=5)
+    (lp2, tok2), _ = topk.forward(ids, pos, mask, topk.empty_past(), topk=5)
+    np.testing.assert_array_equal(tok, tok2)
+    np.testing.assert_allclose(lp, lp2, atol=1e-6)
+    assert lp.shape == (1, 4, 5)
+
+
+@pytest.mark.parametrize("K", [1, 4])
+def test_both_head_draft_feeds_exact_search_its_topk_and_sampling_its_logits(folders, both, monkeypatch, K):
+    """A 'both' draft: exact speculative search equals plain and drafts from the top-k outputs (no full-vocabulary
+    work in Python per draft level of two rows or more); speculative beam sampling reads its logits and matches
+    the logits draft."""
+    import specbeam_edge.heads as heads
+
+    calls = []
+    real = heads._top_ids
+    monkeypatch.setattr(heads, "_top_ids", lambda x, w: calls.append(x.shape) or real(x, w))
+    target = folders["logits"]
+    ref = Engine(target)
+    fast = Engine(target, draft=both["both"])
+    spec = SpeculativeConfig(drafter="beam", budget=24, max_depth=4, adaptive=False)
+    for prompt in PROMPTS:
+        [plain] = ref.generate(prompt, num_beams=K, max_new_tokens=14)
+        [spec_out] = fast.generate(prompt, num_beams=K, max_new_tokens=14, speculative=spec)
+        assert spec_out.hypotheses[0].tokens == plain.hypotheses[0].tokens
+        assert spec_out.stats.draft_passes > 0
+    # batched requests share the draft's passes
+    batched = fast.generate(PROMPTS, num_beams=K, max_new_tokens=14, speculative=spec, max_batch_size=2)
+    assert [r.hypotheses[0].tokens for r in batched] == \
+        [ref.generate(p, num_beams=K, max_new_tokens=14)[0].hypotheses[0].tokens for p in PROMPTS]
+    # every draft level over two rows or more came from the graph's TopK (one row: Python's is cheaper)
+    assert all(rows == 1 for rows, _ in calls)
+    sampling = SpeculativeConfig(drafter="sample", max_depth=3)
+    outs = [Engine(target, draft=both[kind]).generate(PROMPTS[0], num_beams=2, do_sample=True, seed=5,
+                                                        max_new_tokens=12, speculative=sampling)[0].text
+            for kind in ("both", "logits")]
+    assert outs[0] == outs[1]
