@@ -72,10 +72,11 @@ def ceiling(target_ms: dict, draft_ms: dict, Ks=(1, 4), depths=(2, 4, 6), budget
     draft.default_width, depth min(max_depth, budget // W)). "free_draft" drops the draft's cost: the bound for any
     draft on this target with that tree."""
     from specbeam_edge import SpeculativeConfig
+    from specbeam_edge.config import DEFAULT_BUDGET
     from specbeam_edge.draft import default_width
 
-    spec = SpeculativeConfig() if budget is None else SpeculativeConfig(budget=budget)
-    budget = spec.budget
+    budget = budget or DEFAULT_BUDGET
+    spec = SpeculativeConfig(budget=budget)
     rows = []
     for K in Ks:
         W = default_width(K, spec.max_branch_width, budget)

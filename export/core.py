@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from specbeam_edge.config import OUTPUT_KINDS, head_io
+
 from . import graph
 from .gguf_input import is_gguf, unpack
 from .hf import Arch, ExportError, global_weights, layer_weights, read_arch, read_weights
@@ -181,8 +183,8 @@ def export(src: str | Path, dst: str | Path, *, precision: str = "fp32", layout:
         raise ExportError(f"precision {precision!r} is not one of {PRECISIONS}")
     if layout not in ("whole", "split"):
         raise ExportError(f"layout {layout!r} is not 'whole' or 'split'")
-    if output not in graph.OUTPUT_KINDS:
-        raise ExportError(f"output {output!r} is not one of {graph.OUTPUT_KINDS}")
+    if output not in OUTPUT_KINDS:
+        raise ExportError(f"output {output!r} is not one of {OUTPUT_KINDS}")
     if layout == "split" and precision == "int8w":
         raise ExportError("precision 'int8w' is for the whole layout (for streamed layers, a decoder-only model's "
                           "-p int8 --layout split stores int8 weights per output channel)")
@@ -292,8 +294,8 @@ def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str
             "output": output, "files": files, **_layer_info(arch),
             "io": {"inputs": ["input_ids", "position_ids", "attention_mask"]
                    + ([graph.KEY_POSITIONS] if graph.needs_key_positions(arch) else [])
-                   + ["past_key_values.{i}.key", "past_key_values.{i}.value"] + graph.head_io(output)[0],
-                   "outputs": graph.head_io(output)[1] + ["present.{i}.key", "present.{i}.value"]},
+                   + ["past_key_values.{i}.key", "past_key_values.{i}.value"] + head_io(output)[0],
+                   "outputs": head_io(output)[1] + ["present.{i}.key", "present.{i}.value"]},
             "generation": _generation_defaults(src),
             "source": {"folder_name": source_name, "export_seconds": round(time.time() - t0, 2)},
         }

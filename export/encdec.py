@@ -21,7 +21,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
-from .graph import Builder, _vi, add_topk, head_io, stored_weight
+from specbeam_edge.config import head_io
+
+from .graph import Builder, _vi, add_topk, stored_weight
 from .hf import ExportError, load_config
 
 ARCHITECTURES = {"MarianMTModel": "marian", "M2M100ForConditionalGeneration": "m2m100"}

@@ -291,17 +291,6 @@ def _common_inputs(b: Builder, arch: Arch, with_ids: bool):
         b.node("Where", [inside, "attention_mask", floor], ["sliding_mask"])
 
 
-OUTPUT_KINDS = ("logits", "topk", "both")
-
-
-def head_io(output: str) -> tuple[list[str], list[str]]:
-    """(extra inputs, head outputs) of a graph whose head is `output`: 'logits' (a row per node), 'topk' (the
-    log-softmax top-k, k a run-time input) or 'both' (either, chosen per run by the outputs asked for: a draft that
-    speculative sampling reads in full and exact search through its top-k)."""
-    return (["topk"] if output != "logits" else [],
-            (["topk_logprobs", "topk_ids"] if output != "logits" else []) + (["logits"] if output != "topk" else []))
-
-
 def add_topk(b: Builder, logits: str) -> None:
     """The top-k head over `logits` [B, n_new, V]: the `topk` input, LogSoftmax, TopK (sorted, best first)."""
     b.inputs.append(_vi("topk", TensorProto.INT64, [1]))

@@ -10,10 +10,10 @@ import os
 import sys
 from pathlib import Path
 
-from .config import ModelFolderError, SpeculativeConfig
+from .config import DEFAULT_BUDGET, ModelFolderError, SpeculativeConfig
 # shared with the apps (they import the runtime, never the reverse); re-exported for existing callers
-from .flags import (DEFAULT_BUDGET, DEFAULT_MODELS, DRAFT_WIDTH_HELP, PROVIDERS, add_memory_args,  # noqa: F401
-                    budget_arg, engine_from_args, parse_size)
+from .flags import (DEFAULT_MODELS, DRAFT_WIDTH_HELP, PROVIDERS, add_memory_args, budget_arg,  # noqa: F401
+                    engine_from_args, parse_size)
 from .shipped import shipped
 
 

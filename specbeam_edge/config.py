@@ -78,9 +78,21 @@ def _model_fields(raw: dict, path: Path) -> dict:
     return out
 
 
+OUTPUT_KINDS = ("logits", "topk", "both")
+TOPK_OUTPUTS = ["topk_logprobs", "topk_ids"]
+
+
+def head_io(output: str) -> tuple[list[str], list[str]]:
+    """(extra inputs, head outputs) of a graph whose head is `output`: 'logits' (a row per node), 'topk' (the
+    log-softmax top-k, k a run-time input) or 'both' (either, chosen per run by the outputs asked for: a draft that
+    speculative sampling reads in full and exact search through its top-k). The export writes this contract."""
+    return (["topk"] if output != "logits" else [],
+            (TOPK_OUTPUTS if output != "logits" else []) + (["logits"] if output != "topk" else []))
+
+
 def _output_kind(kind, folder) -> str:
-    if kind not in ("logits", "topk", "both"):
-        raise ModelFolderError(f"{folder}: specbeam_config.json 'output' is {kind!r}, not 'logits', 'topk' or 'both'")
+    if kind not in OUTPUT_KINDS:
+        raise ModelFolderError(f"{folder}: specbeam_config.json 'output' is {kind!r}, not one of {OUTPUT_KINDS}")
     return kind
 
 
@@ -123,7 +135,8 @@ class ModelConfig:
             cfg = cls(folder=folder, family=raw["family"], **ints,
                       bos_token_id=raw.get("bos_token_id"), eos_token_ids=tuple(raw.get("eos_token_ids") or ()),
                       pad_token_id=raw.get("pad_token_id"), layout=raw["layout"], precision=raw["precision"],
-                      output=_output_kind(raw.get("output", "logits"), folder), mask_value=float(raw["mask_value"]), files=raw["files"],
+                      output=_output_kind(raw.get("output", "logits"), folder), mask_value=float(raw["mask_value"]),
+                      files=raw["files"],
                       generation=raw.get("generation", {}), raw=raw)
         except KeyError as e:
             raise ModelFolderError(f"{path}: missing key {e}") from None

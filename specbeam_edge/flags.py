@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from .config import DEFAULT_BUDGET, SpeculativeConfig  # noqa: F401 (DEFAULT_BUDGET: the tools' --budget)
+from .config import SpeculativeConfig
 from .shipped import models_root
 
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}

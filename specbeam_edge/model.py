@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from .config import ModelConfig, ModelFolderError
+from .config import TOPK_OUTPUTS, ModelConfig, ModelFolderError, head_io
 from .offload import LayerStore, layer_nbytes, plan
 from .providers import CUDA, ProviderError, cuda_session, default_providers, wants_cuda
 
@@ -80,12 +80,11 @@ class OnnxCausalLM:
         L = cfg.num_layers
         self.past_names = [(f"past_key_values.{i}.key", f"past_key_values.{i}.value") for i in range(L)]
         self.present_names = [(f"present.{i}.key", f"present.{i}.value") for i in range(L)]
+        self.present_flat = [n for p in self.present_names for n in p]
         # head outputs: 'both' graphs (a draft for exact search and sampling) answer a run that gives a top-k with
         # their top-k outputs and any other with their logits; onnxruntime returns only the outputs asked for
-        self.has_topk = cfg.output in ("topk", "both")
-        self.out_names = ["topk_logprobs", "topk_ids"] if cfg.output == "topk" else ["logits"]
-        all_heads = {"topk": ["topk_logprobs", "topk_ids"], "logits": ["logits"],
-                     "both": ["topk_logprobs", "topk_ids", "logits"]}[cfg.output]
+        head_inputs, all_heads = head_io(cfg.output)
+        self.has_topk = bool(head_inputs)
         # per-request inputs fixed for the whole request (e.g. cross-attention K/V of an encoder-decoder)
         self.static_inputs = list(cfg.raw.get("static_inputs", []))
         if self.static_inputs and cfg.layout != "whole":
@@ -98,8 +97,7 @@ class OnnxCausalLM:
             self.needs_key_positions = _declares(self.sess, KEY_POSITIONS)
             want_in = {"input_ids", "position_ids", "attention_mask", *[n for p in self.past_names for n in p],
                        *([KEY_POSITIONS] if self.needs_key_positions else []), *self.static_inputs}
-            want_out = {*all_heads, *[n for p in self.present_names for n in p]}
-            self._check_io(self.sess, want_in | ({"topk"} if self.has_topk else set()), want_out, cfg.files["model"])
+            self._check_io(self.sess, want_in | set(head_inputs), {*all_heads, *self.present_flat}, cfg.files["model"])
         else:
             self.embed = _session(self.folder / cfg.files["embed"], threads, providers, spin)
             self.layer = _session(self.folder / cfg.files["layer"], threads, providers, spin)
@@ -111,8 +109,7 @@ class OnnxCausalLM:
                                         *[m["name"] for m in manifest],
                                         *([KEY_POSITIONS] if self.needs_key_positions else [])},
                            {"hidden_out", "present_key", "present_value"}, cfg.files["layer"])
-            self._check_io(self.head, {"hidden"} | ({"topk"} if self.has_topk else set()), set(all_heads),
-                           cfg.files["head"])
+            self._check_io(self.head, {"hidden", *head_inputs}, set(all_heads), cfg.files["head"])
             fixed = sum((self.folder / cfg.files[k]).stat().st_size for k in ("embed", "head"))
             self.placement = plan(L, layer_nbytes(manifest), fixed, max_memory, host_memory, placement)
             self.device = "cuda" if "CUDAExecutionProvider" in self.layer.get_providers() else "cpu"
@@ -131,6 +128,13 @@ class OnnxCausalLM:
         self.kv_resident = (self.kv_device == "cuda") if kv_resident is None else bool(kv_resident)
         # the streamed layers share two buffers: one pass at a time per model (threads sharing an Engine)
         self._lock = threading.Lock()
+
+    def head_names(self, topk: int | None) -> list[str]:
+        """The head outputs a run returns: a top-k head's (log-probs, ids), a logits head's logits, and a 'both'
+        head's top-k when the run gives a k, else its logits."""
+        if self.cfg.output == "topk" or (self.cfg.output == "both" and topk):
+            return TOPK_OUTPUTS
+        return ["logits"]
 
     @staticmethod
     def _check_io(sess, want_in, want_out, name):
@@ -185,7 +189,7 @@ class OnnxCausalLM:
             raise ValueError(f"position {int(pos.max())} exceeds the model's context length {self.cfg.context_length}")
         mask = self.additive_mask(tree_mask)
         extra = {"topk": np.array([topk or 1], np.int64)} if self.has_topk else {}
-        names = ["topk_logprobs", "topk_ids"] if self.cfg.output == "both" and topk else self.out_names
+        names = self.head_names(topk)
         if self.needs_key_positions != (key_positions is not None):
             raise ValueError(f"{self.folder}: key_positions must be given iff the graph declares {KEY_POSITIONS}")
         kpos = {KEY_POSITIONS: np.ascontiguousarray(key_positions, dtype=np.int64)} if self.needs_key_positions else {}
@@ -193,11 +197,10 @@ class OnnxCausalLM:
             feed = {"input_ids": ids, "position_ids": pos, "attention_mask": mask, **kpos, **extra, **(static or {})}
             for (kn, vn), (k, v) in zip(self.past_names, past):
                 feed[kn], feed[vn] = k, v
-            present = [n for p in self.present_names for n in p]
             if self.kv_resident:
-                outs = self._run_bound(self.sess, feed, names, present)
+                outs = self._run_bound(self.sess, feed, names, self.present_flat)
             else:
-                outs = self.sess.run(names + present, feed)
+                outs = self.sess.run(names + self.present_flat, feed)
             n = len(names)
             head = outs[0] if n == 1 else tuple(outs[:n])
             presents = [(outs[n + 2 * i], outs[n + 2 * i + 1]) for i in range(self.cfg.num_layers)]

@@ -58,3 +58,20 @@ def exported(tmp_path_factory, hf_models):
 def pair(exported):
     """A tiny random target and an unrelated 1-layer draft of the same vocabulary (folder paths as strings)."""
     return str(exported("llama", std=0.3, seed=3)), str(exported("llama", std=0.3, seed=11, layers=1))
+
+
+@pytest.fixture
+def top_calls(monkeypatch):
+    """Rows per `top()` call of each head kind, recorded while the test runs: {"Dense": [rows, ...], "TopK": [...]}
+    (a Dense call is the Python top-k over full logit rows; a TopK call reads the graph's own)."""
+    import specbeam_edge.heads as heads
+
+    calls = {"Dense": [], "TopK": []}
+    for cls in (heads.Dense, heads.TopK):
+        real = cls.top
+
+        def spy(self, rows, width, real=real, name=cls.__name__):
+            calls[name].append(len(rows))
+            return real(self, rows, width)
+        monkeypatch.setattr(cls, "top", spy)
+    return calls

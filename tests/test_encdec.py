@@ -519,23 +519,19 @@ def test_auto_budget_measures_the_decoder_with_a_source(encdec):
 
 
 @pytest.mark.parametrize("kind", ["marian", "m2m100"])
-def test_both_head_draft_equals_plain_and_drafts_from_its_topk(encdec, kind, monkeypatch):
+def test_both_head_draft_equals_plain_and_drafts_from_its_topk(encdec, kind, top_calls):
     """An encoder-decoder draft exported with --output_kind both: exact speculation equals plain and its draft
     levels come from the graph's TopK (no Python top-k over full rows); sampling reads its logits."""
-    import specbeam_edge.heads as heads
-
     target, _ = encdec(kind)
     draft, _ = encdec(kind, seed=11, decoder_layers=1, encoder_layers=1, output="both")
-    calls = []
-    real = heads._top_ids
-    monkeypatch.setattr(heads, "_top_ids", lambda x, w: calls.append(x.shape) or real(x, w))
     eng = Engine(target, draft=draft)
     for src in SOURCES[kind]:
         [plain] = eng.generate(src, num_beams=4, max_new_tokens=14, num_return_sequences=4)
         [fast] = eng.generate(src, num_beams=4, max_new_tokens=14, num_return_sequences=4, speculative=SPEC)
         _same_or_near_tie(plain, fast)
         assert fast.stats.draft_passes > 0
-    assert all(rows == 1 for rows, _ in calls)          # two rows or more: the graph's TopK
+    # two rows or more: the graph's TopK; Python's top-k over logits for one row only
+    assert top_calls["TopK"] and all(rows == 1 for rows in top_calls["Dense"])
     [s] = eng.generate(SOURCES[kind][0], num_beams=2, do_sample=True, seed=1, max_new_tokens=8,
                        speculative=SpeculativeConfig(drafter="sample", max_depth=3))
     assert s.stats.generated_tokens > 0

@@ -105,15 +105,10 @@ def test_both_head_answers_with_logits_or_topk(both, layout):
 
 
 @pytest.mark.parametrize("K", [1, 4])
-def test_both_head_draft_feeds_exact_search_its_topk_and_sampling_its_logits(folders, both, monkeypatch, K):
+def test_both_head_draft_feeds_exact_search_its_topk_and_sampling_its_logits(folders, both, top_calls, K):
     """A 'both' draft: exact speculative search equals plain and drafts from the top-k outputs (no full-vocabulary
     work in Python per draft level of two rows or more); speculative beam sampling reads its logits and matches
     the logits draft."""
-    import specbeam_edge.heads as heads
-
-    calls = []
-    real = heads._top_ids
-    monkeypatch.setattr(heads, "_top_ids", lambda x, w: calls.append(x.shape) or real(x, w))
     target = folders["logits"]
     ref = Engine(target)
     fast = Engine(target, draft=both["both"])
@@ -128,7 +123,7 @@ def test_both_head_draft_feeds_exact_search_its_topk_and_sampling_its_logits(fol
     assert [r.hypotheses[0].tokens for r in batched] == \
         [ref.generate(p, num_beams=K, max_new_tokens=14)[0].hypotheses[0].tokens for p in PROMPTS]
     # every draft level over two rows or more came from the graph's TopK (one row: Python's is cheaper)
-    assert all(rows == 1 for rows, _ in calls)
+    assert top_calls["TopK"] and all(rows == 1 for rows in top_calls["Dense"])
     sampling = SpeculativeConfig(drafter="sample", max_depth=3)
     outs = [Engine(target, draft=both[kind]).generate(PROMPTS[0], num_beams=2, do_sample=True, seed=5,
                                                         max_new_tokens=12, speculative=sampling)[0].text

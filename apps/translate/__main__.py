@@ -26,9 +26,9 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from specbeam_edge.config import ModelFolderError
-from specbeam_edge.flags import (DEFAULT_BUDGET, DEFAULT_MODELS, DRAFT_WIDTH_HELP, add_memory_args, budget_arg,
-                                 engine_from_args, finite_float, positive_int, speculative_config)
+from specbeam_edge.config import DEFAULT_BUDGET, ModelFolderError
+from specbeam_edge.flags import (DEFAULT_MODELS, DRAFT_WIDTH_HELP, add_memory_args, budget_arg, engine_from_args,
+                                 finite_float, positive_int, speculative_config)
 
 from .journal import Journal, JournalError, OutputLock
 from .ray_engine import add_ray_args
