@@ -152,6 +152,45 @@ def test_second_writer_is_refused_with_the_holder_named(pair, text_in, tmp_path,
     assert run(pair, text_in, out) == 0                       # the lock dies with its holder
 
 
+def test_refused_writer_waits_for_a_just_started_holder_to_name_itself(tmp_path):
+    """Two runs started together: the winner holds the lock before it has published its pid. The loser must
+    still name it (this raced in CI: the loser read an empty lock file and said 'another process')."""
+    import threading
+    from apps.translate.journal import JournalError, OutputLock
+    out = tmp_path / "out.txt"
+    held = OutputLock(out)
+    held.lock.acquire()                          # won, pid not written yet
+    writer = threading.Timer(0.3, lambda: held.pid_path.write_text(f"pid {os.getpid()}\n"))
+    writer.start()
+    try:
+        with pytest.raises(JournalError, match=f"is being written by pid {os.getpid()}; wait"):
+            with OutputLock(out):
+                pass
+    finally:
+        writer.join()
+        held.__exit__(None, None, None)
+    assert not held.pid_path.exists()
+    with OutputLock(out):                         # released: the next writer gets it and names itself
+        assert OutputLock(out).pid_path.read_text() == f"pid {os.getpid()}\n"
+
+
+def test_pid_left_by_a_killed_holder_names_nobody(tmp_path, monkeypatch):
+    from apps.translate.journal import JournalError, OutputLock
+    out = tmp_path / "out.txt"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    held = OutputLock(out)
+    held.lock.acquire()
+    held.pid_path.write_text(f"pid {dead.pid}\n")       # stale: its writer died without cleaning up
+    monkeypatch.setattr(OutputLock, "PID_WAIT_S", 0.1)
+    try:
+        with pytest.raises(JournalError, match="is being written by another process; wait"):
+            with OutputLock(out):
+                pass
+    finally:
+        held.lock.release()
+
+
 def test_two_processes_on_one_output_do_not_tear_the_journal(pair, tmp_path):
     inp = tmp_path / "in.txt"
     inp.write_text("\n".join(corpus(60, seed=8)) + "\n")   # long enough to overlap

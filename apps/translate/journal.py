@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import zlib
 from pathlib import Path
 
@@ -75,29 +76,46 @@ def atomic_write_chunks(path: Path, chunks) -> None:
 
 
 class OutputLock:
-    """`<output>.lock`: one process writes an output (and its journal) at a time; the holder writes its pid
-    into the file so a refused second writer can name it. The file stays after release (removing a lock
-    file races with a process that is opening it)."""
+    """`<output>.lock`: one process writes an output (and its journal) at a time. The holder publishes its pid
+    in `<output>.lock.pid` (written whole through a rename, removed before release) so a refused second writer
+    can name it. The pid lives beside the lock, not in it: a contender opening the lock file may truncate it,
+    and a holder that has just won the lock has not written anything yet (two runs started together raced
+    there). The lock file stays after release (removing it races with a process that is opening it)."""
+
+    PID_WAIT_S = 2.0      # how long a refused writer waits for a just-started holder to publish its pid
 
     def __init__(self, output: Path):
         self.path = output.with_name(output.name + ".lock")
+        self.pid_path = output.with_name(output.name + ".lock.pid")
         self.lock = filelock.FileLock(self.path, timeout=0)
+
+    def _holder(self) -> str:
+        """'pid N' of the live process that holds the lock, or 'another process' if it does not say in time."""
+        deadline = time.monotonic() + self.PID_WAIT_S
+        while True:
+            try:
+                pid = int(self.pid_path.read_text().split()[1])
+                os.kill(pid, 0)                       # a pid file left by a killed holder names nobody
+                return f"pid {pid}"
+            except PermissionError:
+                return f"pid {pid}"                   # alive, owned by another user
+            except (OSError, ValueError, IndexError):
+                pass
+            if time.monotonic() >= deadline:
+                return "another process"
+            time.sleep(0.02)
 
     def __enter__(self):
         try:
             self.lock.acquire()
         except filelock.Timeout:
-            try:
-                holder = self.path.read_text().strip() or "another process"
-            except OSError:
-                holder = "another process"
-            raise JournalError(f"{self.path.with_suffix('')} is being written by {holder}; wait for it to finish "
-                               f"or write to another -o") from None
-        with open(self.path, "w") as f:
-            f.write(f"pid {os.getpid()}\n")
+            raise JournalError(f"{self.path.with_suffix('')} is being written by {self._holder()}; wait for it to "
+                               f"finish or write to another -o") from None
+        atomic_write(self.pid_path, f"pid {os.getpid()}\n".encode())
         return self
 
     def __exit__(self, *exc):
+        self.pid_path.unlink(missing_ok=True)
         self.lock.release()
 
 
