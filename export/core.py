@@ -280,6 +280,7 @@ def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str
         for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
             if (src / f).is_file():
                 shutil.copy2(src / f, tmp / f)
+        head_in, head_out = head_io(output)
         cfg = {
             "format_version": FORMAT_VERSION, "family": arch.family, "vocab_size": arch.vocab_size,
             "hidden_size": arch.hidden, "num_layers": arch.layers, "num_heads": arch.heads,
@@ -294,8 +295,8 @@ def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str
             "output": output, "files": files, **_layer_info(arch),
             "io": {"inputs": ["input_ids", "position_ids", "attention_mask"]
                    + ([graph.KEY_POSITIONS] if graph.needs_key_positions(arch) else [])
-                   + ["past_key_values.{i}.key", "past_key_values.{i}.value"] + head_io(output)[0],
-                   "outputs": head_io(output)[1] + ["present.{i}.key", "present.{i}.value"]},
+                   + ["past_key_values.{i}.key", "past_key_values.{i}.value"] + head_in,
+                   "outputs": head_out + ["present.{i}.key", "present.{i}.value"]},
             "generation": _generation_defaults(src),
             "source": {"folder_name": source_name, "export_seconds": round(time.time() - t0, 2)},
         }

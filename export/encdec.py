@@ -448,6 +448,7 @@ def export_encdec(src: Path, dst: Path, family: str, *, precision: str, layout: 
                                                          arch.head_dim)
             for f in ("encoder.onnx", "encoder.onnx.data"):    # (the second: a graph past 2 GB)
                 (tmp / f).unlink(missing_ok=True)
+        head_in, head_out = head_io(output)
         cfg = {
             "format_version": FORMAT_VERSION, "family": family, "vocab_size": arch.vocab_size,
             "hidden_size": arch.d_model, "num_layers": L, "num_heads": arch.heads, "num_kv_heads": arch.heads,
@@ -462,8 +463,8 @@ def export_encdec(src: Path, dst: Path, family: str, *, precision: str, layout: 
                                 **facts},
             "io": {"inputs": ["input_ids", "position_ids", "attention_mask", SOURCE_MASK, "cross_key.{i}",
                               "cross_value.{i}", "past_key_values.{i}.key", "past_key_values.{i}.value"]
-                   + head_io(output)[0],
-                   "outputs": head_io(output)[1] + ["present.{i}.key", "present.{i}.value"],
+                   + head_in,
+                   "outputs": head_out + ["present.{i}.key", "present.{i}.value"],
                    "encoder_inputs": ["input_ids", "attention_mask"],
                    "encoder_outputs": ["encoder_hidden_states", "cross_key.{i}", "cross_value.{i}"]},
             "generation": defaults,

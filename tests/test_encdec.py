@@ -532,6 +532,10 @@ def test_both_head_draft_equals_plain_and_drafts_from_its_topk(encdec, kind, top
         assert fast.stats.draft_passes > 0
     # two rows or more: the graph's TopK; Python's top-k over logits for one row only
     assert top_calls["TopK"] and all(rows == 1 for rows in top_calls["Dense"])
-    [s] = eng.generate(SOURCES[kind][0], num_beams=2, do_sample=True, seed=1, max_new_tokens=8,
-                       speculative=SpeculativeConfig(drafter="sample", max_depth=3))
-    assert s.stats.generated_tokens > 0
+    # sampling reads the logits: the same draws as the logits-only export of the same draft
+    logits_draft, _ = encdec(kind, seed=11, decoder_layers=1, encoder_layers=1)
+    sampling = SpeculativeConfig(drafter="sample", max_depth=3)
+    [s, ref] = [Engine(target, draft=d).generate(SOURCES[kind][0], num_beams=2, do_sample=True, seed=1,
+                                                 max_new_tokens=8, speculative=sampling)[0]
+                for d in (draft, logits_draft)]
+    assert s.stats.generated_tokens > 0 and s.text == ref.text

@@ -170,25 +170,48 @@ def test_refused_writer_waits_for_a_just_started_holder_to_name_itself(tmp_path)
         writer.join()
         held.__exit__(None, None, None)
     assert not held.pid_path.exists()
-    with OutputLock(out):                         # released: the next writer gets it and names itself
-        assert OutputLock(out).pid_path.read_text() == f"pid {os.getpid()}\n"
+    with OutputLock(out) as lock:                 # released: the next writer gets it and names itself
+        assert lock.pid_path.read_text() == f"pid {os.getpid()}\n"
 
 
-def test_pid_left_by_a_killed_holder_names_nobody(tmp_path, monkeypatch):
+@pytest.fixture
+def held_lock(tmp_path, monkeypatch):
+    """tmp_path/out.txt's OutputLock, held by this test, its pid file not written; a refused writer waits 0.1 s."""
+    from apps.translate.journal import OutputLock
+    monkeypatch.setattr(OutputLock, "PID_WAIT_S", 0.1)
+    held = OutputLock(tmp_path / "out.txt")
+    held.lock.acquire()
+    yield held
+    held.lock.release()
+
+
+def refused_as(held) -> str:
+    """The message of a second writer refused by `held`."""
     from apps.translate.journal import JournalError, OutputLock
-    out = tmp_path / "out.txt"
+    with pytest.raises(JournalError) as e:
+        with OutputLock(held.path.with_suffix("")):
+            pass
+    return str(e.value)
+
+
+def test_pid_left_by_a_killed_holder_names_nobody(held_lock):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    held = OutputLock(out)
-    held.lock.acquire()
-    held.pid_path.write_text(f"pid {dead.pid}\n")       # stale: its writer died without cleaning up
-    monkeypatch.setattr(OutputLock, "PID_WAIT_S", 0.1)
-    try:
-        with pytest.raises(JournalError, match="is being written by another process; wait"):
-            with OutputLock(out):
-                pass
-    finally:
-        held.lock.release()
+    held_lock.pid_path.write_text(f"pid {dead.pid}\n")       # stale: its writer died without cleaning up
+    assert "is being written by another process; wait" in refused_as(held_lock)
+
+
+def test_unreadable_pid_file_names_nobody(held_lock, monkeypatch):
+    """A pid file the refused writer may not read (another user's umask) gives 'another process', not a crash."""
+    held_lock.pid_path.write_text(f"pid {os.getpid()}\n")
+    real = Path.read_text
+
+    def refuse(self, *a, **kw):
+        if self == held_lock.pid_path:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *a, **kw)
+    monkeypatch.setattr(Path, "read_text", refuse)
+    assert "is being written by another process; wait" in refused_as(held_lock)
 
 
 def test_two_processes_on_one_output_do_not_tear_the_journal(pair, tmp_path):

@@ -305,12 +305,13 @@ def test_default_budget_deepens_K4_and_leaves_K1_K2_trees_alone():
     from specbeam_edge.draft import default_width
 
     spec = SpeculativeConfig()
-    shape = {K: (default_width(K, spec.max_branch_width, spec.budget),) for K in (1, 2, 4, 8)}
-    shape = {K: (W, min(spec.max_depth, spec.budget // W)) for K, (W,) in shape.items()}
-    assert shape == {1: (4, 6), 2: (8, 6), 4: (16, 5), 8: (32, 2)}
-    for K in (1, 2):
-        W48 = default_width(K, spec.max_branch_width, 48)
-        assert (W48, min(spec.max_depth, 48 // W48)) == shape[K]
+
+    def tree(K, budget):                      # (nodes a level, levels) of the default tree
+        W = default_width(K, spec.max_branch_width, budget)
+        return W, min(spec.max_depth, budget // W)
+
+    assert {K: tree(K, spec.budget) for K in (1, 2, 4, 8)} == {1: (4, 6), 2: (8, 6), 4: (16, 5), 8: (32, 2)}
+    assert all(tree(K, 48) == tree(K, spec.budget) for K in (1, 2))
 
 
 def test_default_tree_at_K4_is_exact_and_uses_its_width(engines):

@@ -89,21 +89,26 @@ class OutputLock:
         self.pid_path = output.with_name(output.name + ".lock.pid")
         self.lock = filelock.FileLock(self.path, timeout=0)
 
+    def _live_pid(self) -> int | None:
+        """The pid in the pid file if that process is alive (a pid file left by a killed holder names nobody)."""
+        try:
+            pid = int(self.pid_path.read_text().split()[1])
+        except (OSError, ValueError, IndexError):
+            return None
+        try:
+            os.kill(pid, 0)
+        except PermissionError:
+            pass                                      # alive, another user's
+        except OSError:
+            return None
+        return pid
+
     def _holder(self) -> str:
         """'pid N' of the live process that holds the lock, or 'another process' if it does not say in time."""
         deadline = time.monotonic() + self.PID_WAIT_S
-        while True:
-            try:
-                pid = int(self.pid_path.read_text().split()[1])
-                os.kill(pid, 0)                       # a pid file left by a killed holder names nobody
-                return f"pid {pid}"
-            except PermissionError:
-                return f"pid {pid}"                   # alive, owned by another user
-            except (OSError, ValueError, IndexError):
-                pass
-            if time.monotonic() >= deadline:
-                return "another process"
+        while (pid := self._live_pid()) is None and time.monotonic() < deadline:
             time.sleep(0.02)
+        return "another process" if pid is None else f"pid {pid}"
 
     def __enter__(self):
         try:
