@@ -1,18 +1,24 @@
-"""Answers as Markdown in the transcript, with the characters that came from the draft tree highlighted.
+"""Answers as Markdown in the transcript, with the characters that came from the draft tree highlighted. Raw HTML
+is not interpreted: an answer about code (`List<String>`, `a<b`, `<div>`) shows every character it has.
 
 Draft marks are stored as character spans of the answer's own text, so an answer renders the same after a
 restart or a model switch: nothing is re-tokenised at display time.
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 
-from PySide6.QtGui import QColor, QTextCharFormat, QTextCursor
+from PySide6.QtGui import QColor, QTextCharFormat, QTextCursor, QTextDocument
 
 DRAFT_COLOUR = QColor("#d8f0d8")
 CURSOR = "▌"                     # shown at the end of an answer that is still streaming
 _FENCE = ("```", "~~~")
 _SEPARATORS = "\u2029\u2028\ufffc"   # block/line separators and objects in QTextDocument text: no source char
+_ENTITY = re.compile(r"&(#[0-9]{1,7}|#[xX][0-9a-fA-F]{1,6}|[A-Za-z][A-Za-z0-9]{0,31});")
+_MD = QTextDocument.MarkdownFeature
+# GitHub's dialect (tables, strikethrough, task lists, autolinks) without raw HTML: tags show as text
+MARKDOWN = _MD(_MD.MarkdownDialectGitHub.value | _MD.MarkdownNoHTML.value)
 _LOOKAHEAD = 200                 # markup skipped between two shown characters (a link's URL) stays below this
 
 
@@ -40,32 +46,79 @@ def char_flags(text: str, spans: Sequence[Sequence[int]]) -> list[bool]:
     return flags
 
 
-def hard_breaks(text: str, flags: list[bool]) -> tuple[str, list[bool]]:
-    """Single newlines outside code fences become Markdown hard breaks: a model's line-per-item output (code
-    without fences, short lists) keeps its lines instead of running together into one paragraph."""
-    out, out_flags, in_fence = [], [], False
+def markdown_source(text: str, flags: list[bool]) -> tuple[str, list[bool]]:
+    """The Markdown handed to Qt, with one flag per source character. Single newlines outside code fences
+    become hard breaks: a model's line-per-item output (code without fences, short lists) keeps its lines
+    instead of running together into one paragraph. Outside code, `&` before an entity name gets a backslash
+    so that `&amp;` shows as written (raw HTML is switched off in insert_answer: `<div>` and `a<b` show as
+    text); code blocks and code spans keep their content verbatim."""
+    out, out_flags, in_fence, code_ok = [], [], False, True
     lines = text.split("\n")
     pos = 0
     for n, line in enumerate(lines):
-        out.append(line)
-        out_flags += flags[pos:pos + len(line)]
+        fence = line.lstrip().startswith(_FENCE)
+        indented = bool(line.startswith(("    ", "\t")) and line.strip() and code_ok)   # indented code
+        shown, shown_flags = line, flags[pos:pos + len(line)]
         pos += len(line)
-        if line.lstrip().startswith(_FENCE):
+        if not (in_fence or fence or indented):
+            shown, shown_flags = _escape_entities(shown, shown_flags)
+        out.append(shown)
+        out_flags += shown_flags
+        if fence:
             in_fence = not in_fence
+        code_ok = not line.strip() or indented     # indented code starts after a blank line
         if n < len(lines) - 1:
-            brk = "\n" if in_fence or not line.strip() else "  \n"
+            brk = "\n" if in_fence or indented or not line.strip() else "  \n"
             out.append(brk)
             out_flags += [flags[pos]] * len(brk)
             pos += 1
     return "".join(out), out_flags
 
 
+def _escape_entities(line: str, flags: list[bool]) -> tuple[str, list[bool]]:
+    """`\\&` for every `&` that would start an entity reference, except inside `code spans`."""
+    out, out_flags, i = [], [], 0
+    while i < len(line):
+        if line[i] == "`":
+            run = len(line[i:]) - len(line[i:].lstrip("`"))
+            close = _closing_ticks(line, i + run, run)
+            if close >= 0:                                # a code span: verbatim, ticks included
+                out.append(line[i:close + run])
+                out_flags += flags[i:close + run]
+                i = close + run
+                continue
+            out.append(line[i:i + run])
+            out_flags += flags[i:i + run]
+            i += run
+            continue
+        if line[i] == "&" and _ENTITY.match(line, i):
+            out.append("\\")
+            out_flags.append(flags[i])
+        out.append(line[i])
+        out_flags.append(flags[i])
+        i += 1
+    return "".join(out), out_flags
+
+
+def _closing_ticks(line: str, start: int, run: int) -> int:
+    """Where the run of exactly `run` backticks that closes a code span begins, or -1."""
+    i = start
+    while True:
+        j = line.find("`" * run, i)
+        if j < 0:
+            return -1
+        end = j + run
+        if (j == 0 or line[j - 1] != "`") and (end >= len(line) or line[end] != "`"):
+            return j
+        i = end + len(line[end:]) - len(line[end:].lstrip("`"))
+
+
 def insert_answer(cursor: QTextCursor, text: str, spans: Sequence[Sequence[int]], highlight: bool) -> None:
     """Insert `text` as Markdown at the cursor and paint the characters inside `spans`."""
     lead = len(text) - len(text.lstrip("\n"))        # an answer that opens with blank lines starts at its text
-    source, flags = hard_breaks(text[lead:], char_flags(text, spans)[lead:])
+    source, flags = markdown_source(text[lead:], char_flags(text, spans)[lead:])
     start = cursor.position()
-    cursor.insertMarkdown(source)
+    cursor.insertMarkdown(source, MARKDOWN)
     end = cursor.position()
     if not highlight or not any(flags):
         return
