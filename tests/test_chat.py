@@ -28,10 +28,10 @@ ENDE = Path(__file__).resolve().parents[1] / "models" / "ende"
 class SlowEngine(Engine):
     """The real engine, with a pause after each target pass so that Stop lands mid-generation."""
 
-    def stream(self, *a, **kw):
-        for chunk in super().stream(*a, **kw):
+    def generate_step(self, *a, **kw):     # what Engine.stream and the app's worker iterate
+        for item in super().generate_step(*a, **kw):
             time.sleep(0.03)
-            yield chunk
+            yield item
 
 
 @pytest.fixture
@@ -97,7 +97,7 @@ def test_stream_then_stop_status_is_honest(qtbot, tmp_path, folders):
     win.send_btn.click()
     qtbot.waitUntil(lambda: len(win.partial.text) > 0, timeout=20000)
     assert not win.send_btn.isEnabled() and win.stop_btn.isEnabled()   # the UI stays responsive meanwhile
-    assert win.transcript.toPlainText().endswith(win.partial.text + "▌")
+    assert win.partial.text + "▌\nsearching 2 beams… " in win.transcript.toPlainText()
     win.stop_btn.click()
     wait_idle(qtbot, win)
     msgs = win.store.messages(win.current())

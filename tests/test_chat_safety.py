@@ -1,6 +1,7 @@
 """The chat app's answers never lose text: raw HTML shows as text, code keeps its content, and a stopped,
 interrupted or regenerated answer is shown and stored (offscreen Qt)."""
 import os
+import time
 
 import pytest
 
@@ -8,10 +9,64 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 pytest.importorskip("PySide6")
 pytest.importorskip("pytestqt")
 
+from PySide6.QtCore import QSettings  # noqa: E402
 from PySide6.QtGui import QTextCursor, QTextFormat  # noqa: E402
 from PySide6.QtWidgets import QTextBrowser  # noqa: E402
 
 from apps.chat.render import insert_answer  # noqa: E402
+from apps.chat.store import ChatStore  # noqa: E402
+from apps.chat.window import ChatWindow, searching_text  # noqa: E402
+from specbeam_edge import Engine  # noqa: E402
+
+
+class _NoAgreement:
+    """A search state whose beams never agree on a prefix (what beam search often does for a long while)."""
+
+    def __init__(self, state):
+        self._state = state
+
+    def stable_prefix(self):
+        return []
+
+    def __getattr__(self, name):
+        return getattr(self._state, name)
+
+
+class DisagreeingEngine(Engine):
+    """The real engine, slowed down, with beams that share no final text until the search ends."""
+
+    def generate_step(self, *a, **kw):       # what Engine.stream and the app's worker iterate
+        for state, stats in super().generate_step(*a, **kw):
+            time.sleep(0.02)
+            yield _NoAgreement(state), stats
+
+
+class SlowEngine(Engine):
+    def generate_step(self, *a, **kw):
+        for item in super().generate_step(*a, **kw):
+            time.sleep(0.02)
+            yield item
+
+
+@pytest.fixture
+def folders(pair):
+    return pair
+
+
+def window(qtbot, tmp_path, folders, factory=Engine, **settings_values):
+    settings = QSettings(str(tmp_path / "settings.ini"), QSettings.Format.IniFormat)
+    settings.setValue("model", folders[0])
+    settings.setValue("draft", folders[1])
+    for key, value in settings_values.items():
+        settings.setValue(key, value)
+    win = ChatWindow(ChatStore(tmp_path / "chat.sqlite"), engine_factory=factory, settings=settings)
+    qtbot.addWidget(win)
+    return win
+
+
+def send(win, text="the quick brown fox"):
+    win.input.setPlainText(text)
+    win.send_btn.click()
 
 
 def rendered(text: str, spans=()) -> QTextBrowser:
@@ -59,6 +114,74 @@ def test_markdown_still_renders_and_marks_land_on_escaped_text(qapp):
             it += 1
         block = block.next()
     assert "".join(painted) == "&amp;"
+
+
+def test_stop_with_beams_that_never_agreed_keeps_the_best_beam(qtbot, tmp_path, folders):
+    """Before: the status said "stopped after N tokens" and the answer vanished from transcript and store."""
+    win = window(qtbot, tmp_path, folders, DisagreeingEngine, beams=4, max_new_tokens=300)
+    send(win)
+    qtbot.waitUntil(lambda: win.partial_steps >= 5, timeout=20000)
+    assert win.partial.text == ""
+    assert searching_text(4, win.partial_steps) in win.transcript.toPlainText()   # progress, not a blank
+    win.stop_btn.click()
+    qtbot.waitUntil(lambda: win.gen is None, timeout=20000)
+    [user, answer] = win.store.messages(win.current())
+    assert answer["role"] == "assistant" and answer["stats"]["stopped"]
+    assert len(answer["content"]) > 0 and answer["content"] in win.transcript.toPlainText()
+    assert win.status.text().startswith("stopped after ")
+    assert len(answer["stats"]["tokens"]) >= 5
+
+
+def test_finished_answer_with_beams_is_shown_and_stored_as_the_engine_returns_it(qtbot, tmp_path, folders):
+    win = window(qtbot, tmp_path, folders, DisagreeingEngine, beams=3, max_new_tokens=12, speculate=False)
+    send(win, "hello there")
+    qtbot.waitUntil(lambda: win.gen is None, timeout=20000)
+    [_, answer] = win.store.messages(win.current())
+    prompt = win.engine.tokenizer.apply_chat_template([{"role": "user", "content": "hello there"}])
+    expected = Engine(folders[0]).generate(prompt, num_beams=3, max_new_tokens=12)[0]
+    assert answer["content"] == expected.text and answer["stats"]["tokens"] == expected.hypotheses[0].tokens
+    assert not answer["stats"].get("stopped")
+    assert answer["content"] in win.transcript.toPlainText() and "searching" not in win.transcript.toPlainText()
+
+
+def test_regenerate_then_stop_keeps_the_old_answer_and_the_partial_new_one(qtbot, tmp_path, folders):
+    """Before: Regenerate deleted the old answer first, and a stop before any final text stored nothing."""
+    win = window(qtbot, tmp_path, folders, DisagreeingEngine, beams=4, max_new_tokens=6)
+    send(win)
+    qtbot.waitUntil(lambda: win.gen is None, timeout=20000)
+    cid = win.current()
+    [_, old] = win.store.messages(cid)
+    win.max_new.setValue(300)
+    win.regen_btn.click()
+    qtbot.waitUntil(lambda: win.partial_steps >= 3, timeout=20000)
+    assert old["content"] not in win.transcript.toPlainText() or old["content"] == ""   # the new one streams
+    win.stop_btn.click()
+    qtbot.waitUntil(lambda: win.gen is None, timeout=20000)
+    msgs = win.store.messages(cid)
+    assert [m["role"] for m in msgs] == ["user", "assistant", "assistant"]
+    assert msgs[1] == old and msgs[2]["stats"]["stopped"] and msgs[2]["content"]
+    assert "previous answer is kept" in win.status.text()
+    # a regeneration that finishes replaces the answer it regenerates (the last one)
+    win.max_new.setValue(6)
+    win.regen_btn.click()
+    qtbot.waitUntil(lambda: win.gen is None, timeout=20000)
+    again = win.store.messages(cid)
+    assert [m["id"] for m in again[:2]] == [msgs[0]["id"], old["id"]] and len(again) == 3
+    assert not again[2]["stats"].get("stopped")
+
+
+def test_regenerate_stopped_before_any_step_keeps_the_old_answer(qtbot, tmp_path, folders):
+    win = window(qtbot, tmp_path, folders, SlowEngine, beams=2, max_new_tokens=6)
+    send(win)
+    qtbot.waitUntil(lambda: win.gen is None, timeout=20000)
+    cid = win.current()
+    before = win.store.messages(cid)
+    win.regen_btn.click()
+    win.gen.stop()                      # before the first target pass returns
+    qtbot.waitUntil(lambda: win.gen is None, timeout=20000)
+    after = win.store.messages(cid)
+    assert after[:2] == before
+    assert before[1]["content"] in win.transcript.toPlainText() or before[1]["content"] == ""
 
 
 def _blocks(doc):

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from PySide6.QtCore import QByteArray, QSettings, Qt, Signal
-from PySide6.QtGui import QTextCharFormat, QTextCursor
+from PySide6.QtGui import QColor, QTextCharFormat, QTextCursor
 from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog, QFormLayout, QHBoxLayout, QLabel,
                                QLineEdit, QListWidget, QListWidgetItem, QMainWindow, QMessageBox, QPlainTextEdit,
                                QPushButton, QSpinBox, QSplitter, QTextBrowser, QVBoxLayout, QWidget)
@@ -54,7 +54,9 @@ class ChatWindow(QMainWindow):
         self.settings = settings or QSettings("specbeam-edge", "chat")
         self.engine_factory, self.engine, self.engine_name = engine_factory, None, ""
         self.gen: Generation | None = None
-        self.partial = Answer()
+        self.gen_conv: int | None = None
+        self.replacing: int | None = None    # the answer a running Regenerate replaces once it finishes
+        self.partial, self.partial_steps = Answer(), 0
         self._answer_at = 0            # document position where the streaming answer starts
         self.setWindowTitle("specbeam chat")
         self.resize(980, 640)
@@ -249,10 +251,13 @@ class ChatWindow(QMainWindow):
         self.system.setText(self.store.system(cid))
         self.transcript.clear()
         cursor = QTextCursor(self.transcript.document())
+        generating = self.gen is not None and self.gen_conv == cid
         for m in self.store.messages(cid):
+            if generating and m["id"] == self.replacing:     # the new answer streams in its place
+                continue
             self._insert_message(cursor, m["role"], m["content"], (m["stats"] or {}).get("draft_spans", []))
         self._answer_at = cursor.position()
-        if self.gen is not None and self.gen_conv == cid:
+        if generating:
             self._show_partial()
         self._scroll_to_end()
 
@@ -264,8 +269,10 @@ class ChatWindow(QMainWindow):
         cursor.setCharFormat(QTextCharFormat())    # the header's bold stops here
         if role == "user":
             cursor.insertText(text)          # what was typed, as typed
-        else:
+        elif text:
             insert_answer(cursor, text, spans, self.highlight.isChecked())
+        else:
+            cursor.insertText("(no text)", _note_format())
 
     def _show_partial(self):
         """Replace the streaming answer at the end of the transcript with its latest text."""
@@ -275,6 +282,10 @@ class ChatWindow(QMainWindow):
         cursor.movePosition(QTextCursor.MoveOperation.End, QTextCursor.MoveMode.KeepAnchor)
         cursor.removeSelectedText()
         self._insert_message(cursor, "assistant", self.partial.text + CURSOR, self.partial.spans)
+        if self.gen is not None and self.gen.kwargs.get("num_beams", 1) > 1:
+            # several beams: the text above is what all of them agree on; the rest is still being searched
+            cursor.insertBlock()
+            cursor.insertText(searching_text(self.gen.kwargs["num_beams"], self.partial_steps), _note_format())
 
     def _scroll_to_end(self):
         bar = self.transcript.verticalScrollBar()
@@ -291,7 +302,8 @@ class ChatWindow(QMainWindow):
     # -- generation ------------------------------------------------------------------------------------------
     def _prompt(self, cid: int) -> str:
         tok = self.engine.tokenizer
-        msgs = [{"role": m["role"], "content": m["content"]} for m in self.store.messages(cid)]
+        msgs = [{"role": m["role"], "content": m["content"]} for m in self.store.messages(cid)
+                if m["id"] != self.replacing]
         if tok.chat_template:
             system = self.store.system(cid)
             return tok.apply_chat_template(([{"role": "system", "content": system}] if system else []) + msgs)
@@ -311,20 +323,22 @@ class ChatWindow(QMainWindow):
         self._generate(cid)
 
     def regenerate(self):
+        """A new answer to the last message. The old answer stays stored until the new one has finished; a
+        stopped or failed regeneration keeps it (and stores the partial new answer after it)."""
         self.input.setFocus()
         if self.gen is not None:
             return
         cid = self.current()
         msgs = self.store.messages(cid)
-        if msgs and msgs[-1]["role"] == "assistant":
-            self.store.delete_message(msgs[-1]["id"])
-        if self.store.messages(cid):
-            self._generate(cid)
+        replacing = msgs[-1]["id"] if msgs and msgs[-1]["role"] == "assistant" else None
+        if [m for m in msgs if m["id"] != replacing]:
+            self._generate(cid, replacing)
 
-    def _generate(self, cid: int):
+    def _generate(self, cid: int, replacing: int | None = None):
         if self.engine is None and not self.load_models():
             self._show_conversation()
             return
+        self.replacing = replacing
         sample = self.mode.currentIndex() == 1
         kwargs = dict(num_beams=self.beams.value(), max_new_tokens=self.max_new.value(), do_sample=sample)
         if sample:
@@ -334,7 +348,7 @@ class ChatWindow(QMainWindow):
             spec = SpeculativeConfig(drafter="sample" if sample else "beam",
                                      budget=max(self.budget.value(), self.beams.value()), adaptive=True)
         self.save_settings()
-        self.gen_conv, self.partial = cid, Answer()
+        self.gen_conv, self.partial, self.partial_steps = cid, Answer(), 0
         self.gen = Generation(self.engine, self._prompt(cid), kwargs, spec, self.engine_name)
         self.gen.progress.connect(self._on_progress)
         self.gen.answered.connect(self._on_answered)
@@ -354,10 +368,10 @@ class ChatWindow(QMainWindow):
             self.gen.stop()
             self.status.setText("stopping after this target pass…")
 
-    def _on_progress(self, text: str, spans: list):
+    def _on_progress(self, text: str, spans: list, steps: int):
         if self.gen is None:
             return
-        self.partial = Answer(text, spans)
+        self.partial, self.partial_steps = Answer(text, spans), steps
         if self.convs.currentItem() and self.current() == self.gen_conv:
             self._show_partial()
             self._scroll_to_end()
@@ -369,21 +383,28 @@ class ChatWindow(QMainWindow):
         self._show_conversation()
 
     def _collect(self) -> Answer:
-        """Wait for the generation thread, store its answer (also a stopped or failed one's partial text)."""
+        """Wait for the generation thread and store its answer: a finished one (even an empty one), and the
+        best text of a stopped or failed one. A finished Regenerate replaces the old answer; a stopped or
+        failed one keeps it."""
         gen, self.gen = self.gen, None
         gen.wait()
         answer, self.partial = gen.answer, Answer()
+        replacing, self.replacing = self.replacing, None
         self._set_busy(False)
-        if answer.text:
+        complete = not answer.error and not answer.stats.get("stopped")
+        if answer.text or complete:
             stats = dict(answer.stats, draft_spans=answer.spans)
             if answer.error:
                 stats["error"] = answer.error
             self.store.add(self.gen_conv, "assistant", answer.text, stats)
+        if complete and replacing is not None:
+            self.store.delete_message(replacing)
+        kept = " (the previous answer is kept)" if replacing is not None and not complete else ""
         if answer.error:
-            self.status.setText("generation failed")
+            self.status.setText("generation failed" + kept)
             QMessageBox.warning(self, "Generation failed", answer.error)
         else:
-            self.status.setText(status_text(answer.stats))
+            self.status.setText(status_text(answer.stats) + kept)
         return answer
 
     def closeEvent(self, event):
@@ -408,6 +429,18 @@ def status_text(stats: dict) -> str:
         parts.append("no speculation")
     text = " · ".join(parts)
     return f"stopped after {text}" if stats.get("stopped") else text
+
+
+def searching_text(beams: int, steps: int) -> str:
+    """The note under a streaming answer while several beams have not agreed on more text."""
+    return f"searching {beams} beams… {steps} tokens so far"
+
+
+def _note_format() -> QTextCharFormat:
+    fmt = QTextCharFormat()
+    fmt.setFontItalic(True)
+    fmt.setForeground(QColor("#808080"))
+    return fmt
 
 
 def _explain(error: Exception, model: str, draft: str) -> str:

@@ -1,5 +1,5 @@
-"""One answer generated off the UI thread: Engine.stream in a QThread that Stop (or closing the window) ends
-at the next target pass, keeping what was streamed so far."""
+"""One answer generated off the UI thread: the engine's search in a QThread that Stop (or closing the window)
+ends at the next target pass, keeping the best text found so far."""
 from __future__ import annotations
 
 import threading
@@ -20,10 +20,13 @@ class Answer:
 
 
 class Generation(QThread):
-    """Runs engine.stream(prompt, ...). `progress` carries the answer so far (text, draft spans) after every
-    target pass that made text final; `answered` fires once at the end (finished, stopped or failed) and
-    `answer` then holds the outcome, so a caller that waits for the thread can read it directly."""
-    progress = Signal(str, list)
+    """Runs the engine's search for `prompt` one target pass at a time (Engine.generate_step, as Engine.stream
+    does). `progress` carries (final text so far, its draft spans, beam steps so far) after every target pass:
+    the text is the prefix every beam agrees on, which with several beams may stay empty for a long time.
+    `answered` fires once at the end (finished, stopped or failed) and `answer` then holds the outcome, so a
+    caller that waits for the thread can read it directly. A stopped or failed search answers with its best
+    hypothesis so far (as if max_new_tokens had been reached), never with less than was shown."""
+    progress = Signal(str, list, int)
     answered = Signal()
 
     def __init__(self, engine, prompt: str, kwargs: dict, spec, model_name: str):
@@ -33,38 +36,87 @@ class Generation(QThread):
         self._stop = threading.Event()
 
     def stop(self) -> None:
-        """Ends the stream at the next target pass."""
+        """Ends the search at the next target pass."""
         self._stop.set()
 
     def run(self) -> None:
-        t0, chunk = time.perf_counter(), None
+        t0 = time.perf_counter()
         live = _LiveMarks(self.engine.tokenizer)
+        state = stats = None
+        n_stable = 0
         try:
-            for chunk in self.engine.stream(self.prompt, speculative=self.spec, **self.kwargs):
-                if chunk.text:
-                    live.add(chunk.text, chunk.stats.from_draft)
-                    self.progress.emit(live.text, [list(s) for s in live.spans])
+            gen = self.engine.generation_config(None, **self.kwargs)
+            for state, stats in self.engine.generate_step(self.prompt, gen, self.spec):
+                prefix = state.stable_prefix()
+                if len(prefix) > n_stable:          # decode only when more tokens became final
+                    n_stable = len(prefix)
+                    text = self.engine.tokenizer.decode_stable(prefix)
+                    if len(text) > len(live.text) and text.startswith(live.text):
+                        live.add(text[len(live.text):], stats.from_draft)
+                self.progress.emit(live.text, [list(s) for s in live.spans], stats.beam_steps)
                 if self._stop.is_set():
                     break
+            else:
+                self.answer = self._finished(self.engine._result(self.prompt, state, stats, gen), stats, t0)
+                self.answered.emit()
+                return
+            self.answer = self._partial(state, stats, live, t0)
         except Exception as e:  # shown in the window, never a crash of the UI
-            self.answer = Answer(live.text, live.spans, error=f"{type(e).__name__}: {e}")
-        else:
-            self.answer = self._finish(chunk, live, time.perf_counter() - t0)
+            try:
+                self.answer = self._partial(state, stats, live, t0)
+            except Exception:
+                self.answer = Answer(live.text, live.spans)
+            self.answer.error = f"{type(e).__name__}: {e}"
         self.answered.emit()
 
-    def _finish(self, chunk, live: "_LiveMarks", seconds: float) -> Answer:
-        stats = chunk.stats.as_dict() if chunk is not None else {}
-        # the engine's own clock and token count are set when the search ends; a stopped stream has neither
-        steps = chunk.stats.beam_steps if chunk is not None else 0
-        stats.update(model=self.model_name, speculative=self.spec is not None, wall_seconds=round(seconds, 3),
-                     tokens_per_second=round(steps / seconds, 2) if seconds > 0 else 0.0)
-        if chunk is None or chunk.result is None:
-            stats.update(stopped=True, generated_tokens=steps)
-            return Answer(live.text, live.spans, stats)
-        hyp = chunk.result.hypotheses[0]
-        stats["tokens"] = list(hyp.tokens)
-        spans = draft_spans(self.engine.tokenizer.decode_stable, hyp.tokens, chunk.stats.from_draft)
-        return Answer(chunk.result.text, spans, stats)
+    def _stats(self, stats, seconds: float) -> dict:
+        out = stats.as_dict() if stats is not None else {}
+        # the engine's own clock and token count are set when the search ends; a stopped search has neither
+        steps = stats.beam_steps if stats is not None else 0
+        out.update(model=self.model_name, speculative=self.spec is not None, wall_seconds=round(seconds, 3),
+                   tokens_per_second=round(steps / seconds, 2) if seconds > 0 else 0.0)
+        return out
+
+    def _finished(self, result, stats, t0: float) -> Answer:
+        out = self._stats(stats, time.perf_counter() - t0)
+        hyp = result.hypotheses[0]
+        out["tokens"] = list(hyp.tokens)
+        spans = draft_spans(self.engine.tokenizer.decode_stable, hyp.tokens, stats.from_draft)
+        return Answer(result.text, spans, out)
+
+    def _partial(self, state, stats, live: "_LiveMarks", t0: float) -> Answer:
+        """The best hypothesis of a search that was stopped: at least the text streamed so far."""
+        out = self._stats(stats, time.perf_counter() - t0)
+        out.update(stopped=True, generated_tokens=stats.beam_steps if stats is not None else 0)
+        tokens = best_so_far(state) if state is not None else []
+        eos = set(self.engine.eos)
+        tokens = [t for t in tokens if t not in eos]
+        text = self.engine.tokenizer.decode_stable(tokens)
+        if not text.startswith(live.text):      # cannot happen (every beam extends the stable prefix): keep it
+            return Answer(live.text, live.spans, out)
+        out["tokens"] = tokens
+        flags = stats.from_draft if stats is not None else []
+        return Answer(text, draft_spans(self.engine.tokenizer.decode_stable, tokens, flags), out)
+
+
+def best_so_far(state) -> list[int]:
+    """Generated tokens of the best hypothesis of a search that has not finished: finished hypotheses and live
+    beams compete by length-normalised score, as they do when max_new_tokens is reached. The state is a
+    BeamSearch or a SampleState (what Engine.generate_step yields)."""
+    tree, P = state.tree, state.P
+    if hasattr(state, "running"):                      # BeamSearch
+        lp = getattr(state, "lp", 1.0)
+        cands = [(float(s), n) for n, s, ok in zip(state.fin_nodes, state.fin_scores, state.fin_done)
+                 if ok and n >= 0]
+        length = max(1, state.cur_len - P)
+        cands += [(float(s) / length ** lp, n) for n, s in zip(state.running, state.scores)]
+    else:                                              # SampleState
+        nodes = set(state.live) | set(state.finished)
+        cands = [(state.score[n] / max(1, tree.depth(n) + 1 - P), n) for n in nodes]
+    if not cands:
+        return list(state.stable_prefix())
+    best = max(cands, key=lambda c: c[0])[1]
+    return list(tree.path(best)[P:])
 
 
 class _LiveMarks:
