@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import sys
 
 from .config import SpeculativeConfig
 from .shipped import models_root
@@ -15,6 +17,44 @@ _UNITS = (("tb", 2**40), ("gb", 2**30), ("mb", 2**20), ("kb", 2**10), ("b", 1))
 
 DRAFT_WIDTH_HELP = ("nodes per draft level W (beam drafter: default max(K, branch, min(4K, budget // 2))); samples "
                     "per level (sample drafter: default max(K, branch))")
+
+
+class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each flag's default where it has one (not for switches, 'not set' defaults, or a help text
+    that already names its default)."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def guard_std_streams() -> None:
+    """A tool started with a standard stream closed (`2>&-`): the descriptor gets /dev/null, so no file the tool
+    opens later takes descriptor 0, 1 or 2 (onnxruntime's own logging would write into it), and a closed stderr
+    becomes a sink (print(file=None) would otherwise send diagnostics to stdout). sys.stdin/sys.stdout stay None
+    so the tools can refuse to read or write them."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            got = os.open(os.devnull, os.O_RDWR)
+            if got != fd:            # a lower descriptor was free too: it is handled on its own turn
+                os.dup2(got, fd)
+                os.close(got)
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w")
+
+
+def check_widths(engine, max_branch_width: int | None, draft_width: int | None) -> None:
+    """Tree widths beyond the vocabulary (a TopK k larger than the vocabulary fails deep inside onnxruntime)."""
+    vocab = engine.target.cfg.vocab_size
+    if engine.draft is not None:
+        vocab = min(vocab, engine.draft.cfg.vocab_size)
+    for flag, value in (("--max_branch_width", max_branch_width), ("--draft_width", draft_width)):
+        if value is not None and value > vocab:
+            raise ValueError(f"{flag} {value} is larger than the model's vocabulary ({vocab} tokens); pass at most "
+                             f"{vocab}")
 
 
 def budget_arg(text: str):
@@ -86,10 +126,11 @@ def engine_from_args(args, model: str, draft: str | None):
 
 def speculative_config(*, drafter: str, budget, max_depth: int, max_branch_width: int, draft_width: int | None,
                        always_speculate: bool, width_threshold: float = 0.0, min_num_beams: int = 1,
-                       single_sequence: bool = False, min_path_prob: float = 0.0) -> SpeculativeConfig:
+                       single_sequence: bool = False, min_path_prob: float = 0.0,
+                       with_lookup: bool = False) -> SpeculativeConfig:
     """The speculation flags every tool shares -> SpeculativeConfig (adaptive unless --always_speculate)."""
     return SpeculativeConfig(drafter=drafter, budget=budget, max_depth=max_depth,
                              max_branch_width=max_branch_width, draft_width=draft_width,
                              width_threshold=width_threshold, min_num_beams=min_num_beams,
                              single_sequence=single_sequence, min_path_prob=min_path_prob,
-                             adaptive=not always_speculate)
+                             with_lookup=with_lookup, adaptive=not always_speculate)

@@ -94,7 +94,9 @@ def test_journal_header_is_written_atomically(pair, text_in, tmp_path, monkeypat
     assert not list(tmp_path.glob(".*.tmp"))
 
 
-def test_corrupted_record_is_cut_and_redone(pair, text_in, reference, tmp_path, monkeypatch, capsys):
+def test_damaged_record_in_the_middle_keeps_every_valid_record_after_it(pair, text_in, reference, tmp_path,
+                                                                        monkeypatch, capsys):
+    """Before: one damaged record discarded every record after it (all translated again)."""
     out = tmp_path / "out.txt"
     interrupt_after(monkeypatch, 5)
     assert run(pair, text_in, out) == 130
@@ -104,10 +106,55 @@ def test_corrupted_record_is_cut_and_redone(pair, text_in, reference, tmp_path, 
     lines[3] = lines[3].replace(b'"out": ["', b'"out": ["X')     # record 3 of 5: bytes flipped, checksum fails
     journal.write_bytes(b"\n".join(lines))
     capsys.readouterr()
+    from specbeam_edge.generate import Engine
+    prompts = []
+    real = Engine.generate_iter
+    monkeypatch.setattr(Engine, "generate_iter", lambda self, p, *a, **kw: prompts.append(len(p)) or real(self, p, *a,
+                                                                                                           **kw))
     assert run(pair, text_in, out, "--resume") == 0
     err = err_of(capsys)
-    assert "dropped a torn tail of 3 record(s)" in err and "resuming, 2 lines already done" in err
+    assert "skipped 1 damaged record(s) (those lines are translated again); every valid record is kept" in err
+    assert "resuming, 4 lines already done" in err and prompts == [12 - 4]
     assert out.read_bytes() == reference
+
+
+def test_damaged_header_with_resume_is_refused_never_overwritten(pair, text_in, tmp_path, monkeypatch, capsys):
+    """Before: a damaged header discarded every record and overwrote the journal, even with --resume."""
+    out = tmp_path / "out.txt"
+    interrupt_after(monkeypatch, 4)
+    assert run(pair, text_in, out) == 130
+    monkeypatch.undo()
+    journal = tmp_path / "out.txt.journal"
+    raw = journal.read_bytes()
+    damaged = raw[:20] + b"X" + raw[21:]
+    journal.write_bytes(damaged)
+    capsys.readouterr()
+    for extra in (["--resume"], []):
+        assert run(pair, text_in, out, *extra) == 2
+        err = err_of(capsys)
+        assert err == (f"specbeam-translate: error: {journal} has a damaged header, so its records cannot be "
+                       f"checked against this input and these settings; delete it to start over (its lines are "
+                       f"translated again)\n")
+        assert journal.read_bytes() == damaged and not out.exists()
+
+
+def test_resume_refuses_changed_model_weights(pair, exported, text_in, tmp_path, monkeypatch, capsys):
+    """Before: the journal hashed only the config: model.onnx replaced between interrupt and --resume gave an
+    output that mixed two models."""
+    target = tmp_path / "target"
+    shutil.copytree(pair[0], target)
+    mine = (str(target), pair[1])
+    out = tmp_path / "out.txt"
+    interrupt_after(monkeypatch, 3)
+    assert run(mine, text_in, out) == 130
+    monkeypatch.undo()
+    other = exported("llama", std=0.3, seed=4)                                  # the same graph, other weights
+    shutil.copyfile(Path(other) / "model.onnx", target / "model.onnx")       # config kept
+    capsys.readouterr()
+    assert run(mine, text_in, out, "--resume") == 2
+    err = err_of(capsys)
+    assert "was written with other settings (model file model.onnx changed (its SHA-256 differs)); rerun" in err
+    assert not out.exists()
 
 
 def test_resume_refuses_an_edited_input(pair, text_in, tmp_path, monkeypatch, capsys):
@@ -130,8 +177,10 @@ def test_resume_refuses_changed_settings(pair, text_in, tmp_path, monkeypatch, c
     capsys.readouterr()
     assert run(pair, text_in, out, "--resume", "--beam_size", "2") == 2
     err = err_of(capsys)
-    assert "was written with other settings (generation: " in err and "'num_beams': 4" in err
-    assert "'num_beams': 2" in err and "rerun with the same settings, or delete the journal" in err
+    # only the setting that differs, by its flag's name (before: two whole dicts in different key orders)
+    assert err == (f"specbeam-translate: error: {tmp_path / 'out.txt.journal'} was written with other settings "
+                   f"(beam_size: 4 in the journal, 2 now); rerun with the same settings, or delete the journal to "
+                   f"start over\n")
     assert run(pair, text_in, out, "--resume", "--budget", "12") == 0      # speculation knobs: same output
 
 
@@ -321,9 +370,9 @@ def test_os_errors_are_one_line_messages(pair, tmp_path, capsys, case, code, mes
     assert message.format(tmp=tmp_path) in err and "Traceback" not in err
 
 
-def test_closed_stdin_and_stdout(pair, monkeypatch, capsys):
+def test_closed_stdin_and_stdout(pair, monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(sys, "stdin", None)
-    assert main(["--model", pair[0], "--no_draft", "-q", "-o", "/dev/null"]) == 2
+    assert main(["--model", pair[0], "--no_draft", "-q", "-o", str(tmp_path / "o.txt")]) == 2
     assert err_of(capsys) == "specbeam-translate: error: stdin is closed; pass -i FILE\n"
     proc = subprocess.run([sys.executable, "-m", "apps.translate", "--model", pair[0], "--no_draft", "-q"],
                           cwd=ROOT, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -363,7 +412,7 @@ def test_empty_input_blank_lines_no_final_newline_and_line_separators(pair, tmp_
     (["--host_memory", "infGB"], "argument --host_memory: 'infGB' is not a size"),
     (["--max_memory", "12XB"], "argument --max_memory: '12XB' is not a size (examples: 512MB, 1.5GiB, 2e9)"),
     (["--max_decoding_length", "0"], "argument --max_decoding_length: must be an integer >= 1, got 0"),
-    (["--beam_size", "0"], "argument --beam_size: must be an integer >= 1, got 0"),
+    (["--beam_size", "0"], "argument --beam_size/--num_beams: must be an integer >= 1, got 0"),
     (["--n_best", "3", "--beam_size", "2"], "--n_best (3) cannot exceed --beam_size (2)"),
     (["--batch_size=-3"], "argument --batch_size: must be an integer >= 1, got -3"),
     (["--batch_size", "x"], "argument --batch_size: 'x' is not an integer"),

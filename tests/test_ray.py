@@ -69,9 +69,11 @@ def job(pair, tmp_path_factory):
     """The input and the single-process tool's output on it (the reference every Ray run must equal)."""
     d = tmp_path_factory.mktemp("ray")
     lines = corpus(N_LINES, seed=5)
-    lines[70] = " ".join(["fox"] * 120)        # over --max_input_length: a bad line inside shard 1
+    raw = [line.encode() for line in lines]
+    raw[70] = b"broken \xff line"              # invalid UTF-8: a bad line inside shard 1
+    raw[80] = " ".join(["fox"] * 120).encode()  # over --max_input_length: truncated, as on the local engine
     inp = d / "in.txt"
-    inp.write_text("\n".join(lines) + "\n")
+    inp.write_bytes(b"\n".join(raw) + b"\n")
     ref = d / "ref.txt"
     assert main(["-i", str(inp), "-o", str(ref), *flags(pair), "-q"]) == 0
     return inp, ref
@@ -107,7 +109,8 @@ def test_ray_output_is_byte_identical_to_single_process(cluster, pair, job, tmp_
     assert main(ray_args(pair, inp, out)) == 0
     assert out.read_bytes() == ref.read_bytes()
     err = capsys.readouterr().err
-    assert "line 71: 121 tokens, over --max_input_length 100" in err
+    assert "line 71: invalid UTF-8" in err
+    assert "line 81: 121 tokens, truncated to the first 100 (--max_input_length)" in err
     assert not (tmp_path / "out.txt.shards").exists()
     # A folder of files: one output per input at the same relative path, each equal to the single file run.
     (tmp_path / "docs" / "sub").mkdir(parents=True)
@@ -118,7 +121,7 @@ def test_ray_output_is_byte_identical_to_single_process(cluster, pair, job, tmp_
     assert main(ray_args(pair, tmp_path / "docs", tmp_path / "outdir")) == 0
     assert (tmp_path / "outdir" / "a.txt").read_bytes() == b"\n".join(want[:90]) + b"\n"
     assert (tmp_path / "outdir" / "sub" / "b.txt").read_bytes() == b"\n".join(want[90:130]) + b"\n"
-    assert "a.txt: line 71: 121 tokens" in capsys.readouterr().err
+    assert "a.txt: line 71: invalid UTF-8" in capsys.readouterr().err
     # --on_error fail: the shard holding the bad line stops the run; the shards done before it stay committed.
     assert main(ray_args(pair, inp, tmp_path / "fail.txt", "--on_error", "fail")) == 1
     assert "stopping (--on_error fail); finished shards are kept" in capsys.readouterr().err

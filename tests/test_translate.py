@@ -29,19 +29,52 @@ def test_alignment_and_bad_lines(pair, tmp_path, capsysbinary):
     lines = corpus(6)
     raw = [l.encode() for l in lines]
     raw[2] = b"broken \xff\xfe line"          # invalid UTF-8
-    raw[4] = " ".join(["fox"] * 400).encode()  # over-long
+    raw[4] = " ".join(["fox"] * 400).encode()  # over the tiny model's 256-token context
     inp.write_bytes(b"\n".join(raw) + b"\n")
     out = tmp_path / "out.txt"
-    assert run(pair, inp, out, "--on_error", "skip", "--max_input_length", "100") == 0
+    assert run(pair, inp, out, "--on_error", "skip", "--max_input_length", "1000") == 0
     got = out.read_text().split("\n")[:-1]
     assert len(got) == 6 and got[2] == "" and got[4] == ""
     err = capsysbinary.readouterr().err.decode()
-    assert "line 3: invalid UTF-8" in err and "line 5:" in err
-    assert run(pair, inp, tmp_path / "o2.txt", "--on_error", "copy", "--max_input_length", "100") == 0
+    assert "line 3: invalid UTF-8" in err
+    assert "line 5: 401 prompt tokens, over the model's context 256; pass a smaller --max_input_length (at most 254)" \
+        in err
+    assert run(pair, inp, tmp_path / "o2.txt", "--on_error", "copy", "--max_input_length", "1000") == 0
     got2 = (tmp_path / "o2.txt").read_text().split("\n")[:-1]
     assert got2[4] == raw[4].decode() and got2[2].startswith("broken")
     assert [g for i, g in enumerate(got2) if i not in (2, 4)] == [g for i, g in enumerate(got) if i not in (2, 4)]
-    assert run(pair, inp, tmp_path / "o3.txt", "--on_error", "fail", "--max_input_length", "100") == 1
+    assert run(pair, inp, tmp_path / "o3.txt", "--on_error", "fail", "--max_input_length", "1000") == 1
+
+
+def test_max_input_length_truncates_like_ctranslate2(pair, tmp_path, capsysbinary):
+    """Before: a line over --max_input_length was dropped (an empty output line); CTranslate2 truncates it."""
+    from specbeam_edge.tokenizer import Tokenizer
+
+    tok = Tokenizer(pair[0])
+    long = " ".join(["fox"] * 400)
+    inp = tmp_path / "in.txt"
+    inp.write_text("hello world\n" + long + "\n")
+    out = tmp_path / "out.txt"
+    assert run(pair, inp, out, "--max_input_length", "100") == 0
+    assert "line 2: 401 tokens, truncated to the first 100 (--max_input_length)" in \
+        capsysbinary.readouterr().err.decode()
+    cut = tok.decode(tok.encode(long)[:100])
+    alone = tmp_path / "cut.txt"
+    alone.write_text("hello world\n" + cut + "\n")
+    assert run(pair, alone, tmp_path / "cut.out", "--max_input_length", "100") == 0
+    got = out.read_text().split("\n")
+    assert got[1] != "" and out.read_bytes() == (tmp_path / "cut.out").read_bytes()
+
+
+def test_translation_cut_by_the_context_is_reported(pair, tmp_path, capsysbinary):
+    """Before: a prompt that fits but leaves less room than --max_decoding_length was cut at the context with
+    no notice."""
+    inp = tmp_path / "in.txt"
+    inp.write_text(" ".join(["fox"] * 250) + "\n")
+    assert main(["-i", str(inp), "-o", str(tmp_path / "o.txt"), "--model", pair[0], "--no_draft",
+                 "--max_decoding_length", "50", "--max_input_length", "1000", "-q"]) == 0
+    err = capsysbinary.readouterr().err.decode()
+    assert "line 1: the translation reached the model's context (256 tokens) after " in err, err
 
 
 def test_speculative_equals_plain_and_n_best(pair, tmp_path):

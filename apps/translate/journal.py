@@ -1,20 +1,28 @@
-"""The resume journal of the translate tool and the lock that keeps one writer per output file.
+"""The resume journal of the translate tool, the lock that keeps one writer per output file, and safe writes.
 
 Format (`<output>.journal`): a header line, then one record per finished input line, each
 `<crc32 as 8 hex digits> <json>\n`. The header (`{"journal": 1, "input_sha256": ..., "settings": {...}}`) is
 written to a temporary file, fsynced and renamed into place, so the journal is valid from its first byte. A
 record is valid only with its newline and a matching checksum: a crash mid-write leaves a torn tail, which
-resume cuts off (those lines are translated again).
+resume cuts off, and a record damaged in the middle is skipped (its line is translated again) while every valid
+record after it is kept. A damaged header cannot be checked against the input and settings: the journal is then
+refused, never overwritten.
+
+Every file this module writes (outputs, journal headers, lock pid files, Ray part files) goes through a temporary
+file created with O_EXCL (tempfile.mkstemp) in the destination's folder, then renamed over it: a planted symlink
+or a predictable name cannot redirect the write, and the destination keeps its permission bits.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import stat
+import tempfile
 import time
 import zlib
 from pathlib import Path
-
-import filelock
 
 VERSION = 1
 
@@ -55,39 +63,122 @@ def output_lines(done: dict[int, list[str]], first: int, n: int) -> bytes:
     return b"".join(line.encode("utf-8") + b"\n" for i in range(first, first + n) for line in done[i])
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write through a temporary sibling, fsync, rename: readers see the old file or the whole new one."""
-    atomic_write_chunks(path, [data])
+_KINDS = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"),
+          (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
 
 
-def atomic_write_chunks(path: Path, chunks) -> None:
-    """atomic_write of the concatenated byte strings `chunks` (an iterable: a large file is never held whole)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+def special_kind(path: Path) -> str | None:
+    """'a FIFO', 'a character device', ... if `path` (a symlink followed) exists and is not a regular file."""
     try:
-        with open(tmp, "wb") as f:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    return next((name for test, name in _KINDS if test(mode)), None)
+
+
+def default_mode() -> int:
+    """The permission bits a new file gets from open(): 0o666 less the umask."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def file_mode(path: Path) -> int | None:
+    """The permission bits of an existing regular file, else None."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return stat.S_IMODE(st.st_mode) if stat.S_ISREG(st.st_mode) else None
+
+
+def atomic_write(path: Path, data: bytes, *, mode: int | None = None) -> None:
+    """Write through a temporary sibling, fsync, rename: readers see the old file or the whole new one."""
+    atomic_write_chunks(path, [data], mode=mode)
+
+
+def atomic_write_chunks(path: Path, chunks, *, mode: int | None = None) -> None:
+    """atomic_write of the concatenated byte strings `chunks` (an iterable: a large file is never held whole).
+
+    The temporary file is created exclusively (mkstemp: O_EXCL, an unpredictable name) in the destination's own
+    folder, so nothing planted there is followed or truncated. A symlinked destination is written at its target.
+    The result keeps the permission bits of the file it replaces; a new file gets `mode`, else the umask's."""
+    path = Path(os.path.realpath(path))
+    kind = special_kind(path)
+    if kind:
+        raise JournalError(f"{path} is {kind}, not a regular file; it is never replaced: write to a file path")
+    bits = file_mode(path)
+    bits = bits if bits is not None else (mode if mode is not None else default_mode())
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), bits)
             for data in chunks:
                 f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
     _fsync_dir(path.parent)
+
+
+class _Busy(Exception):
+    pass
+
+
+class _Flock:
+    """An exclusive flock on a lock file that is removed on release. Whoever opened the file before the holder
+    removed it and then wins the flock holds an unlinked inode: acquire() checks that the locked file is still the
+    one at the path and otherwise opens the new one (the usual remove-on-release protocol)."""
+
+    def __init__(self, path: Path):
+        self.path, self.fd = path, None
+
+    def acquire(self) -> None:
+        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        while True:
+            fd = os.open(self.path, flags, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise _Busy() from None
+            except BaseException:
+                os.close(fd)
+                raise
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(self.path, follow_symlinks=False))
+            except FileNotFoundError:
+                same = False
+            if same:
+                self.fd = fd
+                return
+            os.close(fd)            # the holder removed it between our open and our lock: take the new file
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)    # while still locked: a later opener sees another inode and retries
+        os.close(self.fd)           # closing drops the flock
+        self.fd = None
 
 
 class OutputLock:
     """`<output>.lock`: one process writes an output (and its journal) at a time. The holder publishes its pid
     in `<output>.lock.pid` (written whole through a rename, removed before release) so a refused second writer
-    can name it. The pid lives beside the lock, not in it: a contender opening the lock file may truncate it,
-    and a holder that has just won the lock has not written anything yet (two runs started together raced
-    there). The lock file stays after release (removing it races with a process that is opening it)."""
+    can name it. The pid lives beside the lock, not in it: a holder that has just won the lock has not written
+    anything yet (two runs started together raced there). Both files are removed on release, so a finished run
+    leaves nothing beside its output."""
 
     PID_WAIT_S = 2.0      # how long a refused writer waits for a just-started holder to publish its pid
 
     def __init__(self, output: Path):
         self.path = output.with_name(output.name + ".lock")
         self.pid_path = output.with_name(output.name + ".lock.pid")
-        self.lock = filelock.FileLock(self.path, timeout=0)
+        self.lock = _Flock(self.path)
 
     def _live_pid(self) -> int | None:
         """The pid in the pid file if that process is alive (a pid file left by a killed holder names nobody)."""
@@ -111,12 +202,19 @@ class OutputLock:
         return "another process" if pid is None else f"pid {pid}"
 
     def __enter__(self):
+        kind = special_kind(self.path)
+        if kind:
+            raise JournalError(f"{self.path} is {kind}, not a lock file; remove it or write to another -o")
         try:
             self.lock.acquire()
-        except filelock.Timeout:
+        except _Busy:
             raise JournalError(f"{self.path.with_suffix('')} is being written by {self._holder()}; wait for it to "
                                f"finish or write to another -o") from None
-        atomic_write(self.pid_path, f"pid {os.getpid()}\n".encode())
+        try:
+            atomic_write(self.pid_path, f"pid {os.getpid()}\n".encode())
+        except BaseException:
+            self.lock.release()
+            raise
         return self
 
     def __exit__(self, *exc):
@@ -124,25 +222,64 @@ class OutputLock:
         self.lock.release()
 
 
+def flatten(settings: dict, prefix: str = "") -> dict:
+    """{"generation": {"num_beams": 4}} -> {"generation.num_beams": 4} (how a settings difference is named)."""
+    out = {}
+    for key, value in settings.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def differences(old: dict, new: dict, labels: dict | None = None) -> list[str]:
+    """Each setting that differs, as 'beam_size: 4 in the journal, 5 now' (labels: dotted key -> flag name)."""
+    labels = labels or {}
+    a, b = flatten(old), flatten(new)
+    out = []
+    for key in sorted(set(a) | set(b)):
+        if a.get(key, ...) == b.get(key, ...):
+            continue
+        if key.startswith("model_files."):
+            name = key[len("model_files."):]
+            state = ("is new" if key not in a else "is gone" if key not in b else "changed (its SHA-256 differs)")
+            out.append(f"model file {name} {state}")
+            continue
+        show = lambda v: "not set" if v is ... else repr(v)   # noqa: E731
+        out.append(f"{labels.get(key, key)}: {show(a.get(key, ...))} in the journal, {show(b.get(key, ...))} now")
+    return out
+
+
 class Journal:
     """Finished lines of one output file: `done` maps input line index -> output lines.
 
     The Ray path keeps its shard manifest in the same format (path= its own file, unit="shard"): records are
-    then shard index -> [sha256 of the committed part]."""
+    then shard index -> [sha256 of the committed part]. `labels` names settings in a refusal (dotted key ->
+    flag name)."""
 
     def __init__(self, output: Path, input_sha256: str, settings: dict, resume: bool, *, path: Path | None = None,
-                 unit: str = "line"):
+                 unit: str = "line", labels: dict | None = None):
         self.path = path or output.with_name(output.name + ".journal")
-        self.unit = unit
+        self.unit, self.labels = unit, labels
         self.header = {"journal": VERSION, "input_sha256": input_sha256, "settings": settings}
         self.done: dict[int, list[str]] = {}
         self.notes: list[str] = []
+        kind = special_kind(self.path)
+        if kind:
+            raise JournalError(f"{self.path} is {kind}, not a journal; remove it or write to another -o")
         if self.path.exists() and self._load(resume):
-            self.f = open(self.path, "r+b")
-            self.f.seek(self.valid_bytes)
-            self.f.truncate()
+            if self.rewrite is not None:          # damaged records in the middle: keep only the valid ones
+                atomic_write(self.path, self.rewrite)
+                self.f = open(self.path, "ab")
+            else:
+                self.f = open(self.path, "r+b")
+                self.f.seek(self.valid_bytes)
+                self.f.truncate()
         else:
-            atomic_write(self.path, _line(self.header))
+            # a new journal holds the output's translations: it gets the output's permission bits if it exists
+            atomic_write(self.path, _line(self.header), mode=file_mode(output))
             self.f = open(self.path, "ab")
 
     def _load(self, resume: bool) -> bool:
@@ -151,17 +288,31 @@ class Journal:
             raw = self.path.read_bytes()
         except OSError as e:
             raise JournalError(f"{self.path}: cannot be read ({e.strerror})") from None
-        lines = raw.splitlines(keepends=True)
-        head = _parse(lines[0]) if lines else None
-        if not isinstance(head, dict) or head.get("journal") != VERSION:
+        parts = raw.split(b"\n")
+        lines = [p + b"\n" for p in parts[:-1]] + ([parts[-1]] if parts[-1] else [])
+        if not lines:
             self.notes.append(f"{self.path} holds no usable header (an interrupted start); starting over")
             return False
-        records = []
-        for line in lines[1:]:
+        head = _parse(lines[0])
+        if not isinstance(head, dict) or head.get("journal") != VERSION:
+            if len(lines) == 1 and not resume:
+                self.notes.append(f"{self.path} holds no usable header and no records; starting over")
+                return False
+            raise JournalError(f"{self.path} has a damaged header, so its records cannot be checked against this "
+                               f"input and these settings; delete it to start over (its {self.unit}s are "
+                               f"translated again)")
+        records, kept, bad = [], [lines[0]], []
+        for n, line in enumerate(lines[1:], 1):
             rec = _parse(line)
-            if not (isinstance(rec, dict) and isinstance(rec.get("i"), int) and isinstance(rec.get("out"), list)):
-                break
-            records.append(rec)
+            if isinstance(rec, dict) and isinstance(rec.get("i"), int) and isinstance(rec.get("out"), list):
+                records.append(rec)
+                kept.append(line)
+            else:
+                bad.append(n)
+        bad_set = set(bad)
+        last_good = max((n for n in range(1, len(lines)) if n not in bad_set), default=0)
+        torn = sum(1 for n in bad if n > last_good)
+        damaged = len(bad) - torn
         if not records and not resume:
             self.notes.append(f"{self.path} holds no finished {self.unit}s; starting over")
             return False
@@ -171,18 +322,19 @@ class Journal:
         if head.get("input_sha256") != self.header["input_sha256"]:
             raise JournalError(f"the input changed since the interrupted run ({self.path} was written for other "
                                f"input); restore the input, or delete the journal to start over")
-        old = head.get("settings") or {}
-        changed = sorted(k for k in set(old) | set(self.header["settings"])
-                         if old.get(k) != self.header["settings"].get(k))
+        changed = differences(head.get("settings") or {}, self.header["settings"], self.labels)
         if changed:
-            diff = ", ".join(f"{k}: {old.get(k)!r} -> {self.header['settings'].get(k)!r}" for k in changed)
-            raise JournalError(f"{self.path} was written with other settings ({diff}); rerun with the same "
-                               f"settings, or delete the journal to start over")
+            raise JournalError(f"{self.path} was written with other settings ({'; '.join(changed)}); rerun with "
+                               f"the same settings, or delete the journal to start over")
         self.done = {rec["i"]: rec["out"] for rec in records}
-        self.valid_bytes = sum(len(line) for line in lines[:1 + len(records)])
-        if len(lines) > 1 + len(records):
-            self.notes.append(f"{self.path}: dropped a torn tail of {len(lines) - 1 - len(records)} record(s) "
-                              f"(those {self.unit}s are translated again)")
+        self.valid_bytes = sum(len(line) for line in lines[:last_good + 1])
+        self.rewrite = b"".join(kept) if damaged else None
+        if damaged:
+            self.notes.append(f"{self.path}: skipped {damaged} damaged record(s) (those {self.unit}s are "
+                              f"translated again); every valid record is kept")
+        if torn:
+            self.notes.append(f"{self.path}: dropped a torn tail of {torn} record(s) (those {self.unit}s are "
+                              f"translated again)")
         return True
 
     def add(self, i: int, out: list[str]) -> None:
@@ -193,8 +345,9 @@ class Journal:
         self.done[i] = out
 
     def finish(self, output: Path, n: int) -> None:
-        """Write the output file atomically from the records (in input order), then drop the journal."""
-        atomic_write(output, output_lines(self.done, 0, n))
+        """Write the output file atomically from the records (in input order), then drop the journal; a new
+        output takes the journal's permission bits (which were the old output's)."""
+        atomic_write(output, output_lines(self.done, 0, n), mode=file_mode(self.path))
         self.f.close()
         self.path.unlink()
 

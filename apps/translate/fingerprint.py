@@ -1,0 +1,79 @@
+"""SHA-256 of a model folder's files, for the resume journal: a model replaced between an interrupt and
+--resume is refused instead of mixing two models' translations in one output.
+
+Every regular file of the folder counts (model.onnx and its external data, encoder.onnx, split layer files,
+tokenizer and config), except documentation (*.md) and hidden files. Hashing a large model on every run costs
+seconds, so each file's digest is cached by (real path, device, inode, size, mtime_ns, ctime_ns) in
+<user cache>/specbeam-edge/sha256.json: any write to a file changes its mtime or ctime (ctime cannot be set
+back), so a cached digest is used only for the very bytes it was computed from. The cache is optional: a cache
+that cannot be read or written is ignored.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+SKIP_SUFFIXES = (".md",)
+
+
+def cache_path() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "specbeam-edge" / "sha256.json"
+
+
+def _key(path: Path, st: os.stat_result) -> str:
+    return f"{os.path.realpath(path)}|{st.st_dev}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}"
+
+
+def _load_cache(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_cache(path: Path, cache: dict) -> None:
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".sha256.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(cache, f)
+            os.replace(tmp, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def folder_sha256(folder: Path) -> dict[str, str]:
+    """{path relative to the folder: SHA-256} of the files that make the model (see the module docstring)."""
+    where = cache_path()
+    cache = _load_cache(where)
+    out, dirty = {}, False
+    for path in sorted(folder.rglob("*")):
+        rel = path.relative_to(folder)
+        if any(p.startswith(".") for p in rel.parts) or path.suffix in SKIP_SUFFIXES or not path.is_file():
+            continue
+        st = path.stat()
+        key = _key(path, st)
+        digest = cache.get(key)
+        if not isinstance(digest, str):
+            digest = cache[key] = file_sha256(path)
+            dirty = True
+        out[rel.as_posix()] = digest
+    if dirty:
+        _save_cache(where, {k: v for k, v in cache.items() if os.path.exists(k.split("|", 1)[0])})
+    return out
