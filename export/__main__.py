@@ -8,11 +8,29 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .core import PRECISIONS, export
 from .hf import ExportError
+
+EXTRA = "pip install 'specbeam-edge[export]'"
+
+
+def block_size(text: str) -> int:
+    """--block_size: a power of two >= 16 (MatMulNBits' blocks), refused by argparse before any work."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if n < 16 or n & (n - 1):
+        raise argparse.ArgumentTypeError(f"{n}: must be a power of two >= 16 (16, 32, 64, 128, ...)")
+    return n
 
 
 def main(argv=None) -> int:
+    try:
+        from .core import PRECISIONS, export
+    except ModuleNotFoundError as e:      # a regular install without the export extra: onnx, torch, transformers
+        print(f"specbeam-export: error: the exporter needs the export extra (no module named {e.name!r}): {EXTRA}",
+              file=sys.stderr)
+        return 2
     ap = argparse.ArgumentParser(prog="specbeam-export", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-i", "--input", required=True, help="local Hugging Face model folder (config.json, "
@@ -31,7 +49,8 @@ def main(argv=None) -> int:
                          "or both, chosen per run (a draft: exact search reads its top-k, sampling its logits)")
     ap.add_argument("--compute", choices=("fp32", "fp16"), default="fp32",
                     help="fp16: weights, activations and KV cache in fp16 (for GPUs; whole layout; logits fp32)")
-    ap.add_argument("--block_size", type=int, default=32, help="int4 quantization block size")
+    ap.add_argument("--block_size", type=block_size, default=32,
+                    help="int4 quantization block size (a power of two >= 16)")
     ap.add_argument("--overwrite", action="store_true", help="replace the output folder if it exists")
     ap.add_argument("-q", "--quiet", action="store_true", help="no progress display")
     args = ap.parse_args(argv)
@@ -42,6 +61,17 @@ def main(argv=None) -> int:
     except ExportError as e:
         print(f"specbeam-export: error: {e}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as e:
+        print(f"specbeam-export: error: this export needs the module {e.name!r}: {EXTRA}", file=sys.stderr)
+        return 2
+    except OSError as e:                  # a full or read-only disk while writing: the staged folder is gone
+        from .safety import os_error_message
+
+        print(f"specbeam-export: error: {os_error_message(e)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("specbeam-export: interrupted; the output was left as it was (no partial export)", file=sys.stderr)
+        return 130
     print(out)
     return 0
 

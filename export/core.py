@@ -19,6 +19,8 @@ from specbeam_edge.config import OUTPUT_KINDS, head_io
 from . import graph
 from .gguf_input import is_gguf, unpack
 from .hf import Arch, ExportError, global_weights, layer_weights, read_arch, read_weights
+from .hf import check_layer_count, read_json
+from .safety import check_output, file_sha256, make_staging, replace_folder
 
 PRECISIONS = ("fp32", "fp16", "int8w", "int8", "int4")
 FORMAT_VERSION = 1
@@ -52,13 +54,10 @@ class Progress:
 def staged(dst: Path, prog: Progress):
     """A temporary folder beside `dst` that replaces `dst` when the block completes, and is removed when it fails
     (an interrupted export leaves no half-written model folder); the progress bar is closed either way."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+    tmp = make_staging(dst)       # with the permissions mkdir would give (mkdtemp's are 0700)
     try:
         yield tmp
-        if dst.exists():
-            shutil.rmtree(dst)
-        tmp.rename(dst)
+        replace_folder(tmp, dst)   # old aside, new in, old deleted: an interrupt leaves one of them (safety.py)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -115,8 +114,7 @@ def _quantize(src: Path, dst: Path, precision: str, block_size: int, external: b
 
 
 def _generation_defaults(src: Path) -> dict:
-    p = src / "generation_config.json"
-    gen = json.loads(p.read_text()) if p.is_file() else {}
+    gen = read_json(src / "generation_config.json", {})
     return {k: gen[k] for k in _GEN_KEYS if k in gen}
 
 
@@ -190,8 +188,11 @@ def export(src: str | Path, dst: str | Path, *, precision: str = "fp32", layout:
                           "-p int8 --layout split stores int8 weights per output channel)")
     if layout == "split" and precision == "int4":
         raise ExportError("layout 'split' supports fp32, fp16 and int8 weights (int4 needs constant weights)")
-    if dst.exists() and not overwrite:
-        raise ExportError(f"output folder {dst} exists; pass --overwrite to replace it")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 16 or block_size & (block_size - 1):
+        raise ExportError(f"block_size must be a power of two >= 16 (int4 blocks), got {block_size!r}")
+    if not src.exists():
+        raise ExportError(f"input {src} does not exist (pass a Hugging Face model folder or a .gguf file)")
+    check_output(src, dst, overwrite)      # before the long work: never the input, a file or a link (safety.py)
     opts = dict(precision="fp16" if compute == "fp16" else precision, layout=layout, output=output,
                 block_size=block_size, quiet=quiet, compute=compute)
     if is_gguf(src):             # transformers dequantizes the file; its config and tokenizer go to a side folder
@@ -241,6 +242,7 @@ def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str
     t0 = time.time()
     arch = read_arch(src)
     weights = read_weights(src) if weights is None else weights
+    check_layer_count(weights, arch.layers, f"{source_name}")
     prog = Progress(arch.layers + 3, quiet)   # read each layer, build, write, config
     g = global_weights(weights, arch)
     layers = []
@@ -283,6 +285,7 @@ def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str
         head_in, head_out = head_io(output)
         cfg = {
             "format_version": FORMAT_VERSION, "family": arch.family, "vocab_size": arch.vocab_size,
+            "tokenizer_sha256": file_sha256(tmp / "tokenizer.json"),
             "hidden_size": arch.hidden, "num_layers": arch.layers, "num_heads": arch.heads,
             "num_kv_heads": arch.kv_heads, "head_dim": arch.head_dim, "context_length": arch.context_length,
             "bos_token_id": arch.bos_token_id, "eos_token_ids": arch.eos_token_ids, "pad_token_id": arch.pad_token_id,

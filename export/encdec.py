@@ -24,7 +24,7 @@ from onnx import TensorProto
 from specbeam_edge.config import head_io
 
 from .graph import Builder, _vi, add_topk, stored_weight
-from .hf import ExportError, load_config
+from .hf import ExportError, check_layer_count, checkpoint_names, load_config, read_json
 
 ARCHITECTURES = {"MarianMTModel": "marian", "M2M100ForConditionalGeneration": "m2m100"}
 F32, I64 = TensorProto.FLOAT, TensorProto.INT64
@@ -140,6 +140,12 @@ def read_model(folder: Path, family: str):
 
     cfg = load_config(folder)
     arch = _arch(cfg, family)
+    names = dict.fromkeys(checkpoint_names(folder))     # transformers would drop layers config.json leaves out
+    if names:
+        for side, n in (("encoder", arch.encoder_layers), ("decoder", arch.decoder_layers)):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ExportError(f"{folder / 'config.json'}: {side}_layers must be an integer >= 1, got {n!r}")
+            check_layer_count(names, n, folder.name, prefix=f"model.{side}.layers.")
     cls = {"marian": tf.MarianMTModel, "m2m100": tf.M2M100ForConditionalGeneration}[family]
     try:
         with torch.no_grad():
@@ -338,7 +344,7 @@ def _generation(src: Path, arch: EncDecArch) -> tuple[dict, dict]:
 
     p = src / "generation_config.json"
     # without generation_config.json transformers derives one from config.json (Marian: forced EOS, pad banned)
-    gen = json.loads(p.read_text()) if p.is_file() else json.loads((src / "config.json").read_text())
+    gen = read_json(p) if p.is_file() else read_json(src / "config.json")
     defaults = {k: gen[k] for k in _GEN_KEYS if k in gen}
     if "max_new_tokens" not in defaults and isinstance(gen.get("max_length"), int) and gen["max_length"] > 1:
         defaults["max_new_tokens"] = gen["max_length"] - 1
@@ -359,7 +365,7 @@ def _tokenizers(src: Path, family: str) -> dict:
     from .encdec_tokenizer import convert
 
     tcfg = src / "tokenizer_config.json"
-    separate = tcfg.is_file() and bool(json.loads(tcfg.read_text(encoding="utf-8")).get("separate_vocabs"))
+    separate = bool(read_json(tcfg, {}).get("separate_vocabs"))
     if separate and (src / "tokenizer.json").is_file():
         raise ExportError(f"{src}: separate source/target vocabularies (separate_vocabs) with one tokenizer.json; "
                           f"remove it so that source.spm/target.spm/vocab.json/target_vocab.json are converted")
@@ -378,7 +384,7 @@ def _languages(src: Path, tokenizer: dict, arch: EncDecArch) -> dict:
     if not codes:
         return {}
     p = src / "tokenizer_config.json"
-    legacy = p.is_file() and bool(json.loads(p.read_text(encoding="utf-8")).get("legacy_behaviour"))
+    legacy = bool(read_json(p, {}).get("legacy_behaviour"))
     return {"language_codes": codes, "source_language": "suffix" if legacy else "prefix"}
 
 
@@ -404,6 +410,7 @@ def cross_probe(encoder: Path, layers: int, eos: int, head_dim: int) -> dict:
 def export_encdec(src: Path, dst: Path, family: str, *, precision: str, layout: str, output: str, overwrite: bool,
                   quiet: bool) -> Path:
     """Write the model folder of an encoder-decoder: encoder.onnx + model.onnx (the decoder) + config."""
+    from .safety import file_sha256
     from .core import FORMAT_VERSION, INT8W, Progress, _save, _save_quantized, staged
 
     if layout != "whole":
@@ -451,6 +458,7 @@ def export_encdec(src: Path, dst: Path, family: str, *, precision: str, layout: 
         head_in, head_out = head_io(output)
         cfg = {
             "format_version": FORMAT_VERSION, "family": family, "vocab_size": arch.vocab_size,
+            "tokenizer_sha256": file_sha256(tmp / "tokenizer.json"),
             "hidden_size": arch.d_model, "num_layers": L, "num_heads": arch.heads, "num_kv_heads": arch.heads,
             "head_dim": arch.head_dim, "context_length": arch.context_length, "bos_token_id": arch.bos_token_id,
             "eos_token_ids": arch.eos_token_ids, "pad_token_id": arch.pad_token_id, "layout": "whole",

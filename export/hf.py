@@ -16,6 +16,21 @@ class ExportError(ValueError):
     """A model folder that cannot be exported; the message names the problem."""
 
 
+def read_json(path: Path, default: dict | None = None) -> dict:
+    """A JSON object file of the input folder (`default` when it is absent); a damaged one is an ExportError."""
+    if default is not None and not path.is_file():
+        return default
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ExportError(f"{path}: not valid JSON ({e}); fix or replace the file") from None
+    except OSError as e:
+        raise ExportError(f"{path}: cannot be read ({e.strerror})") from None
+    if not isinstance(data, dict):
+        raise ExportError(f"{path}: must hold a JSON object ({{...}}), found a {type(data).__name__}")
+    return data
+
+
 @dataclass(frozen=True)
 class Rope:
     """Rotary tables of one kind of layer. `long_inv_freq` (LongRoPE) applies from `original_max` on."""
@@ -72,10 +87,7 @@ def load_config(folder: Path):
     """transformers' config object for the folder (its defaults and legacy-field conversions included)."""
     if not (folder / "config.json").is_file():
         raise ExportError(f"{folder}: no config.json; this is not a Hugging Face model folder")
-    try:
-        json.loads((folder / "config.json").read_text())
-    except json.JSONDecodeError as e:
-        raise ExportError(f"{folder / 'config.json'}: not valid JSON ({e})") from None
+    read_json(folder / "config.json")
     from transformers import AutoConfig
 
     try:
@@ -115,6 +127,30 @@ def _eos_list(eos) -> list[int]:
     return [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
 
 
+_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+
+
+def _check_sizes(cfg, folder: Path) -> None:
+    """The sizes that shape the graph are positive integers (transformers accepts num_hidden_layers -2)."""
+    for key in _SIZES + ("num_key_value_heads", "head_dim"):
+        v = getattr(cfg, key, None)
+        if v is None and key not in _SIZES:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ExportError(f"{folder / 'config.json'}: {key} must be an integer >= 1, got {v!r}")
+
+
+def check_layer_count(weights: dict, layers: int, where: str, prefix: str = "model.layers.") -> None:
+    """The checkpoint holds exactly the decoder layers config.json declares: a num_hidden_layers of 4 for a 6-layer
+    checkpoint would otherwise export a cut-down model (fluent garbage, exit 0)."""
+    found = sorted({int(k[len(prefix):].split(".", 1)[0]) for k in weights
+                    if k.startswith(prefix) and k[len(prefix):].split(".", 1)[0].isdigit()})
+    if found != list(range(layers)):
+        have = f"layers {found[0]}-{found[-1]} ({len(found)})" if found else "no layers"
+        raise ExportError(f"{where}: num_hidden_layers is {layers} in config.json, but the checkpoint has {have} "
+                          f"under {prefix}*; fix config.json (or the checkpoint) so that they agree")
+
+
 def read_arch(folder: Path) -> Arch:
     from .families import family_for
 
@@ -126,9 +162,8 @@ def read_arch(folder: Path) -> Arch:
 
         raise ExportError(f"{folder}: architecture {archs or cfg.model_type} is not supported "
                           f"(supported: {', '.join(supported())})")
-    gen = {}
-    if (folder / "generation_config.json").is_file():
-        gen = json.loads((folder / "generation_config.json").read_text())
+    gen = read_json(folder / "generation_config.json", {})
+    _check_sizes(cfg, folder)
     name, feats = fam.features(cfg)
     heads = int(cfg.num_attention_heads)
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
@@ -161,23 +196,64 @@ def read_arch(folder: Path) -> Arch:
     return Arch(**base)
 
 
+def _damaged(path: Path, why: str) -> ExportError:
+    return ExportError(f"{path}: not a valid safetensors file ({why}); the download is truncated or damaged: "
+                       f"fetch the file again")
+
+
 def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """Parse one .safetensors file (8-byte header size, JSON header, raw data); bf16 becomes fp32."""
+    """Parse one .safetensors file (8-byte header size, JSON header, raw data); bf16 becomes fp32. A truncated or
+    garbage file is an ExportError naming it (every offset is checked against the file's size)."""
+    size = path.stat().st_size
+    if size < 8:
+        raise _damaged(path, f"{size} bytes")
     data = np.memmap(path, dtype=np.uint8, mode="r")
     (n,) = struct.unpack("<Q", bytes(data[:8]))
-    header = json.loads(bytes(data[8:8 + n]))
+    if n > size - 8:
+        raise _damaged(path, f"its header claims {n} bytes, the file has {size}")
+    try:
+        header = json.loads(bytes(data[8:8 + n]))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise _damaged(path, "its header is not JSON") from None
+    if not isinstance(header, dict):
+        raise _damaged(path, "its header is not a JSON object")
     out = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        if info["dtype"] not in _DTYPES:
-            raise ExportError(f"{path.name}: tensor {name} has unsupported dtype {info['dtype']}")
-        a, b = info["data_offsets"]
-        raw = np.frombuffer(data[8 + n + a:8 + n + b], dtype=_DTYPES[info["dtype"]]).reshape(info["shape"])
-        if info["dtype"] == "BF16":
+        try:
+            dtype, shape, (a, b) = info["dtype"], [int(d) for d in info["shape"]], info["data_offsets"]
+        except (TypeError, KeyError, ValueError):
+            raise _damaged(path, f"tensor {name} has no dtype/shape/data_offsets") from None
+        if dtype not in _DTYPES:
+            raise ExportError(f"{path.name}: tensor {name} has unsupported dtype {dtype}")
+        want = int(np.prod(shape, dtype=np.int64)) * np.dtype(_DTYPES[dtype]).itemsize
+        if not (isinstance(a, int) and isinstance(b, int) and 0 <= a <= b <= size - 8 - n and b - a == want):
+            raise _damaged(path, f"tensor {name} lies outside the file or has the wrong size")
+        raw = np.frombuffer(data[8 + n + a:8 + n + b], dtype=_DTYPES[dtype]).reshape(shape)
+        if dtype == "BF16":
             raw = (raw.astype(np.uint32) << 16).view(np.float32)
         out[name] = raw
     return out
+
+
+def checkpoint_names(folder: Path) -> list[str]:
+    """The tensor names in the folder's *.safetensors files (their headers only); [] when there are none."""
+    names = []
+    for path in sorted(folder.glob("*.safetensors")):
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+            if not 0 <= n <= path.stat().st_size - 8:
+                raise _damaged(path, "its header size is wrong")
+            try:
+                header = json.loads(f.read(n))
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise _damaged(path, "its header is not JSON") from None
+        if not isinstance(header, dict):
+            raise _damaged(path, "its header is not a JSON object")
+        names += [k for k in header if k != "__metadata__"]
+    return names
 
 
 def read_weights(folder: Path) -> dict[str, np.ndarray]:

@@ -1,0 +1,219 @@
+"""The exporter never deletes its input or anything that is not a previous export, refuses outputs it could not
+write before the long work, replaces an old export so that an interrupt leaves the old or the new one, writes
+folders another account can read, and checks config.json against the weights actually present."""
+import errno
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import export.core as core
+from export import ExportError, export
+from export.__main__ import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def src(hf_models, tmp_path):
+    """A private copy of a tiny HF folder (tests may damage it), with an unrelated file beside it."""
+    folder, _ = hf_models("llama")
+    mine = tmp_path / "work" / "hf"
+    shutil.copytree(folder, mine)
+    (tmp_path / "work" / "notes.txt").write_text("keep me")
+    return mine
+
+
+def _files(folder):
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def _no_weights_read(monkeypatch):
+    def fail(*a, **k):
+        raise AssertionError("the export started before the output was checked")
+    monkeypatch.setattr(core, "read_weights", fail)
+
+
+@pytest.mark.parametrize("where", ["same", "parent"])
+def test_overwrite_never_deletes_the_input(src, where, monkeypatch, capsys):
+    _no_weights_read(monkeypatch)
+    out = src if where == "same" else src.parent
+    before = _files(src.parent)
+    assert main(["-i", str(src), "-o", str(out), "--overwrite", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and ("is the input" in err or "contains the input" in err)
+    assert _files(src.parent) == before and (src.parent / "notes.txt").read_text() == "keep me"
+
+
+def test_output_inside_the_input_and_the_gguf_folder_are_refused(src, monkeypatch):
+    _no_weights_read(monkeypatch)
+    with pytest.raises(ExportError, match="lies inside the input folder"):
+        export(src, src / "onnx", overwrite=True, quiet=True)
+    gguf = src.parent / "model.gguf"
+    gguf.write_bytes(b"GGUF")                # never opened: refused first
+    with pytest.raises(ExportError, match="contains the input"):
+        export(gguf, src.parent, overwrite=True, quiet=True)
+    assert gguf.read_bytes() == b"GGUF"
+
+
+def test_overwrite_replaces_only_a_previous_export(src, tmp_path, monkeypatch):
+    other = tmp_path / "photos"
+    other.mkdir()
+    (other / "a.jpg").write_bytes(b"x")
+    _no_weights_read(monkeypatch)
+    with pytest.raises(ExportError, match="not a specbeam model folder"):
+        export(src, other, overwrite=True, quiet=True)
+    assert (other / "a.jpg").read_bytes() == b"x"
+
+
+def test_a_file_or_a_symlink_as_output_is_refused_up_front(src, tmp_path, monkeypatch):
+    _no_weights_read(monkeypatch)
+    f = tmp_path / "model.txt"
+    f.write_text("data")
+    with pytest.raises(ExportError, match="is not a folder"):
+        export(src, f, overwrite=True, quiet=True)
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "specbeam_config.json").write_text("{}")
+    link = tmp_path / "link"
+    link.symlink_to(real, target_is_directory=True)
+    with pytest.raises(ExportError, match="symbolic link"):
+        export(src, link, overwrite=True, quiet=True)
+    assert f.read_text() == "data" and link.is_symlink() and (real / "specbeam_config.json").is_file()
+
+
+def test_interrupt_while_replacing_keeps_the_old_export(src, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    export(src, out, quiet=True)
+    old = (out / "specbeam_config.json").read_text()
+    real_rename = Path.rename
+
+    def rename(self, target):
+        if Path(target) == out and self.name.startswith(".out.") and ".old." not in self.name:
+            raise KeyboardInterrupt            # Ctrl-C just when the new folder would go in
+        return real_rename(self, target)
+    monkeypatch.setattr(Path, "rename", rename)
+    with pytest.raises(KeyboardInterrupt):
+        export(src, out, overwrite=True, quiet=True)
+    assert (out / "specbeam_config.json").read_text() == old and (out / "model.onnx").is_file()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_ctrl_c_during_the_swap_waits_until_the_new_export_is_in(src, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    export(src, out, quiet=True)
+    (out / "marker").write_text("old")
+    real_rename = Path.rename
+
+    def rename(self, target):
+        if self == out:                          # the old folder goes aside: Ctrl-C arrives now
+            signal.raise_signal(signal.SIGINT)
+        return real_rename(self, target)
+    monkeypatch.setattr(Path, "rename", rename)
+    with pytest.raises(KeyboardInterrupt):
+        export(src, out, overwrite=True, quiet=True)
+    assert (out / "specbeam_config.json").is_file() and not (out / "marker").exists()   # the new one, whole
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_exported_folders_follow_the_umask(src, tmp_path):
+    old = os.umask(0o022)
+    try:
+        out = export(src, tmp_path / "out", layout="split", quiet=True)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    assert stat.S_IMODE((out / "weights").stat().st_mode) == 0o755
+    assert stat.S_IMODE((out / "specbeam_config.json").stat().st_mode) == 0o644
+
+
+@pytest.mark.parametrize("value", ["0", "-32", "24"])
+def test_block_size_is_checked_before_any_work(value, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["-i", "nowhere", "-o", "nothing", "--block_size", value])
+    assert e.value.code == 2 and "--block_size" in capsys.readouterr().err
+    with pytest.raises(ExportError, match="block_size must be a power of two"):
+        export("nowhere", "nothing", block_size=int(value))
+
+
+def test_full_disk_is_one_line_and_leaves_nothing(src, tmp_path, monkeypatch, capsys):
+    def full(model, path):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+    monkeypatch.setattr(core, "_save", full)
+    out = tmp_path / "out"
+    assert main(["-i", str(src), "-o", str(out), "-q"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "No space left on device" in err and "model.onnx" in err
+    assert not out.exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write into a read-only folder")
+def test_read_only_parent_is_refused_up_front(src, tmp_path, monkeypatch):
+    _no_weights_read(monkeypatch)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        with pytest.raises(ExportError, match="cannot write into"):
+            export(src, ro / "out", quiet=True)
+    finally:
+        ro.chmod(0o755)
+
+
+def test_unwritable_parent_is_refused_up_front(src, tmp_path, monkeypatch):
+    """The same check, for root too (os.access answers False on a read-only file system)."""
+    import export.safety as safety
+
+    _no_weights_read(monkeypatch)
+    monkeypatch.setattr(safety.os, "access", lambda p, mode: False)
+    with pytest.raises(ExportError, match=r"cannot write into .*read-only file system"):
+        export(src, tmp_path / "out", quiet=True)
+
+
+def test_invalid_generation_config_is_named(src, tmp_path):
+    (src / "generation_config.json").write_text('{"num_beams": 4,')
+    with pytest.raises(ExportError, match=r"generation_config.json: not valid JSON"):
+        export(src, tmp_path / "out", quiet=True)
+    (src / "generation_config.json").write_text("[1, 2]")
+    with pytest.raises(ExportError, match=r"generation_config.json: must hold a JSON object"):
+        export(src, tmp_path / "out", quiet=True)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "tiny", "empty"])
+def test_damaged_safetensors_is_named(src, tmp_path, damage):
+    [f] = src.glob("*.safetensors")
+    data = f.read_bytes()
+    f.write_bytes({"truncated": data[: len(data) // 2], "garbage": os.urandom(4096), "tiny": b"\x01\x02",
+                   "empty": b""}[damage])
+    with pytest.raises(ExportError, match=r"not a valid safetensors file .*fetch the file again"):
+        export(src, tmp_path / "out", quiet=True)
+
+
+@pytest.mark.parametrize("layers, msg", [(1, r"num_hidden_layers is 1 in config.json, but the checkpoint has "
+                                               r"layers 0-1 \(2\)"),
+                                         (3, r"num_hidden_layers is 3 .* layers 0-1 \(2\)"),
+                                         (-2, r"num_hidden_layers must be an integer >= 1, got -2")])
+def test_layer_count_is_checked_against_the_weights(src, tmp_path, layers, msg):
+    cfg = json.loads((src / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 2
+    cfg["num_hidden_layers"] = layers
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ExportError, match=msg):
+        export(src, tmp_path / "out", quiet=True)
+
+
+def test_cli_without_the_export_extra_says_what_to_install():
+    code = ("import sys; sys.modules['onnx'] = None; from export.__main__ import main; "
+            "sys.exit(main(sys.argv[1:]))")
+    for args in (["--help"], ["-i", "a", "-o", "b"]):
+        r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=ROOT)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert r.stderr == ("specbeam-export: error: the exporter needs the export extra (no module named 'onnx'): "
+                            "pip install 'specbeam-edge[export]'\n")
