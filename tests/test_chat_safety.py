@@ -1,7 +1,13 @@
 """The chat app's answers never lose text: raw HTML shows as text, code keeps its content, and a stopped,
 interrupted or regenerated answer is shown and stored (offscreen Qt)."""
 import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -182,6 +188,67 @@ def test_regenerate_stopped_before_any_step_keeps_the_old_answer(qtbot, tmp_path
     after = win.store.messages(cid)
     assert after[:2] == before
     assert before[1]["content"] in win.transcript.toPlainText() or before[1]["content"] == ""
+
+
+# `specbeam-chat` as a user runs it (main(), app.exec()), offscreen; QTest types the message; the search is
+# slowed down so the signal lands mid-answer. Prints "streaming" once the answer is under way.
+SESSION = textwrap.dedent("""
+    import sys, time
+    from PySide6.QtCore import QTimer, Qt
+    from PySide6.QtTest import QTest
+    from PySide6.QtWidgets import QApplication
+    from specbeam_edge.generate import Engine
+    from apps.chat import __main__ as chat_main
+    from apps.chat.window import ChatWindow
+
+    real = Engine.generate_step
+    def slow(self, *a, **kw):
+        for item in real(self, *a, **kw):
+            time.sleep(0.03)
+            yield item
+    Engine.generate_step = slow
+    app = QApplication(sys.argv[:1])
+
+    def drive():
+        win = next((w for w in app.topLevelWidgets() if isinstance(w, ChatWindow)), None)
+        if win is not None and win.gen is None and not win.store.messages(win.current()):
+            QTest.keyClicks(win.input, "the quick brown fox")
+            QTest.keyClick(win.input, Qt.Key.Key_Return)
+        elif win is not None and win.gen is not None and win.partial_steps >= 3:
+            print("streaming", flush=True)
+            return
+        QTimer.singleShot(10, drive)
+    QTimer.singleShot(10, drive)
+    sys.exit(chat_main.main(sys.argv[1:]))
+""")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_mid_answer_saves_the_partial_answer_and_quits(tmp_path, folders, sig):
+    """Before: SIGTERM killed the app with only the user message stored; Ctrl-C (SIGINT) was ignored."""
+    settings = QSettings(str(tmp_path / "s.ini"), QSettings.Format.IniFormat)
+    for key, value in (("model", folders[0]), ("draft", folders[1]), ("beams", 2), ("max_new_tokens", 400)):
+        settings.setValue(key, value)
+    settings.sync()
+    script = tmp_path / "session.py"
+    script.write_text(SESSION)
+    env = dict(os.environ, QT_QPA_PLATFORM="offscreen", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.Popen([sys.executable, str(script), "--db", str(tmp_path / "chat.sqlite"), "--settings",
+                             str(tmp_path / "s.ini")], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "streaming\n", proc.stderr.read()
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + sig, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    db = sqlite3.connect(tmp_path / "chat.sqlite")
+    rows = db.execute("SELECT role, content, stats FROM messages ORDER BY id").fetchall()
+    db.close()
+    assert [r[0] for r in rows] == ["user", "assistant"] and rows[1][1] and '"stopped": true' in rows[1][2]
+    assert QSettings(str(tmp_path / "s.ini"), QSettings.Format.IniFormat).value("geometry") is not None
 
 
 def _blocks(doc):

@@ -5,6 +5,8 @@
 On Linux, Qt's X11 plugin needs a few system libraries (Debian/Ubuntu: apt-get install libxcb-cursor0
 libxkbcommon-x11-0 libxcb-icccm4 libxcb-keysyms1 libegl1 libgl1; the app names any other that is missing);
 without a display run it under `xvfb-run`, or set QT_QPA_PLATFORM=offscreen to render without showing anything.
+Ctrl-C in the terminal (SIGINT) or SIGTERM closes the window as its close button does: a running answer is
+stopped and its text so far saved; the exit status is then 130 or 143.
 """
 import argparse
 import ctypes.util
@@ -70,6 +72,41 @@ def refcount_problem() -> str | None:
             f"{sys.version.split()[0]} and the app would crash: pip install 'PySide6-Essentials>=6.6,!=6.12.0'")
 
 
+def install_signal_handlers(app) -> list:
+    """SIGTERM and SIGINT (Ctrl-C in the terminal) close every window as its close button does (a running answer
+    is stopped and its text so far saved, the settings remembered) and end the event loop with 128 + the
+    signal's number. Qt's event loop runs in C++, where Python cannot run its handlers: the wakeup fd wakes it.
+    Returns the objects that must stay alive as long as the app runs."""
+    import signal
+    import socket
+
+    from PySide6.QtCore import QSocketNotifier
+
+    rsock, wsock = socket.socketpair()
+    for sock in (rsock, wsock):
+        sock.setblocking(False)
+    signal.set_wakeup_fd(wsock.fileno())
+    notifier = QSocketNotifier(rsock.fileno(), QSocketNotifier.Type.Read)
+
+    def drain():                        # Python code runs here, and with it the handler below
+        try:
+            rsock.recv(4096)
+        except OSError:
+            pass
+    notifier.activated.connect(drain)
+    closing = []
+
+    def handler(signum, frame):
+        if closing:                     # a second Ctrl-C while the windows close: they are closing already
+            return
+        closing.append(signum)
+        app.closeAllWindows()
+        app.exit(128 + signum)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
+    return [rsock, wsock, notifier, handler]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="specbeam-chat", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -90,12 +127,13 @@ def main(argv=None) -> int:
     from .store import ChatStore
     from .window import ChatWindow
 
-    app = QApplication(sys.argv[:1])
+    app = QApplication.instance() or QApplication(sys.argv[:1])
+    keep = install_signal_handlers(app)
     settings = QSettings(args.settings, QSettings.Format.IniFormat) if args.settings else None
     win = ChatWindow(ChatStore(args.db), settings=settings)
     win.show()
     code = app.exec()
-    del win          # the window (and its thread) go before the application object
+    del win, keep    # the window (and its thread) go before the application object
     return code
 
 
