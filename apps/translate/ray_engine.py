@@ -79,30 +79,80 @@ def _has_magic(text: str) -> bool:
     return any(c in text for c in "*?[")
 
 
-def input_files(spec: str) -> tuple[list[tuple[Path, str]], bool]:
+def own_files(output: Path | None) -> list[str]:
+    """Real paths of what a run on -o writes (the output, its shard folder, lock, pid file and journal): never
+    read as input, also when -o lies inside the input folder."""
+    if output is None:
+        return []
+    return [os.path.realpath(output.with_name(output.name + suffix))
+            for suffix in ("", ".shards", ".lock", ".lock.pid", ".journal")]
+
+
+def _under(real: str, folder: str) -> bool:
+    return real == folder or real.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def _is_own(path: Path, own: list[str]) -> bool:
+    real = os.path.realpath(path)
+    return any(_under(real, o) for o in own)
+
+
+def _own_below(root: Path, own: list[str]) -> list[str]:
+    """The run's own paths that can hold inputs' siblings: an -o folder that holds the input root itself is
+    not excluded as a whole (output_paths refuses any output that would replace an input)."""
+    real = os.path.realpath(root)
+    return [o for o in own if not _under(real, o)]
+
+
+def input_files(spec: str, output: Path | None = None) -> tuple[list[tuple[Path, str]], bool]:
     """(path, name relative to the input root) of every input file, and whether -o is a folder (a folder or a
-    glob input) rather than a file (a file input)."""
+    glob input) rather than a file (a file input). Each real file is listed once (a symlink loop or a second
+    link to a file is not translated twice; `**` does not descend into symlinked folders), and the run's own
+    files on `output` are never inputs."""
     from .__main__ import UsageError
 
     path = Path(spec)
+    own = own_files(output)
     if path.is_file():
         return [(path, path.name)], False
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file()
-                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        if output is not None and os.path.realpath(output) == os.path.realpath(path):
+            raise UsageError(f"-o {output} is the input folder: the outputs would replace their inputs; write to "
+                             f"another folder")
+        files = [p for p in sorted(path.rglob("*")) if p.is_file()
+                 and not any(part.startswith(".") for part in p.relative_to(path).parts)]
+        own = _own_below(path, own)
+        files = _unique(p for p in files if not _is_own(p, own))
         if not files:
             raise UsageError(f"input folder {path} holds no files")
         return [(p, p.relative_to(path).as_posix()) for p in files], True
     if not _has_magic(spec):
         raise UsageError(f"input {spec} does not exist; pass a file, a folder or a glob")
-    import glob
-
     prefix = _prefix(path.parts)
+    rest = path.parts[len(prefix):]
+    if ".." in rest:
+        raise UsageError(f"input glob {spec}: '..' after a wildcard could leave the input folder (and put outputs "
+                         f"outside -o); name the folder before the first wildcard instead")
     root = Path(*prefix) if prefix else Path(".")
-    files = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
+    hidden_ok = any(part.startswith(".") for part in rest)
+    files = [p for p in sorted(root.glob(str(Path(*rest)))) if p.is_file()
+             and (hidden_ok or not any(part.startswith(".") for part in p.relative_to(root).parts))]
+    own = _own_below(root, own)
+    files = _unique(p for p in files if not _is_own(p, own))
     if not files:
         raise UsageError(f"no input file matches {spec}")
     return [(p, p.relative_to(root).as_posix()) for p in files], True
+
+
+def _unique(paths) -> list[Path]:
+    """The first path to each real file (sorted order in, sorted order out)."""
+    seen, out = set(), []
+    for p in paths:
+        real = os.path.realpath(p)
+        if real not in seen:
+            seen.add(real)
+            out.append(p)
+    return out
 
 
 def _prefix(parts: tuple[str, ...]) -> list[str]:
@@ -115,18 +165,41 @@ def _prefix(parts: tuple[str, ...]) -> list[str]:
     return out
 
 
-def output_paths(output: Path, names: list[str], folder: bool) -> list[Path]:
-    """Where each input file's output goes; fails before any work if -o cannot take them."""
+def output_paths(output: Path, files: list[tuple[Path, str]], folder: bool) -> list[Path]:
+    """Where each input file's output goes; fails before any work if -o cannot take them (a special file, a
+    file where a folder is needed, or an output that is one of the inputs)."""
     from .__main__ import UsageError, check_output
 
     if not folder:
-        check_output(argparse.Namespace(output=str(output)))
+        check_output(argparse.Namespace(output=str(output), input=str(files[0][0])))
         return [output]
     if output.exists() and not output.is_dir():
         raise UsageError(f"output {output} is a file; with a folder or glob input, -o is a folder")
     if not output.parent.is_dir():
         raise UsageError(f"the output's directory {output.parent} does not exist; create it first")
-    return [output / name for name in names]
+    outs = [output / name for _, name in files]
+    inputs = {os.path.realpath(p): p for p, _ in files}
+    for out in outs:
+        if os.path.realpath(out) in inputs:
+            raise UsageError(f"output {out} would replace the input {inputs[os.path.realpath(out)]}; write to "
+                             f"another -o")
+    return outs
+
+
+def check_resources(nodes: list[dict], cpus: float, gpus: float) -> None:
+    """Refuse up front an actor that no node of the cluster can hold (Ray would wait for one forever)."""
+    from .__main__ import UsageError
+
+    alive = [n.get("Resources", {}) for n in nodes if n.get("Alive", True)]
+    most_cpu = max((r.get("CPU", 0) for r in alive), default=0)
+    most_gpu = max((r.get("GPU", 0) for r in alive), default=0)
+    if cpus > most_cpu:
+        raise UsageError(f"--cpus_per_actor {cpus:g}: no node of the Ray cluster has that many CPUs (the largest "
+                         f"has {most_cpu:g}); pass at most {most_cpu:g}")
+    if gpus > most_gpu:
+        have = f"the largest has {most_gpu:g}" if most_gpu else "it has none"
+        raise UsageError(f"--gpus_per_actor {gpus:g}: no node of the Ray cluster has that many GPUs ({have}); "
+                         f"pass --gpus_per_actor 0 (or a fraction a node has)")
 
 
 def plan(counts: list[int], shard_lines: int) -> list[Shard]:
@@ -149,7 +222,7 @@ def input_sha256(names: list[str], raws: list[bytes]) -> str:
 @dataclass(frozen=True)
 class ShardResult:
     data: bytes | None          # the shard's output bytes; None: a bad line stopped it (--on_error fail)
-    bad: list                   # [(line number in its file, why)]
+    bad: list                   # [(line number in its file, why)]: bad lines, truncated lines, context cuts
     stats: object               # specbeam_edge Stats
 
 
@@ -158,12 +231,10 @@ class ShardWorker:
     validation, batching and formatting (so shards join into the single-process output byte for byte)."""
 
     def __init__(self, args: argparse.Namespace):
-        from specbeam_edge.flags import engine_from_args
-        from .__main__ import generation_overrides
+        from .__main__ import open_engine
 
         self.args = args
-        self.engine = engine_from_args(args, args.model, None if args.no_draft else args.draft)
-        self.engine.generation_config(**generation_overrides(args))
+        self.engine = open_engine(args)
 
     def ready(self) -> int:
         return os.getpid()
@@ -174,11 +245,12 @@ class ShardWorker:
         from .journal import output_lines
 
         bad = []
-        items, fixed, _ = prepare(self.args, self.engine, lines, first, lambda n, why: bad.append((n, why)))
+        report = lambda n, why: bad.append((n, why))    # noqa: E731
+        items, fixed, _ = prepare(self.args, self.engine, lines, first, report)
         if items is None:
             return ShardResult(None, bad, None)
         outputs = dict(fixed)
-        stats = translate(self.args, self.engine, items, outputs.__setitem__, tqdm(disable=True))
+        stats = translate(self.args, self.engine, items, outputs.__setitem__, tqdm(disable=True), first, report)
         return ShardResult(output_lines(outputs, 0, len(lines)), bad, stats)
 
 
@@ -192,9 +264,8 @@ def run_ray(args) -> int:
         import ray  # noqa: F401
     except ImportError:
         raise UsageError("--engine ray needs Ray: pip install 'specbeam-edge[ray]'") from None
-    files, folder = input_files(args.input)
-    names = [name for _, name in files]
-    outputs = output_paths(Path(args.output), names, folder)
+    files, folder = input_files(args.input, Path(args.output))
+    outputs = output_paths(Path(args.output), files, folder)
     # The driver decides the settings from the model folder alone (no Engine here): bad settings and a broken
     # folder fail before the cluster starts, and the manifest refuses a resume under other settings.
     gen = GenerationConfig.from_dict(dict(ModelConfig.load(args.model).generation), **generation_overrides(args))
@@ -202,7 +273,26 @@ def run_ray(args) -> int:
     if folder:
         Path(args.output).mkdir(exist_ok=True)
     with OutputLock(Path(args.output)):
+        if args.resume and finished(args, files, outputs):
+            return 0
         return Job(args, files, outputs, setting).run()
+
+
+def finished(args, files, outputs: list[Path]) -> bool:
+    """--resume after a run that finished (no shard folder; every output there with its line count): say so."""
+    from .__main__ import PROG, UsageError, split_lines
+
+    out = Path(args.output)
+    if out.with_name(out.name + ".shards").exists() or not all(o.is_file() for o in outputs):
+        return False
+    for (path, _), o in zip(files, outputs):
+        want = len(split_lines(path.read_bytes())) * args.n_best
+        have = o.read_bytes().count(b"\n")
+        if have != want:
+            raise UsageError(f"{o} exists without a shard folder and holds {have} lines, not the {want} of a "
+                             f"finished run on {path}; delete it (or drop --resume) to translate again")
+    print(f"{PROG}: {args.output} is complete (its run finished); nothing to do", file=sys.stderr)
+    return True
 
 
 class Job:
@@ -226,8 +316,9 @@ class Job:
         out = Path(args.output)
         self.state = out.with_name(out.name + ".shards")
         self.state.mkdir(exist_ok=True)
+        from .__main__ import LABELS
         self.manifest = Journal(out, input_sha256(self.names, raws), setting, args.resume,
-                                path=self.state / "manifest", unit="shard")
+                                path=self.state / "manifest", unit="shard", labels=LABELS)
         for note in self.manifest.notes:
             self.say(note)
         self.todo = [s for s in self.shards if not self._committed(s)]
@@ -286,6 +377,7 @@ class Job:
         import ray
 
         started = connect(self.args)
+        keep_sigterm()
         actors = []
         try:
             actors = self.start_actors()
@@ -305,6 +397,7 @@ class Job:
         import ray
 
         a = self.args
+        check_resources(ray.nodes(), a.cpus_per_actor, a.gpus_per_actor)
         n = a.actors or max(1, int(ray.cluster_resources().get("CPU", 1) // a.cpus_per_actor))
         self.n_actors = n = min(n, len(self.todo))
         worker_args = copy.copy(a)
@@ -331,7 +424,7 @@ class Job:
         self.stats, self.done = stats, len(self.shards) - len(self.todo)
         total, left = sum(len(x) for x in self.lines), sum(s.count for s in self.todo)
         self.progress = tqdm(total=total, initial=total - left, unit="line", file=sys.stderr,
-                             disable=self.args.quiet, dynamic_ncols=True)
+                             disable=True if self.args.quiet else None, dynamic_ncols=True)   # None: TTY only
         try:
             while self.pending or self.inflight:
                 self.submit()
@@ -443,6 +536,18 @@ def connect(args) -> bool:
     else:
         ray.init(include_dashboard=False, log_to_driver=False, logging_level=level)
     return True
+
+
+def keep_sigterm() -> None:
+    """ray.init installs Ray's C++ failure handler for SIGTERM (it prints a native stack and exits 15); the
+    tool's own handler is put back so that SIGTERM ends the run as the local engine does (one line, exit 143,
+    committed shards kept)."""
+    import signal
+
+    from .__main__ import _terminate
+
+    if signal.getsignal(signal.SIGTERM) is not _terminate:
+        signal.signal(signal.SIGTERM, _terminate)
 
 
 def _cause(error: Exception) -> str:
