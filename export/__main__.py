@@ -40,8 +40,10 @@ def main(argv=None) -> int:
     ap.add_argument("-p", "--precision", choices=PRECISIONS, default="fp32",
                     help="weight precision: fp32; fp16 storage; int8w (int8 weight storage, per output channel, "
                     "dequantized at load: fp32 compute, batch-invariant, about half of fp16's size; whole layout); "
-                    "int8 (whole layout: quantize_dynamic, int8 activations too, not batch-invariant; split "
-                    "layout: int8 weights per output channel, batch-invariant); int4 (MatMulNBits)")
+                    "int8 (int8 compute with one activation scale per row: batch-invariant, exact speculation, "
+                    "the fastest exact precision on CPUs); int8dyn (onnxruntime quantize_dynamic: one activation "
+                    "scale per tensor, NOT batch-invariant: for drafts); int4 (MatMulNBits; the engine measures "
+                    "its invariance at load)")
     ap.add_argument("--layout", choices=("whole", "split"), default="whole",
                     help="one graph, or embed/layer/head graphs with per-layer weight files (for streaming)")
     ap.add_argument("--output_kind", choices=("logits", "topk", "both"), default="logits",
@@ -51,13 +53,15 @@ def main(argv=None) -> int:
                     help="fp16: weights, activations and KV cache in fp16 (for GPUs; whole layout; logits fp32)")
     ap.add_argument("--block_size", type=block_size, default=32,
                     help="int4 quantization block size (a power of two >= 16)")
+    ap.add_argument("--reduce_range", action="store_true",
+                    help="int8: 7-bit weights, so CPUs without VNNI (AVX2 only) never saturate their int16 sums")
     ap.add_argument("--overwrite", action="store_true", help="replace the output folder if it exists")
     ap.add_argument("-q", "--quiet", action="store_true", help="no progress display")
     args = ap.parse_args(argv)
     try:
         out = export(args.input, args.output, precision=args.precision, layout=args.layout,
                      output=args.output_kind, overwrite=args.overwrite, block_size=args.block_size, quiet=args.quiet,
-                     compute=args.compute)
+                     compute=args.compute, reduce_range=args.reduce_range)
     except ExportError as e:
         print(f"specbeam-export: error: {e}", file=sys.stderr)
         return 2

@@ -17,12 +17,16 @@ import onnx
 from specbeam_edge.config import OUTPUT_KINDS, head_io
 
 from . import graph
+from .quant import quantize_columns, rowwise_int8
 from .gguf_input import is_gguf, unpack
 from .hf import Arch, ExportError, global_weights, layer_weights, read_arch, read_weights
 from .hf import check_layer_count, read_json
 from .safety import check_output, file_sha256, make_staging, replace_folder
 
-PRECISIONS = ("fp32", "fp16", "int8w", "int8", "int4")
+# batch-invariant (exact speculation): fp32, fp16, int8w (fp32 compute), int8 (per-row int8 compute, quant.py);
+# int8dyn (quantize_dynamic) is not; int4 (MatMulNBits) depends on the kernel: the engine measures it at load
+PRECISIONS = ("fp32", "fp16", "int8w", "int8", "int8dyn", "int4")
+INVARIANT = {"fp32": True, "fp16": True, "int8w": True, "int8": True, "int8dyn": False, "int4": False}
 FORMAT_VERSION = 1
 _GEN_KEYS = ("num_beams", "max_new_tokens", "length_penalty", "early_stopping", "num_return_sequences",
              "min_new_tokens", "do_sample", "temperature", "top_k", "top_p")
@@ -91,17 +95,19 @@ def _save_quantized(model: onnx.ModelProto, dst: Path, precision: str, block_siz
 
 
 def _quantize(src: Path, dst: Path, precision: str, block_size: int, external: bool) -> dict:
-    """external: write the tensors to `<dst>.data` (the quantized graph of a past-2-GB fp32 graph can pass 2 GB
-    too: fp32 embeddings and int8 matrices)."""
+    """int8dyn (quantize_dynamic) or int4 (MatMulNBits) through onnxruntime's quantizers. external: write the
+    tensors to `<dst>.data` (the quantized graph of a past-2-GB fp32 graph can pass 2 GB too: fp32 embeddings
+    and int8 matrices). int8 is not here: quant.rowwise_int8 rewrites the graph in memory."""
     logging.getLogger("onnxruntime.quantization").setLevel(logging.ERROR)
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.ERROR)
-    if precision == "int8":
+    if precision == "int8dyn":
         from onnxruntime.quantization import QuantType, quantize_dynamic
 
         quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"],
                          per_channel=True, use_external_data_format=external)
-        return {"method": "onnxruntime quantize_dynamic", "weight_type": "int8", "per_channel": True,
-                "ops": "MatMulInteger (all weight MatMuls incl. lm_head); embeddings fp32"}
+        return {"method": "onnxruntime quantize_dynamic (one activation scale per tensor: not batch-invariant)",
+                "weight_type": "int8", "per_channel": True,
+                "ops": "DynamicQuantizeLinear + MatMulInteger (all weight MatMuls incl. lm_head); embeddings fp32"}
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
     cfg = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=True, accuracy_level=4, bits=4)
@@ -113,12 +119,27 @@ def _quantize(src: Path, dst: Path, precision: str, block_size: int, external: b
             "symmetric": True, "accuracy_level": 4, "ops": "MatMulNBits (all weight MatMuls incl. lm_head)"}
 
 
+def save_precision(model: onnx.ModelProto, dst: Path, precision: str, block_size: int = 32,
+                   reduce_range: bool = False) -> dict | None:
+    """Write the fp32-compute graph `model` to `dst` at `precision`; returns the quantization entry of the
+    config (None: the graph is saved as built)."""
+    if precision == "int8":
+        quant = rowwise_int8(model, reduce_range=reduce_range)
+        _save(model, dst)
+        return quant
+    if precision in ("int8dyn", "int4"):
+        return _save_quantized(model, dst, precision, block_size)
+    _save(model, dst)
+    return None
+
+
 def _generation_defaults(src: Path) -> dict:
     gen = read_json(src / "generation_config.json", {})
     return {k: gen[k] for k in _GEN_KEYS if k in gen}
 
 
-def _write_layer_weights(folder: Path, layers: list[dict], arch: Arch, precision: str) -> list[dict]:
+def _write_layer_weights(folder: Path, layers: list[dict], arch: Arch, precision: str,
+                         reduce_range: bool = False) -> list[dict]:
     """weights/layer_{i}.bin: each layer's tensors back to back (64-byte aligned); the manifest is shared."""
     (folder / "weights").mkdir()
     manifest = None
@@ -127,7 +148,7 @@ def _write_layer_weights(folder: Path, layers: list[dict], arch: Arch, precision
         for name in graph.layer_weight_names(arch):
             arrays = [(name, w[name])]
             if precision == "int8" and name in graph.MATMULS:
-                q, s = graph.quantize_int8(w[name])
+                q, s = quantize_columns(w[name], reduce_range)
                 arrays = [(name, q), (name + ".scale", s)]
             elif precision == "fp16":
                 arrays = [(name, w[name].astype(np.float16))]
@@ -164,11 +185,12 @@ def _layer_checksums(folder: Path, num_layers: int) -> list[str]:
 
 def export(src: str | Path, dst: str | Path, *, precision: str = "fp32", layout: str = "whole",
            output: str = "logits", overwrite: bool = False, block_size: int = 32, quiet: bool = False,
-           compute: str = "fp32") -> Path:
+           compute: str = "fp32", reduce_range: bool = False) -> Path:
     """Export the HF folder `src` into the specbeam model folder `dst`; returns dst.
 
     compute: "fp32", or "fp16" for GPUs: weights, activations and the KV cache in fp16 (half the memory and
     bandwidth, tensor cores on CUDA), logits and the tree mask still fp32 at the graph's edge (`_to_fp16`).
+    reduce_range: int8 weights in 7 bits, so CPUs without VNNI never saturate int16 sums (export/quant.py).
     The folder is written to a temporary sibling and renamed at the end, so a failure leaves nothing behind.
     """
     src, dst = Path(src), Path(dst)
@@ -194,7 +216,7 @@ def export(src: str | Path, dst: str | Path, *, precision: str = "fp32", layout:
         raise ExportError(f"input {src} does not exist (pass a Hugging Face model folder or a .gguf file)")
     check_output(src, dst, overwrite)      # before the long work: never the input, a file or a link (safety.py)
     opts = dict(precision="fp16" if compute == "fp16" else precision, layout=layout, output=output,
-                block_size=block_size, quiet=quiet, compute=compute)
+                block_size=block_size, quiet=quiet, compute=compute, reduce_range=reduce_range)
     if is_gguf(src):             # transformers dequantizes the file; its config and tokenizer go to a side folder
         with tempfile.TemporaryDirectory(prefix="specbeam-gguf-") as side:
             return _export_decoder(Path(side), dst, unpack(src, Path(side)), src.name, **opts)
@@ -206,7 +228,7 @@ def export(src: str | Path, dst: str | Path, *, precision: str = "fp32", layout:
         if compute != "fp32":
             raise ExportError("compute fp16 is not available for encoder-decoder models yet (export fp32 compute)")
         return export_encdec(src, dst, family_of(src), precision=precision, layout=layout, output=output,
-                             overwrite=overwrite, quiet=quiet)
+                             overwrite=overwrite, quiet=quiet, reduce_range=reduce_range)
     return _export_decoder(src, dst, None, src.name, **opts)
 
 
@@ -235,7 +257,8 @@ INT8W = {"method": "specbeam int8 weight storage: symmetric per output channel (
 
 
 def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str, *, precision: str, layout: str,
-                    output: str, block_size: int, quiet: bool, compute: str = "fp32") -> Path:
+                    output: str, block_size: int, quiet: bool, compute: str = "fp32",
+                    reduce_range: bool = False) -> Path:
     """A decoder-only model from the HF-style folder `src` (weights: read from it when None)."""
     if not (src / "tokenizer.json").is_file():
         raise ExportError(f"{src}: no tokenizer.json (a `tokenizers` fast tokenizer is required)")
@@ -260,24 +283,22 @@ def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str
             if compute == "fp16":
                 model = _to_fp16(model)
             prog.step("build graph")
-            if precision in ("int8", "int4"):
-                quant = _save_quantized(model, tmp / "model.onnx", precision, block_size)
-            else:
-                _save(model, tmp / "model.onnx")
+            quant = save_precision(model, tmp / "model.onnx", precision, block_size, reduce_range) or quant
             prog.step(f"write model.onnx ({precision})")
             files["model"] = "model.onnx"
         else:
             _save(graph.embed_model(arch, g, precision), tmp / "embed.onnx")
-            _save(graph.layer_model(arch, layers[0], precision), tmp / "layer.onnx")
-            _save(graph.head_model(arch, g, precision, output), tmp / "head.onnx")
+            layer, head = graph.layer_model(arch, layers[0], precision), graph.head_model(arch, g, precision, output)
+            if precision == "int8":     # the streamed int8 weights and lm_head compute per-row int8 (quant.py)
+                quant = rowwise_int8(layer, reduce_range=reduce_range)
+                rowwise_int8(head, reduce_range=reduce_range)
+            _save(layer, tmp / "layer.onnx")
+            _save(head, tmp / "head.onnx")
             prog.step("build graphs")
             files.update(embed="embed.onnx", layer="layer.onnx", head="head.onnx",
                          layer_weights="weights/layer_{i}.bin")
-            files["layer_manifest"] = _write_layer_weights(tmp, layers, arch, precision)
+            files["layer_manifest"] = _write_layer_weights(tmp, layers, arch, precision, reduce_range)
             files["layer_sha256"] = _layer_checksums(tmp, arch.layers)
-            if precision == "int8":
-                quant = {"method": "specbeam per-channel symmetric int8 (DequantizeLinear + MatMul)",
-                         "weight_type": "int8", "per_channel": True}
             prog.step("write layer weights")
         for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
             if (src / f).is_file():
@@ -291,9 +312,9 @@ def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str
             "bos_token_id": arch.bos_token_id, "eos_token_ids": arch.eos_token_ids, "pad_token_id": arch.pad_token_id,
             "layout": layout, "precision": precision, "quantization": quant,
             "compute_dtype": "float16" if compute == "fp16" else "float32",
-            # int8/int4 whole graphs quantize activations per tensor at run time: a node's logits then depend on
-            # the other nodes in the same pass (measured up to 1e-2), so tree and single passes disagree
-            "batch_invariant": not (layout == "whole" and precision in ("int8", "int4")),
+            # the exporter's claim; the engine measures it when it loads a target for exact speculation. int8dyn
+            # quantizes activations per tensor: a node's logits depend on the other nodes of the pass (up to 1e-2)
+            "batch_invariant": INVARIANT[precision],
             "mask": "additive_float32", "mask_value": float(np.finfo(np.float32).min), "present": "concat",
             "output": output, "files": files, **_layer_info(arch),
             "io": {"inputs": ["input_ids", "position_ids", "attention_mask"]

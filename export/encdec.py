@@ -408,15 +408,15 @@ def cross_probe(encoder: Path, layers: int, eos: int, head_dim: int) -> dict:
 
 
 def export_encdec(src: Path, dst: Path, family: str, *, precision: str, layout: str, output: str, overwrite: bool,
-                  quiet: bool) -> Path:
+                  quiet: bool, reduce_range: bool = False) -> Path:
     """Write the model folder of an encoder-decoder: encoder.onnx + model.onnx (the decoder) + config."""
     from .safety import file_sha256
-    from .core import FORMAT_VERSION, INT8W, Progress, _save, _save_quantized, staged
+    from .core import FORMAT_VERSION, INT8W, INVARIANT, Progress, _save, save_precision, staged
 
     if layout != "whole":
         raise ExportError("encoder-decoder models export with layout 'whole' (static cross K/V inputs need it)")
-    if precision not in ("fp32", "fp16", "int8w", "int8"):
-        raise ExportError(f"encoder-decoder models export as fp32, fp16, int8w or int8, not {precision!r}")
+    if precision not in ("fp32", "fp16", "int8w", "int8", "int8dyn"):
+        raise ExportError(f"encoder-decoder models export as fp32, fp16, int8w, int8 or int8dyn, not {precision!r}")
     t0 = time.time()
     prog = Progress(4, quiet)
     tokenizers = _tokenizers(src, family)
@@ -426,13 +426,12 @@ def export_encdec(src: Path, dst: Path, family: str, *, precision: str, layout: 
     with staged(dst, prog) as tmp:
         base = precision if precision in ("fp16", "int8w") else "fp32"
         quant = INT8W if precision == "int8w" else {"method": "none", "storage": precision}
-        _save(encoder_model(arch, ew, dw, base), tmp / "encoder.onnx")
+        # the encoder computes in per-row int8 too with -p int8 (each source token its own scale)
+        save_precision(encoder_model(arch, ew, dw, base), tmp / "encoder.onnx",
+                       precision if precision == "int8" else "fp32", reduce_range=reduce_range)
         prog.step("write encoder.onnx")
         dec = decoder_model(arch, dw, base, output)
-        if precision == "int8":
-            quant = _save_quantized(dec, tmp / "model.onnx", "int8", 32)
-        else:
-            _save(dec, tmp / "model.onnx")
+        quant = save_precision(dec, tmp / "model.onnx", precision, 32, reduce_range) or quant
         prog.step(f"write model.onnx ({precision})")
         for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
             if (src / f).is_file():
@@ -463,7 +462,7 @@ def export_encdec(src: Path, dst: Path, family: str, *, precision: str, layout: 
             "head_dim": arch.head_dim, "context_length": arch.context_length, "bos_token_id": arch.bos_token_id,
             "eos_token_ids": arch.eos_token_ids, "pad_token_id": arch.pad_token_id, "layout": "whole",
             "precision": precision, "quantization": quant, "compute_dtype": "float32",
-            "batch_invariant": precision != "int8", "mask": "additive_float32", "mask_value": MASK_VALUE,
+            "batch_invariant": INVARIANT[precision], "mask": "additive_float32", "mask_value": MASK_VALUE,
             "present": "concat", "output": output,
             "files": {"model": "model.onnx", **({} if shared is not None else {"encoder": "encoder.onnx"})},
             "static_inputs": [SOURCE_MASK] + [n for i in range(L) for n in cross_names(i)],

@@ -295,7 +295,7 @@ def _buckets(shapes: list[tuple[int, int]], min_split: int = 4) -> list[list[int
 
 def _one_pass(model, work: list[tuple[TreeCache, list[int]]], topk: int | None) -> list:
     """The model forward for a batch; appends every request's new KV; returns per-request head outputs."""
-    if len(work) == 1:                 # the batch of one: exactly the unpadded pass
+    if len(work) == 1 and len(work[0][1]) >= model.min_rows:   # the batch of one: exactly the unpadded pass
         cache, new = work[0]
         cache.drop_padding()
         ids, pos, mask = cache._inputs(new)
@@ -316,7 +316,8 @@ def _one_pass(model, work: list[tuple[TreeCache, list[int]]], topk: int | None) 
     else:                              # packed afresh: each request's own slots only, gathered in one copy
         gathers = [cache._unpad() for cache, _ in work]
     inputs = [cache._inputs(new) for cache, new in work]
-    Qm = max(len(new) for _, new in work)
+    # model.min_rows: a graph whose kernels change at one row (onnxruntime's GEMV path) gets a padding row
+    Qm = max(model.min_rows, max(len(new) for _, new in work))
     Nm = max(len(cache) for cache, _ in work)
     results = _one_pass_rows(model, work, inputs, topk, Nm, Qm, shared.presents if shared is not None else None,
                              gathers)

@@ -7,18 +7,19 @@ the scheduler (scheduler.py) batches the passes of many requests. `generate_iter
 from __future__ import annotations
 
 import threading
-import warnings
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
+from . import invariance
 from .adaptive import ChoosersByLoad, PassChooser, auto_budget, cost_curve
 from .config import GenerationConfig, ModelFolderError, SpeculativeConfig
 from .draft import make_drafter
 from .encdec import (Encoder, EncoderQueue, is_encoder_decoder, logits_processor, probe_source,
                      shared_cross_layers, shared_statics)
+from .invariance import Invariance, NotInvariantError
 from .model import OnnxCausalLM
 from .results import Hypothesis, Result, Stats, StreamChunk, peak_rss_mb
 from .scheduler import Job, Scheduler
@@ -55,7 +56,8 @@ class Engine:
             if not Path(draft).is_dir():
                 raise ModelFolderError(f"draft model folder {draft} does not exist")
             # the draft is small: one thread and no busy-waiting, so it does not steal the target's cores
-            self.draft = OnnxCausalLM(draft, threads=1, providers=providers, spin=False, kv_resident=kv_resident)
+            self.draft = OnnxCausalLM(draft, threads=1, providers=providers, spin=False, kv_resident=kv_resident,
+                                      min_rows=1)
             check_compatible(self.tokenizer, Tokenizer(draft), self.draft.cfg.vocab_size, self.target.cfg.vocab_size)
         self.eos = list(self.target.cfg.eos_token_ids)
         self._init_encoders(threads, providers)
@@ -83,6 +85,18 @@ class Engine:
         self._lock = threading.Lock()
         self._curve: dict[int, float] | None = None
         self._choosers: dict = {}
+        self._invariance: Invariance | None = None
+
+    def _require_invariant(self) -> None:
+        """Exact speculation needs a target whose tree passes equal its single passes on this machine: measured
+        once per engine (invariance.py; cached on disk per model file), refused with the fix when it is not."""
+        if not isinstance(self.target, OnnxCausalLM):      # test doubles built with from_models
+            return
+        with self._lock:
+            if self._invariance is None:
+                self._invariance = invariance.check(self.target)
+        if not self._invariance.ok:
+            raise NotInvariantError(invariance.refusal(self.target, self._invariance))
 
     def generation_config(self, generation: GenerationConfig | None = None, **overrides) -> GenerationConfig:
         if generation is not None and not overrides:
@@ -161,11 +175,8 @@ class Engine:
                 raise ValueError("do_sample=True needs drafter='sample': trees grown by draft beam search or "
                                  "best-first are not samples, and the p/q rule would bias the output"
                                  if gen.do_sample else "drafter='sample' is for do_sample=True")
-            if not self.target.cfg.raw.get("batch_invariant", True):
-                warnings.warn(f"{self.target.folder}: this {self.target.cfg.precision} graph quantizes activations "
-                              "per pass, so tree passes round differently from single passes; speculative output "
-                              "can differ from plain beam search beyond near-ties. Use an fp32/fp16 (or split "
-                              "int8) export for exact results.", stacklevel=4)
+            if not gen.do_sample:
+                self._require_invariant()
         extra = {}
         if source is not None:    # the decoder start is the prompt; a forced BOS counts as generated
             extra = dict(prompt_len=1, static=static, process=logits_processor(

@@ -44,6 +44,8 @@ def session_options(threads: int | None, spin: bool = True, fold_limit_bytes: in
     return so
 
 
+# precisions whose graphs quantize activations (export/quant.py, MatMulNBits level 4, quantize_dynamic)
+QUANTIZED_ACTIVATIONS = ("int8", "int4", "int8dyn")
 KEY_POSITIONS = "key_position_ids"   # optional input: the position of every key column (sliding-window layers)
 
 
@@ -68,15 +70,21 @@ class OnnxCausalLM:
 
     def __init__(self, folder: str | Path, *, threads: int | None = None, providers=None,
                  max_memory: int | None = None, host_memory: int | None = 0, placement: list[str] | None = None,
-                 spin: bool = True, kv_resident: bool | None = None):
+                 spin: bool = True, kv_resident: bool | None = None, min_rows: int | None = None):
         """max_memory (bytes): budget for weights held in memory; in the split layout, layers that do not fit
         are streamed per pass from host memory (up to host_memory bytes, None = unlimited) or from disk.
         placement: an explicit list of 'resident' / 'host' / 'disk' per layer instead of the planner.
         spin: let onnxruntime's threads busy-wait between runs (faster back-to-back runs of one model).
         kv_resident: keep the KV cache where the session computes it (OrtValues bound with IOBinding, see
-        `forward`); default: on for CUDA sessions, off on the CPU (where it measured no faster, DESIGN s. 11)."""
+        `forward`); default: on for CUDA sessions, off on the CPU (where it measured no faster, DESIGN s. 11).
+        min_rows: the fewest rows a pass scores (cache.py adds padding rows). onnxruntime computes a one-row
+        MatMul on another path (GEMV) whose fp32 sums round differently; int8/int4 activations can turn that last
+        bit into a quantization step, so their passes score at least 2 rows and a node's logits are the same bits
+        whatever else its pass holds (DESIGN "Per-row int8"). Default: 2 for int8/int4 graphs, else 1; a draft
+        needs no invariance (Engine passes 1)."""
         self.cfg = cfg = ModelConfig.load(folder)
         self.folder = Path(folder)
+        self.min_rows = (2 if cfg.precision in QUANTIZED_ACTIVATIONS else 1) if min_rows is None else min_rows
         L = cfg.num_layers
         self.past_names = [(f"past_key_values.{i}.key", f"past_key_values.{i}.value") for i in range(L)]
         self.present_names = [(f"present.{i}.key", f"present.{i}.value") for i in range(L)]

@@ -20,6 +20,14 @@ VARIANTS = {
 }
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache(tmp_path_factory):
+    """The engine's measurement cache (invariance.py) in a folder of this test session, not the user's."""
+    import os
+
+    os.environ.setdefault("SPECBEAM_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+
+
 @pytest.fixture(scope="session")
 def hf_models(tmp_path_factory):
     """Lazily built tiny random HF models: hf_models(name) -> (folder, torch model)."""

@@ -1,0 +1,118 @@
+"""int8 compute with one activation scale per row: batch-invariant quantized MatMuls (DESIGN "Per-row int8").
+
+Every weight MatMul `y = x @ W` (W an fp32 [K, N] initializer, or the int8 weights of a split layer behind a
+DequantizeLinear) becomes
+
+    s_x = max(|x|, last axis) / 127                       # [..., 1]: one scale per row (per scored node)
+    x_q = uint8(round(x / s_x) + 128)                     # zero point 128: MatMulInteger's fast u8 x s8 kernel
+    y   = float(MatMulInteger(x_q, W_q, 128)) * s_x * s_W # W_q int8 [K, N], s_W [N]: symmetric, per column
+
+A row's result depends on that row alone, so a node's logits in a tree pass equal those of its path scored
+alone (up to the fp32 parts of the graph: attention and norms), unlike onnxruntime's quantize_dynamic, whose
+DynamicQuantizeLinear takes one scale for the whole tensor. Activations that feed several MatMuls (q/k/v,
+gate/up) are quantized once.
+
+Accumulation: MatMulInteger accumulates in int32. On CPUs with VNNI (vpdpbusd) u8 x s8 products go straight
+into int32. Without VNNI, onnxruntime's AVX2 u8 x s8 kernel adds pairs of products in int16 (vpmaddubsw), which
+saturates once |a0 w0 + a1 w1| > 32767 (255 x 127 x 2 = 64,770 can occur). `reduce_range=True` stores weights
+in 7 bits ([-64, 64]: at most 255 x 64 x 2 = 32,640), which never saturates on any x86 CPU, at about twice
+the weight rounding error; the engine's load-time invariance check (specbeam_edge/invariance.py) measures the
+result on the machine that runs it either way.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto
+from onnx import helper as oh
+from onnx import numpy_helper as onh
+
+METHOD = "specbeam per-row int8: u8 activations (one symmetric scale per row, zero point 128) x s8 weights " \
+         "(symmetric per output column), MatMulInteger accumulating in int32"
+
+
+def quantize_columns(w: np.ndarray, reduce_range: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric per-output-column int8 of a [K, N] matrix: (q int8 [K, N], scale fp32 [N])."""
+    qmax = 64.0 if reduce_range else 127.0
+    scale = (np.maximum(np.abs(w).max(axis=0), 1e-12) / qmax).astype(np.float32)
+    q = np.clip(np.rint(w / scale), -qmax, qmax).astype(np.int8)
+    return q, scale
+
+
+def _copy(message):
+    out = type(message)()
+    out.CopyFrom(message)
+    return out
+
+
+def rowwise_int8(model: onnx.ModelProto, *, reduce_range: bool = False) -> dict:
+    """Rewrite `model` in place: every MatMul with constant 2-D fp32 weights, or with int8 weights behind a
+    DequantizeLinear (axis 1), computes in per-row int8. Returns the config's "quantization" entry."""
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    producer = {o: n for n in g.node for o in n.output}
+    uses: dict[str, int] = {}
+    for n in g.node:
+        for i in n.input:
+            uses[i] = uses.get(i, 0) + 1
+    consts = [onh.from_array(np.array([-1], np.int64), "rowq.axes"),
+              onh.from_array(np.float32(1e-30), "rowq.tiny"), onh.from_array(np.float32(127), "rowq.127"),
+              onh.from_array(np.float32(128), "rowq.128"), onh.from_array(np.float32(0), "rowq.0"),
+              onh.from_array(np.float32(255), "rowq.255"), onh.from_array(np.uint8(128), "rowq.zp")]
+    quantized_x: dict[str, tuple[str, str]] = {}     # activation -> (u8 tensor, row scales)
+    new_inits, dropped, nodes, count = [], set(), [], 0
+
+    def weights_of(name: str):
+        """(int8 weights, column scales) for the MatMul input `name`, or None when it is not a weight."""
+        t = inits.get(name)
+        if t is not None and t.data_type == TensorProto.FLOAT and len(t.dims) == 2:
+            q, s = quantize_columns(onh.to_array(t), reduce_range)
+            new_inits.extend([onh.from_array(q, name + ".q8"), onh.from_array(s, name + ".q8scale")])
+            if uses[name] == 1:
+                dropped.add(name)
+            return name + ".q8", name + ".q8scale"
+        p = producer.get(name)
+        if (p is not None and p.op_type == "DequantizeLinear" and len(p.input) == 2 and uses[name] == 1
+                and any(a.name == "axis" and a.i == 1 for a in p.attribute)):
+            dropped.add(p.output[0])
+            return p.input[0], p.input[1]
+        return None
+
+    def quantize_rows(x: str, tag: str) -> tuple[str, str]:
+        if x not in quantized_x:
+            p = f"{tag}.rowq."
+            nodes.extend([
+                oh.make_node("Abs", [x], [p + "abs"]),
+                oh.make_node("ReduceMax", [p + "abs", "rowq.axes"], [p + "max"], keepdims=1),
+                oh.make_node("Max", [p + "max", "rowq.tiny"], [p + "max1"]),
+                oh.make_node("Div", [p + "max1", "rowq.127"], [p + "scale"]),
+                oh.make_node("Div", [x, p + "scale"], [p + "xs"]),
+                oh.make_node("Round", [p + "xs"], [p + "xr"]),
+                oh.make_node("Add", [p + "xr", "rowq.128"], [p + "xz"]),
+                oh.make_node("Clip", [p + "xz", "rowq.0", "rowq.255"], [p + "xc"]),
+                oh.make_node("Cast", [p + "xc"], [p + "q"], to=TensorProto.UINT8)])
+            quantized_x[x] = (p + "q", p + "scale")
+        return quantized_x[x]
+
+    for n in g.node:
+        w = weights_of(n.input[1]) if n.op_type == "MatMul" else None
+        if w is None:
+            nodes.append(_copy(n))
+            continue
+        tag = n.output[0]
+        xq, xs = quantize_rows(n.input[0], tag)
+        nodes.extend([
+            oh.make_node("MatMulInteger", [xq, w[0], "rowq.zp"], [tag + ".acc"]),
+            oh.make_node("Cast", [tag + ".acc"], [tag + ".accf"], to=TensorProto.FLOAT),
+            oh.make_node("Mul", [tag + ".accf", xs], [tag + ".rows"]),
+            oh.make_node("Mul", [tag + ".rows", w[1]], [n.output[0]])])
+        count += 1
+    nodes = [n for n in nodes if not (n.op_type == "DequantizeLinear" and n.output[0] in dropped)]
+    del g.node[:]
+    g.node.extend(nodes)
+    kept = [_copy(t) for t in g.initializer if t.name not in dropped]
+    del g.initializer[:]
+    g.initializer.extend(kept + new_inits + (consts if count else []))
+    return {"method": METHOD, "weight_type": "int8", "per_channel": True, "activations": "uint8 per row",
+            "reduce_range": reduce_range, "matmuls": count,
+            "ops": "MatMulInteger (every weight MatMul incl. lm_head); embeddings, attention and norms fp32"}

@@ -1,0 +1,216 @@
+"""Is a target batch-invariant on this machine? Measured, not assumed (DESIGN "The load-time invariance check").
+
+Exact speculative beam search replays beam search over a tree pass, so a node's logits in that pass must be
+those of its path scored alone. Whether a graph gives that depends on its kernels, the onnxruntime version and
+the CPU's instruction set, so the engine scores a small branching tree once both ways and compares. The result
+is cached per model file, onnxruntime version and CPU, so a start-up pays for it once.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from .model import host
+
+# largest |tree row - the row alone| over the largest |logit| (measure): fp32 and per-row int8 graphs measure 0 on
+# this CPU, quantize_dynamic 1e-2 and more (one activation scale per pass)
+TOLERANCE = 1e-5
+PROMPT_LEN = 6
+# three roots, 12 nodes, depth 4 below the prompt: parents index into this list (-1: child of the prompt's last
+# token)
+TREE_PARENTS = (-1, -1, -1, 0, 0, 1, 2, 3, 4, 5, 7, 8)
+SOURCE_LEN = 5          # encoder-decoder targets: a random source of this many positions
+
+
+@dataclass(frozen=True)
+class Invariance:
+    """max_diff: the measured difference (relative to the largest logit); ok: max_diff <= TOLERANCE."""
+    max_diff: float
+    ok: bool
+    cached: bool = False
+
+
+class NotInvariantError(ValueError):
+    """The target is not batch-invariant here: exact speculation would not equal plain search."""
+
+
+def _tokens(model, n: int, seed: int) -> np.ndarray:
+    vocab = model.cfg.vocab_size
+    return np.random.default_rng(seed).integers(min(3, vocab - 1), vocab, n)
+
+
+def _static(model) -> dict | None:
+    """Random per-request inputs of the right shapes (cross K/V of a random source: any values will do)."""
+    if not model.static_inputs:
+        return None
+    rng = np.random.default_rng(7)
+    types = {i.name: i for i in model.sess.get_inputs()}
+    out = {}
+    for name in model.static_inputs:
+        shape = [1] + [d if isinstance(d, int) else SOURCE_LEN for d in types[name].shape[1:]]
+        if types[name].type == "tensor(float16)":
+            dtype = np.float16
+        elif types[name].type == "tensor(int64)":
+            dtype = np.int64
+        else:
+            dtype = np.float32
+        out[name] = (np.ones(shape, dtype) if "mask" in name else rng.standard_normal(shape).astype(dtype))
+    return out
+
+
+def _rows(model, ids, pos, mask, past, static):
+    """The scored rows' logits (or a top-k head's log-probs), and the presents."""
+    kpos = None
+    if model.needs_key_positions:
+        kpos = np.concatenate([np.arange(mask.shape[-1] - len(ids)), pos])[None]
+    topk = 16 if model.cfg.output == "topk" else None
+    head, presents = model.forward(ids[None], pos[None], mask[None, None], past, topk=topk, key_positions=kpos,
+                                   static=static)
+    rows = head[0] if isinstance(head, tuple) else head
+    return np.asarray(rows[0], np.float32), presents
+
+
+def _alone(model, token, position, mask_row, past, static) -> np.ndarray:
+    """One node's row from a pass of its own, with the padding rows the runtime adds (model.min_rows; a padding
+    row sees only itself, as in cache._one_pass_rows)."""
+    Q = max(1, model.min_rows)
+    ids, pos = np.zeros(Q, np.int64), np.zeros(Q, np.int64)
+    ids[0], pos[0] = token, position
+    N = len(mask_row) - 1
+    mask = np.zeros((Q, N + Q), bool)
+    mask[0, :N + 1] = mask_row
+    mask[np.arange(1, Q), N + np.arange(1, Q)] = True
+    rows, _ = _rows(model, ids, pos, mask, past, static)
+    return rows[0]
+
+
+def measure(model) -> float:
+    """Score a branching tree over a prompt in one pass, then each node again in a pass of its own over the same
+    key columns (the prompt and the nodes before it, as the tree pass laid them out); the largest difference of
+    a node's row between the two, relative to the largest |logit|.
+
+    Only the number of rows in the pass differs, so this isolates what a precision controls: whether a row's
+    result depends on the other rows (quantize_dynamic's one scale per tensor does; kernels chosen by row count
+    may). A different column layout (a node scored on a compacted path) changes fp32 attention sums in the last
+    bits for every precision; int8 activations can turn such a bit into one quantization step (DESIGN)."""
+    static = _static(model)
+    prompt = _tokens(model, PROMPT_LEN, 0)
+    causal = np.tril(np.ones((PROMPT_LEN, PROMPT_LEN), bool))
+    _, past = _rows(model, prompt, np.arange(PROMPT_LEN), causal, model.empty_past(1), static)
+    tokens = _tokens(model, len(TREE_PARENTS), 1)
+    paths = []
+    for j, p in enumerate(TREE_PARENTS):
+        paths.append(([] if p < 0 else paths[p]) + [j])
+    n = len(TREE_PARENTS)
+    mask = np.zeros((n, PROMPT_LEN + n), bool)
+    mask[:, :PROMPT_LEN] = True
+    for j, path in enumerate(paths):
+        mask[j, PROMPT_LEN + np.array(path)] = True
+    positions = PROMPT_LEN - 1 + np.array([len(p) for p in paths])
+    tree, presents = _rows(model, tokens, positions, mask, past, static)
+    presents = [(host(k), host(v)) for k, v in presents]
+    worst = 0.0
+    for j in range(n):
+        cut = PROMPT_LEN + j
+        before = [(model.to_kv(k[:, :, :cut]), model.to_kv(v[:, :, :cut])) for k, v in presents]
+        ref = _alone(model, tokens[j], positions[j], mask[j, :cut + 1], before, static)
+        finite = np.isfinite(ref)
+        scale = float(np.abs(ref[finite]).max()) or 1.0
+        worst = max(worst, float(np.abs(tree[j][finite] - ref[finite]).max()) / scale)
+    return worst
+
+
+def cache_dir() -> Path:
+    """SPECBEAM_CACHE_DIR, else the per-user cache folder (platformdirs)."""
+    env = os.environ.get("SPECBEAM_CACHE_DIR")
+    if env:
+        return Path(env)
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("specbeam-edge"))
+
+
+def _cpu() -> str:
+    """The CPU's model and instruction-set flags (the kernels onnxruntime picks depend on them)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return hashlib.sha256(line.encode()).hexdigest()[:16]
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cache_key(model) -> str:
+    """The graph files (path, size, mtime), onnxruntime's version, the session's providers and the CPU."""
+    parts = [ort.__version__, _cpu(), model.cfg.layout, ",".join(_providers(model))]
+    for key in ("model", "layer", "head", "embed"):
+        name = model.cfg.files.get(key)
+        if isinstance(name, str):
+            for p in (model.folder / name, model.folder / (name + ".data")):
+                if p.is_file():
+                    st = p.stat()
+                    parts.append(f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}")
+    for name in model.cfg.files.get("layer_sha256") or []:
+        parts.append(name)
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def _providers(model) -> list[str]:
+    sess = model.sess if model.cfg.layout == "whole" else model.layer
+    return list(sess.get_providers())
+
+
+def check(model, *, use_cache: bool = True) -> Invariance:
+    """Measure (or read the cached measurement of) the model's batch invariance on this machine."""
+    path = cache_dir() / "invariance.json"
+    key = cache_key(model)
+    if use_cache:
+        try:
+            hit = json.loads(path.read_text()).get(key)
+        except (OSError, ValueError, AttributeError):
+            hit = None
+        if isinstance(hit, (int, float)):
+            return Invariance(float(hit), float(hit) <= TOLERANCE, cached=True)
+    diff = measure(model)
+    if use_cache:
+        _store(path, key, diff)
+    return Invariance(diff, diff <= TOLERANCE)
+
+
+def _store(path: Path, key: str, diff: float) -> None:
+    """Add one entry to the cache file (under a file lock; a cache that cannot be written is only slower)."""
+    from filelock import FileLock, Timeout
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(path) + ".lock", timeout=5):
+            try:
+                entries = json.loads(path.read_text())
+                entries = entries if isinstance(entries, dict) else {}
+            except (OSError, ValueError):
+                entries = {}
+            entries[key] = diff
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(entries, indent=1))
+            os.replace(tmp, path)
+    except (OSError, Timeout):
+        pass
+
+
+def refusal(model, result: Invariance) -> str:
+    """The one-line message of a target refused for exact speculation."""
+    precision = model.cfg.precision
+    fix = ("re-export it with -p int8 (per-row int8: batch-invariant and fast)"
+           if precision in ("int8", "int8dyn", "int4") else "re-export it with -p int8 or -p fp32")
+    return (f"{model.folder}: this {precision} target is not batch-invariant on this machine (a tree pass differs "
+            f"from its paths scored alone by {result.max_diff:.1e} of the largest logit; the limit is "
+            f"{TOLERANCE:.0e}), so speculative output would not equal plain beam search. Run without speculation "
+            f"(plain search works), or {fix}")
