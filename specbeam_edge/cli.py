@@ -12,14 +12,16 @@ from pathlib import Path
 
 from .config import DEFAULT_BUDGET, ModelFolderError, SpeculativeConfig
 # shared with the apps (they import the runtime, never the reverse); re-exported for existing callers
-from .flags import (DEFAULT_MODELS, DRAFT_WIDTH_HELP, PROVIDERS, add_memory_args, budget_arg,  # noqa: F401
-                    engine_from_args, parse_size)
+from .flags import (DEFAULT_MODELS, DRAFT_WIDTH_HELP, PROVIDERS, DefaultsHelp, add_memory_args,  # noqa: F401
+                    budget_arg, check_prompt_format, check_widths, engine_from_args, guard_std_streams, parse_size)
 from .shipped import shipped
 
 
 def add_search_args(ap: argparse.ArgumentParser, *, beams_flag: str = "--num_beams") -> None:
     g = ap.add_argument_group("search")
-    g.add_argument(beams_flag, dest="num_beams", type=int, default=None, help="beam width K (1 = greedy)")
+    aliases = [beams_flag] + [f for f in ("--num_beams", "--beam_size") if f != beams_flag]
+    g.add_argument(*aliases, dest="num_beams", type=int, default=None,
+                   help="beam width K (1 = greedy; --num_beams and --beam_size are one flag)")
     g.add_argument("--max_new_tokens", type=int, default=None, help="maximum generated tokens")
     g.add_argument("--min_new_tokens", type=int, default=None, help="EOS is masked before this many tokens")
     g.add_argument("--length_penalty", type=float, default=None, help="score = sum logp / length ** this")
@@ -84,9 +86,25 @@ def configs(args) -> tuple[dict, SpeculativeConfig | None]:
 
 def _read_prompts(args) -> list[str]:
     if args.prompt:
+        empty = [n for n, p in enumerate(args.prompt, 1) if not p.strip()]
+        if empty:
+            raise ValueError(f"prompt {empty[0]} is empty; pass some text (or --file, or stdin)")
         return args.prompt
-    src = open(args.file, encoding="utf-8") if args.file else sys.stdin
-    return [line.rstrip("\n") for line in src if line.strip()]
+    if args.file:
+        if os.path.isdir(args.file):
+            raise ValueError(f"--file {args.file} is a directory; pass a text file, one prompt per line")
+        try:
+            with open(args.file, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise ValueError(f"--file {args.file}: cannot be read ({e.strerror})") from None
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--file {args.file}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    else:
+        if sys.stdin is None:
+            raise ValueError("stdin is closed; pass prompts as arguments or --file")
+        text = sys.stdin.read()
+    return [line for line in text.splitlines() if line.strip()]
 
 
 def model_prompt(tokenizer, text: str) -> str:
@@ -101,18 +119,31 @@ def _model(args) -> str:
     return args.model or str(shipped("ende", "target"))
 
 
+def open_engine(args, spec):
+    """The engine of the flags, checked against them (tree widths within the vocabulary, the prompt format)."""
+    model = _model(args)
+    engine = engine_from_args(args, model, None if args.no_draft else args.draft)
+    if spec is not None:
+        check_widths(engine, args.max_branch_width, args.draft_width)
+    check_prompt_format(engine, model)
+    return engine
+
+
 def cmd_generate(args) -> int:
     overrides, spec = configs(args)
-    engine = engine_from_args(args, _model(args), None if args.no_draft else args.draft)
-    for prompt in _read_prompts(args):
+    prompts = _read_prompts(args)
+    engine = open_engine(args, spec)
+    # --raw: the text is the model's input as written, special tokens included (the engine parses them only then)
+    raw = {"raw": True} if args.raw else {}
+    for prompt in prompts:
         text = prompt if args.raw else model_prompt(engine.tokenizer, prompt)
         if args.stream:
-            for chunk in engine.stream(text, speculative=spec, **overrides):
+            for chunk in engine.stream(text, speculative=spec, **raw, **overrides):
                 print(chunk.text, end="", flush=True)
             print()
             result = chunk.result
         else:
-            [result] = engine.generate(text, speculative=spec, **overrides)
+            [result] = engine.generate(text, speculative=spec, **raw, **overrides)
             for h in result.hypotheses:
                 print(f"{h.score:.4f} ||| {h.text}" if len(result.hypotheses) > 1 else h.text, flush=True)
         if args.stats:
@@ -122,24 +153,39 @@ def cmd_generate(args) -> int:
 
 def cmd_chat(args) -> int:
     overrides, spec = configs(args)
-    engine = engine_from_args(args, _model(args), None if args.no_draft else args.draft)
+    engine = open_engine(args, spec)
+    engine.generation_config(**overrides)       # bad settings fail here, not on every message
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("chat: empty line or Ctrl-D to quit", file=sys.stderr)
-    for line in sys.stdin:
-        line = line.strip()
+    if sys.stdin is None:
+        raise ValueError("stdin is closed; chat reads your messages from it")
+    for raw in sys.stdin.buffer:
+        try:
+            line = raw.decode("utf-8").strip()
+        except UnicodeDecodeError as e:
+            print(f"chat: that message is not valid UTF-8 ({e.reason} at byte {e.start}) and was not sent; type it "
+                  f"again", file=sys.stderr)
+            continue
         if not line:
             break
-        messages.append({"role": "user", "content": line})
+        turn = messages + [{"role": "user", "content": line}]
         if engine.tokenizer.chat_template:
-            prompt = engine.tokenizer.apply_chat_template(messages)
+            prompt = engine.tokenizer.apply_chat_template(turn)
         else:
             prompt = engine.tokenizer.format_prompt(line)
         answer = ""
-        for chunk in engine.stream(prompt, speculative=spec, **overrides):
-            answer += chunk.text
-            print(chunk.text, end="", flush=True)
+        try:
+            for chunk in engine.stream(prompt, speculative=spec, **overrides):
+                answer += chunk.text
+                print(chunk.text, end="", flush=True)
+        except ValueError as e:         # e.g. over the model's context: refused before the first token
+            if answer:
+                raise
+            print(f"chat: that message was not sent ({e}); send a shorter one, or start a new chat with a "
+                  f"shorter history", file=sys.stderr)
+            continue
         print()
-        messages.append({"role": "assistant", "content": answer})
+        messages = turn + [{"role": "assistant", "content": answer}]
         if args.stats:
             print(json.dumps(chunk.result.stats.as_dict()), file=sys.stderr)
     return 0
@@ -160,15 +206,6 @@ def run_translate(argv: list[str]) -> int:
 
 MODEL_HELP = ("target model folder (default: the shipped en->de pair's target, models/ende/target; "
               "SPECBEAM_MODELS names another models/ folder)")
-
-
-class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
-    """--help shows each flag's default where it has one (not for switches and 'not set' defaults)."""
-
-    def _get_help_string(self, action):
-        if action.default in (None, False, argparse.SUPPRESS) or "default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
 
 
 def main(argv=None) -> int:
@@ -195,10 +232,15 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["translate"]:     # every later flag, --help included, belongs to the translate tool
         return run_translate(argv[1:])
+    guard_std_streams()
     args = ap.parse_args(argv)
+    from .providers import ProviderError
     try:
         return {"generate": cmd_generate, "chat": cmd_chat}[args.cmd](args)
-    except (ModelFolderError, ValueError) as e:
+    except KeyboardInterrupt:
+        print("\nspecbeam: interrupted", file=sys.stderr)
+        return 130
+    except (ModelFolderError, ProviderError, ValueError) as e:
         print(f"specbeam: error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:      # `specbeam generate ... | head`: the reader left; no traceback (Python's recipe)

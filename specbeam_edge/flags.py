@@ -57,6 +57,16 @@ def check_widths(engine, max_branch_width: int | None, draft_width: int | None) 
                              f"{vocab}")
 
 
+def check_prompt_format(engine, model: str) -> None:
+    """A prompt_format that str.format cannot fill (an unknown field) as one line naming the file."""
+    try:
+        engine.tokenizer.format_prompt("x")
+    except (KeyError, IndexError, ValueError, AttributeError) as e:
+        raise ValueError(f"{model}/tokenizer_config.json: prompt_format {engine.tokenizer.prompt_format!r} cannot "
+                         f"be filled ({type(e).__name__}: {e}); its only field is {{source}} (write other braces "
+                         f"doubled, {{{{ }}}})") from None
+
+
 def budget_arg(text: str):
     """--budget: a positive integer or 'auto'."""
     return "auto" if text == "auto" else positive_int(text)

@@ -59,3 +59,57 @@ def test_generate_into_a_closed_pipe_has_no_traceback():
     proc.stdout.close()
     assert proc.wait(timeout=120) == 1
     assert proc.stderr.read() == ""
+
+
+# -- one-line errors where tracebacks were ------------------------------------------------------------------
+def test_empty_prompt_and_unreadable_file_are_one_line(tmp_path):
+    """Before: `generate ""` printed 128 underscores; --file missing or a directory was a traceback."""
+    cases = [(("generate", ""), "specbeam: error: prompt 1 is empty; pass some text (or --file, or stdin)\n"),
+             (("generate", "--file", str(tmp_path / "nope.txt")),
+              f"specbeam: error: --file {tmp_path / 'nope.txt'}: cannot be read (No such file or directory)\n"),
+             (("generate", "--file", str(tmp_path)),
+              f"specbeam: error: --file {tmp_path} is a directory; pass a text file, one prompt per line\n")]
+    for args, message in cases:
+        proc = specbeam(*args)
+        assert proc.returncode == 2 and proc.stdout == "" and proc.stderr == message, (args, proc.stderr)
+
+
+def test_cuda_without_the_gpu_build_and_widths_over_the_vocabulary_are_one_line():
+    import onnxruntime as ort
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        proc = specbeam("generate", "Open the file.", "--provider", "cuda")
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert proc.stderr.startswith("specbeam: error: the CUDA provider was asked for")
+    for flag in ("--max_branch_width", "--draft_width"):
+        proc = specbeam("generate", "Open the file.", "--draft", str(ENDE / "draft"), flag, "100000")
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert proc.stderr.startswith(f"specbeam: error: {flag} 100000 is larger than the model's vocabulary (")
+
+
+def test_ctrl_c_during_generate_is_exit_130_and_one_line(monkeypatch, capsys):
+    from specbeam_edge.cli import main
+    from specbeam_edge.generate import Engine
+
+    def interrupted(self, *a, **kw):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(Engine, "generate", interrupted)
+    assert main(["generate", "Open the file."]) == 130
+    assert capsys.readouterr().err == "\nspecbeam: interrupted\n"
+
+
+def test_chat_survives_invalid_utf8_and_a_message_over_the_context():
+    """Before: an invalid UTF-8 line was a traceback, and one message over the context ended the session."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    stdin = b"\xff\xfe broken\n" + b"word " * 3000 + b"\nOpen the file.\n\n"
+    proc = subprocess.run([sys.executable, "-m", "specbeam_edge.cli", "chat", "--num_beams", "4"], input=stdin,
+                          capture_output=True, env=env, timeout=180, cwd=ROOT)
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err
+    assert proc.stdout.decode() == "Öffnen Sie die Datei.\n"
+    assert "chat: that message is not valid UTF-8 (invalid start byte at byte 0) and was not sent" in err
+    assert "chat: that message was not sent (the prompt has " in err and "Traceback" not in err
+
+
+def test_generate_takes_beam_size_as_num_beams():
+    proc = specbeam("generate", "Open the file.", "--beam_size", "4")
+    assert proc.returncode == 0 and proc.stdout == "Öffnen Sie die Datei.\n", proc.stderr

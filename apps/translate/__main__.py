@@ -31,8 +31,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from specbeam_edge.config import DEFAULT_BUDGET, ModelFolderError
-from specbeam_edge.flags import (DRAFT_WIDTH_HELP, DefaultsHelp, add_memory_args, budget_arg, check_widths,
-                                 engine_from_args, finite_float, guard_std_streams, positive_int, speculative_config)
+from specbeam_edge.flags import (DRAFT_WIDTH_HELP, DefaultsHelp, add_memory_args, budget_arg, check_prompt_format,
+                                 check_widths, engine_from_args, finite_float, guard_std_streams, positive_int,
+                                 speculative_config)
 
 from .journal import Journal, JournalError, OutputLock, special_kind
 from .ray_engine import add_ray_args
@@ -390,12 +391,7 @@ def open_engine(args):
     engine.generation_config(**generation_overrides(args))       # bad settings fail before any work
     if speculation(args) is not None:
         check_widths(engine, args.max_branch_width, args.draft_width)
-    try:
-        engine.tokenizer.format_prompt("x")
-    except (KeyError, IndexError, ValueError, AttributeError) as e:
-        raise UsageError(f"{args.model}/tokenizer_config.json: prompt_format {engine.tokenizer.prompt_format!r} "
-                         f"cannot be filled ({type(e).__name__}: {e}); its only field is {{source}} (write other "
-                         f"braces doubled, {{{{ }}}})") from None
+    check_prompt_format(engine, args.model)
     return engine
 
 
