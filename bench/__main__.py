@@ -3,7 +3,8 @@
     python -m bench                      # all scenarios on the shipped pair
     python -m bench --scenario e2e --quick
 
-Writes bench/results/<scenario>.json and .png and prints a table. Numbers vary with machine load; the
+Writes bench/out/results/<scenario>.json and .png (an ignored folder) and prints a table; --out bench/results
+replaces the committed numbers and renders bench/README.md from them. Numbers vary with machine load; the
 ratios are what to read (each ratio is the median over alternated runs in this one process).
 """
 from __future__ import annotations
@@ -18,7 +19,10 @@ from .report import COLS
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def main(argv=None) -> int:
+DEFAULT_OUT = ROOT / "bench" / "out" / "results"      # ignored by git: a run never dirties the tracked results
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scenario", default="e2e,batch,cost,peers,sampling,synthetic,offload,confidence,kv",
@@ -26,10 +30,16 @@ def main(argv=None) -> int:
                          "ray_scale "
                          "(ray_scale is not in the default: it needs the ray extra)")
     ap.add_argument("--pair", default=str(ROOT / "models" / "ende"), help="pair folder (target/, draft/, hf/)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results"), help="output folder for JSON and PNG")
+    ap.add_argument("--out", default=str(DEFAULT_OUT),
+                    help="output folder for JSON and PNG (bench/results holds the committed numbers)")
     ap.add_argument("--quick", action="store_true", help="fewer prompts and settings (a smoke run)")
     ap.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")
     ap.add_argument("--provider", choices=("cpu", "cuda"), default="cpu", help="execution provider (offload)")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     pair, out = Path(args.pair), Path(args.out)
     info = common.machine()
