@@ -111,7 +111,7 @@ def main(argv=None) -> int:
         systems.remove("draft_greedy")
 
     # agreement, teacher-forced on the reference translations (target side only)
-    sep = engine.tokenizer.encode("<|de|>")[0] if engine.encoder is None else None
+    sep = engine.tokenizer.encode("<|de|>", special_tokens=True)[0] if engine.encoder is None else None
     if "agreement" in systems:
         agreement(engine, prompts, ref, sep, report)
     if "agreement_own" in systems:      # on the target's own beam-4 translations of the same sources

@@ -42,6 +42,7 @@ def _read_json_object(path: Path) -> dict:
     return raw
 
 
+MASK_VALUE_MAX = -1e4   # the largest mask value that still hides a position (exp(-1e4) underflows to 0 in fp32)
 _MODEL_INTS = {"vocab_size": 1, "hidden_size": 1, "num_layers": 1, "num_heads": 1, "num_kv_heads": 1,
                "head_dim": 1, "context_length": 2}
 
@@ -67,6 +68,10 @@ def _model_fields(raw: dict, path: Path) -> dict:
     mv = raw["mask_value"]
     if isinstance(mv, bool) or not isinstance(mv, (int, float)) or not math.isfinite(mv):
         raise bad("mask_value", "a finite number")
+    if mv > MASK_VALUE_MAX:
+        # the tree mask adds it to the scores of hidden positions: 0 (or -1) would let every node see every other
+        raise bad("mask_value", f"a large negative number (<= {MASK_VALUE_MAX:g}; the exporter writes float32's "
+                  f"minimum, -3.4028235e+38)")
     for key in ("files", "generation"):
         if key in raw and not isinstance(raw[key], dict):
             raise bad(key, "a JSON object")

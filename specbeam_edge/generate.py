@@ -24,7 +24,7 @@ from .model import OnnxCausalLM
 from .results import Hypothesis, Result, Stats, StreamChunk, peak_rss_mb
 from .scheduler import Job, Scheduler
 from .search import ExactSearch, SamplingSearch
-from .tokenizer import Tokenizer, check_compatible
+from .tokenizer import PromptText, Tokenizer, check_compatible, check_vocabulary
 
 __all__ = ["Engine", "Hypothesis", "PassChooser", "Result", "Stats", "StreamChunk", "peak_rss_mb"]
 
@@ -51,6 +51,7 @@ class Engine:
         self.target = OnnxCausalLM(target, threads=threads, max_memory=max_memory, host_memory=host_memory,
                                    placement=placement, providers=providers, kv_resident=kv_resident)
         self.tokenizer = Tokenizer(target)
+        check_vocabulary(self.tokenizer, self.target.cfg)
         self.draft = None
         if draft is not None:
             if not Path(draft).is_dir():
@@ -58,7 +59,9 @@ class Engine:
             # the draft is small: one thread and no busy-waiting, so it does not steal the target's cores
             self.draft = OnnxCausalLM(draft, threads=1, providers=providers, spin=False, kv_resident=kv_resident,
                                       min_rows=1)
-            check_compatible(self.tokenizer, Tokenizer(draft), self.draft.cfg.vocab_size, self.target.cfg.vocab_size)
+            draft_tokenizer = Tokenizer(draft)
+            check_compatible(self.tokenizer, draft_tokenizer, self.draft.cfg.vocab_size, self.target.cfg.vocab_size)
+            check_vocabulary(draft_tokenizer, self.draft.cfg)
         self.eos = list(self.target.cfg.eos_token_ids)
         self._init_encoders(threads, providers)
         self._init_state()
@@ -98,27 +101,82 @@ class Engine:
         if not self._invariance.ok:
             raise NotInvariantError(invariance.refusal(self.target, self._invariance))
 
-    def generation_config(self, generation: GenerationConfig | None = None, **overrides) -> GenerationConfig:
+    def generation_config(self, generation: GenerationConfig | dict | None = None, **overrides) -> GenerationConfig:
+        """The request's settings: the model's defaults, then `generation` (a GenerationConfig, or a dict of its
+        fields applied over the defaults), then keyword overrides."""
+        if isinstance(generation, dict):
+            overrides, generation = {**generation, **overrides}, None
+        elif generation is not None and not isinstance(generation, GenerationConfig):
+            raise TypeError(f"generation must be a GenerationConfig or a dict of its fields, got "
+                            f"{type(generation).__name__}")
         if generation is not None and not overrides:
             return generation
         base = asdict(generation) if generation is not None else dict(self.target.cfg.generation)
         return GenerationConfig.from_dict(base, **overrides)
 
-    def encode(self, prompt: str | list[int], src_lang: str | None = None) -> list[int]:
-        """Token ids of a prompt. Encoder-decoder models: a text is the source as the model's tokenizer builds it
-        (its EOS, and with src_lang the language code; encdec.Encoder.source_ids); token ids are taken as they are."""
+    def encode(self, prompt: str | list[int], src_lang: str | None = None, raw: bool = False) -> list[int]:
+        """Token ids of a prompt. A text is put into the model folder's prompt format (tokenizer_config.json
+        `prompt_format`, e.g. the translation pair's `<|endoftext|>{source}<|de|>`) and encoded with the format's
+        special tokens as tokens and the text as plain text, even where it spells a special token; a prompt
+        built by `tokenizer.format_prompt` or `tokenizer.apply_chat_template` (a PromptText) is not formatted
+        again. raw=True: the text is the model's input as written, special tokens included (a prompt formatted
+        by hand). Encoder-decoder models: a text is the source as the model's tokenizer builds it (its EOS, and
+        with src_lang the language code; encdec.Encoder.source_ids). Token ids are checked against the
+        vocabulary and taken as they are."""
         if src_lang is not None and self.encoder is None:
             raise ValueError("src_lang is for encoder-decoder models (NLLB/M2M100); this is a decoder-only model")
         if isinstance(prompt, str):
             if self.encoder is not None:
                 ids = self.encoder.source_ids(prompt, self.tokenizer, src_lang)
+            elif self.tokenizer is None:
+                raise TypeError("this engine has no tokenizer: pass token ids")
+            elif raw and not isinstance(prompt, PromptText):
+                ids = self.tokenizer.encode(prompt, special_tokens=True)
             else:
-                ids = self.tokenizer.encode(prompt)
+                ids = self.tokenizer.encode_prompt(prompt if isinstance(prompt, PromptText)
+                                                   else self.tokenizer.format_prompt(prompt))
         else:
-            ids = [int(t) for t in prompt]
+            ids = self._token_ids(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
         return ids
+
+    def _token_ids(self, prompt) -> list[int]:
+        """A token-id prompt as a list of ints within the vocabulary (the encoder's for encoder-decoder models): a
+        negative id would wrap around in the graph's Gather, one past the vocabulary fail inside onnxruntime."""
+        if prompt is None or isinstance(prompt, (bytes, bytearray, memoryview, dict)):
+            hint = ": decode bytes to a str first" if isinstance(prompt, (bytes, bytearray, memoryview)) else ""
+            raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}{hint}")
+        if isinstance(prompt, np.ndarray) and (prompt.ndim != 1 or not np.issubdtype(prompt.dtype, np.integer)):
+            raise TypeError(f"a token-id prompt must be a 1-D integer array, got shape {prompt.shape} of {prompt.dtype}")
+        try:
+            items = list(prompt)
+        except TypeError:
+            raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}") from None
+        vocab = self.target.cfg.vocab_size
+        if self.encoder is not None:
+            vocab = int(self.target.cfg.raw.get("encoder_decoder", {}).get("source_vocab_size", vocab))
+        for i, t in enumerate(items):
+            if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+                raise TypeError(f"token id {t!r} at position {i} is a {type(t).__name__}; token ids are ints")
+            if not 0 <= t < vocab:
+                raise ValueError(f"token id {int(t)} at position {i} is outside the model's vocabulary (0-{vocab - 1})")
+        return [int(t) for t in items]
+
+    @staticmethod
+    def _speculative(spec) -> SpeculativeConfig | None:
+        """A SpeculativeConfig, or a dict of its fields, or None."""
+        if spec is None or isinstance(spec, SpeculativeConfig):
+            return spec
+        if isinstance(spec, dict):
+            from dataclasses import fields
+
+            unknown = set(spec) - {f.name for f in fields(SpeculativeConfig)}
+            if unknown:
+                raise ValueError(f"unknown speculative option(s): {', '.join(sorted(map(str, unknown)))}")
+            return SpeculativeConfig(**spec)
+        raise TypeError(f"speculative must be a SpeculativeConfig, a dict of its fields or None, got "
+                        f"{type(spec).__name__}")
 
     def cost_curve(self, sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), past: int = 32,
                    reps: int = 3) -> dict[int, float]:
@@ -168,6 +226,10 @@ class Engine:
             raise ValueError(f"the prompt has {len(ids)} tokens; the model's context length is {ctx}")
         max_new = min(gen.max_new_tokens, ctx - len(ids))
         eos = self.eos if gen.eos_token_id is None else list(np.atleast_1d(gen.eos_token_id))
+        outside = [int(t) for t in eos if int(t) >= self.target.cfg.vocab_size]
+        if outside:
+            raise ValueError(f"eos_token_id {outside[0]} is outside the model's vocabulary "
+                             f"(0-{self.target.cfg.vocab_size - 1}): generation could never stop on it")
         use_draft = spec is not None and (self.draft is not None or spec.drafter == "lookup")
         if use_draft:
             spec.check_against(gen.num_beams)
@@ -238,13 +300,14 @@ class Engine:
     # -- public API: generate_step -> stream (one request); generate_iter -> generate (batches) -------------
     def generate_step(self, prompt: str | list[int], generation: GenerationConfig | None = None,
                       speculative: SpeculativeConfig | None = None, *, drafter=None, src_lang: str | None = None,
-                      tgt_lang: str | None = None, **overrides):
+                      tgt_lang: str | None = None, raw: bool = False, **overrides):
         """One request alone (a batch of one): yields (search state, live stats) after every target pass; the
         state is a BeamSearch (`running`, `scores`, `hypotheses(n)`, `stable_prefix()`) or, when sampling, a
         SampleState. drafter: a custom tree-growth callable (exact beam search only)."""
         gen = self.generation_config(generation, **overrides)
+        speculative = self._speculative(speculative)
         forced_bos = self._forced_bos(tgt_lang)
-        ids = self.encode(prompt, src_lang)
+        ids = self.encode(prompt, src_lang, raw)
         job = Job(0, len(ids), self._new_search(ids, gen, speculative, drafter, self._statics([ids], 1)[0],
                                                 forced_bos))
         for _, progress, finished in Scheduler(self.target, max_batch_size=1).run([job]):
@@ -253,14 +316,18 @@ class Engine:
 
     def stream(self, prompt: str | list[int], generation: GenerationConfig | None = None,
                speculative: SpeculativeConfig | None = None, *, src_lang: str | None = None,
-               tgt_lang: str | None = None, **overrides) -> Iterator[StreamChunk]:
+               tgt_lang: str | None = None, raw: bool = False, **overrides) -> Iterator[StreamChunk]:
         """Yield text as soon as it is final (the prefix shared by all live and finished beams), one chunk per
-        target pass (empty when nothing new became final); the last chunk carries the Result. src_lang/tgt_lang:
-        NLLB/M2M100 language codes (see generate_iter)."""
+        target pass; the last chunk carries the Result. A chunk's text is empty when that pass made nothing new
+        final (with beams > 1 the beams often still disagree): such chunks are kept on purpose, as the live
+        progress of a search (their stats count passes and tokens) and the points where a caller can stop it;
+        skip them with `if chunk.text`. src_lang/tgt_lang: NLLB/M2M100 language codes (see generate_iter); raw:
+        see encode."""
         gen = self.generation_config(generation, **overrides)
         shown, n_stable = "", 0
         bs = stats = None
-        for bs, stats in self.generate_step(prompt, gen, speculative, src_lang=src_lang, tgt_lang=tgt_lang):
+        for bs, stats in self.generate_step(prompt, gen, speculative, src_lang=src_lang, tgt_lang=tgt_lang,
+                                            raw=raw):
             prefix, delta = bs.stable_prefix(), ""
             if len(prefix) > n_stable:        # decode only when more tokens became final
                 n_stable = len(prefix)
@@ -275,33 +342,52 @@ class Engine:
     def generate(self, prompts, generation: GenerationConfig | None = None,
                  speculative: SpeculativeConfig | None = None, drafter=None, *, max_batch_size: int = 32,
                  max_batch_tokens: int | None = None, src_lang: str | None = None, tgt_lang: str | None = None,
-                 **overrides) -> list[Result]:
+                 raw: bool = False, **overrides) -> list[Result]:
         """Generate for one prompt (str or token ids) or a list of them; returns one Result per prompt, in order.
-        A list is decoded in batches (continuous batching; see generate_iter). drafter: a custom tree-growth
-        callable (exact beam search only)."""
-        single = isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, np.integer)))
-        batch = [prompts] if single else list(prompts)
+        A list is decoded in batches (continuous batching; see generate_iter). A text is put into the model
+        folder's prompt format unless raw=True (see encode). drafter: a custom tree-growth callable (exact beam
+        search only)."""
+        if prompts is None or isinstance(prompts, (bytes, bytearray, memoryview, dict, int, np.integer)):
+            raise TypeError(f"prompts must be a string, a list of token ids, or a list of those; got "
+                            f"{type(prompts).__name__}")
+        if isinstance(prompts, str) or isinstance(prompts, np.ndarray) and prompts.ndim == 1:
+            batch = [prompts]                 # one prompt
+        else:
+            batch = list(prompts)
+            if batch and isinstance(batch[0], (int, np.integer)):
+                batch = [batch]               # one token-id prompt
         out: list[Result | None] = [None] * len(batch)
         for i, result in self.generate_iter(batch, generation, speculative, drafter=drafter,
                                             max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens,
-                                            src_lang=src_lang, tgt_lang=tgt_lang, **overrides):
+                                            src_lang=src_lang, tgt_lang=tgt_lang, raw=raw, **overrides):
             out[i] = result
         return out
 
     def generate_iter(self, prompts, generation: GenerationConfig | None = None,
                       speculative: SpeculativeConfig | None = None, drafter=None, *, max_batch_size: int = 32,
                       max_batch_tokens: int | None = None, src_lang: str | None = None, tgt_lang: str | None = None,
-                      **overrides) -> Iterator[tuple[int, Result]]:
+                      raw: bool = False, **overrides) -> Iterator[tuple[int, Result]]:
         """Yield (index into prompts, Result) in completion order. Up to max_batch_size requests (and
         max_batch_tokens prompt tokens) share every target pass and every draft level's pass; a finished
         request leaves at once and the next one joins. Each request's output is the one it gets alone.
         NLLB/M2M100: src_lang puts the source language code into text prompts (as transformers' tokenizers do;
         token-id prompts are taken as they are), tgt_lang forces the target language code as the first token."""
         gen = self.generation_config(generation, **overrides)
+        speculative = self._speculative(speculative)
         forced_bos = self._forced_bos(tgt_lang)
+        if prompts is None or isinstance(prompts, (str, bytes, bytearray, dict)):
+            raise TypeError(f"prompts must be a list of prompts (strings or token-id lists), got "
+                            f"{type(prompts).__name__}")
         prompts = list(prompts)
         # every prompt is validated before any decoding starts: a bad one fails the call, not a batch midway
-        sources = [self.encode(p, src_lang) for p in prompts]
+        sources = []
+        for i, p in enumerate(prompts):
+            try:
+                sources.append(self.encode(p, src_lang, raw))
+            except (TypeError, ValueError) as e:
+                if len(prompts) == 1:
+                    raise
+                raise type(e)(f"prompt {i}: {e}") from None
         statics = self._statics(sources, max_batch_size)
         jobs = [Job(i, len(ids), self._new_search(ids, gen, speculative, drafter, statics[i], forced_bos))
                 for i, ids in enumerate(sources)]

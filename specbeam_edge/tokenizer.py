@@ -1,15 +1,40 @@
-"""Tokenizer of a model folder (`tokenizers`), chat templates (jinja2, as transformers renders them), and the
-draft/target compatibility check."""
+"""Tokenizer of a model folder (`tokenizers`), prompts in the folder's format (chat templates rendered as
+transformers renders them, with jinja2), the check of a tokenizer against its model, and the draft/target
+compatibility check.
+
+Text never becomes control tokens by spelling one: `encode` reads `<|im_start|>` or `</s>` in a text as the
+characters they are. Special tokens come only from where a prompt format puts them: `format_prompt` and
+`apply_chat_template` return a `PromptText`, the prompt string that also knows which of its parts are the
+format's special tokens, and `encode_prompt` encodes those as tokens and everything else, the user's text
+included, as plain text."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
+import re
+import string
 from datetime import datetime
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
 
 from .config import ModelFolderError
+
+
+class PromptText(str):
+    """A prompt built from the folder's format: the string, and `parts`, (text, is_special) pairs that make it up.
+    Engine.encode/generate encode it with `Tokenizer.encode_prompt` and never format it again. String operations
+    on it (slicing, +) return plain str, which the engine treats as text to be formatted."""
+
+    def __new__(cls, parts):
+        parts = tuple((t, bool(sp)) for t, sp in parts if t)
+        self = super().__new__(cls, "".join(t for t, _ in parts))
+        self.parts = parts
+        return self
+
+    def __reduce__(self):            # pickles (Ray actors) as a PromptText, not as a str
+        return PromptText, (self.parts,)
 
 
 class Tokenizer:
@@ -22,15 +47,52 @@ class Tokenizer:
         self.config = _read_json(folder / "tokenizer_config.json")
         self.special_tokens = _special_tokens(self.config, _read_json(folder / "special_tokens_map.json"))
         self.chat_template = _chat_template(folder, self.config)
-        self.prompt_format = self.config.get("prompt_format")
         self.folder = folder
+        self.prompt_format = self.config.get("prompt_format")
+        specials = sorted({t.content for t in self._tok.get_added_tokens_decoder().values() if t.special and t.content},
+                          key=len, reverse=True)
+        self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
+        self._format = _parse_format(self.prompt_format, folder, self._split_specials)
+
+    @functools.cached_property
+    def _plain(self) -> _HFTokenizer:
+        """The same tokenizer with special-token matching off: text spelling one stays text (a second instance:
+        the flag is per tokenizer, and engines are shared across threads)."""
+        tok = _HFTokenizer.from_file(str(self.folder / "tokenizer.json"))
+        tok.encode_special_tokens = True
+        return tok
 
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, special_tokens: bool = False) -> list[int]:
+        """Token ids of a text. Special tokens spelled in it are plain text unless special_tokens=True (a prompt
+        written out by hand, format and all: `generate(..., raw=True)`); a PromptText is encoded by its parts
+        (`encode_prompt`)."""
+        if isinstance(text, PromptText) and not special_tokens:
+            return self.encode_prompt(text)
+        return (self._tok if special_tokens else self._plain).encode(text, add_special_tokens=False).ids
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        """Token ids of a prompt: a PromptText's format parts as special tokens, its other parts (the user's text)
+        as plain text; any other string as plain text."""
+        if not isinstance(prompt, PromptText):
+            return self.encode(prompt)
+        ids: list[int] = []
+        for text, special in prompt.parts:
+            ids += (self._tok if special else self._plain).encode(text, add_special_tokens=False).ids
+        return ids
+
+    def _split_specials(self, text: str) -> list[tuple[str, bool]]:
+        """A format's literal text as (text, is_special) parts: where it spells a special token, that token."""
+        if self._special_re is None:
+            return [(text, False)]
+        parts, at = [], 0
+        for m in self._special_re.finditer(text):
+            parts += [(text[at:m.start()], False), (m.group(), True)]
+            at = m.end()
+        return parts + [(text[at:], False)]
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -42,9 +104,18 @@ class Tokenizer:
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(i)
 
-    def format_prompt(self, source: str) -> str:
-        """The model's fixed prompt format (e.g. translation), from tokenizer_config.json `prompt_format`."""
-        return self.prompt_format.format(source=source) if self.prompt_format else source
+    def format_prompt(self, source: str) -> PromptText:
+        """The model's fixed prompt format (e.g. translation), from tokenizer_config.json `prompt_format`; the
+        source stays plain text even where it spells a special token."""
+        if not isinstance(source, str):
+            raise TypeError(f"the source must be a string, got {type(source).__name__}")
+        fmt = string.Formatter()
+        parts = []
+        for literal, field, spec, conv in self._format:
+            parts += literal
+            if field is not None:
+                parts.append((fmt.format_field(fmt.convert_field(str(source), conv), spec), False))
+        return PromptText(parts)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         """Render the conversation as transformers' `apply_chat_template(tokenize=False)` does: the same jinja2
@@ -53,10 +124,115 @@ class Tokenizer:
         if not self.chat_template:
             raise ValueError(f"{self.folder}: no chat template (neither chat_template in tokenizer_config.json nor "
                              f"chat_template.jinja); use a plain-text prompt or add a template to the folder")
-        return _compile(self.chat_template).render(messages=messages, tools=kwargs.pop("tools", None),
-                                                   documents=kwargs.pop("documents", None),
-                                                   add_generation_prompt=add_generation_prompt,
-                                                   **{**self.special_tokens, **kwargs})
+        # Each special-token spelling in a message (and each marker character) is replaced by a marker before
+        # rendering, so that the rendered special tokens are the template's own; the markers then become the
+        # plain text they stand for. The string is the one transformers renders.
+        originals: list[str] = []
+
+        def hide(text):
+            if not isinstance(text, str):
+                return text
+            pattern = _MARKED if self._special_re is None else re.compile(f"{_MARKED.pattern}|{self._special_re.pattern}")
+
+            def mark(m):
+                originals.append(m.group())
+                return f"{_OPEN}{len(originals) - 1}{_CLOSE}"
+            return pattern.sub(mark, text)
+
+        def hidden(message):
+            if not isinstance(message, dict):
+                return message
+            m = dict(message)
+            if isinstance(m.get("content"), list):
+                m["content"] = [{**c, "text": hide(c["text"])} if isinstance(c, dict) and "text" in c else c
+                                for c in m["content"]]
+            else:
+                m["content"] = hide(m.get("content"))
+            return m
+        rendered = _compile(self.chat_template).render(messages=[hidden(m) for m in messages],
+                                                       tools=kwargs.pop("tools", None),
+                                                       documents=kwargs.pop("documents", None),
+                                                       add_generation_prompt=add_generation_prompt,
+                                                       **{**self.special_tokens, **kwargs})
+        parts = []
+        for text, special in self._split_specials(rendered):
+            if special:
+                parts.append((text, True))
+                continue
+            at = 0
+            for m in _MARKER.finditer(text):
+                parts += [(text[at:m.start()], False), (originals[int(m.group(1))], False)]
+                at = m.end()
+            parts.append((text[at:], False))
+        return PromptText(_merge_plain(parts))
+
+
+# private-use characters mark a message's special-token spellings while a chat template renders
+_OPEN, _CLOSE = "\ue000", "\ue001"
+_MARKED = re.compile(f"[{_OPEN}{_CLOSE}]")
+_MARKER = re.compile(f"{_OPEN}(\\d+){_CLOSE}")
+
+
+def _merge_plain(parts):
+    out = []
+    for text, special in parts:
+        if out and not special and not out[-1][1]:
+            out[-1] = (out[-1][0] + text, False)
+        elif text:
+            out.append((text, special))
+    return out
+
+
+def _parse_format(fmt, folder: Path, split) -> list:
+    """tokenizer_config.json `prompt_format` as [(literal parts, field, spec, conversion)]; its only field is
+    {source}. None (no format): the source alone."""
+    if fmt is None:
+        return [([], "source", "", None)]
+    where = f"{folder / 'tokenizer_config.json'}: prompt_format {fmt!r}"
+    if not isinstance(fmt, str):
+        raise ModelFolderError(f"{where} must be a string with a {{source}} field")
+    try:
+        items = list(string.Formatter().parse(fmt))
+    except ValueError as e:
+        raise ModelFolderError(f"{where} is not a valid format string ({e}); write literal braces as {{{{ }}}}") from None
+    out = []
+    for literal, field, spec, conv in items:
+        if field is not None and field != "source":
+            raise ModelFolderError(f"{where} has the field {{{field}}}; the only field filled in is {{source}}")
+        if spec and "{" in spec:
+            raise ModelFolderError(f"{where}: nested fields are not supported")
+        out.append((split(literal) if literal else [], field, spec or "", conv))
+    return out
+
+
+def check_vocabulary(tokenizer: "Tokenizer", cfg) -> None:
+    """The folder's tokenizer.json belongs to its model: no id at or past the model's vocabulary (the graph has
+    no row for it: an added special token past it would crash or wrap), a vocabulary no smaller than the model's
+    beyond the usual padding (model vocabularies are padded to a multiple of 64 or so, Qwen by a few hundred ids),
+    and, for folders exported with it, the SHA-256 the exporter recorded (another model's tokenizer of the same
+    size). cfg: the folder's ModelConfig. Raises ModelFolderError with the fix."""
+    where = f"{cfg.folder}/tokenizer.json"
+    tok = tokenizer._tok
+    added = tok.get_added_tokens_decoder()
+    top = max([tok.get_vocab_size(with_added_tokens=False) - 1, *added])
+    if top >= cfg.vocab_size:
+        name = f" ({added[top].content!r})" if top in added else ""
+        raise ModelFolderError(f"{where}: has token id {top}{name}, but the model's vocabulary is {cfg.vocab_size} "
+                               f"ids (0-{cfg.vocab_size - 1}): it is not this model's tokenizer; re-export the model "
+                               f"or put its own tokenizer.json back")
+    slack = max(256, cfg.vocab_size // 32)
+    if tokenizer.vocab_size < cfg.vocab_size - slack:
+        raise ModelFolderError(f"{where}: has {tokenizer.vocab_size} tokens, the model's vocabulary is "
+                               f"{cfg.vocab_size} (more than padding): it is not this model's tokenizer; re-export "
+                               f"the model or put its own tokenizer.json back")
+    want = cfg.raw.get("tokenizer_sha256")
+    if isinstance(want, str):
+        h = hashlib.sha256((cfg.folder / "tokenizer.json").read_bytes()).hexdigest()
+        if h != want:
+            raise ModelFolderError(f"{where}: is not the tokenizer the model was exported with (its SHA-256 differs "
+                                   f"from specbeam_config.json's tokenizer_sha256); put the exported file back, "
+                                   f"re-export, or delete tokenizer_sha256 from the config if the change is "
+                                   f"deliberate")
 
 
 def _read_json(path: Path) -> dict:
