@@ -178,3 +178,31 @@ def test_driver_killed_then_resume_redoes_only_unfinished_shards(cluster, pair, 
     assert f"resuming, {done} of 8 shards already done" in err
     assert f"{8 - done} shard(s) on {min(2, 8 - done)} actor(s), 0 retried" in err
     assert out.read_bytes() == ref.read_bytes()
+
+
+@pytest.mark.slow
+def test_actor_no_node_can_hold_is_refused_up_front(cluster, pair, job, tmp_path, capsys):
+    """Before: --cpus_per_actor 64 on a 2-CPU cluster waited for ever with no message."""
+    inp, _ = job
+    assert main(ray_args(pair, inp, tmp_path / "out.txt", "--cpus_per_actor", "64")) == 2
+    assert ("error: --cpus_per_actor 64: no node of the Ray cluster has that many CPUs (the largest has 2); pass "
+            "at most 2\n") in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_driver_is_one_line_and_resume_finishes(cluster, pair, job, tmp_path, capsys):
+    """Before: SIGTERM went to the handler ray.init installs (sys.exit(15)): a native stack, exit 15."""
+    inp, ref = job
+    out = tmp_path / "out.txt"
+    manifest = tmp_path / "out.txt.shards" / "manifest"
+    driver = subprocess.Popen([sys.executable, "-m", "apps.translate", *ray_args(pair, inp, out), "-q",
+                               "--ray_address", cluster], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    wait_for(manifest, 1)
+    driver.send_signal(signal.SIGTERM)
+    err = driver.communicate(timeout=120)[1]
+    assert driver.returncode == 143, err
+    assert err.endswith("specbeam-translate: terminated; finished lines are kept: rerun with --resume to "
+                        "continue\n"), err
+    assert "Traceback" not in err and "Stack" not in err
+    assert main(ray_args(pair, inp, out, "--resume")) == 0
+    assert out.read_bytes() == ref.read_bytes()

@@ -35,7 +35,7 @@ from specbeam_edge.flags import (DRAFT_WIDTH_HELP, DefaultsHelp, add_memory_args
                                  check_widths, engine_from_args, finite_float, guard_std_streams, positive_int,
                                  speculative_config)
 
-from .journal import Journal, JournalError, OutputLock, special_kind
+from .journal import Journal, JournalError, OutputLock, Terminated, special_kind
 from .ray_engine import add_ray_args
 
 PROG = "specbeam-translate"
@@ -49,10 +49,6 @@ class UsageError(ValueError):
     """Bad arguments or unusable input found after parsing: exit code 2, one line. A ValueError so that main
     catches it also when raised by apps.translate.__main__ imported a second time (python -m runs this file as
     __main__; ray_engine imports it by name)."""
-
-
-class Terminated(BaseException):
-    """SIGTERM, raised like KeyboardInterrupt so finished lines are kept the same way."""
 
 
 _BREAKS = str.maketrans({c: " " for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"})

@@ -31,6 +31,12 @@ class JournalError(Exception):
     """The journal cannot be used as it is; the message says why and what to do."""
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised like KeyboardInterrupt so finished lines are kept the same way. Defined here, not in
+    __main__: `python -m apps.translate` runs that file as __main__ and ray_engine imports it a second time by
+    name, and one class must reach the handler in main()."""
+
+
 def _line(obj) -> bytes:
     body = json.dumps(obj, ensure_ascii=False, sort_keys=True).encode("utf-8")
     return b"%08x %s\n" % (zlib.crc32(body), body)
