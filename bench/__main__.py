@@ -51,8 +51,9 @@ def main(argv=None) -> int:
 
             if args.quick:
                 data = e2e.bench(pair, Ks=(1, 4), n_prompts=6, reps=2, max_new=64, threads=args.threads,
-                                 specs=[SpeculativeConfig(budget=32, max_depth=6),
-                                        SpeculativeConfig(drafter="best_first", budget=32, max_depth=8)])
+                                 specs=[SpeculativeConfig(adaptive=False, budget=32, max_depth=6),
+                                        SpeculativeConfig(adaptive=False, drafter="best_first", budget=32,
+                                                          max_depth=8)])
             else:
                 data = e2e.bench(pair, threads=args.threads)
             data["machine"] = info

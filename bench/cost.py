@@ -76,7 +76,7 @@ def ceiling(target_ms: dict, draft_ms: dict, Ks=(1, 4), depths=(2, 4, 6), budget
     from specbeam_edge.draft import default_width
 
     budget = budget or DEFAULT_BUDGET
-    spec = SpeculativeConfig(budget=budget)
+    spec = SpeculativeConfig(adaptive=False, budget=budget)
     rows = []
     for K in Ks:
         W = default_width(K, spec.max_branch_width, budget)

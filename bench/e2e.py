@@ -32,12 +32,12 @@ def run_once(engine, prompts, K, spec, max_new, batch=1):
 def bench(pair: Path, *, Ks=(1, 2, 4, 8), specs=None, n_prompts=12, reps=3, max_new=128, threads=None, batch=1):
     engine = Engine(pair / "target", draft=pair / "draft", threads=threads)
     prompts = [engine.tokenizer.format_prompt(p) for p in load_prompts(pair, n_prompts)]
-    specs = specs or [SpeculativeConfig(drafter="lookup", budget=16, max_depth=6, max_branch_width=2),
-                      SpeculativeConfig(drafter="beam", budget=4, max_depth=4, draft_width=1),
-                      SpeculativeConfig(drafter="beam", budget=16, max_depth=4),
-                      SpeculativeConfig(drafter="beam", budget=32, max_depth=6),
-                      SpeculativeConfig(drafter="best_first", budget=16, max_depth=6),
-                      SpeculativeConfig(drafter="best_first", budget=32, max_depth=8),
+    specs = specs or [SpeculativeConfig(adaptive=False, drafter="lookup", budget=16, max_depth=6, max_branch_width=2),
+                      SpeculativeConfig(adaptive=False, drafter="beam", budget=4, max_depth=4, draft_width=1),
+                      SpeculativeConfig(adaptive=False, drafter="beam", budget=16, max_depth=4),
+                      SpeculativeConfig(adaptive=False, drafter="beam", budget=32, max_depth=6),
+                      SpeculativeConfig(adaptive=False, drafter="best_first", budget=16, max_depth=6),
+                      SpeculativeConfig(adaptive=False, drafter="best_first", budget=32, max_depth=8),
                       SpeculativeConfig(drafter="beam", adaptive=True)]   # the apps' default (budget 80)
     engine.generate(prompts[:2], num_beams=1, max_new_tokens=16, speculative=specs[0])  # warm-up
     rows = []

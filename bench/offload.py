@@ -54,11 +54,12 @@ def bench(pair: Path, *, providers=None, n_prompts=8, reps=2, max_new=96, Ks=(1,
                                         placement=placements["disk"], providers=providers)
     prompts = [engines["draft"].tokenizer.format_prompt(p) for p in load_prompts(pair, n_prompts)]
     rows = []
-    specs = [("draft", SpeculativeConfig(drafter="lookup", budget=32, max_depth=8, max_branch_width=4)),
-             ("draft", SpeculativeConfig(drafter="best_first", budget=64, max_depth=12, max_branch_width=4)),
-             ("draft", SpeculativeConfig(drafter="beam", budget=96, max_depth=12)),
-             ("target_int8", SpeculativeConfig(drafter="beam", budget=16, max_depth=12, draft_width=1)),
-             ("target_int8", SpeculativeConfig(drafter="beam", budget=64, max_depth=12))]
+    specs = [("draft", SpeculativeConfig(adaptive=False, drafter="lookup", budget=32, max_depth=8, max_branch_width=4)),
+             ("draft", SpeculativeConfig(adaptive=False, drafter="best_first", budget=64, max_depth=12,
+                                        max_branch_width=4)),
+             ("draft", SpeculativeConfig(adaptive=False, drafter="beam", budget=96, max_depth=12)),
+             ("target_int8", SpeculativeConfig(adaptive=False, drafter="beam", budget=16, max_depth=12, draft_width=1)),
+             ("target_int8", SpeculativeConfig(adaptive=False, drafter="beam", budget=64, max_depth=12))]
     for K in Ks:
         for draft_name, spec in specs[:1] if quick else specs:
             if draft_name not in engines or (spec.draft_width or K) < K or spec.budget < K:
@@ -118,7 +119,7 @@ def bench_scale(*, hidden=1024, layers=16, Ks=(1, 4), rates=(0.7, 0.9), n_prompt
     trees = {1: dict(budget=32, depth=16), 4: dict(budget=64, depth=8)}
     rows = []
     for K in Ks:
-        spec = SpeculativeConfig(budget=trees[K]["budget"], max_depth=trees[K]["depth"])
+        spec = SpeculativeConfig(adaptive=False, budget=trees[K]["budget"], max_depth=trees[K]["depth"])
         plain_s, runs = synthetic.compare(engine, prompts, K, [spec], rates, reps=reps, seeds=seeds,
                                           max_new=max_new, reset=store.stats.__init__, snapshot=store.stats.per_pass)
         for a in rates:

@@ -56,7 +56,7 @@ def bench(pair: Path, *, K=4, n_prompts=16, max_new=128, threads=None) -> dict:
     prompts = [engine.tokenizer.format_prompt(p) for p in load_prompts(pair, n_prompts)]
     ids_list = [engine.encode(p) for p in prompts]
     engine.generate(prompts[:2], num_beams=K, max_new_tokens=8)
-    spec = SpeculativeConfig()
+    spec = SpeculativeConfig(adaptive=False)
     rows = {}
     rows["specbeam plain"], _ = _ours(engine, prompts, K, None, max_new)
     rows["specbeam speculative"], _ = _ours(engine, prompts, K, spec, max_new)

@@ -38,7 +38,7 @@ def bench(pair: Path, *, Ws=(2, 4), thresholds=(0.0, 0.7), n_prompts=12, reps=2,
 
 
 def _row(engine, prompts, W, t, reps, max_new, setup) -> dict:
-    spec = SpeculativeConfig(drafter="sample", max_depth=4, draft_width=max(W, 4), width_threshold=t)
+    spec = SpeculativeConfig(adaptive=False, drafter="sample", max_depth=4, draft_width=max(W, 4), width_threshold=t)
     ratios, lp_a, lp_b, widths, bspp = [], [], [], [], []
     for r in range(reps):
         t0 = time.perf_counter()

@@ -175,7 +175,7 @@ def bench(*, K=4, rates=(0.5, 0.7, 0.9), trees=((8, 2), (12, 3), (16, 4), (32, 4
     prompts = [list(map(int, rng.integers(1, 300, size=12))) for _ in range(n_prompts)]
     for p in prompts:                                      # warm-up
         plain_run(engine, p, K, 8)
-    specs = [SpeculativeConfig(budget=budget, max_depth=depth) for budget, depth in trees]
+    specs = [SpeculativeConfig(adaptive=False, budget=budget, max_depth=depth) for budget, depth in trees]
     plain_s, runs = compare(engine, prompts, K, specs, rates, reps=reps, seeds=seeds, max_new=max_new)
     rows = []
     for (spec, a), rs in runs.items():

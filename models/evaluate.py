@@ -136,7 +136,7 @@ def main(argv=None) -> int:
         report[name] = {"bleu": round(sacrebleu.corpus_bleu(hyp, [ref]).score, 2),
                         "chrf": round(sacrebleu.corpus_chrf(hyp, [ref]).score, 2), **st}
         print(name, report[name], file=sys.stderr)
-    spec = SpeculativeConfig(budget=args.spec_budget)
+    spec = SpeculativeConfig(adaptive=False, budget=args.spec_budget)
     for K in (1, 4) if "speculative" in systems else ():
         # one request at a time, as the README's main job runs: the tree budget is per target pass, shared by
         # the requests in it, so in a batch of 32 each request drafts max(K, 48 // 32) nodes

@@ -270,7 +270,9 @@ class SpeculativeConfig:
     mode).
     `adaptive` (exact beam search): measure seconds per beam step with and without the tree and speculate only
     while it pays, with a probe of the other choice now and then to keep the comparison current. The output is
-    the same either way, so a draft that does not pay on this machine costs a few probes instead of every pass."""
+    the same either way, so a draft that does not pay on this machine costs a few probes instead of every pass.
+    On by default, as in the CLIs and apps (`--always_speculate` there, adaptive=False here: draft on every pass,
+    e.g. to measure the tree itself)."""
     drafter: str = "beam"
     budget: int | str = DEFAULT_BUDGET  # or "auto": the largest tree whose measured pass cost stays within auto_slack
     auto_slack: float = 1.6         # x the cost of a pass over the beams alone
@@ -282,7 +284,7 @@ class SpeculativeConfig:
     width_threshold: float = 0.0
     min_num_beams: int = 1
     single_sequence: bool = False
-    adaptive: bool = False
+    adaptive: bool = True
     with_lookup: bool = False
 
     def __post_init__(self):

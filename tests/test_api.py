@@ -15,7 +15,7 @@ def engine(exported):
 
 
 @pytest.mark.parametrize("K", [1, 3])
-@pytest.mark.parametrize("spec", [None, SpeculativeConfig(budget=24, max_depth=4)])
+@pytest.mark.parametrize("spec", [None, SpeculativeConfig(adaptive=False, budget=24, max_depth=4)])
 def test_stream_prefixes_are_final(engine, K, spec):
     pieces, shown = [], ""
     for chunk in engine.stream("the quick brown fox", num_beams=K, max_new_tokens=20, speculative=spec):
@@ -36,14 +36,14 @@ def test_config_validation():
     with pytest.raises(ValueError, match="num_beams"):
         GenerationConfig(num_beams=0)
     with pytest.raises(ValueError, match="drafter"):
-        SpeculativeConfig(drafter="magic")
+        SpeculativeConfig(adaptive=False, drafter="magic")
     with pytest.raises(ValueError, match="unknown generation option"):
         GenerationConfig.from_dict({}, beams=3)
 
 
 def test_bad_requests(engine):
     with pytest.raises(ValueError, match="budget"):
-        engine.generate("hello", num_beams=4, speculative=SpeculativeConfig(budget=2))
+        engine.generate("hello", num_beams=4, speculative=SpeculativeConfig(adaptive=False, budget=2))
     with pytest.raises(ValueError, match="empty"):
         engine.generate("", num_beams=2)
     with pytest.raises(ValueError, match="context length"):

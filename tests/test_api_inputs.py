@@ -49,8 +49,8 @@ def test_text_spelling_a_special_token_stays_text_on_the_shipped_pair(shipped):
     tok = shipped.tokenizer
     de, eot = tok._tok.token_to_id("<|de|>"), tok._tok.token_to_id("<|endoftext|>")
     text = "Open the file. <|de|> Schliessen </s> <|endoftext|>"
-    for ids in (shipped.encode(text), shipped.encode(tok.format_prompt(text)), tok.encode_prompt(tok.format_prompt(text)),
-                tok.encode(tok.format_prompt(text))):
+    formatted = tok.format_prompt(text)
+    for ids in (shipped.encode(text), shipped.encode(formatted), tok.encode_prompt(formatted), tok.encode(formatted)):
         assert ids[0] == eot and ids[-1] == de                   # the format's own tokens, once each
         assert ids.count(de) == 1 and ids.count(eot) == 1
     assert tok.decode(shipped.encode(text)[1:-1]) == text        # the rest is the text, character for character
@@ -99,6 +99,15 @@ def test_plain_text_gets_the_prompt_format_once(shipped):
     assert plain.stats.prompt_tokens == formatted.stats.prompt_tokens == raw.stats.prompt_tokens
     text = "".join(c.text for c in shipped.stream("Open the file.", num_beams=4))
     assert text == plain.text
+
+
+def test_speculation_is_adaptive_by_default_as_in_the_apps(engine):
+    assert SpeculativeConfig().adaptive is True and SpeculativeConfig(drafter="beam").adaptive is True
+    kw = dict(num_beams=2, max_new_tokens=12)
+    adaptive = engine.generate([5, 17, 33], speculative=SpeculativeConfig(max_depth=5), **kw)[0]
+    always = engine.generate([5, 17, 33], speculative=SpeculativeConfig(max_depth=5, adaptive=False), **kw)[0]
+    assert adaptive.stats.plain_passes > 0 and always.stats.plain_passes == 0   # the chooser measures plain first
+    assert adaptive.hypotheses[0].tokens == always.hypotheses[0].tokens
 
 
 # -- bad prompts and settings -------------------------------------------------------------------------------

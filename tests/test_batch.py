@@ -86,7 +86,7 @@ def test_streamed_target_batched(models):
 
 
 def test_beam_sampling_batched_is_seeded_per_request(engine):
-    for spec in (None, SpeculativeConfig(drafter="sample", max_depth=3, draft_width=3)):
+    for spec in (None, SpeculativeConfig(adaptive=False, drafter="sample", max_depth=3, draft_width=3)):
         kw = dict(num_beams=2, max_new_tokens=MAX_NEW, do_sample=True, seed=1234, speculative=spec)
         for a, b in zip(alone(engine, PROMPTS, **kw), engine.generate(PROMPTS, max_batch_size=8, **kw)):
             assert_same(a, b)
@@ -280,7 +280,7 @@ def test_long_rope_cache_longer_than_the_context(phi4mini):
     (onnxruntime refused a past longer than its rotary tables before) and speculation stays exact."""
     eng = Engine(phi4mini, draft=phi4mini)
     rng = np.random.default_rng(0)
-    spec = SpeculativeConfig(drafter="beam", budget=16, max_depth=4)
+    spec = SpeculativeConfig(adaptive=False, drafter="beam", budget=16, max_depth=4)
     for L in (30, 40):
         prompt = rng.integers(1, 200, L).tolist()
         kw = dict(num_beams=4, max_new_tokens=64, eos_token_id=[])

@@ -133,7 +133,7 @@ def test_config_records_decoding_facts(encdec):
     assert nllb["encoder_decoder"]["decoder_start_token_id"] == 2
 
 
-SPEC = SpeculativeConfig(drafter="beam", budget=24, max_depth=4, max_branch_width=3)
+SPEC = SpeculativeConfig(adaptive=False, drafter="beam", budget=24, max_depth=4, max_branch_width=3)
 
 
 def _same_or_near_tie(plain, fast):
@@ -189,7 +189,7 @@ def test_source_lookup_proposes_source_spans_and_equals_plain(encdec):
     from specbeam_edge.draft import PromptLookupDrafter
     from specbeam_edge.tree import TokenTree
 
-    spec = SpeculativeConfig(drafter="lookup", budget=16, max_depth=3, max_branch_width=2)
+    spec = SpeculativeConfig(adaptive=False, drafter="lookup", budget=16, max_depth=3, max_branch_width=2)
     d = PromptLookupDrafter(spec, 1, [0], context_length=64, source=[7, 8, 9, 10, 11, 0])
     assert d._continuations([PAD, 5, 8]) == [(9, 10, 11)]
     assert d._continuations([PAD, 9, 10]) == [(11, 0)]
@@ -242,7 +242,7 @@ def test_text_source_ends_in_eos(peers):
     assert res.hypotheses[0].tokens == engine.generate(ids, num_beams=2, max_new_tokens=5)[0].hypotheses[0].tokens
 
 
-DSBD = SpeculativeConfig(drafter="sample", max_depth=3, draft_width=4, width_threshold=0.5, min_num_beams=1)
+DSBD = SpeculativeConfig(adaptive=False, drafter="sample", max_depth=3, draft_width=4, width_threshold=0.5, min_num_beams=1)
 
 
 @pytest.mark.parametrize("kind", ["marian", "nllb"])
@@ -511,7 +511,7 @@ def test_auto_budget_measures_the_decoder_with_a_source(encdec):
     eng = Engine(target, draft=target)
     curve = eng.cost_curve(sizes=(1, 2, 4), reps=1)
     assert sorted(curve) == [1, 2, 4] and all(t > 0 for t in curve.values())
-    auto = SpeculativeConfig(budget="auto", max_depth=3)
+    auto = SpeculativeConfig(adaptive=False, budget="auto", max_depth=3)
     for src in SOURCES["m2m100"]:
         [plain] = eng.generate(src, num_beams=2, max_new_tokens=10)
         [fast] = eng.generate(src, num_beams=2, max_new_tokens=10, speculative=auto)
@@ -534,7 +534,7 @@ def test_both_head_draft_equals_plain_and_drafts_from_its_topk(encdec, kind, top
     assert top_calls["TopK"] and all(rows == 1 for rows in top_calls["Dense"])
     # sampling reads the logits: the same draws as the logits-only export of the same draft
     logits_draft, _ = encdec(kind, seed=11, decoder_layers=1, encoder_layers=1)
-    sampling = SpeculativeConfig(drafter="sample", max_depth=3)
+    sampling = SpeculativeConfig(adaptive=False, drafter="sample", max_depth=3)
     [s, ref] = [Engine(target, draft=d).generate(SOURCES[kind][0], num_beams=2, do_sample=True, seed=1,
                                                  max_new_tokens=8, speculative=sampling)[0]
                 for d in (draft, logits_draft)]

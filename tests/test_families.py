@@ -173,7 +173,7 @@ def test_speculative_equals_plain(family, name, K):
 
     target, _ = family(name, std=0.3, seed=3, **SEARCH.get(name, {}))
     other, _ = family(name, std=0.3, seed=11, **({} if name == "gemma3" else {"num_hidden_layers": 1}))
-    spec = SpeculativeConfig(drafter="beam", budget=24, max_depth=4, max_branch_width=3)
+    spec = SpeculativeConfig(adaptive=False, drafter="beam", budget=24, max_depth=4, max_branch_width=3)
     for draft in (target, other):
         eng = Engine(target, draft=draft)
         for prompt in BEAM_PROMPTS:

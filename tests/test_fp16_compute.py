@@ -44,7 +44,7 @@ def test_fp16_compute_parity_with_torch(fp16c, hf_models, name):
 @pytest.mark.parametrize("K", [1, 4])
 def test_fp16_compute_speculative_and_batched_equal_plain(fp16c, K):
     eng = Engine(fp16c["llama"], draft=fp16c["llama"])      # an oracle draft on the fp16 graph itself
-    spec = SpeculativeConfig(drafter="beam", budget=16, max_depth=4)
+    spec = SpeculativeConfig(adaptive=False, drafter="beam", budget=16, max_depth=4)
     kw = dict(num_beams=K, max_new_tokens=14, num_return_sequences=K)
     for prompt in PROMPTS:
         [plain] = eng.generate(prompt, **kw)

@@ -70,7 +70,7 @@ def test_direct_and_buffered_disk_reads_agree(split4, monkeypatch):
 def test_offloaded_generation_identical(split4):
     ref = Engine(split4, draft=split4)
     off = Engine(split4, draft=split4, placement=["disk", "host", "disk", "resident"])
-    spec = SpeculativeConfig(budget=24, max_depth=4)
+    spec = SpeculativeConfig(adaptive=False, budget=24, max_depth=4)
     for K in (1, 4):
         a = ref.generate(PROMPT, num_beams=K, max_new_tokens=12, speculative=spec)[0]
         b = off.generate(PROMPT, num_beams=K, max_new_tokens=12, speculative=spec)[0]

@@ -62,8 +62,8 @@ def references(fake):
 
 
 CASES = {  # K, spec
-    "K2-beam-sampling": (2, SpeculativeConfig(drafter="sample", max_depth=3, draft_width=3)),
-    "K1-tree-sampling": (1, SpeculativeConfig(drafter="sample", max_depth=3, draft_width=3)),
+    "K2-beam-sampling": (2, SpeculativeConfig(adaptive=False, drafter="sample", max_depth=3, draft_width=3)),
+    "K1-tree-sampling": (1, SpeculativeConfig(adaptive=False, drafter="sample", max_depth=3, draft_width=3)),
 }
 
 
@@ -115,19 +115,19 @@ def test_width_selection_matches_brute_force(seed):
 
 def test_beam_search_drafts_are_refused(fake):
     with pytest.raises(ValueError, match="not samples"):
-        fake.generate([1, 2], num_beams=2, do_sample=True, speculative=SpeculativeConfig(drafter="beam"))
+        fake.generate([1, 2], num_beams=2, do_sample=True, speculative=SpeculativeConfig(adaptive=False, drafter="beam"))
     with pytest.raises(ValueError, match="not samples"):
         verify_level(np.ones(3) / 3, None, np.array([0]), 1, np.random.default_rng(0))
 
 
 def test_dynamic_width_and_memory_saving(fake):
-    spec = SpeculativeConfig(drafter="sample", max_depth=3, draft_width=4, width_threshold=0.7, min_num_beams=1)
+    spec = SpeculativeConfig(adaptive=False, drafter="sample", max_depth=3, draft_width=4, width_threshold=0.7, min_num_beams=1)
     widths = collections.Counter()
     for s in range(50):
         [r] = fake.generate([1, 2], num_beams=4, do_sample=True, max_new_tokens=6, seed=s, speculative=spec)
         widths.update(r.stats.widths)
     assert len(widths) > 1 and min(widths) >= 1 and max(widths) <= 4
-    single = SpeculativeConfig(drafter="sample", max_depth=3, draft_width=3, single_sequence=True)
+    single = SpeculativeConfig(adaptive=False, drafter="sample", max_depth=3, draft_width=3, single_sequence=True)
     from specbeam_edge.config import GenerationConfig
     gen = GenerationConfig(num_beams=3, do_sample=True, max_new_tokens=8, seed=5)
     for st, _ in fake.generate_step([1, 2], gen, single):
@@ -140,7 +140,7 @@ def test_dynamic_width_and_memory_saving(fake):
 def test_sampling_on_onnx_models(exported):
     t = exported("llama", std=0.3, seed=3)
     eng = Engine(t, draft=exported("llama", std=0.3, seed=11, layers=1))
-    spec = SpeculativeConfig(drafter="sample", max_depth=4, draft_width=4)
+    spec = SpeculativeConfig(adaptive=False, drafter="sample", max_depth=4, draft_width=4)
     a = eng.generate("the quick fox", num_beams=2, do_sample=True, seed=7, max_new_tokens=12, speculative=spec)[0]
     b = eng.generate("the quick fox", num_beams=2, do_sample=True, seed=7, max_new_tokens=12, speculative=spec)[0]
     assert a.hypotheses[0].tokens == b.hypotheses[0].tokens and len(a.hypotheses[0].tokens) >= 1

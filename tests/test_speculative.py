@@ -21,12 +21,12 @@ def engines(exported):
     return {"same": same, "random": other}
 
 
-SPECS = [SpeculativeConfig(drafter="beam", budget=8, max_depth=2),
-         SpeculativeConfig(drafter="beam", budget=32, max_depth=5, max_branch_width=3),
-         SpeculativeConfig(drafter="best_first", budget=12, max_depth=4),
-         SpeculativeConfig(drafter="best_first", budget=48, max_depth=8, max_branch_width=2),
-         SpeculativeConfig(drafter="beam", budget=32, max_depth=5, min_path_prob=0.2),
-         SpeculativeConfig(drafter="best_first", budget=24, max_depth=6, min_path_prob=0.1)]
+SPECS = [SpeculativeConfig(adaptive=False, drafter="beam", budget=8, max_depth=2),
+         SpeculativeConfig(adaptive=False, drafter="beam", budget=32, max_depth=5, max_branch_width=3),
+         SpeculativeConfig(adaptive=False, drafter="best_first", budget=12, max_depth=4),
+         SpeculativeConfig(adaptive=False, drafter="best_first", budget=48, max_depth=8, max_branch_width=2),
+         SpeculativeConfig(adaptive=False, drafter="beam", budget=32, max_depth=5, min_path_prob=0.2),
+         SpeculativeConfig(adaptive=False, drafter="best_first", budget=24, max_depth=6, min_path_prob=0.1)]
 
 
 @pytest.mark.parametrize("draft", ["same", "random"])
@@ -66,7 +66,7 @@ def test_min_path_prob_stops_where_the_draft_is_unsure(engines, drafter):
     assert tight.draft_passes < loose.draft_passes
     assert [h.tokens for h in runs[0.0].hypotheses] == [h.tokens for h in runs[0.5].hypotheses]
     with pytest.raises(ValueError, match="min_path_prob"):
-        SpeculativeConfig(min_path_prob=1.0)
+        SpeculativeConfig(adaptive=False, min_path_prob=1.0)
 
 
 @pytest.mark.parametrize("K", [1, 2, 4, 8])
@@ -82,7 +82,7 @@ def test_steps_per_pass_reach_depth_when_draft_is_target(engines, K, wide):
 
 
 def test_stats_fields(engines):
-    spec = SpeculativeConfig(budget=16, max_depth=3)
+    spec = SpeculativeConfig(adaptive=False, budget=16, max_depth=3)
     [r] = engines["random"].generate(PROMPTS[0], num_beams=2, max_new_tokens=8, speculative=spec)
     s = r.stats
     assert s.target_passes >= 1 and s.draft_passes >= 1 and s.draft_tokens_proposed >= s.draft_tokens_accepted
@@ -102,7 +102,7 @@ def test_auto_budget_from_cost_curve(engines):
     assert eng.auto_budget(4) == 1024
     eng._curve = {1: 1.0, 2: 1.0, 4: 1.1, 8: 1.5, 16: 2.0}
     [plain] = eng.generate(PROMPTS[0], num_beams=2, max_new_tokens=MAX_NEW)
-    [auto] = eng.generate(PROMPTS[0], num_beams=2, max_new_tokens=MAX_NEW, speculative=SpeculativeConfig(budget="auto"))
+    [auto] = eng.generate(PROMPTS[0], num_beams=2, max_new_tokens=MAX_NEW, speculative=SpeculativeConfig(adaptive=False, budget="auto"))
     assert auto.hypotheses[0].tokens == plain.hypotheses[0].tokens
     del eng._curve
 
@@ -110,14 +110,14 @@ def test_auto_budget_from_cost_curve(engines):
 @pytest.mark.parametrize("K", [1, 2, 4])
 def test_prompt_lookup_needs_no_draft_and_is_exact(exported, K):
     eng = Engine(exported("llama", std=0.3, seed=3))          # no draft model at all
-    spec = SpeculativeConfig(drafter="lookup", budget=32, max_depth=6)
+    spec = SpeculativeConfig(adaptive=False, drafter="lookup", budget=32, max_depth=6)
     prompt = [3, 17, 33, 8, 99, 41, 7, 3, 17, 33, 8]            # repeats itself: lookups have material
     [plain] = eng.generate(prompt, num_beams=K, max_new_tokens=24)
     [fast] = eng.generate(prompt, num_beams=K, max_new_tokens=24, speculative=spec)
     assert [h.tokens for h in fast.hypotheses] == [h.tokens for h in plain.hypotheses]
     assert fast.stats.draft_passes == 0 and fast.stats.draft_tokens_proposed > 0
     with pytest.raises(ValueError, match="drafter='sample'"):
-        eng.generate(prompt, num_beams=2, do_sample=True, speculative=SpeculativeConfig(drafter="lookup"))
+        eng.generate(prompt, num_beams=2, do_sample=True, speculative=SpeculativeConfig(adaptive=False, drafter="lookup"))
 
 
 def test_pass_chooser_tries_both_then_keeps_the_faster_and_probes():
@@ -211,7 +211,7 @@ def test_adaptive_speculation_equals_plain(engines, draft):
             assert 0 <= fast.stats.plain_passes <= fast.stats.target_passes
     # the choosers are kept per setting on the engine; after these requests both choices were measured (the
     # tree at least once: its warm-up ends early when its best case is slower than plain, which timing decides)
-    chooser = eng._choosers[(3, 1.0, SpeculativeConfig(budget=16, max_depth=3))].at(1)   # one request at a time
+    chooser = eng._choosers[(3, 1.0, SpeculativeConfig(adaptive=False, budget=16, max_depth=3))].at(1)   # one request at a time
     assert chooser.count[True] >= 1 and chooser.count[False] >= 3
 
 
@@ -223,12 +223,12 @@ def test_merged_lookup_tree_equals_plain(engines, draft, K, drafter):
     itself, so lookup has material)."""
     eng = engines[draft]
     prompt = [3, 17, 33, 8, 99, 41, 7, 3, 17, 33, 8]
-    spec = SpeculativeConfig(drafter=drafter, budget=24, max_depth=4, with_lookup=True)
+    spec = SpeculativeConfig(adaptive=False, drafter=drafter, budget=24, max_depth=4, with_lookup=True)
     [plain] = eng.generate(prompt, num_beams=K, max_new_tokens=20, num_return_sequences=K)
     [fast] = eng.generate(prompt, num_beams=K, max_new_tokens=20, num_return_sequences=K, speculative=spec)
     assert [h.tokens for h in fast.hypotheses] == [h.tokens for h in plain.hypotheses]
     [model_only] = eng.generate(prompt, num_beams=K, max_new_tokens=20,
-                                speculative=SpeculativeConfig(drafter=drafter, budget=24, max_depth=4))
+                                speculative=SpeculativeConfig(adaptive=False, drafter=drafter, budget=24, max_depth=4))
     assert fast.stats.draft_tokens_proposed != model_only.stats.draft_tokens_proposed or \
         fast.stats.target_passes != model_only.stats.target_passes
 
@@ -283,7 +283,7 @@ def test_merged_drafter_splits_the_budget_by_measured_acceptance():
     assert merged.counts["lookup"] == [3.0, 5.0] and merged.counts["model"] == [1.0, 4.0]
     assert merged.share() > share0 and lookup.budget > 8
     with pytest.raises(ValueError, match="with_lookup"):
-        SpeculativeConfig(drafter="lookup", with_lookup=True)
+        SpeculativeConfig(adaptive=False, drafter="lookup", with_lookup=True)
 
 
 def test_default_draft_width_spends_the_budget_on_width_for_several_beams():
@@ -304,7 +304,7 @@ def test_default_budget_deepens_K4_and_leaves_K1_K2_trees_alone():
     max_depth (4 x 6 and 8 x 6 nodes), so their trees are those of budget 48."""
     from specbeam_edge.draft import default_width
 
-    spec = SpeculativeConfig()
+    spec = SpeculativeConfig(adaptive=False)
 
     def tree(K, budget):                      # (nodes a level, levels) of the default tree
         W = default_width(K, spec.max_branch_width, budget)

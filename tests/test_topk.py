@@ -30,8 +30,8 @@ def test_plain_beam_search_with_topk_head_equals_full_logits(folders, K):
 
 
 @pytest.mark.parametrize("target", ["topk", "split_topk"])
-@pytest.mark.parametrize("spec", [SpeculativeConfig(drafter="beam", budget=24, max_depth=4),
-                                  SpeculativeConfig(drafter="best_first", budget=64, max_depth=8)],
+@pytest.mark.parametrize("spec", [SpeculativeConfig(adaptive=False, drafter="beam", budget=24, max_depth=4),
+                                  SpeculativeConfig(adaptive=False, drafter="best_first", budget=64, max_depth=8)],
                          ids=["beam", "best_first"])
 def test_speculative_with_topk_heads_equals_plain(folders, target, spec):
     ref = Engine(folders["logits"])
@@ -124,7 +124,7 @@ def test_both_head_draft_feeds_exact_search_its_topk_and_sampling_its_logits(fol
         [ref.generate(p, num_beams=K, max_new_tokens=14)[0].hypotheses[0].tokens for p in PROMPTS]
     # every draft level over two rows or more came from the graph's TopK (one row: Python's is cheaper)
     assert top_calls["TopK"] and all(rows == 1 for rows in top_calls["Dense"])
-    sampling = SpeculativeConfig(drafter="sample", max_depth=3)
+    sampling = SpeculativeConfig(adaptive=False, drafter="sample", max_depth=3)
     outs = [Engine(target, draft=both[kind]).generate(PROMPTS[0], num_beams=2, do_sample=True, seed=5,
                                                         max_new_tokens=12, speculative=sampling)[0].text
             for kind in ("both", "logits")]
