@@ -662,8 +662,37 @@ def test_sigkill_at_random_moments_leaves_a_byte_identical_file(pair, tmp_path):
     delays = [T * rng.uniform(lo, hi) for lo, hi in ((0.05, 0.3), (0.3, 0.6), (0.05, 0.3), (0.2, 0.5),
                                                       (0.05, 0.3), (0.1, 0.4))]
     out = tmp_path / "out.txt"
-    counts = soak(inp, out, full.read_bytes(), extra, delays, log=lambda *_: None, want_kills=4)
+    counts = soak(inp, out, full.read_bytes(), extra, delays, log=lambda *_: None, want_kills=4,
+                  damage=random.Random(2))          # and a damaged middle record after each kill
     assert counts["kills"] >= 2 and counts["mismatches"] == 0, counts
+
+
+def test_soak_damage_flips_one_middle_record_and_resume_skips_only_it(tmp_path):
+    from apps.translate.journal import Journal, _line
+    from bench.soak_translate import damage_record
+
+    out = tmp_path / "o.txt"
+    journal = tmp_path / "o.txt.journal"
+    journal.write_bytes(b"".join(_line(x) for x in [{"journal": 1, "input_sha256": "s", "settings": {}},
+                                                   *({"i": i, "out": [f"line {i}"]} for i in range(6))]))
+    assert damage_record(journal, random.Random(3))
+    j = Journal(out, "s", {}, resume=True)
+    j.close()
+    assert len(j.done) == 5 and any("skipped 1 damaged record(s)" in n for n in j.notes)
+
+
+@pytest.mark.slow
+def test_soak_output_path_faults_hold(pair, tmp_path):
+    from bench.soak_translate import path_faults, translate_cmd
+
+    inp = tmp_path / "in.txt"
+    inp.write_text("\n".join(corpus(8, seed=12)) + "\n")
+    extra = ["--model", pair[0], "--no_draft", "--max_decoding_length", "6"]
+    full = tmp_path / "full.txt"
+    subprocess.run(translate_cmd(inp, full, *extra), cwd=ROOT, check=True)
+    log = []
+    assert path_faults(inp, tmp_path, extra, full.read_bytes(), log=log.append) == [], log
+    assert len(log) == 7 and all(line.endswith(": held") for line in log), log
 
 
 def test_batching_flags_reach_generate_iter_and_do_not_change_output(pair, text_in, reference, tmp_path,
