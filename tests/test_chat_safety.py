@@ -190,6 +190,25 @@ def test_regenerate_stopped_before_any_step_keeps_the_old_answer(qtbot, tmp_path
     assert before[1]["content"] in win.transcript.toPlainText() or before[1]["content"] == ""
 
 
+def test_a_conversation_longer_than_the_context_still_gets_answers(qtbot, tmp_path, folders, monkeypatch):
+    """Before: once the history outgrew the model's context every message failed ("the prompt has N tokens")."""
+    failed = []
+    monkeypatch.setattr("apps.chat.window.QMessageBox.warning", lambda parent, title, text: failed.append(text))
+    win = window(qtbot, tmp_path, folders, beams=1, max_new_tokens=8)
+    cid = win.current()
+    for i in range(12):
+        win.store.add(cid, "user", f"question {i} " * 10)
+        win.store.add(cid, "assistant", f"answer {i} " * 10)
+    send(win, "the last question")
+    qtbot.waitUntil(lambda: win.gen is None, timeout=20000)
+    assert failed == []
+    assert win.store.messages(cid)[-1]["role"] == "assistant" and "left out to fit the model's context" in \
+        win.status.text()
+    prompt = win._prompt(cid)
+    assert "the last question" in prompt and "question 0 " not in prompt and prompt.startswith("user: ")
+    assert len(win.engine.encode(prompt)) <= win.engine.target.cfg.context_length - 8
+
+
 # `specbeam-chat` as a user runs it (main(), app.exec()), offscreen; QTest types the message; the search is
 # slowed down so the signal lands mid-answer. Prints "streaming" once the answer is under way.
 SESSION = textwrap.dedent("""

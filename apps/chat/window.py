@@ -6,11 +6,15 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from PySide6.QtCore import QByteArray, QSettings, Qt, Signal
-from PySide6.QtGui import QColor, QTextCharFormat, QTextCursor
-from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog, QFormLayout, QHBoxLayout, QLabel,
-                               QLineEdit, QListWidget, QListWidgetItem, QMainWindow, QMessageBox, QPlainTextEdit,
-                               QPushButton, QSpinBox, QSplitter, QTextBrowser, QVBoxLayout, QWidget)
+import re
+import sqlite3
+
+from PySide6.QtCore import QByteArray, QSettings, QStandardPaths, Qt, Signal
+from PySide6.QtGui import QAction, QColor, QKeySequence, QTextCharFormat, QTextCursor
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog, QFormLayout, QHBoxLayout,
+                               QInputDialog, QLabel, QLineEdit, QListWidget, QListWidgetItem, QMainWindow, QMenu,
+                               QMessageBox, QPlainTextEdit, QPushButton, QSizePolicy, QSpinBox, QSplitter,
+                               QTextBrowser, QVBoxLayout, QWidget)
 
 from specbeam_edge import Engine, SpeculativeConfig
 from specbeam_edge.config import DEFAULT_BUDGET
@@ -23,6 +27,10 @@ from .worker import Answer, Generation
 MODES = ("beam search (exact)", "beam sampling (DSBD)")
 NO_TEMPLATE = ("This model has no chat template: each message is sent alone in the model's prompt format, "
                "so a system prompt would have no effect.")
+DAMAGED = ("Part of this conversation could not be read from the database: what could be read is shown, and "
+           "new messages are saved.")
+NO_TEMPLATE_HINT = "No system prompt: this model has no chat template"   # fits the field; the tooltip says more
+SETTINGS_WIDTH = 330               # the settings column's most: a long model name elides instead of widening it
 
 
 def pair_name(model: str, draft: str) -> str:
@@ -33,6 +41,46 @@ def pair_name(model: str, draft: str) -> str:
         return f"{base} (no draft)"
     d = Path(draft)
     return f"{base} ({m.name} + {d.name})" if d.parent == m.parent else f"{base} + {d.name}"
+
+
+def model_kind(tokenizer, model: str) -> str:
+    """What the loaded model does with a message, for the label under the pair's name."""
+    if tokenizer.chat_template:
+        return "chat model (chat template)"
+    if Path(model).parent == models_root() / "ende":
+        return "translator: each message is translated into German"
+    fmt = tokenizer.prompt_format or "{source}"
+    if fmt.rstrip().endswith("{source}"):
+        return "completion: each message is continued"
+    return f"fixed prompt format {fmt!r}: each message is sent on its own"
+
+
+class ElidedLabel(QLabel):
+    """A one-line label that elides its text to the width it is given (the whole text in its tooltip) instead
+    of growing the column it is in."""
+
+    def __init__(self, text: str = ""):
+        super().__init__()
+        self._full = ""
+        self.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.setMinimumWidth(40)
+        self.setText(text)
+
+    def setText(self, text: str):           # noqa: N802 (Qt's name)
+        self._full = text
+        self.setToolTip(text)
+        self._elide()
+
+    def fullText(self) -> str:               # noqa: N802
+        return self._full
+
+    def resizeEvent(self, event):            # noqa: N802
+        super().resizeEvent(event)
+        self._elide()
+
+    def _elide(self):
+        width = max(self.width(), self.minimumWidth())
+        super().setText(self.fontMetrics().elidedText(self._full, Qt.TextElideMode.ElideMiddle, width))
 
 
 class MessageEdit(QPlainTextEdit):
@@ -58,18 +106,25 @@ class ChatWindow(QMainWindow):
         self.replacing: int | None = None    # the answer a running Regenerate replaces once it finishes
         self.partial, self.partial_steps = Answer(), 0
         self._answer_at = 0            # document position where the streaming answer starts
+        self.notices: list[str] = [self.store.notice] if self.store.notice else []
         self.setWindowTitle("specbeam chat")
         self.resize(980, 640)
         self._build()
         self._restore_settings()
         self._load_conversations()
+        if self.notices:           # what start-up had to repair: said once, the app starts anyway
+            QMessageBox.warning(self, "specbeam chat", "\n\n".join(self.notices))
         self.load_models()
+        if self.notices and self.store.read_only:
+            self.status.setText(self.status.text() + " · conversations are not saved (read-only database)")
         self.input.setFocus()
 
     # -- layout ----------------------------------------------------------------------------------------------
     def _build(self):
         self.convs = QListWidget()
         self.convs.currentItemChanged.connect(self._show_conversation)
+        self.convs.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
+        self.convs.customContextMenuRequested.connect(self._conversation_menu)
         new_btn = QPushButton("New chat")
         new_btn.clicked.connect(self.new_chat)
         export_btn = QPushButton("Export Markdown…")
@@ -99,14 +154,62 @@ class ChatWindow(QMainWindow):
             center.addWidget(w)
         center.addLayout(buttons)
         self.split = QSplitter()
+        self.columns = []
         for layout in (left, center, self._build_settings()):
             w = QWidget()
             w.setLayout(layout)
             self.split.addWidget(w)
+            self.columns.append(w)
+        self.columns[2].setMaximumWidth(SETTINGS_WIDTH)
+        self.split.setStretchFactor(1, 1)              # the transcript takes what the window gains
         self.split.setSizes([200, 560, 280])
         self.setCentralWidget(self.split)
         self.status = QLabel("")
         self.statusBar().addWidget(self.status)
+        self._build_menus()
+
+    def _build_menus(self):
+        """The menu bar; every action has its shortcut (Esc stops, Ctrl+N a new chat, Ctrl+Q quits, ...)."""
+        self.actions: dict[str, QAction] = {}
+
+        def add(menu, name, text, slot, keys):
+            act = QAction(text, self)
+            act.setShortcuts([QKeySequence(k) for k in keys])
+            act.setShortcutContext(Qt.ShortcutContext.WindowShortcut)
+            act.triggered.connect(slot)
+            menu.addAction(act)
+            self.addAction(act)
+            self.actions[name] = act
+            return act
+        bar = self.menuBar()
+        file = bar.addMenu("&File")
+        add(file, "new", "&New chat", self.new_chat, ["Ctrl+N"])
+        add(file, "export", "&Export Markdown…", self._export_clicked, ["Ctrl+E"])
+        file.addSeparator()
+        add(file, "quit", "&Quit", self.close, ["Ctrl+Q"])
+        chat = bar.addMenu("&Chat")
+        add(chat, "send", "&Send", self.send, ["Ctrl+Return"])
+        add(chat, "stop", "S&top", self.stop, ["Esc"])
+        add(chat, "regenerate", "&Regenerate", self.regenerate, ["Ctrl+R"])
+        chat.addSeparator()
+        add(chat, "rename", "Re&name conversation…", self.rename_clicked, ["F2"])
+        add(chat, "delete", "&Delete conversation…", self.delete_clicked, ["Ctrl+Shift+D"])
+        models = bar.addMenu("&Models")
+        add(models, "load", "&Load models", self.load_models, ["Ctrl+L"])
+        add(models, "pick_model", "Choose the &model folder…", self._pick_model, [])
+        add(models, "pick_draft", "Choose the &draft folder…", self._pick_draft, [])
+
+    def _conversation_menu(self, pos):
+        item = self.convs.itemAt(pos)
+        if item is None:
+            return
+        self.convs.setCurrentItem(item)
+        menu = QMenu(self)
+        menu.addAction(self.actions["rename"])
+        menu.addAction(self.actions["delete"])
+        menu.addAction(self.actions["export"])
+        menu.popup(self.convs.viewport().mapToGlobal(pos))
+        self._menu = menu                     # kept for the tests (and alive while it is shown)
 
     def _build_settings(self) -> QFormLayout:
         self.model_edit, self.draft_edit = QLineEdit(), QLineEdit()
@@ -115,7 +218,8 @@ class ChatWindow(QMainWindow):
         pick_d.clicked.connect(self._pick_draft)
         load_btn = QPushButton("Load models")
         load_btn.clicked.connect(self.load_models)
-        self.pair = QLabel("no model loaded")
+        self.pair = ElidedLabel("no model loaded")
+        self.kind = ElidedLabel("")
         self.speculate = QCheckBox("Speculate with the draft model")
         self.speculate.setToolTip("Off: plain beam search on the target alone (same output, for comparison)")
         self.mode = QComboBox()
@@ -138,6 +242,7 @@ class ChatWindow(QMainWindow):
             form.addRow(label, row)
         form.addRow("", load_btn)
         form.addRow("Loaded", self.pair)
+        form.addRow("", self.kind)
         form.addRow("", self.speculate)
         form.addRow("Mode", self.mode)
         form.addRow("Beams", self.beams)
@@ -163,21 +268,56 @@ class ChatWindow(QMainWindow):
 
     # -- settings (QSettings: the platform's usual place) --------------------------------------------------
     def _restore_settings(self):
-        s = self.settings
+        """Every value is checked: one that is not a number or out of range is replaced by its default (or the
+        nearest allowed value) and named in `notices`; a damaged settings file never stops the app."""
+        s, bad = self.settings, []
+
+        def number(key, default, widget, cast=int):
+            raw = s.value(key, default)
+            lo, hi = widget.minimum(), widget.maximum()
+            try:
+                value = cast(raw)
+                if value != value:                   # NaN
+                    raise ValueError
+            except (TypeError, ValueError, OverflowError):
+                bad.append(f"{key}={_shown(raw)} is not a number (using {default})")
+                return default
+            if not lo <= value <= hi:
+                near = min(max(value, lo), hi)
+                bad.append(f"{key}={_shown(raw)} is outside {lo}..{hi} (using {near})")
+                return near
+            return value
+
+        def flag(key, default):
+            raw = s.value(key, default)
+            if isinstance(raw, bool) or str(raw).lower() in ("true", "false"):
+                return _bool(raw)
+            bad.append(f"{key}={_shown(raw)} is not true or false (using {str(default).lower()})")
+            return default
+
         # earlier versions kept the folders in the conversation database: carry them over once
-        self.model_edit.setText(str(s.value("model", self.store.get("model") or models_root() / "ende" / "target")))
-        self.draft_edit.setText(str(s.value("draft", self.store.get("draft", str(models_root() / "ende" / "draft")))))
-        self.mode.setCurrentIndex(int(s.value("mode", 0)))
-        self.beams.setValue(int(s.value("beams", 4)))
-        self.budget.setValue(int(s.value("budget", DEFAULT_BUDGET)))
-        self.max_new.setValue(int(s.value("max_new_tokens", 128)))
-        self.temperature.setValue(float(s.value("temperature", 1.0)))
-        self.highlight.setChecked(_bool(s.value("highlight", True)))
-        self.speculate.setChecked(_bool(s.value("speculate", True)))
+        model, draft = default_folders()
+        self.model_edit.setText(str(s.value("model", self.store.get("model") or model)))
+        self.draft_edit.setText(str(s.value("draft", self.store.get("draft", draft))))
+        mode = s.value("mode", 0)
+        if str(mode) not in ("0", "1"):
+            bad.append(f"mode={_shown(mode)} is not 0 or 1 (using 0)")
+            mode = 0
+        self.mode.setCurrentIndex(int(mode))
+        self.beams.setValue(number("beams", 4, self.beams))
+        self.budget.setValue(number("budget", DEFAULT_BUDGET, self.budget))
+        self.max_new.setValue(number("max_new_tokens", 128, self.max_new))
+        self.temperature.setValue(number("temperature", 1.0, self.temperature, float))
+        self.highlight.setChecked(flag("highlight", True))
+        self.speculate.setChecked(flag("speculate", True))
         self._mode_changed(self.mode.currentIndex())
         if isinstance(s.value("geometry"), QByteArray):
             self.restoreGeometry(s.value("geometry"))
+        if isinstance(s.value("splitter"), QByteArray):
             self.split.restoreState(s.value("splitter"))
+        if bad:
+            where = s.fileName()
+            self.notices.append(f"Settings ({where}): " + "; ".join(bad) + ".")
 
     def save_settings(self):
         s = self.settings
@@ -206,6 +346,7 @@ class ChatWindow(QMainWindow):
         self.settings.setValue("model", model)
         self.settings.setValue("draft", draft)
         self.pair.setText(self.engine_name)
+        self.kind.setText(model_kind(engine.tokenizer, model))
         self.speculate.setEnabled(engine.draft is not None)
         self._template_changed()
         self.status.setText(f"ready: {self.engine_name}")
@@ -215,13 +356,14 @@ class ChatWindow(QMainWindow):
         has = bool(self.engine.tokenizer.chat_template)
         self.system.setEnabled(has)
         self.system.setToolTip("" if has else NO_TEMPLATE)
-        self.system.setPlaceholderText("System prompt (optional)" if has else NO_TEMPLATE)
+        self.system.setPlaceholderText("System prompt (optional)" if has else NO_TEMPLATE_HINT)
 
     # -- conversations ---------------------------------------------------------------------------------------
     def _load_conversations(self):
         self.convs.clear()
         for cid, title in self.store.conversations():
             item = QListWidgetItem(title)
+            item.setToolTip(title)
             item.setData(Qt.ItemDataRole.UserRole, cid)
             self.convs.addItem(item)
         if self.convs.count() == 0:
@@ -240,6 +382,52 @@ class ChatWindow(QMainWindow):
         self.convs.setCurrentRow(0)
         self.input.setFocus()
 
+    def _item(self, cid: int) -> QListWidgetItem | None:
+        for row in range(self.convs.count()):
+            if self.convs.item(row).data(Qt.ItemDataRole.UserRole) == cid:
+                return self.convs.item(row)
+        return None
+
+    def rename_clicked(self):
+        if not self.convs.currentItem():
+            return
+        cid = self.current()
+        title, ok = QInputDialog.getText(self, "Rename conversation", "Title:", text=self.store.title(cid))
+        if ok:
+            self.rename_conversation(cid, title)
+
+    def rename_conversation(self, cid: int, title: str):
+        title = " ".join(title.split())[:200]
+        if not title:
+            return
+        self.store.set_title(cid, title)
+        item = self._item(cid)
+        if item is not None:
+            item.setText(title)
+            item.setToolTip(title)
+
+    def delete_clicked(self):
+        if not self.convs.currentItem():
+            return
+        cid = self.current()
+        answer = QMessageBox.question(self, "Delete conversation",
+                                      f"Delete “{self.store.title(cid)}” and its messages? This cannot be undone.")
+        if answer == QMessageBox.StandardButton.Yes:
+            self.delete_conversation(cid)
+
+    def delete_conversation(self, cid: int):
+        """Delete a conversation (an answer streaming into it is stopped first); the list always keeps one."""
+        if self.gen is not None and self.gen_conv == cid:
+            self.gen.stop()
+            self._collect()
+        self.store.delete_conversation(cid)
+        item = self._item(cid)
+        if item is not None:
+            self.convs.takeItem(self.convs.row(item))
+        if self.convs.count() == 0:
+            self.new_chat()
+        self._show_conversation()
+
     def _save_system(self):
         if self.convs.currentItem():
             self.store.set_system(self.current(), self.system.text())
@@ -252,7 +440,10 @@ class ChatWindow(QMainWindow):
         self.transcript.clear()
         cursor = QTextCursor(self.transcript.document())
         generating = self.gen is not None and self.gen_conv == cid
-        for m in self.store.messages(cid):
+        messages = self.store.messages(cid)
+        if cid in self.store.damaged:
+            cursor.insertText(DAMAGED, _note_format())
+        for m in messages:
             if generating and m["id"] == self.replacing:     # the new answer streams in its place
                 continue
             self._insert_message(cursor, m["role"], m["content"], (m["stats"] or {}).get("draft_spans", []))
@@ -295,19 +486,43 @@ class ChatWindow(QMainWindow):
         self.export_markdown()
 
     def export_markdown(self, path: str | None = None):
-        path = path or QFileDialog.getSaveFileName(self, "Export", "chat.md", "Markdown (*.md)")[0]
-        if path:
-            Path(path).write_text(self.store.export_markdown(self.current()), encoding="utf-8")
+        """Write the conversation as Markdown; the dialog starts in the user's documents folder (or home) with
+        the conversation's title as the file name."""
+        cid = self.current()
+        path = path or QFileDialog.getSaveFileName(self, "Export Markdown", str(export_folder() / file_name(
+            self.store.title(cid))), "Markdown (*.md)")[0]
+        if not path:
+            return
+        try:
+            Path(path).write_text(self.store.export_markdown(cid), encoding="utf-8")
+        except OSError as e:
+            QMessageBox.warning(self, "Export failed", f"Cannot write {path}: {e.strerror or e}")
+            return
+        self.status.setText(f"exported to {path}")
 
     # -- generation ------------------------------------------------------------------------------------------
     def _prompt(self, cid: int) -> str:
+        """The conversation in the model's chat template; when it is longer than the model's context (less room
+        for the answer), the earliest messages are left out (`left_out` counts them; the system prompt stays)."""
         tok = self.engine.tokenizer
         msgs = [{"role": m["role"], "content": m["content"]} for m in self.store.messages(cid)
                 if m["id"] != self.replacing]
-        if tok.chat_template:
-            system = self.store.system(cid)
-            return tok.apply_chat_template(([{"role": "system", "content": system}] if system else []) + msgs)
-        return tok.format_prompt(msgs[-1]["content"])   # e.g. a translation model: the last message alone
+        self.left_out = 0
+        if not tok.chat_template:
+            return tok.format_prompt(msgs[-1]["content"])   # e.g. a translation model: the last message alone
+        system = self.store.system(cid)
+        head = [{"role": "system", "content": system}] if system else []
+        ctx = self.engine.target.cfg.context_length
+        fits = ctx - min(self.max_new.value(), ctx // 4)
+        while True:
+            prompt = tok.apply_chat_template(head + msgs)
+            if len(msgs) <= 1 or len(self.engine.encode(prompt)) <= fits:
+                return prompt
+            msgs = msgs[1:]
+            self.left_out += 1
+            while len(msgs) > 1 and msgs[0]["role"] != "user":    # the history starts with a question
+                msgs = msgs[1:]
+                self.left_out += 1
 
     def send(self):
         text = self.input.toPlainText().strip()
@@ -315,10 +530,14 @@ class ChatWindow(QMainWindow):
         if not text or self.gen is not None:
             return
         cid = self.current()
-        if not self.store.messages(cid):
-            self.store.set_title(cid, text[:40])
-            self.convs.currentItem().setText(text[:40])
-        self.store.add(cid, "user", text)
+        try:
+            if not self.store.messages(cid):
+                self.rename_conversation(cid, text[:40])
+            self.store.add(cid, "user", text)
+        except sqlite3.DatabaseError as e:      # the message stays in the box
+            QMessageBox.warning(self, "Cannot save the message", f"The conversation database {self.store.path} "
+                                f"refused it ({e}); start with --db another file.")
+            return
         self.input.clear()
         self._generate(cid)
 
@@ -354,7 +573,8 @@ class ChatWindow(QMainWindow):
         self.gen.answered.connect(self._on_answered)
         self._show_conversation()
         self._set_busy(True)
-        self.status.setText(f"generating with {self.engine_name}" + ("" if spec else " (no speculation)") + "…")
+        self.status.setText(f"generating with {self.engine_name}" + ("" if spec else " (no speculation)") + "…"
+                            + self._left_out_note())
         self.gen.start()
 
     def _set_busy(self, busy: bool):
@@ -392,20 +612,29 @@ class ChatWindow(QMainWindow):
         replacing, self.replacing = self.replacing, None
         self._set_busy(False)
         complete = not answer.error and not answer.stats.get("stopped")
-        if answer.text or complete:
-            stats = dict(answer.stats, draft_spans=answer.spans)
-            if answer.error:
-                stats["error"] = answer.error
-            self.store.add(self.gen_conv, "assistant", answer.text, stats)
-        if complete and replacing is not None:
-            self.store.delete_message(replacing)
+        try:
+            if answer.text or complete:
+                stats = dict(answer.stats, draft_spans=answer.spans)
+                if answer.error:
+                    stats["error"] = answer.error
+                self.store.add(self.gen_conv, "assistant", answer.text, stats)
+            if complete and replacing is not None:
+                self.store.delete_message(replacing)
+        except sqlite3.DatabaseError as e:      # say so, and show the answer where it can be copied
+            QMessageBox.warning(self, "Cannot save the answer", f"The conversation database {self.store.path} "
+                                f"refused it ({e}). The answer:\n\n{answer.text}")
         kept = " (the previous answer is kept)" if replacing is not None and not complete else ""
         if answer.error:
             self.status.setText("generation failed" + kept)
             QMessageBox.warning(self, "Generation failed", answer.error)
         else:
-            self.status.setText(status_text(answer.stats) + kept)
+            self.status.setText(status_text(answer.stats) + kept + self._left_out_note())
         return answer
+
+    def _left_out_note(self) -> str:
+        n = getattr(self, "left_out", 0)
+        return (f" · the earliest {n} message{'s' if n > 1 else ''} left out to fit the model's context"
+                if n else "")
 
     def closeEvent(self, event):
         """Stop a running answer and keep what was streamed, remember the settings, close the database."""
@@ -431,6 +660,18 @@ def status_text(stats: dict) -> str:
     return f"stopped after {text}" if stats.get("stopped") else text
 
 
+def export_folder() -> Path:
+    """The user's documents folder when there is one, else the home folder."""
+    docs = QStandardPaths.writableLocation(QStandardPaths.StandardLocation.DocumentsLocation)
+    return Path(docs) if docs and Path(docs).is_dir() else Path.home()
+
+
+def file_name(title: str) -> str:
+    """A file name from a conversation's title: characters that no file system takes become '_'."""
+    name = re.sub(r'[\x00-\x1f/\\:*?"<>|]+', "_", " ".join(title.split())).strip(" .")[:80]
+    return f"{name or 'chat'}.md"
+
+
 def searching_text(beams: int, steps: int) -> str:
     """The note under a streaming answer while several beams have not agreed on more text."""
     return f"searching {beams} beams… {steps} tokens so far"
@@ -449,6 +690,18 @@ def _explain(error: Exception, model: str, draft: str) -> str:
         if folder and not Path(folder).is_dir() and Path(folder).parent.parent == models_root():
             return missing_message(Path(folder)).replace("--model (and --draft)", "the Model and Draft fields")
     return str(error)
+
+
+def default_folders() -> tuple[str, str]:
+    """The shipped text pair: a chat app's default continues what you write. (The en->de pair translates each
+    message into German; it is one Model/Draft choice away, models/ende/target and models/ende/draft.)"""
+    root = models_root() / "text"
+    return str(root / "target"), str(root / "draft")
+
+
+def _shown(value) -> str:
+    text = str(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _bool(value) -> bool:

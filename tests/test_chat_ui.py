@@ -1,0 +1,163 @@
+"""The chat window's layout and commands (offscreen Qt): a settings column that a long model name cannot widen,
+a system-prompt hint that fits, conversations renamed and deleted from the list's context menu and the menu
+bar, shortcuts, Export's default file, and a default model that chats instead of translating."""
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+pytest.importorskip("PySide6")
+pytest.importorskip("pytestqt")
+
+from PySide6.QtCore import QSettings, QStandardPaths, Qt  # noqa: E402
+from PySide6.QtWidgets import QMessageBox  # noqa: E402
+
+from apps.chat.store import ChatStore  # noqa: E402
+from apps.chat.window import NO_TEMPLATE, ChatWindow  # noqa: E402
+from specbeam_edge import Engine  # noqa: E402
+from specbeam_edge.shipped import models_root  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def window(qtbot, tmp_path, folders=None, show=True, factory=Engine):
+    settings = QSettings(str(tmp_path / "settings.ini"), QSettings.Format.IniFormat)
+    if folders:
+        settings.setValue("model", folders[0])
+        settings.setValue("draft", folders[1])
+    win = ChatWindow(ChatStore(tmp_path / "chat.sqlite"), engine_factory=factory, settings=settings)
+    qtbot.addWidget(win)
+    if show:
+        win.show()
+        qtbot.waitExposed(win)
+    return win
+
+
+def test_a_long_model_name_elides_instead_of_widening_the_settings(qtbot, tmp_path, pair):
+    short = window(qtbot, tmp_path / "a", pair)
+    widths = [short.split.widget(i).width() for i in range(3)]
+    long_dir = tmp_path / ("a-model-folder-with-a-very-long-descriptive-name-" * 3 + "v2")
+    long_dir.symlink_to(pair[0])
+    win = window(qtbot, tmp_path / "b", (str(long_dir), pair[1]))
+    assert win.engine is not None
+    assert win.split.widget(2).width() <= max(330, widths[2])         # before: the column grew to fit the name
+    assert win.split.widget(1).width() >= widths[1] - 5                # and the transcript kept its width
+    assert win.pair.toolTip() == win.engine_name and "…" in win.pair.text()
+
+
+def test_the_system_prompt_hint_fits_its_field(qtbot, tmp_path):
+    ende = models_root() / "ende"
+    win = window(qtbot, tmp_path, (str(ende / "target"), str(ende / "draft")))
+    assert not win.system.isEnabled()
+    hint = win.system.placeholderText()
+    assert win.system.fontMetrics().horizontalAdvance(hint) <= win.system.width() - 8   # before: cut off
+    assert win.system.toolTip() == NO_TEMPLATE
+
+
+def conversations(win):
+    return [win.convs.item(i).text() for i in range(win.convs.count())]
+
+
+def test_rename_and_delete_from_the_context_menu_and_the_menu_bar(qtbot, tmp_path, pair, monkeypatch):
+    win = window(qtbot, tmp_path, pair)
+    first = win.current()
+    win.store.set_title(first, "first")
+    win.new_chat()
+    second = win.current()
+    monkeypatch.setattr("apps.chat.window.QInputDialog.getText", lambda *a, **kw: ("  Java   generics ", True))
+    rect = win.convs.visualItemRect(win.convs.item(1))
+    win._conversation_menu(rect.center())                              # right-click on the older one
+    assert win.current() == first
+    texts = [a.text() for a in win._menu.actions()]
+    assert texts[:2] == ["Re&name conversation…", "&Delete conversation…"]
+    win._menu.actions()[0].trigger()
+    assert win.store.title(first) == "Java generics" and conversations(win) == ["New chat", "Java generics"]
+    asked = []
+    monkeypatch.setattr("apps.chat.window.QMessageBox.question",
+                        lambda parent, title, text: asked.append(text) or QMessageBox.StandardButton.No)
+    win.actions["delete"].trigger()
+    assert "Java generics" in asked[0] and len(win.store.conversations()) == 2     # "No" keeps it
+    monkeypatch.setattr("apps.chat.window.QMessageBox.question",
+                        lambda parent, title, text: QMessageBox.StandardButton.Yes)
+    win.actions["delete"].trigger()
+    assert [c for c, _ in win.store.conversations()] == [second] and conversations(win) == ["New chat"]
+    win.actions["delete"].trigger()                                    # the last one: a fresh chat replaces it
+    assert len(win.store.conversations()) == 1 and win.store.conversations()[0][0] != second
+
+
+def test_deleting_the_conversation_being_answered_stops_the_answer(qtbot, tmp_path, pair, monkeypatch):
+    win = window(qtbot, tmp_path, pair)
+    win.max_new.setValue(300)
+    win.input.setPlainText("hello")
+    win.send_btn.click()
+    cid = win.current()
+    assert win.gen is not None
+    win.delete_conversation(cid)
+    assert win.gen is None and win.convs.count() == 1 and len(win.store.conversations()) == 1
+    assert win.store.messages(win.current()) == [] and win.store.title(win.current()) == "New chat"
+
+
+def test_menu_bar_and_shortcuts(qtbot, tmp_path, pair, monkeypatch):
+    win = window(qtbot, tmp_path, pair)
+    found = {}
+    for menu_action in win.menuBar().actions():
+        for act in menu_action.menu().actions():
+            if act.text():
+                found[act.text().replace("&", "")] = act.shortcut().toString()
+    assert {k: found[k] for k in ("New chat", "Export Markdown…", "Quit", "Stop", "Regenerate", "Send",
+                                  "Rename conversation…", "Delete conversation…", "Load models")} == {
+        "New chat": "Ctrl+N", "Export Markdown…": "Ctrl+E", "Quit": "Ctrl+Q", "Stop": "Esc", "Regenerate": "Ctrl+R",
+        "Send": "Ctrl+Return", "Rename conversation…": "F2", "Delete conversation…": "Ctrl+Shift+D",
+        "Load models": "Ctrl+L"}
+    with qtbot.waitActive(win):
+        win.activateWindow()
+    win.input.setFocus()
+    qtbot.keyClick(win.input, Qt.Key.Key_N, Qt.KeyboardModifier.ControlModifier)
+    assert len(win.store.conversations()) == 2                          # Ctrl+N: a new chat
+    win.max_new.setValue(300)
+    win.input.setPlainText("the quick brown fox")
+    qtbot.keyClick(win.input, Qt.Key.Key_Return)
+    assert win.gen is not None
+    qtbot.keyClick(win.input, Qt.Key.Key_Escape)                       # Esc: Stop
+    assert win.gen is None or win.gen._stop.is_set()
+    qtbot.waitUntil(lambda: win.gen is None, timeout=20000)
+    assert win.store.messages(win.current())[-1]["stats"]["stopped"]
+    qtbot.keyClick(win.input, Qt.Key.Key_Q, Qt.KeyboardModifier.ControlModifier)
+    assert not win.isVisible()                                          # Ctrl+Q: quit (the window closes)
+
+
+def test_export_defaults_to_documents_with_the_title(qtbot, tmp_path, pair, monkeypatch):
+    win = window(qtbot, tmp_path, pair, show=False)
+    win.rename_conversation(win.current(), 'Java: List<String> / "generics"?')
+    asked = []
+    target = tmp_path / "out.md"
+    monkeypatch.setattr("apps.chat.window.QFileDialog.getSaveFileName",
+                        lambda parent, caption, start, filters: asked.append(start) or (str(target), filters))
+    win.actions["export"].trigger()
+    default = Path(asked[0])
+    docs = QStandardPaths.writableLocation(QStandardPaths.StandardLocation.DocumentsLocation)
+    assert default.name == "Java_ List_String_ _ _generics_.md"        # before: chat.md in the working folder
+    assert default.parent in ({Path(docs)} if docs and Path(docs).is_dir() else set()) | {Path.home()}
+    assert target.read_text().startswith('# Java: List<String> / "generics"?')
+    assert win.status.text() == f"exported to {target}"
+
+
+def test_export_to_a_folder_that_cannot_be_written_is_a_message(qtbot, tmp_path, pair, monkeypatch):
+    shown = []
+    monkeypatch.setattr("apps.chat.window.QMessageBox.warning", lambda parent, title, text: shown.append(text))
+    win = window(qtbot, tmp_path, pair, show=False)
+    win.export_markdown(str(tmp_path / "no" / "such" / "folder.md"))
+    assert len(shown) == 1 and shown[0].startswith(f"Cannot write {tmp_path / 'no' / 'such' / 'folder.md'}: ")
+
+
+def test_the_default_model_chats_and_the_translator_says_so(qtbot, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECBEAM_MODELS", str(ROOT / "models"))
+    win = window(qtbot, tmp_path, None, show=False)                    # first start: no settings
+    assert win.model_edit.text() == str(ROOT / "models" / "text" / "target")   # before: the en->de translator
+    assert win.draft_edit.text() == str(ROOT / "models" / "text" / "draft")
+    assert win.engine is not None and win.kind.text() == "completion: each message is continued"
+    win.model_edit.setText(str(ROOT / "models" / "ende" / "target"))
+    win.draft_edit.setText(str(ROOT / "models" / "ende" / "draft"))
+    assert win.load_models()
+    assert win.kind.fullText() == "translator: each message is translated into German"
