@@ -39,7 +39,8 @@ def main(argv=None) -> int:
     ap.add_argument("-o", "--output", required=True, help="output specbeam model folder")
     ap.add_argument("-p", "--precision", choices=PRECISIONS, default="fp32",
                     help="weight precision: fp32; fp16 storage; int8w (int8 weight storage, per output channel, "
-                    "dequantized at load: fp32 compute, batch-invariant, about half of fp16's size; whole layout); "
+                    "dequantized at load: fp32 compute, batch-invariant, about half of fp16's size; split layout: "
+                    "dequantized per pass, the streamed int8 form for CUDA); "
                     "int8 (int8 compute with one activation scale per row: batch-invariant, exact speculation, "
                     "the fastest exact precision on CPUs); int8dyn (onnxruntime quantize_dynamic: one activation "
                     "scale per tensor, NOT batch-invariant: for drafts); int4 (MatMulNBits; the engine measures "

@@ -147,7 +147,7 @@ def _write_layer_weights(folder: Path, layers: list[dict], arch: Arch, precision
         parts, entries, off = [], [], 0
         for name in graph.layer_weight_names(arch):
             arrays = [(name, w[name])]
-            if precision == "int8" and name in graph.MATMULS:
+            if precision in ("int8", "int8w") and name in graph.MATMULS:
                 q, s = quantize_columns(w[name], reduce_range)
                 arrays = [(name, q), (name + ".scale", s)]
             elif precision == "fp16":
@@ -205,9 +205,6 @@ def export(src: str | Path, dst: str | Path, *, precision: str = "fp32", layout:
         raise ExportError(f"layout {layout!r} is not 'whole' or 'split'")
     if output not in OUTPUT_KINDS:
         raise ExportError(f"output {output!r} is not one of {OUTPUT_KINDS}")
-    if layout == "split" and precision == "int8w":
-        raise ExportError("precision 'int8w' is for the whole layout (for streamed layers, a decoder-only model's "
-                          "-p int8 --layout split stores int8 weights per output channel)")
     if layout == "split" and precision == "int4":
         raise ExportError("layout 'split' supports fp32, fp16 and int8 weights (int4 needs constant weights)")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 16 or block_size & (block_size - 1):
@@ -292,6 +289,10 @@ def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str
             if precision == "int8":     # the streamed int8 weights and lm_head compute per-row int8 (quant.py)
                 quant = rowwise_int8(layer, reduce_range=reduce_range)
                 rowwise_int8(head, reduce_range=reduce_range)
+            elif precision == "int8w":  # int8 weights, fp32 compute (DequantizeLinear + MatMul): CUDA has both
+                quant = {**INT8W, "method": "specbeam int8 weight storage: symmetric per output channel; streamed "
+                         "layers DequantizeLinear + MatMul each pass, embedding and lm_head folded at load; fp32 "
+                         "compute"}
             _save(layer, tmp / "layer.onnx")
             _save(head, tmp / "head.onnx")
             prog.step("build graphs")

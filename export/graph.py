@@ -100,7 +100,7 @@ def weight_value(b: Builder, arch: Arch, i: int, key: str, w: np.ndarray | None,
         stored = TensorProto.FLOAT16 if precision == "fp16" else F32
     else:
         stored = F32
-    if precision == "int8" and key in MATMULS:
+    if precision in ("int8", "int8w") and key in MATMULS:     # (int8w: streamed layers of the split layout)
         if as_input:
             b.inputs.append(_vi(base, TensorProto.INT8, list(w.shape) if w is not None else None))
             b.inputs.append(_vi(base + ".scale", F32, [w.shape[1]] if w is not None else None))
