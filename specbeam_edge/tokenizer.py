@@ -28,7 +28,7 @@ class PromptText(str):
     on it (slicing, +) return plain str, which the engine treats as text to be formatted."""
 
     def __new__(cls, parts):
-        parts = tuple((t, bool(sp)) for t, sp in parts if t)
+        parts = tuple(_merge_plain((t, bool(sp)) for t, sp in parts))   # plain parts merged: one text
         self = super().__new__(cls, "".join(t for t, _ in parts))
         self.parts = parts
         return self
@@ -80,8 +80,15 @@ class Tokenizer:
         if not isinstance(prompt, PromptText):
             return self.encode(prompt)
         ids: list[int] = []
-        for text, special in prompt.parts:
-            ids += (self._tok if special else self._plain).encode(text, add_special_tokens=False).ids
+        for k, (text, special) in enumerate(prompt.parts):
+            if special or k == 0 or self._special_re is None or self._special_re.search(text):
+                ids += (self._tok if special else self._plain).encode(text, add_special_tokens=False).ids
+                continue
+            # text after a special token: encoded behind it, as the whole string would be (a Metaspace
+            # pre-tokenizer with prepend_scheme "first" adds no "▁" there; an rstrip token eats the spaces)
+            before = prompt.parts[k - 1][0]
+            n = len(self._tok.encode(before, add_special_tokens=False).ids)
+            ids += self._tok.encode(before + text, add_special_tokens=False).ids[n:]
         return ids
 
     def _split_specials(self, text: str) -> list[tuple[str, bool]]:
