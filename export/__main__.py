@@ -75,7 +75,8 @@ def main(argv=None) -> int:
         print(f"specbeam-export: error: {os_error_message(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("specbeam-export: interrupted; the output was left as it was (no partial export)", file=sys.stderr)
+        print("specbeam-export: interrupted; no partial export was left (the output holds the previous export, or "
+              "the new one when the interrupt came as it was put in place)", file=sys.stderr)
         return 130
     print(out)
     return 0

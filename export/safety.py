@@ -8,6 +8,7 @@ contains or lies inside the input (deleting it would delete the source). The rep
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import shutil
@@ -109,11 +110,17 @@ def check_output(src: Path, dst: Path, overwrite: bool) -> None:
                           f"another -o")
 
 
+_HINTS = {errno.ENOSPC: "free space or choose another -o", errno.EDQUOT: "free space or choose another -o",
+          errno.EROFS: "choose a writable -o", errno.EACCES: "check the permissions or choose another -o",
+          errno.EPERM: "check the permissions or choose another -o"}
+
+
 def os_error_message(e: OSError) -> str:
-    """A failed write (full or read-only disk) as one line; the partial export has already been removed."""
-    where = f" writing {e.filename}" if e.filename else ""
-    return (f"{e.strerror or e}{where}; nothing was written (the partial export was removed): free space or "
-            f"choose another -o")
+    """A failed read or write (a full or read-only disk, a permission) as one line; the partial export has
+    already been removed by then."""
+    where = f": {e.filename}" if e.filename else ""
+    hint = _HINTS.get(e.errno, "fix it and run the export again")
+    return f"{e.strerror or e}{where}; no partial export was left: {hint}"
 
 
 def file_sha256(path: Path) -> str:

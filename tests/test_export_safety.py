@@ -149,7 +149,8 @@ def test_full_disk_is_one_line_and_leaves_nothing(src, tmp_path, monkeypatch, ca
     out = tmp_path / "out"
     assert main(["-i", str(src), "-o", str(out), "-q"]) == 1
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "No space left on device" in err and "model.onnx" in err
+    assert err.count("\n") == 1 and "No space left on device: " in err and "model.onnx" in err
+    assert err.endswith("no partial export was left: free space or choose another -o\n")
     assert not out.exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
@@ -174,6 +175,16 @@ def test_unwritable_parent_is_refused_up_front(src, tmp_path, monkeypatch):
     monkeypatch.setattr(safety.os, "access", lambda p, mode: False)
     with pytest.raises(ExportError, match=r"cannot write into .*read-only file system"):
         export(src, tmp_path / "out", quiet=True)
+
+
+def test_ctrl_c_during_the_export_is_one_line(src, tmp_path, monkeypatch, capsys):
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(core, "_save", interrupted)
+    assert main(["-i", str(src), "-o", str(tmp_path / "out"), "-q"]) == 130
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("specbeam-export: interrupted; no partial export was left")
+    assert not (tmp_path / "out").exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
 def test_invalid_generation_config_is_named(src, tmp_path):
