@@ -160,4 +160,18 @@ def test_the_default_model_chats_and_the_translator_says_so(qtbot, tmp_path, mon
     win.model_edit.setText(str(ROOT / "models" / "ende" / "target"))
     win.draft_edit.setText(str(ROOT / "models" / "ende" / "draft"))
     assert win.load_models()
-    assert win.kind.fullText() == "translator: each message is translated into German"
+    assert win.kind.text() == "translator: each message is translated into German"
+
+
+def test_the_documentation_screenshot_renders_the_code_answer(qtbot, tmp_path, monkeypatch):
+    from apps.chat import screenshot
+
+    monkeypatch.setenv("SPECBEAM_MODELS", str(ROOT / "models"))
+    out = tmp_path / "shot.png"
+    text = screenshot.render(out)
+    assert "List<String> names = new ArrayList<>();" in text and '<div id="names"></div> stays visible' in text
+    assert "a<b, &amp; and <script>alert(1)</script>." in text
+    from PySide6.QtGui import QImage
+
+    image = QImage(str(out))
+    assert image.width() == 1100 and image.height() == 720

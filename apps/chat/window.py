@@ -124,6 +124,8 @@ class ChatWindow(QMainWindow):
         self.convs = QListWidget()
         self.convs.currentItemChanged.connect(self._show_conversation)
         self.convs.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
+        self.convs.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)   # long titles elide
+        self.convs.setTextElideMode(Qt.TextElideMode.ElideRight)
         self.convs.customContextMenuRequested.connect(self._conversation_menu)
         new_btn = QPushButton("New chat")
         new_btn.clicked.connect(self.new_chat)
@@ -219,7 +221,9 @@ class ChatWindow(QMainWindow):
         load_btn = QPushButton("Load models")
         load_btn.clicked.connect(self.load_models)
         self.pair = ElidedLabel("no model loaded")
-        self.kind = ElidedLabel("")
+        self.kind = QLabel("")                 # wraps: what the model does with a message
+        self.kind.setWordWrap(True)
+        self.kind.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         self.speculate = QCheckBox("Speculate with the draft model")
         self.speculate.setToolTip("Off: plain beam search on the target alone (same output, for comparison)")
         self.mode = QComboBox()
@@ -242,7 +246,7 @@ class ChatWindow(QMainWindow):
             form.addRow(label, row)
         form.addRow("", load_btn)
         form.addRow("Loaded", self.pair)
-        form.addRow("", self.kind)
+        form.addRow(self.kind)
         form.addRow("", self.speculate)
         form.addRow("Mode", self.mode)
         form.addRow("Beams", self.beams)
