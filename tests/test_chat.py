@@ -322,9 +322,9 @@ def test_missing_shipped_pair_says_what_to_do(qtbot, tmp_path, monkeypatch):
     shown = []
     monkeypatch.setattr("apps.chat.window.QMessageBox.critical", lambda parent, title, text: shown.append(text))
     monkeypatch.setenv("SPECBEAM_MODELS", str(tmp_path / "models"))
-    win = make_window(qtbot, tmp_path, None)                 # first start: the shipped pair is the default
-    assert win.engine is None and win.model_edit.text() == str(tmp_path / "models" / "ende" / "target")
-    assert shown == [f"the shipped model folder {tmp_path}/models/ende/target is not in SPECBEAM_MODELS="
+    win = make_window(qtbot, tmp_path, None)       # first start: the shipped text pair is the default
+    assert win.engine is None and win.model_edit.text() == str(tmp_path / "models" / "text" / "target")
+    assert shown == [f"the shipped model folder {tmp_path}/models/text/target is not in SPECBEAM_MODELS="
                      f"{tmp_path}/models: pass your model folders with the Model and Draft fields, or set "
                      f"SPECBEAM_MODELS to the repository's models/ folder (it holds the pairs ende, text, each "
                      f"with target/ and draft/)\n\nNo model is loaded."]
