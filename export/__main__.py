@@ -56,7 +56,8 @@ def main(argv=None) -> int:
                     help="int4 quantization block size (a power of two >= 16)")
     ap.add_argument("--reduce_range", action="store_true",
                     help="int8: 7-bit weights, so CPUs without VNNI (AVX2 only) never saturate their int16 sums")
-    ap.add_argument("--overwrite", action="store_true", help="replace the output folder if it exists")
+    ap.add_argument("--overwrite", action="store_true", help="replace the output folder if it holds a previous export "
+                    "(never the input, a folder around it, or other files)")
     ap.add_argument("-q", "--quiet", action="store_true", help="no progress display")
     args = ap.parse_args(argv)
     try:
