@@ -172,7 +172,7 @@ def test_driver_killed_then_resume_redoes_only_unfinished_shards(cluster, pair, 
     assert main(ray_args(pair, inp, out)) == 2          # without --resume: refused, nothing lost
     assert f"holds {done} finished shard(s) of an interrupted run; pass --resume" in capsys.readouterr().err
     assert main(ray_args(pair, inp, out, "--resume", "--shard_lines", "50")) == 2     # another shard plan
-    assert "was written with other settings (shard_lines: 63 -> 50)" in capsys.readouterr().err
+    assert "was written with other settings (shard_lines: 63 in the journal, 50 now)" in capsys.readouterr().err
     assert main(ray_args(pair, inp, out, "--resume")) == 0
     err = capsys.readouterr().err
     assert f"resuming, {done} of 8 shards already done" in err

@@ -284,12 +284,11 @@ def truncated(tok, text: str, src: list[int], n: int) -> str:
     return cut
 
 
-def prepare(args, engine, lines: list[bytes], first: int = 0, report=report_line, note=None):
+def prepare(args, engine, lines: list[bytes], first: int = 0, report=report_line):
     """Validate every line first: returns (items to translate [(index, ids)], fixed outputs {index: lines},
     number of bad lines); bad lines are reported, report(line number, why), and handled by --on_error;
-    truncated lines are reported through note(line number, what) (default: report). `first` is the input line
-    index of lines[0] (a shard of a larger input)."""
-    note = note or report
+    truncated lines are reported the same way (and translated). `first` is the input line index of lines[0]
+    (a shard of a larger input)."""
     tok, ctx = engine.tokenizer, engine.target.cfg.context_length
     items, fixed, bad = [], {}, 0
     for i, b in enumerate(lines):
@@ -301,12 +300,13 @@ def prepare(args, engine, lines: list[bytes], first: int = 0, report=report_line
             src = tok.encode(text)
             if len(src) > args.max_input_length:
                 text = truncated(tok, text, src, args.max_input_length)
-                note(first + i + 1, f"{len(src)} tokens, truncated to the first {args.max_input_length} "
-                                    f"(--max_input_length)")
+                report(first + i + 1, f"{len(src)} tokens, truncated to the first {args.max_input_length} "
+                                      f"(--max_input_length)")
             ids = engine.encode(tok.format_prompt(text), src_lang=args.src_lang)
             if len(ids) + 1 >= ctx:
+                overhead = len(ids) - len(tok.encode(text))        # the prompt format's own tokens
                 raise LineError(f"{len(ids)} prompt tokens, over the model's context {ctx}; pass a smaller "
-                                f"--max_input_length (at most {max(1, ctx - 2 - (len(ids) - len(src)))})")
+                                f"--max_input_length (at most {max(1, ctx - 2 - overhead)})")
             items.append((i, ids))
         except (UnicodeDecodeError, LineError) as e:
             bad += 1
