@@ -206,3 +206,28 @@ def test_sigterm_to_the_driver_is_one_line_and_resume_finishes(cluster, pair, jo
     assert "Traceback" not in err and "Stack" not in err
     assert main(ray_args(pair, inp, out, "--resume")) == 0
     assert out.read_bytes() == ref.read_bytes()
+
+
+@pytest.mark.slow
+def test_output_inside_the_input_folder_resumes_and_is_never_read_again(cluster, pair, job, tmp_path, capsys):
+    """Before: with -o inside the input folder, a killed driver's --resume was refused ("input changed": the
+    shards and the lock were read as input), and a second run translated the first run's output again."""
+    inp, ref = job
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "in.txt").write_bytes(inp.read_bytes())
+    out = docs / "out"
+    manifest = docs / "out.shards" / "manifest"
+    driver = subprocess.Popen([sys.executable, "-m", "apps.translate", *ray_args(pair, docs, out), "-q",
+                               "--ray_address", cluster], cwd=ROOT)
+    wait_for(manifest, 1)
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    capsys.readouterr()
+    assert main(ray_args(pair, docs, out, "--resume")) == 0
+    assert "resuming, " in capsys.readouterr().err
+    assert sorted(p.relative_to(docs).as_posix() for p in docs.rglob("*")) == ["in.txt", "out", "out/in.txt"]
+    assert (out / "in.txt").read_bytes() == ref.read_bytes()
+    assert main(ray_args(pair, docs, out)) == 0                     # again: in.txt only, 8 shards as before
+    assert "8 shard(s) on 2 actor(s)" in capsys.readouterr().err
+    assert (out / "in.txt").read_bytes() == ref.read_bytes()
