@@ -98,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--on_error", choices=("skip", "copy", "fail"), default="skip",
                     help="a bad line (invalid UTF-8, over the model's context): write an empty line, copy the "
                          "source, or stop")
-    ap.add_argument("--resume", action="store_true", help="continue an interrupted run (needs -o)")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue an interrupted run (needs -o); on a finished output it says so and does nothing")
     ap.add_argument("--eval", default=None, metavar="REF", help="print BLEU and chrF against this reference file")
     s = ap.add_argument_group("speculation")
     s.add_argument("--drafter", choices=("beam", "best_first", "lookup"), default="beam",

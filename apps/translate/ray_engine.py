@@ -3,7 +3,10 @@
     specbeam-translate --engine ray -i corpus/ -o out/ --actors 4 --cpus_per_actor 2 --resume
 
 Input (-i): a file, a folder (its files, recursively, in sorted order) or a quoted glob. Output (-o): a file for
-a file input; a folder for a folder or glob, each output at its input's relative path. Every input file is cut
+a file input; a folder for a folder or glob, each output at its input's relative path. Each real file is read
+once (`**` does not descend into symlinked folders), a glob with `..` after a wildcard is refused, the run's own
+files on -o (outputs, shards, lock, pid file) are never input, and an output that would replace an input is
+refused. Every input file is cut
 into shards of --shard_lines lines; each actor holds one Engine (--cpus_per_actor onnxruntime threads, so the
 actors of a node do not oversubscribe its cores) and translates whole shards with the local tool's code
 (validation, batching, formatting), so the output is byte-identical to `specbeam-translate` on one machine.
