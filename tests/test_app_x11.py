@@ -3,6 +3,7 @@ window mid-answer or idle; the process must exit 0 with the partial answer saved
 Destroyed while thread is still running`, exit 134). Skipped where no X server can be started."""
 import os
 import shutil
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -84,3 +85,64 @@ def test_close_idle_under_x_three_times(tmp_path, pair):
     for _ in range(3):                  # the idle crash (bool_dealloc at exit) did not happen every time
         proc = run_session(tmp_path, pair, mid_answer=False)
         assert proc.returncode == 0 and "Fatal Python error" not in proc.stderr, proc.stderr
+
+
+# specbeam-chat's main() under X; QTest types the message; the search is slowed down so the signal lands
+# mid-answer. Prints its pid once the answer is under way (xvfb-run is the parent and would take the signal).
+SIGNAL_SESSION = textwrap.dedent("""
+    import os, sys, time
+    from PySide6.QtCore import QTimer, Qt
+    from PySide6.QtTest import QTest
+    from PySide6.QtWidgets import QApplication
+    from specbeam_edge.generate import Engine
+    from apps.chat import __main__ as chat_main
+    from apps.chat.window import ChatWindow
+
+    real = Engine.generate_step
+    def slow(self, *a, **kw):
+        for item in real(self, *a, **kw):
+            time.sleep(0.03)
+            yield item
+    Engine.generate_step = slow
+    app = QApplication(sys.argv[:1])
+    assert app.platformName() == "xcb", app.platformName()
+
+    def drive():
+        win = next((w for w in app.topLevelWidgets() if isinstance(w, ChatWindow)), None)
+        if win is not None and win.gen is None and not win.store.messages(win.current()):
+            QTest.keyClicks(win.input, "the quick brown fox")
+            QTest.keyClick(win.input, Qt.Key.Key_Return)
+        elif win is not None and win.gen is not None and win.partial_steps >= 3:
+            print(os.getpid(), flush=True)
+            return
+        QTimer.singleShot(10, drive)
+    QTimer.singleShot(10, drive)
+    sys.exit(chat_main.main(sys.argv[1:]))
+""")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_mid_answer_under_x(tmp_path, pair, sig):
+    """Before: SIGTERM ended the app with only the user message stored; Ctrl-C (SIGINT) was ignored."""
+    script = tmp_path / "session.py"
+    script.write_text(SIGNAL_SESSION)
+    ini = tmp_path / "s.ini"
+    ini.write_text(f"[General]\nmodel={pair[0]}\ndraft={pair[1]}\nbeams=2\nmax_new_tokens=400\n")
+    env = {k: v for k, v in os.environ.items() if k != "QT_QPA_PLATFORM"}
+    env["PYTHONPATH"] = str(ROOT)
+    cmd = [sys.executable, str(script), "--db", str(tmp_path / "chat.sqlite"), "--settings", str(ini)]
+    if not os.environ.get("DISPLAY"):
+        cmd = [XVFB, "-a", *cmd]
+    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.strip().isdigit(), proc.stderr.read()
+        os.kill(int(line), sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert "Traceback" not in err and "QThread" not in err and "Fatal Python error" not in err, err
+    assert proc.returncode == 128 + sig                  # xvfb-run exits with its command's status
+    db = sqlite3.connect(tmp_path / "chat.sqlite")
+    rows = db.execute("SELECT role, content, stats FROM messages ORDER BY id").fetchall()
+    assert [r[0] for r in rows] == ["user", "assistant"] and rows[1][1] and '"stopped": true' in rows[1][2]

@@ -138,6 +138,18 @@ def test_stop_with_beams_that_never_agreed_keeps_the_best_beam(qtbot, tmp_path, 
     assert len(answer["stats"]["tokens"]) >= 5
 
 
+@pytest.mark.parametrize("mode, beams", [(1, 3), (0, 1)])      # beam sampling; greedy (K=1)
+def test_stop_keeps_the_best_so_far_in_every_mode(qtbot, tmp_path, folders, mode, beams):
+    win = window(qtbot, tmp_path, folders, DisagreeingEngine, beams=beams, max_new_tokens=300, mode=mode)
+    send(win)
+    qtbot.waitUntil(lambda: win.partial_steps >= 4, timeout=20000)
+    win.stop_btn.click()
+    qtbot.waitUntil(lambda: win.gen is None, timeout=20000)
+    [_, answer] = win.store.messages(win.current())
+    assert answer["stats"]["stopped"] and "error" not in answer["stats"] and len(answer["stats"]["tokens"]) >= 4
+    assert answer["content"] and answer["content"] in win.transcript.toPlainText()
+
+
 def test_finished_answer_with_beams_is_shown_and_stored_as_the_engine_returns_it(qtbot, tmp_path, folders):
     win = window(qtbot, tmp_path, folders, DisagreeingEngine, beams=3, max_new_tokens=12, speculate=False)
     send(win, "hello there")
