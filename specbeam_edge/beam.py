@@ -35,6 +35,76 @@ def _top(values: np.ndarray, k: int) -> np.ndarray:
     return part[np.lexsort((part, -values[part]))][:k]
 
 
+class BeamRows:
+    """The log-probs of the running beams for one step: dense [K, V], or a beam head's best k entries per beam
+    (`ids` [K, k]; every other token -inf), which beam search reads without touching the vocabulary.
+
+    Exact either way: the global top M of K x V candidates lies in the union of each beam's top M, so a beam head
+    with k >= M entries per row gives the same candidates, and `top` orders them as the dense path does (value,
+    then flat index beam * V + token; -inf candidates the dense path would reach are the lowest flat indices)."""
+
+    def __init__(self, logprobs: np.ndarray, ids: np.ndarray | None = None, vocab: int | None = None):
+        self.logprobs, self.ids = logprobs.astype(np.float32, copy=False), ids
+        self.vocab = logprobs.shape[1] if ids is None else int(vocab)
+
+    def ban(self, tokens: np.ndarray) -> "BeamRows":
+        """Tokens set to -inf (min_new_tokens' EOS, an encoder-decoder's pad)."""
+        lp = self.logprobs.copy()
+        if self.ids is None:
+            lp[:, tokens] = -np.inf
+        else:
+            lp[np.isin(self.ids, tokens)] = -np.inf
+        return BeamRows(lp, self.ids, self.vocab)
+
+    def force(self, token: int) -> "BeamRows":
+        """Only `token` survives, with log-prob 0 (a forced EOS)."""
+        K = len(self.logprobs)
+        if self.ids is None:
+            lp = np.full_like(self.logprobs, -np.inf)
+            lp[:, token] = 0
+            return BeamRows(lp)
+        return BeamRows(np.zeros((K, 1), np.float32), np.full((K, 1), token, np.int64), self.vocab)
+
+    def dense(self) -> np.ndarray:
+        if self.ids is None:
+            return self.logprobs
+        out = np.full((len(self.logprobs), self.vocab), -np.inf, np.float32)
+        np.put_along_axis(out, self.ids, self.logprobs, axis=1)
+        return out
+
+    def best(self) -> tuple[int, float]:
+        """Beam 0's most probable token (lowest id on a tie, as argmax) and its log-prob."""
+        if self.ids is None:
+            tok = int(np.argmax(self.logprobs[0]))
+            return tok, self.logprobs[0, tok]
+        lp, ids = self.logprobs[0], self.ids[0]
+        finite = np.isfinite(lp)
+        if not finite.any():                 # every entry -inf: argmax of the dense row is token 0
+            return 0, np.float32(-np.inf)
+        j = np.lexsort((ids[finite], -lp[finite]))[0]
+        return int(ids[finite][j]), lp[finite][j]
+
+    def top(self, scores: np.ndarray, M: int) -> tuple[np.ndarray, np.ndarray]:
+        """The M best candidates scores[beam] + logprob[beam, token]: (values [M], flat indices beam * V + token)."""
+        acc = scores[:, None].astype(np.float32) + self.logprobs
+        if self.ids is None:
+            flat = acc.reshape(-1)
+            idx = _top(flat, M)
+            return flat[idx], idx
+        V = self.vocab
+        flat = (np.arange(len(acc))[:, None] * V + self.ids).reshape(-1)
+        vals = acc.reshape(-1)
+        finite = np.isfinite(vals)
+        flat, vals = flat[finite], vals[finite]
+        order = np.lexsort((flat, -vals))[:M]
+        flat, vals = flat[order], vals[order]
+        if len(flat) < M:                    # the dense path goes on with -inf candidates, lowest index first
+            fill = np.setdiff1d(np.arange(M + len(flat)), flat)[:M - len(flat)]
+            flat = np.concatenate([flat, fill])
+            vals = np.concatenate([vals, np.full(len(fill), -np.inf, np.float32)])
+        return vals, flat
+
+
 class BeamSearch:
     """One request's beam-search state; `step` consumes the processed log-probs of the running beams."""
 
@@ -55,25 +125,22 @@ class BeamSearch:
         self.improvable = True
         self.done = False
 
-    def process(self, logp: np.ndarray) -> np.ndarray:
-        """Logits processors on log-probs [K, V] (min_new_tokens masks EOS)."""
+    def process(self, rows: BeamRows) -> BeamRows:
+        """Logits processors on the beams' log-probs (min_new_tokens masks EOS)."""
         if self.cur_len - self.P < self.min_new and len(self.eos):
-            logp = logp.copy()
-            logp[:, self.eos] = -np.inf
-        return logp
+            return rows.ban(self.eos)
+        return rows
 
-    def step(self, logp: np.ndarray) -> list[int]:
-        """Advance one token; logp: fp32 log_softmax of the running beams' logits [K, V]. Returns the new
-        running nodes (registered in the tree; they may not be scored yet)."""
+    def step(self, rows: BeamRows | np.ndarray) -> list[int]:
+        """Advance one token; rows: the running beams' fp32 log-probs (BeamRows, or a dense [K, V] array).
+        Returns the new running nodes (registered in the tree; they may not be scored yet)."""
         if self.done:
             raise RuntimeError("beam search already finished")
-        logp = self.process(logp)
+        rows = self.process(rows if isinstance(rows, BeamRows) else BeamRows(rows))
         if self.K == 1:
-            return self._greedy_step(logp[0])
-        K, V = logp.shape
-        acc = (self.scores[:, None] + logp).reshape(-1)
-        idx = _top(acc, self.M)
-        topv = acc[idx]
+            return self._greedy_step(*rows.best())
+        K, V = self.K, rows.vocab
+        topv, idx = rows.top(self.scores, self.M)
         beam, tok = idx // V, idx % V
         hit = (tok[:, None] == self.eos).any(axis=1) | (self.cur_len + 1 >= self.max_length)   # np.isin sorts: 0.5 ms
         # running beams for the next step: the best K candidates that did not stop
@@ -109,10 +176,9 @@ class BeamSearch:
         self.done = not (self.improvable and open_beam and not bool(hit.all()))
         return self.running
 
-    def _greedy_step(self, row: np.ndarray) -> list[int]:
-        tok = int(np.argmax(row))
+    def _greedy_step(self, tok: int, logprob) -> list[int]:
         node = self.tree.add(self.running[0], tok)
-        self.scores[0] += row[tok]
+        self.scores[0] += logprob
         self.cur_len += 1
         if tok in self.eos or self.cur_len >= self.max_length:
             self.fin_nodes[0] = node

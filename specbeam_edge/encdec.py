@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .beam import BeamRows
 from .config import ModelFolderError
 from .model import OnnxCausalLM, _session
 
@@ -210,18 +211,17 @@ class EncoderQueue:
 
 
 def logits_processor(suppressed: list[int], forced_eos: int | None, max_length: int):
-    """transformers' NoBadWords (single-token words) and ForcedEOS processors on log-probs [K, V] at cur_len:
-    banned tokens get -inf; at the last step (cur_len == max_length - 1) only the forced EOS survives, with 0."""
+    """transformers' NoBadWords (single-token words) and ForcedEOS processors on log-probs at cur_len (beam
+    search's BeamRows, or a sampling search's dense [K, V] array, returned as it came): banned tokens get -inf; at
+    the last step (cur_len == max_length - 1) only the forced EOS survives, with 0."""
     ban = np.array(sorted(set(suppressed)), np.int64)
 
-    def process(logp: np.ndarray, cur_len: int) -> np.ndarray:
+    def process(logp, cur_len: int):
+        rows = logp if isinstance(logp, BeamRows) else BeamRows(logp)
         if forced_eos is not None and cur_len == max_length - 1:
-            out = np.full_like(logp, -np.inf)
-            out[:, forced_eos] = 0
-            return out
-        if ban.size:
-            logp = logp.copy()
-            logp[:, ban] = -np.inf
-        return logp
+            rows = rows.force(forced_eos)
+        elif ban.size:
+            rows = rows.ban(ban)
+        return rows if isinstance(logp, BeamRows) else rows.dense()
     return process
 

@@ -4,15 +4,16 @@
 ids per node (export --output_kind topk: no full-vocabulary row leaves the graph). Both answer the two
 questions the runtime asks, so no consumer branches on the kind:
 
-- `logprob_rows(pairs, vocab)`: the log-probs [R, V] of rows picked from one or more pass outputs (beam search
-  replays over rows of different passes); a top-k head's rows are -inf outside its k entries;
+- `logprob_rows(pairs, vocab)`: the log-probs [R, V] of rows picked from one or more pass outputs; a top-k head's
+  rows are -inf outside its k entries; `beam_rows(pairs, vocab)`: the same as `beam.BeamRows`, which a top-k head
+  fills with its k entries only (beam search replays over rows of different passes);
 - `top(rows, width)`: each row's `width` most probable tokens and their log-probs (the drafters).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .beam import log_softmax
+from .beam import BeamRows, log_softmax
 
 
 class Dense:
@@ -34,6 +35,10 @@ class Dense:
     @staticmethod
     def logprob_rows(pairs: list[tuple["Dense", int]], vocab: int) -> np.ndarray:
         return log_softmax(np.stack([h.logits[j] for h, j in pairs]))
+
+    @staticmethod
+    def beam_rows(pairs: list[tuple["Dense", int]], vocab: int) -> BeamRows:
+        return BeamRows(Dense.logprob_rows(pairs, vocab))
 
     def top(self, rows, width: int) -> tuple[np.ndarray, np.ndarray]:
         """(token ids [R, w], log-probs [R, w]) of each row's w best tokens (unordered within a row)."""
@@ -89,6 +94,11 @@ class TopK:
         for b, (h, j) in enumerate(pairs):
             lp[b, h.ids[j]] = h.logprobs[j]
         return lp
+
+    @staticmethod
+    def beam_rows(pairs: list[tuple["TopK", int]], vocab: int) -> BeamRows:
+        """The beams' k entries as they are: beam search never builds a vocabulary-sized row (beam.BeamRows)."""
+        return BeamRows(np.stack([h.logprobs[j] for h, j in pairs]), np.stack([h.ids[j] for h, j in pairs]), vocab)
 
     def top(self, rows, width: int) -> tuple[np.ndarray, np.ndarray]:
         return self.ids[rows, :width], self.logprobs[rows, :width]

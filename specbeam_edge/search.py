@@ -14,7 +14,7 @@ from types import GeneratorType
 
 import numpy as np
 
-from .beam import BeamSearch
+from .beam import BeamRows, BeamSearch
 from .cache import ScoreCall, TreeCache
 from .results import Stats, peak_rss_mb
 from .sampling import SampleState, choose_width, draw, verify_level
@@ -147,11 +147,11 @@ class ExactSearch:
             first = False
             stats.draft_tokens_accepted += sum(n in in_tree for n in set(bs.running))
 
-    def _beam_logprobs(self, running) -> np.ndarray:
-        """[beams, V] log-probs of the running beams (a top-k head's rows: -inf outside its entries)."""
+    def _beam_logprobs(self, running) -> BeamRows:
+        """The running beams' log-probs (dense [beams, V], or a top-k head's entries: beam.BeamRows)."""
         pairs = [self.rows[n] for n in running]
-        lp = type(pairs[0][0]).logprob_rows(pairs, self.target.model.cfg.vocab_size)
-        return lp if self.process is None else self.process(lp, self.bs.cur_len)
+        rows = type(pairs[0][0]).beam_rows(pairs, self.target.model.cfg.vocab_size)
+        return rows if self.process is None else self.process(rows, self.bs.cur_len)
 
     # 4. commit: keep only the running beams' paths (lazily), in both caches
     def _commit(self, speculated: bool):
