@@ -207,7 +207,8 @@ def export(src: str | Path, dst: str | Path, *, precision: str = "fp32", layout:
         raise ExportError(f"output {output!r} is not one of {OUTPUT_KINDS}")
     if layout == "split" and precision == "int4":
         raise ExportError("layout 'split' supports fp32, fp16 and int8 weights (int4 needs constant weights)")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 16 or block_size & (block_size - 1):
+    if (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 16
+            or block_size & (block_size - 1)):
         raise ExportError(f"block_size must be a power of two >= 16 (int4 blocks), got {block_size!r}")
     if not src.exists():
         raise ExportError(f"input {src} does not exist (pass a Hugging Face model folder or a .gguf file)")
@@ -262,7 +263,7 @@ def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str
     t0 = time.time()
     arch = read_arch(src)
     weights = read_weights(src) if weights is None else weights
-    check_layer_count(weights, arch.layers, f"{source_name}")
+    check_layer_count(weights, arch.layers, source_name)
     prog = Progress(arch.layers + 3, quiet)   # read each layer, build, write, config
     g = global_weights(weights, arch)
     layers = []

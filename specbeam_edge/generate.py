@@ -148,7 +148,8 @@ class Engine:
             hint = ": decode bytes to a str first" if isinstance(prompt, (bytes, bytearray, memoryview)) else ""
             raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}{hint}")
         if isinstance(prompt, np.ndarray) and (prompt.ndim != 1 or not np.issubdtype(prompt.dtype, np.integer)):
-            raise TypeError(f"a token-id prompt must be a 1-D integer array, got shape {prompt.shape} of {prompt.dtype}")
+            raise TypeError(f"a token-id prompt must be a 1-D integer array, got shape {prompt.shape} of "
+                            f"{prompt.dtype}")
         try:
             items = list(prompt)
         except TypeError:

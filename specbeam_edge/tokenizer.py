@@ -52,6 +52,8 @@ class Tokenizer:
         specials = sorted({t.content for t in self._tok.get_added_tokens_decoder().values() if t.special and t.content},
                           key=len, reverse=True)
         self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
+        # what a chat message must not bring into a template: a special token's spelling, or a marker character
+        self._hide_re = re.compile("|".join([_MARKED.pattern, *map(re.escape, specials)]))
         self._format = _parse_format(self.prompt_format, folder, self._split_specials)
 
     @functools.cached_property
@@ -139,12 +141,10 @@ class Tokenizer:
         def hide(text):
             if not isinstance(text, str):
                 return text
-            pattern = _MARKED if self._special_re is None else re.compile(f"{_MARKED.pattern}|{self._special_re.pattern}")
-
             def mark(m):
                 originals.append(m.group())
                 return f"{_OPEN}{len(originals) - 1}{_CLOSE}"
-            return pattern.sub(mark, text)
+            return self._hide_re.sub(mark, text)
 
         def hidden(message):
             if not isinstance(message, dict):
@@ -201,7 +201,8 @@ def _parse_format(fmt, folder: Path, split) -> list:
     try:
         items = list(string.Formatter().parse(fmt))
     except ValueError as e:
-        raise ModelFolderError(f"{where} is not a valid format string ({e}); write literal braces as {{{{ }}}}") from None
+        raise ModelFolderError(f"{where} is not a valid format string ({e}); write literal braces as "
+                               f"{{{{ }}}}") from None
     out = []
     for literal, field, spec, conv in items:
         if field is not None and field != "source":
