@@ -7,7 +7,7 @@ the scheduler (scheduler.py) batches the passes of many requests. `generate_iter
 from __future__ import annotations
 
 import threading
-from dataclasses import asdict, replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -170,8 +170,6 @@ class Engine:
         if spec is None or isinstance(spec, SpeculativeConfig):
             return spec
         if isinstance(spec, dict):
-            from dataclasses import fields
-
             unknown = set(spec) - {f.name for f in fields(SpeculativeConfig)}
             if unknown:
                 raise ValueError(f"unknown speculative option(s): {', '.join(sorted(map(str, unknown)))}")
