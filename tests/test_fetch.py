@@ -261,3 +261,36 @@ def test_real_fetch_exports_and_answers(tmp_path, monkeypatch):
     [r] = engine.generate(prompt, num_beams=1, max_new_tokens=24)
     assert "Paris" in r.text
     assert json.loads((dst / fetch.MARKER).read_text())["sha256"] == fetch.SOURCES["smollm2"].sha256
+
+
+def test_the_chat_model_picker_offers_the_fetched_model(data, tmp_path, monkeypatch, request):
+    monkeypatch.setenv("QT_QPA_PLATFORM", "offscreen")
+    pytest.importorskip("PySide6")
+    pytest.importorskip("pytestqt")
+    from types import SimpleNamespace
+
+    from PySide6.QtCore import QSettings
+
+    from apps.chat.store import ChatStore
+    from apps.chat.window import ChatWindow
+
+    qtbot = request.getfixturevalue("qtbot")
+    loaded = []
+
+    def factory(model, draft=None):
+        loaded.append((model, draft))
+        return SimpleNamespace(tokenizer=SimpleNamespace(chat_template="{{ messages }}", prompt_format=None),
+                               draft=None)
+
+    settings = QSettings(str(tmp_path / "settings.ini"), QSettings.Format.IniFormat)
+    win = ChatWindow(ChatStore(tmp_path / "chat.sqlite"), engine_factory=factory, settings=settings)
+    qtbot.addWidget(win)
+    labels = lambda: [win.known.itemText(i) for i in range(win.known.count())]   # noqa: E731
+    missing = next(i for i, t in enumerate(labels()) if t.startswith("smollm2: not fetched"))
+    assert not win.known.model().item(missing).isEnabled()          # shown with how to fetch it, not choosable
+    dst = run()
+    win.known.refresh()                                             # what opening the list does
+    i = labels().index("smollm2-135m-instruct (fetched, no draft yet)")
+    win.known.activated.emit(i)
+    assert loaded[-1] == (str(dst), None) and win.model_edit.text() == str(dst) and win.draft_edit.text() == ""
+    assert win.known.currentIndex() == 0

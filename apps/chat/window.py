@@ -17,6 +17,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog
                                QTextBrowser, QVBoxLayout, QWidget)
 
 from specbeam_edge import Engine, SpeculativeConfig
+from specbeam_edge import fetch
 from specbeam_edge.config import DEFAULT_BUDGET
 from specbeam_edge.shipped import missing_message, models_root
 
@@ -81,6 +82,48 @@ class ElidedLabel(QLabel):
     def _elide(self):
         width = max(self.width(), self.minimumWidth())
         super().setText(self.fontMetrics().elidedText(self._full, Qt.TextElideMode.ElideMiddle, width))
+
+
+def known_models() -> list[tuple[str, str, str]]:
+    """(label, model folder, draft folder) of the models this installation has: the shipped pairs that are there
+    and the fetched models (`specbeam fetch NAME`, in the per-user data folder); a fetchable model that is not
+    fetched yet comes with an empty folder and says how to fetch it."""
+    found = []
+    for pair, what in (("text", "shipped pair, continues text"), ("ende", "shipped pair, en->de")):
+        root = models_root() / pair
+        if (root / "target").is_dir():
+            draft = root / "draft"
+            found.append((f"{pair} ({what})", str(root / "target"), str(draft) if draft.is_dir() else ""))
+    have = fetch.fetched()
+    for name, src in fetch.SOURCES.items():
+        if name in have:
+            found.append((f"{src.folder} (fetched, no draft yet)", str(have[name]), ""))
+        else:
+            found.append((f"{name}: not fetched (run: specbeam fetch {name})", "", ""))
+    return found
+
+
+class KnownModels(QComboBox):
+    """The model picker's list of known models; read again each time it opens (a model fetched while the app
+    runs shows up)."""
+    PROMPT = "Known models…"
+
+    def __init__(self):
+        super().__init__()
+        self.refresh()
+
+    def refresh(self):
+        self.clear()
+        self.addItem(self.PROMPT, None)
+        for label, model, draft in known_models():
+            self.addItem(label, (model, draft) if model else None)
+            if not model:                         # not there: shown, not choosable
+                self.model().item(self.count() - 1).setEnabled(False)
+        self.setCurrentIndex(0)
+
+    def showPopup(self):                          # noqa: N802 (Qt's name)
+        self.refresh()
+        super().showPopup()
 
 
 class MessageEdit(QPlainTextEdit):
@@ -220,6 +263,10 @@ class ChatWindow(QMainWindow):
         pick_d.clicked.connect(self._pick_draft)
         load_btn = QPushButton("Load models")
         load_btn.clicked.connect(self.load_models)
+        self.known = KnownModels()
+        self.known.setToolTip("The shipped pairs and the models fetched with `specbeam fetch`: choosing one fills "
+                              "the Model and Draft fields and loads them")
+        self.known.activated.connect(self._known_chosen)
         self.pair = ElidedLabel("no model loaded")
         self.kind = QLabel("")                 # wraps: what the model does with a message
         self.kind.setWordWrap(True)
@@ -239,6 +286,7 @@ class ChatWindow(QMainWindow):
         self.highlight = QCheckBox("Highlight text from the draft")
         self.highlight.toggled.connect(self._show_conversation)
         form = QFormLayout()
+        form.addRow("", self.known)
         for label, w, btn in (("Model", self.model_edit, pick_m), ("Draft", self.draft_edit, pick_d)):
             row = QHBoxLayout()
             row.addWidget(w)
@@ -258,6 +306,14 @@ class ChatWindow(QMainWindow):
 
     def _pick_model(self):
         self._pick(self.model_edit)
+
+    def _known_chosen(self, index: int):
+        folders = self.known.itemData(index)
+        self.known.setCurrentIndex(0)
+        if folders:
+            self.model_edit.setText(folders[0])
+            self.draft_edit.setText(folders[1])
+            self.load_models()
 
     def _pick_draft(self):
         self._pick(self.draft_edit)
