@@ -27,8 +27,9 @@ def parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scenario", default="e2e,batch,cost,peers,sampling,synthetic,offload,confidence,kv",
                     help="comma list of: e2e, batch, cost, peers, sampling, synthetic, offload, confidence, kv, "
-                         "ray_scale "
-                         "(ray_scale is not in the default: it needs the ray extra)")
+                         "ray_scale, llamacpp "
+                         "(ray_scale and llamacpp are not in the default: they need the ray extra, and the "
+                         "llamacpp extra plus `specbeam fetch smollm2`)")
     ap.add_argument("--pair", default=str(ROOT / "models" / "ende"), help="pair folder (target/, draft/, hf/)")
     ap.add_argument("--out", default=str(DEFAULT_OUT),
                     help="output folder for JSON and PNG (bench/results holds the committed numbers)")
@@ -154,6 +155,19 @@ def main(argv=None) -> int:
             common.write(out, "ray_scale", data)
             print(common.table(data["rows"], COLS["ray_scale"]))
             print(f"overhead at equal cores (1 - ray/local): {data['overhead_at_equal_cores']}\n{data['estimate']}")
+        elif sc == "llamacpp":
+            from . import llamacpp
+
+            gguf, folders = llamacpp.default_inputs()
+            data = llamacpp.bench(gguf, folders, n_prompts=4 if args.quick else 12, max_new=32 if args.quick else 128,
+                                  threads=args.threads or 2)
+            data["machine"] = info
+            common.write(out, "llamacpp", data)
+            llamacpp.plot(data, out / "llamacpp.png")
+            for k, v in data["median_tokens_per_second"].items():
+                agree = data["greedy_agreement_with_llama_cpp"].get(k)
+                print(f"{k:20s} {v:8.1f} tok/s" + (f"   x{data['median_ratio_over_llama.cpp'][k]:.2f} of "
+                      f"llama.cpp, {agree['identical']}/{agree['of']} greedy sequences identical" if agree else ""))
         else:
             ap.error(f"unknown scenario {sc!r}")
     if out.resolve() == (ROOT / "bench" / "results").resolve():

@@ -1,0 +1,233 @@
+"""llama.cpp as a measured peer on the same GGUF file: greedy decoding of the same instruction prompts with both
+engines, alternated prompt by prompt, one request at a time, 2 threads each.
+
+Both get the same prompt token ids: the model's chat template rendered by specbeam's tokenizer (one user
+message; the template adds its own default system message) and encoded there; llama.cpp evaluates those ids
+(`Llama.generate(tokens, temp=0)`: greedy, no repeat penalty), so neither engine's tokenizer or template can
+make a difference. Reported: tokens/s of each engine per prompt, their medians and the median of the per-prompt
+ratios, and how many prompts give identical greedy token sequences (with the first position where the others
+differ). llama.cpp dequantizes the Q4_1 weights block by block in its kernels; specbeam's exports start from the
+same dequantized weights (transformers) and int8 re-quantizes them per output row, so small logit differences
+can flip a near-tie; the fp32 export shows how much of the disagreement is that re-quantization.
+
+    python -m bench --scenario llamacpp                    # the fetched smollm2 (specbeam fetch smollm2)
+    python -m bench.llamacpp --prompts 12 --max_new 128 --precisions int8,fp32,int4
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# short, varied English instructions (written for this benchmark; none is from a training set we know of)
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "Explain in two sentences why the sky is blue.",
+    "Give me three tips for a good night's sleep.",
+    "Translate 'Good morning, how are you?' into Spanish.",
+    "Write a Python function that returns the largest number in a list.",
+    "What is the difference between a virus and a bacterium?",
+    "Summarize the plot of Romeo and Juliet in one paragraph.",
+    "List five fruits that are rich in vitamin C.",
+    "How do I boil an egg?",
+    "Write a short, polite email declining a meeting invitation.",
+    "What does a CPU do in a computer?",
+    "Suggest a name for a small coffee shop by the sea.",
+    "Why do we have leap years?",
+    "Describe a cat to someone who has never seen one.",
+    "What are the three states of matter? Give an example of each.",
+    "Write a limerick about a programmer who loves coffee.",
+    "How can I make my password more secure?",
+    "Explain what photosynthesis is to a ten-year-old.",
+    "Give me a simple recipe for pancakes.",
+    "What is 15% of 240? Show your steps.",
+    "Name three famous painters and one work by each.",
+    "What should I pack for a weekend hiking trip?",
+    "Rewrite this sentence to sound more formal: 'Hey, can you send me the file?'",
+]
+
+
+# -- pure parts (tested without llama-cpp-python) -----------------------------------------------------------------
+def prompt_ids(tokenizer, text: str) -> list[int]:
+    """The ids both engines get: the chat template with one user message and the generation prompt, its
+    special tokens as tokens and the user's text as text."""
+    return tokenizer.encode_prompt(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
+
+
+def generated(tokens, eos) -> tuple[list[int], int]:
+    """(the tokens before the first EOS, the count of generated tokens with that EOS) of one output."""
+    tokens, eos = list(tokens), set(eos)
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[:i], i + 1
+    return tokens, len(tokens)
+
+
+def first_difference(a, b) -> int | None:
+    """The first position where two token sequences differ (a prefix differs at the shorter one's length);
+    None when they are identical."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
+    """How many of the prompts give identical sequences, and for the others the first differing position."""
+    if len(ours) != len(theirs):
+        raise ValueError(f"{len(ours)} outputs against {len(theirs)}")
+    firsts = [first_difference(a, b) for a, b in zip(ours, theirs)]
+    return {"identical": sum(f is None for f in firsts), "of": len(firsts),
+            "first_difference": {str(i): f for i, f in enumerate(firsts) if f is not None}}
+
+
+def summarize(per_prompt: dict[str, list[float]], base: str) -> dict:
+    """Median tokens/s of each engine and the median over prompts of each one's ratio to `base`."""
+    out = {"median_tokens_per_second": {k: round(statistics.median(v), 1) for k, v in per_prompt.items()}}
+    out["median_ratio_over_" + base] = {
+        k: round(statistics.median(x / y for x, y in zip(v, per_prompt[base])), 3)
+        for k, v in per_prompt.items() if k != base}
+    return out
+
+
+# -- the engines --------------------------------------------------------------------------------------------------
+def _ours(engine, ids, max_new, eos):
+    t0 = time.perf_counter()
+    [r] = engine.generate(ids, num_beams=1, do_sample=False, max_new_tokens=max_new)
+    dt = time.perf_counter() - t0
+    toks, n = generated(r.hypotheses[0].tokens, eos)
+    return toks, n / dt
+
+
+def _llama(llm, ids, max_new, eos):
+    stop = set(eos) | {llm.token_eos()}
+    out = []
+    t0 = time.perf_counter()
+    llm.reset()                                    # the whole prompt is evaluated again, as ours does
+    for tok in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+        out.append(tok)
+        if tok in stop or len(out) >= max_new:
+            break
+    dt = time.perf_counter() - t0
+    toks, n = generated(out, stop)
+    return toks, n / dt
+
+
+def export_for(gguf: Path, precision: str, cache: Path, quiet: bool = True) -> Path:
+    """Our export of the GGUF at `precision` (top-k head and logits), made once into `cache`."""
+    dst = cache / f"{gguf.stem}-{precision}"
+    if not (dst / "specbeam_config.json").is_file():
+        from export.core import export
+
+        export(gguf, dst, precision=precision, output="both", quiet=quiet)
+    return dst
+
+
+def bench(gguf: Path, folders: dict[str, Path], *, n_prompts: int = 12, max_new: int = 128, threads: int = 2,
+          out=sys.stderr) -> dict:
+    """specbeam (each export in `folders`, by name) and llama.cpp, greedy, alternated prompt by prompt."""
+    import llama_cpp
+    from llama_cpp import Llama
+
+    from specbeam_edge import Engine
+
+    engines = {f"specbeam {k}": Engine(p, threads=threads) for k, p in folders.items()}
+    first = next(iter(engines.values()))
+    eos = list(first.eos)
+    prompts = PROMPTS[:n_prompts]
+    ids = [prompt_ids(first.tokenizer, p) for p in prompts]
+    llm = Llama(model_path=str(gguf), n_ctx=max(len(i) for i in ids) + max_new + 8, n_threads=threads,
+                n_threads_batch=threads, n_batch=512, seed=0, verbose=False)
+    runs = {"llama.cpp": lambda x, m=max_new: _llama(llm, x, m, eos)}
+    runs.update({k: (lambda x, m=max_new, e=e: _ours(e, x, m, eos)) for k, e in engines.items()})
+    for run in runs.values():                      # warm-up: first-call costs out of the timings
+        run(ids[0], 8)
+    speed = {k: [] for k in runs}
+    tokens = {k: [] for k in runs}
+    for n, x in enumerate(ids):
+        order = list(runs) if n % 2 == 0 else list(runs)[::-1]      # alternated: neither always goes first
+        for k in order:
+            toks, tps = runs[k](x)
+            speed[k].append(tps)
+            tokens[k].append(toks)
+        print(f"prompt {n + 1}/{len(ids)}: " + ", ".join(f"{k} {speed[k][-1]:.1f}" for k in runs) + " tok/s",
+              file=out)
+    data = {"gguf": gguf.name, "llama_cpp_python": llama_cpp.__version__, "threads": threads,
+            "prompts": len(ids), "max_new_tokens": max_new, "prompt_tokens": [len(i) for i in ids],
+            "generated_tokens": {k: [len(t) for t in v] for k, v in tokens.items()},
+            "tokens_per_second": {k: [round(s, 2) for s in v] for k, v in speed.items()},
+            **summarize(speed, "llama.cpp"),
+            "greedy_agreement_with_llama_cpp": {k: agreement(tokens[k], tokens["llama.cpp"])
+                                                for k in runs if k != "llama.cpp"}}
+    names = [k for k in runs if k != "llama.cpp"]
+    if len(names) > 1:
+        data["greedy_agreement_between_exports"] = {f"{a} vs {b}": agreement(tokens[a], tokens[b])
+                                                    for i, a in enumerate(names) for b in names[i + 1:]}
+    data["texts"] = {k: [first.tokenizer.decode(t) for t in v] for k, v in tokens.items()}
+    data["loadavg_at_end"] = [round(x, 2) for x in __import__("os").getloadavg()]
+    return data
+
+
+def plot(data: dict, path: Path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for name, v in data["tokens_per_second"].items():
+        ax.plot(range(1, len(v) + 1), v, marker="o", label=f"{name} (median "
+                f"{data['median_tokens_per_second'][name]:.0f})")
+    ax.set(xlabel="prompt", ylabel="generated tokens/s", ylim=(0, None),
+           title=f"greedy, {data['max_new_tokens']} new tokens, {data['threads']} threads: {data['gguf']}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def default_inputs(precisions=("int8", "fp32"), cache: Path | None = None) -> tuple[Path, dict[str, Path]]:
+    """The fetched smollm2's checked GGUF and folders: the fetched export (int8) and the other precisions made
+    from the same GGUF into bench/out/models."""
+    from specbeam_edge import fetch
+
+    gguf = fetch.gguf_path("smollm2")
+    if not gguf.is_file():
+        raise SystemExit(f"{gguf} is missing: run `specbeam fetch smollm2` first")
+    src = fetch.source("smollm2")
+    cache = cache or ROOT / "bench" / "out" / "models"
+    folders = {p: (fetch.model_path("smollm2") if p == src.precision else export_for(gguf, p, cache))
+               for p in precisions}
+    return gguf, folders
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    from . import common
+
+    ap = argparse.ArgumentParser(prog="python -m bench.llamacpp", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=12, help=f"how many of the {len(PROMPTS)} prompts")
+    ap.add_argument("--max_new", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--precisions", default="int8,fp32", help="our exports of the same GGUF (comma list)")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "results"))
+    a = ap.parse_args(argv)
+    gguf, folders = default_inputs(tuple(a.precisions.split(",")))
+    data = bench(gguf, folders, n_prompts=a.prompts, max_new=a.max_new, threads=a.threads)
+    data["machine"] = common.machine()
+    out = Path(a.out)
+    common.write(out, "llamacpp", data)
+    plot(data, out / "llamacpp.png")
+    print(json.dumps({k: data[k] for k in data if k not in ("texts", "tokens_per_second")}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
