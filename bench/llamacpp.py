@@ -95,13 +95,32 @@ def summarize(per_prompt: dict[str, list[float]], base: str) -> dict:
     return out
 
 
+def top_tokens(engine, ids: list[int], n: int = 4) -> dict[int, float]:
+    """The engine's n most likely next tokens after `ids` with their log-probabilities (beam search over one
+    token with n beams returned: each hypothesis' score is its token's log-prob when length_penalty is 0)."""
+    [r] = engine.generate(ids, num_beams=n, num_return_sequences=n, max_new_tokens=1, length_penalty=0.0,
+                          do_sample=False)
+    return {h.tokens[0]: round(h.score, 4) for h in r.hypotheses if h.tokens}
+
+
+def divergence(engine, ids, ours_full, theirs_full, at: int) -> dict | None:
+    """Where two greedy outputs part: both tokens and their log-probs under `engine` (its top 4) at that
+    position; a gap of a few hundredths of a nat is a near-tie that rounding of the weights flips."""
+    if at >= len(ours_full) or at >= len(theirs_full):
+        return None
+    top = top_tokens(engine, list(ids) + list(ours_full[:at]))
+    a, b = ours_full[at], theirs_full[at]
+    return {"position": at, "ours": a, "theirs": b, "ours_logprob": top.get(a), "theirs_logprob": top.get(b),
+            "theirs_in_our_top4": b in top}
+
+
 # -- the engines --------------------------------------------------------------------------------------------------
 def _ours(engine, ids, max_new, eos):
     t0 = time.perf_counter()
     [r] = engine.generate(ids, num_beams=1, do_sample=False, max_new_tokens=max_new)
     dt = time.perf_counter() - t0
-    toks, n = generated(r.hypotheses[0].tokens, eos)
-    return toks, n / dt
+    full = list(r.hypotheses[0].tokens)
+    return full, generated(full, eos)[1] / dt
 
 
 def _llama(llm, ids, max_new, eos):
@@ -114,8 +133,7 @@ def _llama(llm, ids, max_new, eos):
         if tok in stop or len(out) >= max_new:
             break
     dt = time.perf_counter() - t0
-    toks, n = generated(out, stop)
-    return toks, n / dt
+    return out, generated(out, stop)[1] / dt
 
 
 def export_for(gguf: Path, precision: str, cache: Path, quiet: bool = True) -> Path:
@@ -148,15 +166,17 @@ def bench(gguf: Path, folders: dict[str, Path], *, n_prompts: int = 12, max_new:
     for run in runs.values():                      # warm-up: first-call costs out of the timings
         run(ids[0], 8)
     speed = {k: [] for k in runs}
-    tokens = {k: [] for k in runs}
+    full = {k: [] for k in runs}                   # as generated, the EOS included
     for n, x in enumerate(ids):
         order = list(runs) if n % 2 == 0 else list(runs)[::-1]      # alternated: neither always goes first
         for k in order:
             toks, tps = runs[k](x)
             speed[k].append(tps)
-            tokens[k].append(toks)
+            full[k].append(toks)
         print(f"prompt {n + 1}/{len(ids)}: " + ", ".join(f"{k} {speed[k][-1]:.1f}" for k in runs) + " tok/s",
               file=out)
+    stop = set(eos) | {llm.token_eos()}
+    tokens = {k: [generated(t, stop)[0] for t in v] for k, v in full.items()}
     data = {"gguf": gguf.name, "llama_cpp_python": llama_cpp.__version__, "threads": threads,
             "prompts": len(ids), "max_new_tokens": max_new, "prompt_tokens": [len(i) for i in ids],
             "generated_tokens": {k: [len(t) for t in v] for k, v in tokens.items()},
@@ -168,6 +188,14 @@ def bench(gguf: Path, folders: dict[str, Path], *, n_prompts: int = 12, max_new:
     if len(names) > 1:
         data["greedy_agreement_between_exports"] = {f"{a} vs {b}": agreement(tokens[a], tokens[b])
                                                     for i, a in enumerate(names) for b in names[i + 1:]}
+    data["divergences"] = {}
+    for k in names:
+        found = {}
+        for i, f in data["greedy_agreement_with_llama_cpp"][k]["first_difference"].items():
+            d = divergence(engines[k], ids[int(i)], full[k][int(i)], full["llama.cpp"][int(i)], f)
+            if d is not None:
+                found[i] = d
+        data["divergences"][k] = found
     data["texts"] = {k: [first.tokenizer.decode(t) for t in v] for k, v in tokens.items()}
     data["loadavg_at_end"] = [round(x, 2) for x in __import__("os").getloadavg()]
     return data

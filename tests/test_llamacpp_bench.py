@@ -103,3 +103,22 @@ def test_both_engines_on_a_tiny_gguf(tmp_path):
     assert agree["of"] == 3 and agree["identical"] >= 2
     llamacpp.plot(data, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_divergence_reports_both_tokens_under_our_model():
+    from types import SimpleNamespace as NS
+
+    asked = {}
+
+    class Fake:
+        def generate(self, ids, **kw):
+            asked.update(ids=ids, **kw)
+            hyps = [NS(tokens=[7], score=-0.51), NS(tokens=[9], score=-0.53), NS(tokens=[3], score=-4.0)]
+            return [NS(hypotheses=hyps)]
+
+    d = llamacpp.divergence(Fake(), [1, 2], [5, 7, 8], [5, 9], at=1)
+    assert asked["ids"] == [1, 2, 5] and asked["num_beams"] == asked["num_return_sequences"] == 4
+    assert asked["length_penalty"] == 0.0 and asked["max_new_tokens"] == 1
+    assert d == {"position": 1, "ours": 7, "theirs": 9, "ours_logprob": -0.51, "theirs_logprob": -0.53,
+                 "theirs_in_our_top4": True}
+    assert llamacpp.divergence(Fake(), [1], [5], [5, 6], at=1) is None      # ours ended there (max length)
