@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 import zipfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +40,7 @@ from .config import ModelFolderError
 ENV = "SPECBEAM_DATA_DIR"
 EXTRA = "pip install 'specbeam-edge[export]'"
 MARKER = "fetched.json"          # written last inside the staged folder: a folder with it is complete
+LOCK = ".fetch.lock"             # in <data>/models: one fetch at a time
 _CHUNK = 1 << 20
 
 
@@ -283,6 +285,45 @@ def fetch(name: str, *, force: bool = False, quiet: bool = False, log=None) -> P
                          f"{missing[0]!r}): {EXTRA}")
     try:
         models_dir().mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise FetchError(_os_message(e, data_dir())) from None
+    with _only_fetch(log):
+        if is_complete(dst) and not force:          # another fetch finished it while this one waited
+            log(f"{src.name} is ready: {dst}")
+            return dst
+        _remove_stale()
+        return _fetch_locked(src, dst, quiet, log)
+
+
+@contextmanager
+def _only_fetch(log):
+    """One fetch at a time per data folder (a second one waits), so staged folders of a fetch that was killed
+    can be removed safely by the next one."""
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(str(models_dir() / LOCK))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log("another `specbeam fetch` is running on this data folder; waiting for it")
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _remove_stale() -> None:
+    """Staged folders left by a fetch that was killed (SIGKILL, power loss): no fetch holds them now."""
+    for parent, pattern in ((models_dir(), ".*.partial-*"), (models_dir(), ".*.old-*"),
+                            (sources_dir(), ".download-*")):
+        if parent.is_dir():
+            for p in parent.glob(pattern):
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def _fetch_locked(src: Source, dst: Path, quiet: bool, log) -> Path:
+    try:
         _disk_check(data_dir(), src, (sources_dir() / src.member).is_file())
         gguf = _checked_gguf(src, log)
         with tempfile.TemporaryDirectory(prefix=f".{src.folder}.partial-", dir=models_dir()) as tmp:

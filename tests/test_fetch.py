@@ -53,7 +53,7 @@ def run(name="smollm2", **kw):
 
 def leftovers():
     """Temporary folders or files the fetch left in the data folder (names starting with a dot)."""
-    return [p for p in fetch.data_dir().rglob(".*")]
+    return [p for p in fetch.data_dir().rglob(".*") if p.name != fetch.LOCK]
 
 
 def test_fetch_exports_the_checked_gguf_into_the_data_folder(data):
@@ -130,6 +130,44 @@ def test_a_failed_force_keeps_the_previous_folder(data, monkeypatch):
     with pytest.raises(RuntimeError):
         run(force=True)
     assert fetch.is_complete(dst) and leftovers() == []
+
+
+def test_staged_folders_of_a_killed_fetch_are_removed_by_the_next(data):
+    stale = [fetch.models_dir() / ".smollm2-135m-instruct.partial-abc123" / "smollm2-135m-instruct",
+             fetch.sources_dir() / ".download-xyz"]
+    for p in stale:
+        p.mkdir(parents=True)
+        (p / "model.onnx").write_bytes(b"half")
+    run()
+    assert leftovers() == []
+
+
+def test_a_second_fetch_waits_for_the_first_and_reuses_its_folder(data):
+    import threading
+    import time
+
+    from filelock import FileLock
+
+    fetch.models_dir().mkdir(parents=True)
+    held, done = threading.Event(), threading.Event()
+
+    def first():                                    # another fetch: holds the lock, finishes the folder
+        with FileLock(str(fetch.models_dir() / fetch.LOCK)):
+            held.set()
+            time.sleep(0.5)
+            dst = fetch.folder("smollm2")
+            dst.mkdir()
+            (dst / "specbeam_config.json").write_text("{}")
+            (dst / fetch.MARKER).write_text("{}")
+        done.set()
+    t = threading.Thread(target=first)
+    t.start()
+    held.wait()
+    messages = []
+    assert fetch.fetch("smollm2", log=messages.append) == fetch.folder("smollm2")
+    t.join()
+    assert any("waiting for it" in m for m in messages)
+    assert (data["download"], data["export"]) == (0, 0)             # its folder reused, nothing fetched twice
 
 
 def test_a_folder_without_the_marker_is_not_a_fetched_model(data):
