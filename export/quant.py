@@ -57,8 +57,7 @@ def rowwise_int8(model: onnx.ModelProto, *, reduce_range: bool = False) -> dict:
             uses[i] = uses.get(i, 0) + 1
     consts = [onh.from_array(np.array([-1], np.int64), "rowq.axes"),
               onh.from_array(np.float32(1e-30), "rowq.tiny"), onh.from_array(np.float32(127), "rowq.127"),
-              onh.from_array(np.float32(128), "rowq.128"), onh.from_array(np.float32(0), "rowq.0"),
-              onh.from_array(np.float32(255), "rowq.255"), onh.from_array(np.uint8(128), "rowq.zp")]
+              onh.from_array(np.float32(128), "rowq.128"), onh.from_array(np.uint8(128), "rowq.zp")]
     quantized_x: dict[str, tuple[str, str]] = {}     # activation -> (u8 tensor, row scales)
     new_inits, dropped, nodes, count = [], set(), [], 0
 
@@ -86,26 +85,56 @@ def rowwise_int8(model: onnx.ModelProto, *, reduce_range: bool = False) -> dict:
                 oh.make_node("ReduceMax", [p + "abs", "rowq.axes"], [p + "max"], keepdims=1),
                 oh.make_node("Max", [p + "max", "rowq.tiny"], [p + "max1"]),
                 oh.make_node("Div", [p + "max1", "rowq.127"], [p + "scale"]),
+                # |x / scale| <= 127, so x / scale + 128 lies in [1, 255]; adding the even 128 before rounding
+                # keeps round-half-to-even's choices, and no Clip is needed
                 oh.make_node("Div", [x, p + "scale"], [p + "xs"]),
-                oh.make_node("Round", [p + "xs"], [p + "xr"]),
-                oh.make_node("Add", [p + "xr", "rowq.128"], [p + "xz"]),
-                oh.make_node("Clip", [p + "xz", "rowq.0", "rowq.255"], [p + "xc"]),
-                oh.make_node("Cast", [p + "xc"], [p + "q"], to=TensorProto.UINT8)])
+                oh.make_node("Add", [p + "xs", "rowq.128"], [p + "xz"]),
+                oh.make_node("Round", [p + "xz"], [p + "xr"]),
+                oh.make_node("Cast", [p + "xr"], [p + "q"], to=TensorProto.UINT8)])
             quantized_x[x] = (p + "q", p + "scale")
         return quantized_x[x]
 
+    # MatMuls of one activation with constant weights (q/k/v, gate/up) run as one MatMulInteger over the weights
+    # side by side, then Split: fewer, larger kernels (per-column scales make this the same arithmetic)
+    groups: dict[str, list] = {}
     for n in g.node:
+        t = inits.get(n.input[1]) if n.op_type == "MatMul" else None
+        if t is not None and t.data_type == TensorProto.FLOAT and len(t.dims) == 2 and uses[n.input[1]] == 1:
+            groups.setdefault(n.input[0], []).append(n)
+    merged = {id_: grp for id_, grp in groups.items() if len(grp) > 1}
+    done: set[str] = set()
+
+    def emit(x: str, wq: str, ws: str, out: str):
+        xq, xs = quantize_rows(x, out)
+        nodes.extend([
+            oh.make_node("MatMulInteger", [xq, wq, "rowq.zp"], [out + ".acc"]),
+            oh.make_node("Cast", [out + ".acc"], [out + ".accf"], to=TensorProto.FLOAT),
+            oh.make_node("Mul", [out + ".accf", xs], [out + ".rows"]),
+            oh.make_node("Mul", [out + ".rows", ws], [out])])
+
+    for n in g.node:
+        if n.op_type == "MatMul" and n.input[0] in merged and any(m.output[0] == n.output[0]
+                                                                    for m in merged[n.input[0]]):
+            if n.input[0] in done:
+                continue
+            grp = merged[n.input[0]]
+            done.add(n.input[0])
+            ws = [onh.to_array(inits[m.input[1]]) for m in grp]
+            q, sc = quantize_columns(np.concatenate(ws, axis=1), reduce_range)
+            name = grp[0].input[1] + ".merged"
+            new_inits.extend([onh.from_array(q, name + ".q8"), onh.from_array(sc, name + ".q8scale"),
+                              onh.from_array(np.array([w.shape[1] for w in ws], np.int64), name + ".split")])
+            dropped.update(m.input[1] for m in grp)
+            emit(n.input[0], name + ".q8", name + ".q8scale", name + ".out")
+            nodes.append(oh.make_node("Split", [name + ".out", name + ".split"], [m.output[0] for m in grp],
+                                      axis=-1))
+            count += len(grp)
+            continue
         w = weights_of(n.input[1]) if n.op_type == "MatMul" else None
         if w is None:
             nodes.append(_copy(n))
             continue
-        tag = n.output[0]
-        xq, xs = quantize_rows(n.input[0], tag)
-        nodes.extend([
-            oh.make_node("MatMulInteger", [xq, w[0], "rowq.zp"], [tag + ".acc"]),
-            oh.make_node("Cast", [tag + ".acc"], [tag + ".accf"], to=TensorProto.FLOAT),
-            oh.make_node("Mul", [tag + ".accf", xs], [tag + ".rows"]),
-            oh.make_node("Mul", [tag + ".rows", w[1]], [n.output[0]])])
+        emit(n.input[0], w[0], w[1], n.output[0])
         count += 1
     nodes = [n for n in nodes if not (n.op_type == "DequantizeLinear" and n.output[0] in dropped)]
     del g.node[:]

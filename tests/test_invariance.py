@@ -70,7 +70,10 @@ def test_int8_graph_computes_in_int8(family):
     assert "DynamicQuantizeLinear" not in ops and "MatMulInteger" in ops
     floats = {t.name for t in g.initializer if t.data_type == onnx.TensorProto.FLOAT and len(t.dims) == 2}
     assert not [n for n in g.node if n.op_type == "MatMul" and n.input[1] in floats]
-    assert ops.count("MatMulInteger") == 2 * 7 + 1          # 2 layers x 7 projections + lm_head
+    cfg = json.loads((folder / "specbeam_config.json").read_text())
+    assert cfg["quantization"]["matmuls"] == 2 * 7 + 1       # 2 layers x 7 projections + lm_head
+    # q/k/v and gate/up share their activation: one MatMulInteger each, then Split
+    assert ops.count("MatMulInteger") == 2 * 4 + 1 and ops.count("Split") == 2 * 2
 
 
 @pytest.mark.parametrize("kind", ["marian", "m2m100"])
