@@ -25,9 +25,9 @@ DEFAULT_OUT = ROOT / "bench" / "out" / "results"      # ignored by git: a run ne
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--scenario", default="e2e,batch,cost,peers,sampling,synthetic,offload,confidence,kv",
+    ap.add_argument("--scenario", default="e2e,batch,cost,peers,sampling,synthetic,offload,confidence,kv,quant",
                     help="comma list of: e2e, batch, cost, peers, sampling, synthetic, offload, confidence, kv, "
-                         "ray_scale, llamacpp "
+                         "quant, ray_scale, llamacpp "
                          "(ray_scale and llamacpp are not in the default: they need the ray extra, and the "
                          "llamacpp extra plus `specbeam fetch smollm2`)")
     ap.add_argument("--pair", default=str(ROOT / "models" / "ende"), help="pair folder (target/, draft/, hf/)")
@@ -137,6 +137,21 @@ def main(argv=None) -> int:
             common.write(out, "confidence", data)
             confidence.plot(data, out / "confidence.png")
             print(common.table(data["rows"], COLS["confidence"]))
+        elif sc == "quant":
+            from . import quant
+
+            parts = ("exactness", "quality", "speed", "beam_step") if args.quick else quant.PARTS
+            data = quant.bench(pair, ROOT / "bench" / "out" / "quant", parts=parts, threads=args.threads or 2,
+                               n_exact=8 if args.quick else 48, n_quality=24 if args.quick else 200,
+                               n_speed=4 if args.quick else 8, reps=1 if args.quick else 3)
+            data["machine"] = info
+            common.write(out, "quant", data)
+            quant.plot(data, out / "quant.png")
+            for part in ("exactness", "quality", "speed", "speed_360m", "beam_step"):
+                if data.get(part):
+                    print(common.table(data[part], list(data[part][0])))
+            if data.get("opus_mt"):
+                print(common.table(data["opus_mt"]["rows"], list(data["opus_mt"]["rows"][0])))
         elif sc == "kv":
             from . import kv
 

@@ -270,10 +270,12 @@ class Engine:
             # prompt lookup of an encoder-decoder request searches its source (source-side spans)
             grow = drafter or make_drafter(spec, gen.num_beams, eos, min(ctx, dctx), source=source)
             chooser = self._chooser(gen, spec) if spec.adaptive and drafter is None else None
-        # a top-k head returns each node's best log-probs only: 2K + #EOS + 1 per beam always hold the 2K
-        # candidates beam search keeps, even with EOS masked by min_new_tokens
+        # the beam head (a top-k or 'both' head) returns each node's best log-probs only: 2K + #EOS + 1 per beam
+        # always hold the 2K candidates beam search keeps, even with EOS masked by min_new_tokens; beam search
+        # then reads [beams, k], never a vocabulary-sized row (beam.BeamRows)
         n_banned = len(self.encoder.suppressed) if source is not None else 0
-        topk = 2 * gen.num_beams + len(eos) + 1 + n_banned if self.target.cfg.output == "topk" else None
+        beam_head = self.target.cfg.output in ("topk", "both")
+        topk = 2 * gen.num_beams + len(eos) + 1 + n_banned if beam_head else None
         return ExactSearch(ids, self.target, self.draft, num_beams=gen.num_beams, max_new_tokens=max_new, eos=eos,
                            length_penalty=gen.length_penalty, early_stopping=gen.early_stopping,
                            min_new_tokens=gen.min_new_tokens, grow=grow, chooser=chooser, topk=topk,
