@@ -199,7 +199,7 @@ def run_translate(argv: list[str]) -> int:
 
     found = entry_points(group="console_scripts", name="specbeam-translate")
     if not found:
-        print("specbeam: error: the translate tool is not installed; install the project (pip install -e .) "
+        print("specbeam: error: the translate tool is not installed; install the project (pip install -e '.[cpu]') "
               "or run python -m apps.translate", file=sys.stderr)
         return 2
     return next(iter(found)).load()(argv)

@@ -48,7 +48,8 @@ def import_problem(error: ImportError) -> str:
     """PySide6 is missing, or a system library that Qt links against is (e.g. libEGL.so.1)."""
     lib = re.search(r"(lib[\w.+-]+?)\.so", str(error))
     if lib is None:
-        return f"the chat app needs PySide6: pip install -e '.[app]' ({error})"
+        return (f"the chat app needs PySide6: pip install 'specbeam-edge[app]' (from a checkout: pip install -e "
+                f"'.[cpu,app]') ({error})")
     pkg = SONAME_PACKAGES.get(lib.group(1))
     hint = f" (Debian/Ubuntu: sudo apt-get install {pkg})" if pkg else ""
     return f"Qt cannot load the system library {lib.group(1)}: {error}{hint}"
