@@ -22,6 +22,26 @@ def is_encoder_decoder(model) -> bool:
     return "encoder_decoder" in getattr(model.cfg, "raw", {})
 
 
+def _text_only_tokenizer(path: Path):
+    """A source-side tokenizer that never turns text into a control token: special tokens are not split out of
+    the text, and a SentencePiece (Unigram) vocabulary's control pieces (</s>, <unk>, <pad>) get spellings no
+    text has, as SentencePiece itself never emits them for input text (the converted vocabulary keeps them as
+    pieces: "the </s> fox" encoded to an EOS in the middle of the source)."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    raw = json.loads(path.read_text(encoding="utf-8"))
+    model = raw.get("model") or {}
+    if model.get("type") == "Unigram":
+        for t in raw.get("added_tokens") or []:
+            if t.get("special") and 0 <= t["id"] < len(model["vocab"]):
+                model["vocab"][t["id"]][0] = f"\uffff{t['id']}\uffff"
+    tok = Tokenizer.from_str(json.dumps(raw))
+    tok.encode_special_tokens = True
+    return tok
+
+
 def cross_names(i: int) -> tuple[str, str]:
     return f"cross_key.{i}", f"cross_value.{i}"
 
@@ -53,9 +73,8 @@ class Encoder:
         self.eos = list(cfg.eos_token_ids)
         self.source_tokenizer = None
         if facts.get("source_tokenizer"):       # Marian: the source side has its own SentencePiece model
-            from tokenizers import Tokenizer
             try:
-                self.source_tokenizer = Tokenizer.from_file(str(folder / facts["source_tokenizer"]))
+                self.source_tokenizer = _text_only_tokenizer(folder / facts["source_tokenizer"])
             except Exception as e:  # tokenizers raises its own exception types
                 raise ModelFolderError(f"{folder / facts['source_tokenizer']}: cannot be read ({e})") from None
         self.sess = _session(folder / name, threads, providers, spin)

@@ -335,6 +335,10 @@ def test_sentencepiece_marian_folder_end_to_end(encdec, shared):
         [res] = eng.generate(text, num_beams=4, max_new_tokens=MAX_NEW)
         assert res.hypotheses[0].tokens == out[0, 1:].tolist()
         assert res.hypotheses[0].text == slow.decode(out[0], skip_special_tokens=True)
+    # source text that spells a control token stays text: only the appended EOS is one (SentencePiece's rule)
+    eos, pad = cfg["eos_token_ids"][0], cfg["pad_token_id"]
+    spelled = eng.encode("the </s> fox <pad>")
+    assert spelled.count(eos) == 1 and spelled[-1] == eos and pad not in spelled
 
 
 def test_sentencepiece_m2m100_languages_match_transformers(encdec):
