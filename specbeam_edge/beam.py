@@ -35,6 +35,15 @@ def _top(values: np.ndarray, k: int) -> np.ndarray:
     return part[np.lexsort((part, -values[part]))][:k]
 
 
+def repeated_ngram_ends(seq: list[int], n: int) -> np.ndarray:
+    """The tokens that would complete an n-gram already in `seq` (transformers' _get_generated_ngrams over the
+    whole sequence, prompt included): the token after each earlier occurrence of seq's last n - 1 tokens."""
+    if len(seq) + 1 < n:
+        return np.zeros(0, np.int64)
+    tail = tuple(seq[len(seq) - n + 1:]) if n > 1 else ()
+    return np.array([seq[i + n - 1] for i in range(len(seq) - n + 1) if tuple(seq[i:i + n - 1]) == tail], np.int64)
+
+
 class BeamRows:
     """The log-probs of the running beams for one step: dense [K, V], or a beam head's best k entries per beam
     (`ids` [K, k]; every other token -inf), which beam search reads without touching the vocabulary.
@@ -54,6 +63,17 @@ class BeamRows:
             lp[:, tokens] = -np.inf
         else:
             lp[np.isin(self.ids, tokens)] = -np.inf
+        return BeamRows(lp, self.ids, self.vocab)
+
+    def ban_per_beam(self, banned: list) -> "BeamRows":
+        """Per beam, its own tokens set to -inf (no_repeat_ngram_size)."""
+        lp = self.logprobs.copy()
+        for b, toks in enumerate(banned):
+            if len(toks):
+                if self.ids is None:
+                    lp[b, toks] = -np.inf
+                else:
+                    lp[b, np.isin(self.ids[b], toks)] = -np.inf
         return BeamRows(lp, self.ids, self.vocab)
 
     def force(self, token: int) -> "BeamRows":
@@ -109,8 +129,10 @@ class BeamSearch:
     """One request's beam-search state; `step` consumes the processed log-probs of the running beams."""
 
     def __init__(self, tree: TokenTree, start_node: int, *, num_beams: int, prompt_len: int, max_new_tokens: int,
-                 eos_token_ids, length_penalty: float = 1.0, early_stopping=False, min_new_tokens: int = 0):
+                 eos_token_ids, length_penalty: float = 1.0, early_stopping=False, min_new_tokens: int = 0,
+                 no_repeat_ngram_size: int = 0):
         self.tree, self.K, self.P = tree, num_beams, prompt_len
+        self.ngram = no_repeat_ngram_size
         self.max_length = prompt_len + max_new_tokens
         self.eos = np.array(sorted(set(int(e) for e in eos_token_ids)), dtype=np.int64)
         self.lp, self.early, self.min_new = float(length_penalty), early_stopping, min_new_tokens
@@ -126,9 +148,12 @@ class BeamSearch:
         self.done = False
 
     def process(self, rows: BeamRows) -> BeamRows:
-        """Logits processors on the beams' log-probs (min_new_tokens masks EOS)."""
+        """Logits processors on the beams' log-probs, in transformers' order: min_new_tokens masks EOS,
+        no_repeat_ngram_size bans each beam's tokens that would repeat one of its n-grams."""
         if self.cur_len - self.P < self.min_new and len(self.eos):
-            return rows.ban(self.eos)
+            rows = rows.ban(self.eos)
+        if self.ngram:
+            rows = rows.ban_per_beam([repeated_ngram_ends(self.tree.path(n), self.ngram) for n in self.running])
         return rows
 
     def step(self, rows: BeamRows | np.ndarray) -> list[int]:

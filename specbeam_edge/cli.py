@@ -24,7 +24,10 @@ def add_search_args(ap: argparse.ArgumentParser, *, beams_flag: str = "--num_bea
     g.add_argument(*aliases, dest="num_beams", type=int, default=None,
                    help="beam width K (1 = greedy; --num_beams and --beam_size are one flag)")
     g.add_argument("--max_new_tokens", type=int, default=None, help="maximum generated tokens")
-    g.add_argument("--min_new_tokens", type=int, default=None, help="EOS is masked before this many tokens")
+    g.add_argument("--min_new_tokens", "--min_decoding_length", dest="min_new_tokens", type=int, default=None,
+                   help="EOS is masked before this many tokens (--min_decoding_length is CTranslate2's name)")
+    g.add_argument("--no_repeat_ngram_size", type=int, default=None,
+                   help="never repeat an n-gram of this size (transformers' semantics; 0: off)")
     g.add_argument("--length_penalty", type=float, default=None, help="score = sum logp / length ** this")
     g.add_argument("--early_stopping", default=None, choices=("true", "false", "never"),
                    help="transformers' early_stopping")
@@ -71,7 +74,8 @@ def configs(args) -> tuple[dict, SpeculativeConfig | None]:
                      min_new_tokens=args.min_new_tokens, length_penalty=args.length_penalty, early_stopping=early,
                      num_return_sequences=args.num_return_sequences, do_sample=sample or None,
                      temperature=getattr(args, "temperature", None), top_k=getattr(args, "top_k", None),
-                     top_p=getattr(args, "top_p", None), seed=getattr(args, "seed", None))
+                     top_p=getattr(args, "top_p", None), seed=getattr(args, "seed", None),
+                     no_repeat_ngram_size=getattr(args, "no_repeat_ngram_size", None))
     spec = None
     if not args.no_draft and (args.draft or args.drafter == "lookup"):
         drafter = args.drafter or ("sample" if sample else "beam")

@@ -203,6 +203,7 @@ class GenerationConfig:
     top_p: float = 1.0
     seed: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None   # None: the model's own EOS ids
+    no_repeat_ngram_size: int = 0                         # transformers' NoRepeatNGramLogitsProcessor (0: off)
 
     def __post_init__(self):
         if isinstance(self.eos_token_id, list):
@@ -224,6 +225,9 @@ class GenerationConfig:
         if not 0 < _float(self.top_p, "top_p") <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         _int(self.top_k, "top_k", 0)
+        _int(self.no_repeat_ngram_size, "no_repeat_ngram_size", 0)
+        if self.no_repeat_ngram_size and self.do_sample:
+            raise ValueError("no_repeat_ngram_size is for beam search and greedy decoding, not do_sample=True")
         if self.seed is not None:
             _int(self.seed, "seed", 0)
         eos = self.eos_token_id

@@ -59,7 +59,8 @@ class ExactSearch:
     applies extra logits processors (banned pad, forced EOS) to the beams' log-probs."""
 
     def __init__(self, ids: list[int], target_lm, draft_lm, *, num_beams: int, max_new_tokens: int, eos,
-                 length_penalty: float, early_stopping, min_new_tokens: int, grow=None, chooser=None,
+                 length_penalty: float, early_stopping, min_new_tokens: int, no_repeat_ngram_size: int = 0,
+                 grow=None, chooser=None,
                  topk: int | None = None, prompt_len: int | None = None, static=None, process=None,
                  budget_for=None):
         self.tree = TokenTree()
@@ -67,7 +68,8 @@ class ExactSearch:
         self.bs = BeamSearch(self.tree, self.tree.add_chain(ids)[-1], num_beams=num_beams,
                              prompt_len=self.P if prompt_len is None else prompt_len,
                              max_new_tokens=max_new_tokens, eos_token_ids=eos, length_penalty=length_penalty,
-                             early_stopping=early_stopping, min_new_tokens=min_new_tokens)
+                             early_stopping=early_stopping, min_new_tokens=min_new_tokens,
+                             no_repeat_ngram_size=no_repeat_ngram_size)
         self.target = TreeCache(target_lm, self.tree)
         self.draft = TreeCache(draft_lm, self.tree) if grow is not None else None
         self.grow, self.chooser, self.topk = grow, chooser, topk

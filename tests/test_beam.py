@@ -70,6 +70,32 @@ def test_min_new_tokens_matches_transformers(peer):
     assert len(res.hypotheses[0].tokens) >= 6
 
 
+@pytest.mark.parametrize("K", [1, 4])
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_no_repeat_ngram_size_matches_transformers(peer, exported, K, n):
+    """A random model repeats itself (without the ban its greedy output repeats a bigram); with it, sequences
+    and scores are transformers', and speculation (the target drafting for itself) keeps them."""
+    from specbeam_edge import SpeculativeConfig
+    from specbeam_edge.beam import repeated_ngram_ends
+
+    model, engine, eos = peer
+    for prompt in PROMPTS:
+        hf_seqs, hf_scores = hf_beam(model, prompt, None, num_beams=K, no_repeat_ngram_size=n)
+        [res] = engine.generate(prompt, num_beams=K, max_new_tokens=MAX_NEW, no_repeat_ngram_size=n,
+                                eos_token_id=[])
+        assert res.hypotheses[0].tokens == hf_seqs[0]
+        if hf_scores is not None:
+            np.testing.assert_allclose(res.hypotheses[0].score, hf_scores[0], atol=1e-4)
+        full = prompt + res.hypotheses[0].tokens
+        grams = [tuple(full[i:i + n]) for i in range(len(full) - n + 1)]
+        assert len(grams) == len(set(grams))
+        fast = Engine(exported("llama", std=0.3, seed=3), draft=exported("llama", std=0.3, seed=3))
+        [spec] = fast.generate(prompt, num_beams=K, max_new_tokens=MAX_NEW, no_repeat_ngram_size=n, eos_token_id=[],
+                               speculative=SpeculativeConfig(budget=16, max_depth=4, adaptive=False))
+        assert spec.hypotheses[0].tokens == res.hypotheses[0].tokens
+    assert list(repeated_ngram_ends([1, 2, 3, 1, 2], 3)) == [3] and list(repeated_ngram_ends([5, 5], 1)) == [5, 5]
+
+
 def test_batch_of_prompts_equals_one_by_one(peer):
     _, engine, eos = peer
     batch = engine.generate(PROMPTS, num_beams=4, max_new_tokens=MAX_NEW, eos_token_id=eos)

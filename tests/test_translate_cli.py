@@ -214,3 +214,21 @@ def test_closed_stderr_sends_nothing_to_stdout(pair, tmp_path):
         proc = subprocess.run(cmd, shell=True, cwd=ROOT, capture_output=True, timeout=120)
         assert proc.returncode == 0 and proc.stdout.count(b"\n") == 2, (quiet, proc.stdout)
         assert proc.stdout.endswith(b"\n\n")           # the bad line: an empty line, its report nowhere
+
+
+def test_decoding_constraints_reach_the_search():
+    """--min_decoding_length (CTranslate2's name; --min_new_tokens too) and --no_repeat_ngram_size become the
+    GenerationConfig the run decodes with; specbeam generate takes the same two flags."""
+    import argparse
+
+    from apps.translate.__main__ import generation_overrides, parse_args
+    from specbeam_edge.cli import add_search_args, configs
+
+    args = parse_args(["--min_decoding_length", "3", "--no_repeat_ngram_size", "2"])
+    over = generation_overrides(args)
+    assert over["min_new_tokens"] == 3 and over["no_repeat_ngram_size"] == 2
+    assert generation_overrides(parse_args(["--min_new_tokens", "4"]))["min_new_tokens"] == 4
+    ap = argparse.ArgumentParser()
+    add_search_args(ap)
+    gen, _ = configs(ap.parse_args(["--min_decoding_length", "5", "--no_repeat_ngram_size", "3"]))
+    assert gen["min_new_tokens"] == 5 and gen["no_repeat_ngram_size"] == 3

@@ -95,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default: the model's forced_bos_token_id)")
     ap.add_argument("--length_penalty", type=finite_float, default=None,
                     help="score = sum logp / length ** this (default: the model's)")
+    ap.add_argument("--min_decoding_length", "--min_new_tokens", dest="min_decoding_length", type=int, default=None,
+                    help="EOS is masked before this many generated tokens (default: the model's)")
+    ap.add_argument("--no_repeat_ngram_size", type=int, default=None,
+                    help="never repeat an n-gram of this size in a translation (0: off; default: the model's)")
     ap.add_argument("--on_error", choices=("skip", "copy", "fail"), default="skip",
                     help="a bad line (invalid UTF-8, over the model's context): write an empty line, copy the "
                          "source, or stop")
@@ -146,6 +150,10 @@ def generation_overrides(args) -> dict:
     out = dict(num_beams=args.beam_size, num_return_sequences=args.n_best, max_new_tokens=args.max_decoding_length)
     if args.length_penalty is not None:
         out["length_penalty"] = args.length_penalty
+    if args.min_decoding_length is not None:
+        out["min_new_tokens"] = args.min_decoding_length
+    if args.no_repeat_ngram_size is not None:
+        out["no_repeat_ngram_size"] = args.no_repeat_ngram_size
     return out
 
 
