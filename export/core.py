@@ -29,7 +29,7 @@ PRECISIONS = ("fp32", "fp16", "int8w", "int8", "int8dyn", "int4")
 INVARIANT = {"fp32": True, "fp16": True, "int8w": True, "int8": True, "int8dyn": False, "int4": False}
 FORMAT_VERSION = 1
 _GEN_KEYS = ("num_beams", "max_new_tokens", "length_penalty", "early_stopping", "num_return_sequences",
-             "no_repeat_ngram_size", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p")
+             "no_repeat_ngram_size", "repetition_penalty", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p")
 
 
 class Progress:

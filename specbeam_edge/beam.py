@@ -52,18 +52,46 @@ class BeamRows:
     with k >= M entries per row gives the same candidates, and `top` orders them as the dense path does (value,
     then flat index beam * V + token; -inf candidates the dense path would reach are the lowest flat indices)."""
 
-    def __init__(self, logprobs: np.ndarray, ids: np.ndarray | None = None, vocab: int | None = None):
+    def __init__(self, logprobs: np.ndarray, ids: np.ndarray | None = None, vocab: int | None = None,
+                 logits: np.ndarray | None = None):
+        """logits: a dense head's raw rows, kept beside their log-probs for processors that act on logits
+        (transformers' greedy decoding applies repetition_penalty there)."""
         self.logprobs, self.ids = logprobs.astype(np.float32, copy=False), ids
         self.vocab = logprobs.shape[1] if ids is None else int(vocab)
+        self.logits = logits
 
     def ban(self, tokens: np.ndarray) -> "BeamRows":
         """Tokens set to -inf (min_new_tokens' EOS, an encoder-decoder's pad)."""
         lp = self.logprobs.copy()
         if self.ids is None:
             lp[:, tokens] = -np.inf
-        else:
-            lp[np.isin(self.ids, tokens)] = -np.inf
+            logits = None if self.logits is None else self.logits.copy()
+            if logits is not None:
+                logits[:, tokens] = -np.inf
+            return BeamRows(lp, logits=logits)
+        lp[np.isin(self.ids, tokens)] = -np.inf
         return BeamRows(lp, self.ids, self.vocab)
+
+    def penalize(self, seqs: list, penalty: float, on_logits: bool) -> "BeamRows":
+        """transformers' repetition_penalty: per beam, each token of its sequence scores x * penalty where x < 0,
+        else x / penalty; on the logits (greedy decoding, then renormalised) or on the log-probs (beam search)."""
+        def apply(x, b, toks):
+            v = x[b, toks]
+            x[b, toks] = np.where(v < 0, v * np.float32(penalty), v / np.float32(penalty))
+
+        if on_logits:
+            x = self.logits.copy()
+            for b, toks in enumerate(seqs):
+                apply(x, b, toks)
+            return BeamRows(log_softmax(x), logits=x)
+        lp = self.logprobs.copy()
+        for b, toks in enumerate(seqs):
+            if self.ids is None:
+                apply(lp, b, toks)
+            else:
+                hit = np.flatnonzero(np.isin(self.ids[b], toks))
+                apply(lp, b, hit)
+        return BeamRows(lp, self.ids, self.vocab, self.logits)
 
     def ban_per_beam(self, banned: list) -> "BeamRows":
         """Per beam, its own tokens set to -inf (no_repeat_ngram_size)."""
@@ -82,7 +110,7 @@ class BeamRows:
         if self.ids is None:
             lp = np.full_like(self.logprobs, -np.inf)
             lp[:, token] = 0
-            return BeamRows(lp)
+            return BeamRows(lp, logits=None if self.logits is None else lp.copy())
         return BeamRows(np.zeros((K, 1), np.float32), np.full((K, 1), token, np.int64), self.vocab)
 
     def dense(self) -> np.ndarray:
@@ -130,9 +158,9 @@ class BeamSearch:
 
     def __init__(self, tree: TokenTree, start_node: int, *, num_beams: int, prompt_len: int, max_new_tokens: int,
                  eos_token_ids, length_penalty: float = 1.0, early_stopping=False, min_new_tokens: int = 0,
-                 no_repeat_ngram_size: int = 0):
+                 no_repeat_ngram_size: int = 0, repetition_penalty: float = 1.0):
         self.tree, self.K, self.P = tree, num_beams, prompt_len
-        self.ngram = no_repeat_ngram_size
+        self.ngram, self.penalty = no_repeat_ngram_size, float(repetition_penalty)
         self.max_length = prompt_len + max_new_tokens
         self.eos = np.array(sorted(set(int(e) for e in eos_token_ids)), dtype=np.int64)
         self.lp, self.early, self.min_new = float(length_penalty), early_stopping, min_new_tokens
@@ -149,9 +177,13 @@ class BeamSearch:
 
     def process(self, rows: BeamRows) -> BeamRows:
         """Logits processors on the beams' log-probs, in transformers' order: min_new_tokens masks EOS,
-        no_repeat_ngram_size bans each beam's tokens that would repeat one of its n-grams."""
+        repetition_penalty (transformers: on the logits at K = 1, on the log-probs at K > 1), no_repeat_ngram_size
+        bans each beam's tokens that would repeat one of its n-grams."""
         if self.cur_len - self.P < self.min_new and len(self.eos):
             rows = rows.ban(self.eos)
+        if self.penalty != 1.0:
+            seqs = [np.unique(self.tree.path(n)) for n in self.running]
+            rows = rows.penalize(seqs, self.penalty, on_logits=self.K == 1)
         if self.ngram:
             rows = rows.ban_per_beam([repeated_ngram_ends(self.tree.path(n), self.ngram) for n in self.running])
         return rows

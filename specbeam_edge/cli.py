@@ -28,6 +28,8 @@ def add_search_args(ap: argparse.ArgumentParser, *, beams_flag: str = "--num_bea
                    help="EOS is masked before this many tokens (--min_decoding_length is CTranslate2's name)")
     g.add_argument("--no_repeat_ngram_size", type=int, default=None,
                    help="never repeat an n-gram of this size (transformers' semantics; 0: off)")
+    g.add_argument("--repetition_penalty", type=float, default=None,
+                   help="penalise tokens already in the sequence (transformers' semantics; 1: off)")
     g.add_argument("--length_penalty", type=float, default=None, help="score = sum logp / length ** this")
     g.add_argument("--early_stopping", default=None, choices=("true", "false", "never"),
                    help="transformers' early_stopping")
@@ -75,7 +77,8 @@ def configs(args) -> tuple[dict, SpeculativeConfig | None]:
                      num_return_sequences=args.num_return_sequences, do_sample=sample or None,
                      temperature=getattr(args, "temperature", None), top_k=getattr(args, "top_k", None),
                      top_p=getattr(args, "top_p", None), seed=getattr(args, "seed", None),
-                     no_repeat_ngram_size=getattr(args, "no_repeat_ngram_size", None))
+                     no_repeat_ngram_size=getattr(args, "no_repeat_ngram_size", None),
+                     repetition_penalty=getattr(args, "repetition_penalty", None))
     spec = None
     if not args.no_draft and (args.draft or args.drafter == "lookup"):
         drafter = args.drafter or ("sample" if sample else "beam")

@@ -204,6 +204,7 @@ class GenerationConfig:
     seed: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None   # None: the model's own EOS ids
     no_repeat_ngram_size: int = 0                         # transformers' NoRepeatNGramLogitsProcessor (0: off)
+    repetition_penalty: float = 1.0                       # transformers' RepetitionPenaltyLogitsProcessor (1: off)
 
     def __post_init__(self):
         if isinstance(self.eos_token_id, list):
@@ -226,8 +227,11 @@ class GenerationConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         _int(self.top_k, "top_k", 0)
         _int(self.no_repeat_ngram_size, "no_repeat_ngram_size", 0)
-        if self.no_repeat_ngram_size and self.do_sample:
-            raise ValueError("no_repeat_ngram_size is for beam search and greedy decoding, not do_sample=True")
+        if _float(self.repetition_penalty, "repetition_penalty") <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if (self.no_repeat_ngram_size or self.repetition_penalty != 1.0) and self.do_sample:
+            raise ValueError("no_repeat_ngram_size and repetition_penalty are for beam search and greedy decoding, "
+                             "not do_sample=True")
         if self.seed is not None:
             _int(self.seed, "seed", 0)
         eos = self.eos_token_id

@@ -274,14 +274,16 @@ class Engine:
         # always hold the 2K candidates beam search keeps, even with EOS masked by min_new_tokens; beam search
         # then reads [beams, k], never a vocabulary-sized row (beam.BeamRows)
         n_banned = len(self.encoder.suppressed) if source is not None else 0
-        beam_head = self.target.cfg.output in ("topk", "both") and not gen.no_repeat_ngram_size
-        if gen.no_repeat_ngram_size and self.target.cfg.output == "topk":
-            raise ValueError(f"{self.target.folder}: no_repeat_ngram_size bans tokens a top-k head may need beyond "
-                             "its k; export with --output_kind both (or logits) to use it")
+        history = bool(gen.no_repeat_ngram_size) or gen.repetition_penalty != 1.0
+        beam_head = self.target.cfg.output in ("topk", "both") and not history
+        if history and self.target.cfg.output == "topk":
+            raise ValueError(f"{self.target.folder}: no_repeat_ngram_size / repetition_penalty move tokens a top-k "
+                             "head may need beyond its k; export with --output_kind both (or logits) to use them")
         topk = 2 * gen.num_beams + len(eos) + 1 + n_banned if beam_head else None
         return ExactSearch(ids, self.target, self.draft, num_beams=gen.num_beams, max_new_tokens=max_new, eos=eos,
                            length_penalty=gen.length_penalty, early_stopping=gen.early_stopping,
                            min_new_tokens=gen.min_new_tokens, no_repeat_ngram_size=gen.no_repeat_ngram_size,
+                           repetition_penalty=gen.repetition_penalty,
                            grow=grow, chooser=chooser, topk=topk,
                            budget_for=budget_for if drafter is None else None, **extra)
 

@@ -38,7 +38,8 @@ class Dense:
 
     @staticmethod
     def beam_rows(pairs: list[tuple["Dense", int]], vocab: int) -> BeamRows:
-        return BeamRows(Dense.logprob_rows(pairs, vocab))
+        logits = np.stack([h.logits[j] for h, j in pairs]).astype(np.float32, copy=False)
+        return BeamRows(log_softmax(logits), logits=logits)
 
     def top(self, rows, width: int) -> tuple[np.ndarray, np.ndarray]:
         """(token ids [R, w], log-probs [R, w]) of each row's w best tokens (unordered within a row)."""

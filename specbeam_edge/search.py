@@ -60,7 +60,7 @@ class ExactSearch:
 
     def __init__(self, ids: list[int], target_lm, draft_lm, *, num_beams: int, max_new_tokens: int, eos,
                  length_penalty: float, early_stopping, min_new_tokens: int, no_repeat_ngram_size: int = 0,
-                 grow=None, chooser=None,
+                 repetition_penalty: float = 1.0, grow=None, chooser=None,
                  topk: int | None = None, prompt_len: int | None = None, static=None, process=None,
                  budget_for=None):
         self.tree = TokenTree()
@@ -69,7 +69,7 @@ class ExactSearch:
                              prompt_len=self.P if prompt_len is None else prompt_len,
                              max_new_tokens=max_new_tokens, eos_token_ids=eos, length_penalty=length_penalty,
                              early_stopping=early_stopping, min_new_tokens=min_new_tokens,
-                             no_repeat_ngram_size=no_repeat_ngram_size)
+                             no_repeat_ngram_size=no_repeat_ngram_size, repetition_penalty=repetition_penalty)
         self.target = TreeCache(target_lm, self.tree)
         self.draft = TreeCache(draft_lm, self.tree) if grow is not None else None
         self.grow, self.chooser, self.topk = grow, chooser, topk

@@ -96,6 +96,32 @@ def test_no_repeat_ngram_size_matches_transformers(peer, exported, K, n):
     assert list(repeated_ngram_ends([1, 2, 3, 1, 2], 3)) == [3] and list(repeated_ngram_ends([5, 5], 1)) == [5, 5]
 
 
+@pytest.mark.parametrize("K", [1, 4])
+@pytest.mark.parametrize("penalty", [1.5, 0.8])
+def test_repetition_penalty_matches_transformers(peer, exported, K, penalty):
+    """transformers applies it to the logits in greedy decoding and to the log-probs in beam search; sequences
+    (and beam scores) equal, with and without speculation, and with no_repeat_ngram_size beside it."""
+    from specbeam_edge import SpeculativeConfig
+
+    model, engine, eos = peer
+    fast = Engine(exported("llama", std=0.3, seed=3), draft=exported("llama", std=0.3, seed=3))
+    spec = SpeculativeConfig(budget=16, max_depth=4, adaptive=False)
+    changed = False
+    for prompt in PROMPTS:
+        for extra in ({}, {"no_repeat_ngram_size": 2}):
+            hf_seqs, hf_scores = hf_beam(model, prompt, None, num_beams=K, repetition_penalty=penalty, **extra)
+            kw = dict(num_beams=K, max_new_tokens=MAX_NEW, repetition_penalty=penalty, eos_token_id=[], **extra)
+            [res] = engine.generate(prompt, **kw)
+            assert res.hypotheses[0].tokens == hf_seqs[0]
+            if hf_scores is not None:
+                np.testing.assert_allclose(res.hypotheses[0].score, hf_scores[0], atol=1e-4)
+            [sp] = fast.generate(prompt, speculative=spec, **kw)
+            assert sp.hypotheses[0].tokens == res.hypotheses[0].tokens
+            [plain] = engine.generate(prompt, num_beams=K, max_new_tokens=MAX_NEW, eos_token_id=[], **extra)
+            changed |= plain.hypotheses[0].tokens != res.hypotheses[0].tokens
+    assert changed          # the penalty changes what this model says
+
+
 def test_batch_of_prompts_equals_one_by_one(peer):
     _, engine, eos = peer
     batch = engine.generate(PROMPTS, num_beams=4, max_new_tokens=MAX_NEW, eos_token_id=eos)

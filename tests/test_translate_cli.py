@@ -224,11 +224,12 @@ def test_decoding_constraints_reach_the_search():
     from apps.translate.__main__ import generation_overrides, parse_args
     from specbeam_edge.cli import add_search_args, configs
 
-    args = parse_args(["--min_decoding_length", "3", "--no_repeat_ngram_size", "2"])
+    args = parse_args(["--min_decoding_length", "3", "--no_repeat_ngram_size", "2", "--repetition_penalty", "1.2"])
     over = generation_overrides(args)
-    assert over["min_new_tokens"] == 3 and over["no_repeat_ngram_size"] == 2
+    assert over["min_new_tokens"] == 3 and over["no_repeat_ngram_size"] == 2 and over["repetition_penalty"] == 1.2
     assert generation_overrides(parse_args(["--min_new_tokens", "4"]))["min_new_tokens"] == 4
     ap = argparse.ArgumentParser()
     add_search_args(ap)
-    gen, _ = configs(ap.parse_args(["--min_decoding_length", "5", "--no_repeat_ngram_size", "3"]))
-    assert gen["min_new_tokens"] == 5 and gen["no_repeat_ngram_size"] == 3
+    gen, _ = configs(ap.parse_args(["--min_decoding_length", "5", "--no_repeat_ngram_size", "3",
+                                    "--repetition_penalty", "1.3"]))
+    assert gen["min_new_tokens"] == 5 and gen["no_repeat_ngram_size"] == 3 and gen["repetition_penalty"] == 1.3

@@ -99,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="EOS is masked before this many generated tokens (default: the model's)")
     ap.add_argument("--no_repeat_ngram_size", type=int, default=None,
                     help="never repeat an n-gram of this size in a translation (0: off; default: the model's)")
+    ap.add_argument("--repetition_penalty", type=finite_float, default=None,
+                    help="penalise tokens already in the translation (transformers' semantics; 1: off)")
     ap.add_argument("--on_error", choices=("skip", "copy", "fail"), default="skip",
                     help="a bad line (invalid UTF-8, over the model's context): write an empty line, copy the "
                          "source, or stop")
@@ -154,6 +156,8 @@ def generation_overrides(args) -> dict:
         out["min_new_tokens"] = args.min_decoding_length
     if args.no_repeat_ngram_size is not None:
         out["no_repeat_ngram_size"] = args.no_repeat_ngram_size
+    if args.repetition_penalty is not None:
+        out["repetition_penalty"] = args.repetition_penalty
     return out
 
 
