@@ -217,7 +217,7 @@ def export(src: str | Path, dst: str | Path, *, precision: str = "fp32", layout:
                 block_size=block_size, quiet=quiet, compute=compute, reduce_range=reduce_range)
     if is_gguf(src):             # transformers dequantizes the file; its config and tokenizer go to a side folder
         with tempfile.TemporaryDirectory(prefix="specbeam-gguf-") as side:
-            return _export_decoder(Path(side), dst, unpack(src, Path(side)), src.name, **opts)
+            return _export_decoder(Path(side), dst, unpack(src, Path(side), quiet), src.name, **opts)
     if not src.is_dir():
         raise ExportError(f"input folder {src} does not exist (pass a Hugging Face model folder or a .gguf file)")
     from .encdec import export_encdec, family_of

@@ -3,6 +3,7 @@ weights and rebuilds its tokenizer (`from_pretrained(folder, gguf_file=...)`); t
 same exporter as a Hugging Face folder, so a GGUF model gets exactly the graph its architecture gets."""
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -18,16 +19,40 @@ def is_gguf(path: Path) -> bool:
     return path.is_file() and path.suffix.lower() == ".gguf"
 
 
-def _load(path: Path):
+@contextlib.contextmanager
+def _quiet_transformers(quiet: bool):
+    """Without transformers' progress bars (its GGUF reader also calls tqdm directly, past its own switch)."""
+    if not quiet:
+        yield
+        return
+    import functools
+    from unittest import mock
+
+    import transformers as tf
+    import transformers.modeling_gguf_pytorch_utils as reader
+    from tqdm.auto import tqdm
+
+    bars = tf.utils.logging.is_progress_bar_enabled()
+    tf.utils.logging.disable_progress_bar()
+    try:
+        with mock.patch.object(reader, "tqdm", functools.partial(tqdm, disable=True)):
+            yield
+    finally:
+        if bars:
+            tf.utils.logging.enable_progress_bar()
+
+
+def _load(path: Path, quiet: bool = False):
     """The dequantized fp32 torch model and the rebuilt tokenizer; transformers' errors become ExportErrors."""
     import torch
     import transformers as tf
 
     kw = dict(gguf_file=path.name, local_files_only=True)
     try:
-        model = tf.AutoModelForCausalLM.from_pretrained(
-            str(path.parent), dtype=torch.float32, quantization_config=tf.GgufConfig(dequantize=True), **kw)
-        tok = tf.AutoTokenizer.from_pretrained(str(path.parent), **kw)
+        with _quiet_transformers(quiet):
+            model = tf.AutoModelForCausalLM.from_pretrained(
+                str(path.parent), dtype=torch.float32, quantization_config=tf.GgufConfig(dequantize=True), **kw)
+            tok = tf.AutoTokenizer.from_pretrained(str(path.parent), **kw)
     except ImportError as e:
         raise ExportError(f"{path}: reading GGUF files needs the export extra's `gguf` and `accelerate` packages "
                           f"(pip install -e \".[export]\"): {str(e).splitlines()[0]}") from None
@@ -37,12 +62,12 @@ def _load(path: Path):
     return model.eval(), tok
 
 
-def unpack(path: Path, side: Path) -> dict[str, np.ndarray]:
+def unpack(path: Path, side: Path, quiet: bool = False) -> dict[str, np.ndarray]:
     """Write the model's config.json, generation_config.json and tokenizer files into the empty folder `side`
     and return its fp32 weights by checkpoint name (the folder then reads like a Hugging Face one)."""
     import transformers as tf
 
-    model, tok = _load(path)
+    model, tok = _load(path, quiet)
     cfg = model.config.to_dict()
     cfg.pop("quantization_config", None)          # the weights handed on are plain fp32
     cfg["architectures"] = [type(model).__name__]  # GGUF configs name no class; the exporter picks by it

@@ -203,3 +203,15 @@ def test_listed_gguf_architectures_are_read_by_transformers():
     from export.gguf_input import GGUF_ARCHITECTURES
 
     assert set(GGUF_ARCHITECTURES) <= set(GGUF_SUPPORTED_ARCHITECTURES)
+
+
+def test_quiet_gguf_export_prints_no_progress_bars(tmp_path, capfd):
+    """export -q: transformers' GGUF reader prints its own bars ("Converting and de-quantizing ..."); quiet
+    silences them too."""
+    fam, arch, kw = MODELS["llama"]
+    model = make_family_model(tmp_path / "hf", fam, std=0.3, seed=3, **kw)
+    write_gguf(tmp_path / "hf", model, tmp_path / "m.gguf", arch)
+    capfd.readouterr()
+    export(tmp_path / "m.gguf", tmp_path / "sb", quiet=True)
+    err = capfd.readouterr().err
+    assert "%|" not in err and "it/s" not in err, err[-300:]
