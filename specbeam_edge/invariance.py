@@ -65,11 +65,12 @@ def _static(model) -> dict | None:
     return out
 
 
-def _rows(model, ids, pos, mask, past, static):
-    """The scored rows' logits (or a top-k head's log-probs), and the presents."""
+def _rows(model, ids, pos, mask, past, static, past_positions):
+    """The scored rows' logits (or a top-k head's log-probs), and the presents. past_positions: the position of
+    every cached column (sliding-window graphs take them as key_position_ids)."""
     kpos = None
     if model.needs_key_positions:
-        kpos = np.concatenate([np.arange(mask.shape[-1] - len(ids)), pos])[None]
+        kpos = np.concatenate([past_positions, pos]).astype(np.int64)[None]
     topk = 16 if model.cfg.output == "topk" else None
     head, presents = model.forward(ids[None], pos[None], mask[None, None], past, topk=topk, key_positions=kpos,
                                    static=static)
@@ -77,7 +78,7 @@ def _rows(model, ids, pos, mask, past, static):
     return np.asarray(rows[0], np.float32), presents
 
 
-def _alone(model, token, position, mask_row, past, static) -> np.ndarray:
+def _alone(model, token, position, mask_row, past, static, past_positions) -> np.ndarray:
     """One node's row from a pass of its own, with the padding rows the runtime adds (model.min_rows; a padding
     row sees only itself, as in cache._one_pass_rows)."""
     Q = max(1, model.min_rows)
@@ -87,7 +88,7 @@ def _alone(model, token, position, mask_row, past, static) -> np.ndarray:
     mask = np.zeros((Q, N + Q), bool)
     mask[0, :N + 1] = mask_row
     mask[np.arange(1, Q), N + np.arange(1, Q)] = True
-    rows, _ = _rows(model, ids, pos, mask, past, static)
+    rows, _ = _rows(model, ids, pos, mask, past, static, past_positions)
     return rows[0]
 
 
@@ -103,7 +104,7 @@ def measure(model) -> float:
     static = _static(model)
     prompt = _tokens(model, PROMPT_LEN, 0)
     causal = np.tril(np.ones((PROMPT_LEN, PROMPT_LEN), bool))
-    _, past = _rows(model, prompt, np.arange(PROMPT_LEN), causal, model.empty_past(1), static)
+    _, past = _rows(model, prompt, np.arange(PROMPT_LEN), causal, model.empty_past(1), static, np.zeros(0, np.int64))
     tokens = _tokens(model, len(TREE_PARENTS), 1)
     paths = []
     for j, p in enumerate(TREE_PARENTS):
@@ -114,13 +115,14 @@ def measure(model) -> float:
     for j, path in enumerate(paths):
         mask[j, PROMPT_LEN + np.array(path)] = True
     positions = PROMPT_LEN - 1 + np.array([len(p) for p in paths])
-    tree, presents = _rows(model, tokens, positions, mask, past, static)
+    tree, presents = _rows(model, tokens, positions, mask, past, static, np.arange(PROMPT_LEN))
+    columns = np.concatenate([np.arange(PROMPT_LEN), positions])       # the position of every column
     presents = [(host(k), host(v)) for k, v in presents]
     worst = 0.0
     for j in range(n):
         cut = PROMPT_LEN + j
         before = [(model.to_kv(k[:, :, :cut]), model.to_kv(v[:, :, :cut])) for k, v in presents]
-        ref = _alone(model, tokens[j], positions[j], mask[j, :cut + 1], before, static)
+        ref = _alone(model, tokens[j], positions[j], mask[j, :cut + 1], before, static, columns[:cut])
         finite = np.isfinite(ref)
         scale = float(np.abs(ref[finite]).max()) or 1.0
         worst = max(worst, float(np.abs(tree[j][finite] - ref[finite]).max()) / scale)
