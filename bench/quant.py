@@ -279,7 +279,7 @@ def plot(data: dict, path: Path) -> None:
     if not rows:
         return
     fig, ax = plt.subplots(figsize=(8, 3.5))
-    labels = [f"{r['model'].split(' (')[0][:22]}\n{r['precision']} K={r['K']}" for r in rows]
+    labels = [f"{'360M shapes' if '360M' in r['model'] else 'en->de'}\n{r['precision']} K={r['K']}" for r in rows]
     ax.bar(range(len(rows)), [r["vs_fp32"] for r in rows], color=["#888" if r["precision"] == "fp32" else
                                                                   "#2a7" if r["precision"] == "int8" else "#d84"
                                                                   for r in rows])
