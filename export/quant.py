@@ -59,15 +59,17 @@ def rowwise_int8(model: onnx.ModelProto, *, reduce_range: bool = False) -> dict:
               onh.from_array(np.float32(1e-30), "rowq.tiny"), onh.from_array(np.float32(127), "rowq.127"),
               onh.from_array(np.float32(128), "rowq.128"), onh.from_array(np.uint8(128), "rowq.zp")]
     quantized_x: dict[str, tuple[str, str]] = {}     # activation -> (u8 tensor, row scales)
-    new_inits, dropped, nodes, count = [], set(), [], 0
+    new_inits, dropped, nodes, count, made = [], set(), [], 0, set()
 
     def weights_of(name: str):
         """(int8 weights, column scales) for the MatMul input `name`, or None when it is not a weight."""
         t = inits.get(name)
         if t is not None and t.data_type == TensorProto.FLOAT and len(t.dims) == 2:
-            q, s = quantize_columns(onh.to_array(t), reduce_range)
-            new_inits.extend([onh.from_array(q, name + ".q8"), onh.from_array(s, name + ".q8scale")])
-            if uses[name] == 1:
+            if name + ".q8" not in made:          # a weight shared by several MatMuls is quantized once
+                q, s = quantize_columns(onh.to_array(t), reduce_range)
+                new_inits.extend([onh.from_array(q, name + ".q8"), onh.from_array(s, name + ".q8scale")])
+                made.add(name + ".q8")
+            if all(n.input[1] == name and n.op_type == "MatMul" for n in g.node if name in n.input):
                 dropped.add(name)
             return name + ".q8", name + ".q8scale"
         p = producer.get(name)

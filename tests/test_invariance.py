@@ -156,3 +156,36 @@ def test_speculative_equals_plain_on_quantized_targets(exported, precision, K):
         assert [h.tokens for h in plain.hypotheses] == [h.tokens for h in fast.hypotheses]
         np.testing.assert_allclose([h.score for h in plain.hypotheses], [h.score for h in fast.hypotheses],
                                    atol=1e-3)
+
+
+def test_rowwise_rewrite_of_a_small_graph():
+    """quant.rowwise_int8 on a hand-built graph: a weight shared by two MatMuls of different inputs is quantized
+    once (no duplicate initializer), each row's result equals that row computed alone bit for bit, and the
+    result is within int8 rounding of fp32; --reduce_range keeps weights in [-64, 64]."""
+    import onnxruntime as ort
+    from onnx import TensorProto as TP
+    from onnx import helper as oh
+    from onnx import numpy_helper as onh
+
+    from export.quant import quantize_columns, rowwise_int8
+
+    rng = np.random.default_rng(0)
+    W = rng.normal(size=(64, 48)).astype(np.float32)
+    g = oh.make_graph([oh.make_node("MatMul", ["a", "w"], ["ya"]), oh.make_node("MatMul", ["b", "w"], ["yb"])], "g",
+                      [oh.make_tensor_value_info(n, TP.FLOAT, ["M", 64]) for n in "ab"],
+                      [oh.make_tensor_value_info(n, TP.FLOAT, ["M", 48]) for n in ("ya", "yb")],
+                      [onh.from_array(W, "w")])
+    m = oh.make_model(g, opset_imports=[oh.make_opsetid("", 23)], ir_version=10)
+    assert rowwise_int8(m)["matmuls"] == 2
+    names = [t.name for t in m.graph.initializer]
+    assert len(names) == len(set(names)) and "w" not in names
+    sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    x = (rng.normal(size=(9, 64)) * rng.uniform(0.01, 30, (9, 1))).astype(np.float32)   # rows of any scale
+    ya, yb = sess.run(None, {"a": x, "b": x[::-1].copy()})
+    np.testing.assert_array_equal(ya, yb[::-1])
+    for i in range(len(x)):
+        alone = sess.run(None, {"a": x[i:i + 2], "b": x[i:i + 2]})[0][0]
+        np.testing.assert_array_equal(alone, ya[i])
+    assert np.abs(ya - x @ W).max() / np.abs(x @ W).max() < 1e-2
+    q, _ = quantize_columns(W, reduce_range=True)
+    assert int(np.abs(q.astype(np.int16)).max()) == 64
