@@ -116,3 +116,23 @@ def test_batch_rows_match_recomputation(lm, prompts, steps, monkeypatch):
             first_step = all(call.nodes for call in calls)
     if first_step:    # every request took part in the pass after the prefill: it fed the prefill's arrays
         assert shared[1] is not None
+
+
+def test_batched_static_inputs_are_reused_only_for_the_same_requests():
+    """The stacked cross K/V of a batch are reused while its requests (the same static dicts, in order) stay the
+    same; a request that leaves or joins, or another order, stacks them anew (never another request's inputs)."""
+    import numpy as np
+
+    from specbeam_edge import cache
+
+    def static(n, v):
+        return {"x": (np.full((1, 2, n), v, np.float32), 2)}
+    a, b, c = static(3, 1.0), static(5, 2.0), static(4, 3.0)
+    model = object()
+    first = cache._batched_static(model, [a, b])
+    assert cache._batched_static(model, [a, b]) is first
+    for other in ([b, a], [a, c], [a, b, c], [a]):
+        out = cache._batched_static(model, other)
+        assert out is not first
+        np.testing.assert_array_equal(out["x"], cache._stack_static(other)["x"])
+    assert cache._batched_static(object(), [a, b]) is not first          # another model has its own entry
