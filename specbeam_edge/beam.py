@@ -80,6 +80,8 @@ class BeamRows:
             x[b, toks] = np.where(v < 0, v * np.float32(penalty), v / np.float32(penalty))
 
         if on_logits:
+            if self.logits is None:
+                raise ValueError("greedy repetition_penalty acts on the logits: build the rows with them")
             x = self.logits.copy()
             for b, toks in enumerate(seqs):
                 apply(x, b, toks)
@@ -175,6 +177,11 @@ class BeamSearch:
         self.improvable = True
         self.done = False
 
+    @property
+    def reads_logits(self) -> bool:
+        """Whether a step needs the raw logits beside the log-probs (greedy repetition_penalty, as transformers)."""
+        return self.K == 1 and self.penalty != 1.0
+
     def process(self, rows: BeamRows) -> BeamRows:
         """Logits processors on the beams' log-probs, in transformers' order: min_new_tokens masks EOS,
         repetition_penalty (transformers: on the logits at K = 1, on the log-probs at K > 1), no_repeat_ngram_size
@@ -183,7 +190,7 @@ class BeamSearch:
             rows = rows.ban(self.eos)
         if self.penalty != 1.0:
             seqs = [np.unique(self.tree.path(n)) for n in self.running]
-            rows = rows.penalize(seqs, self.penalty, on_logits=self.K == 1)
+            rows = rows.penalize(seqs, self.penalty, on_logits=self.reads_logits)
         if self.ngram:
             rows = rows.ban_per_beam([repeated_ngram_ends(self.tree.path(n), self.ngram) for n in self.running])
         return rows

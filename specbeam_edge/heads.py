@@ -4,9 +4,9 @@
 ids per node (export --output_kind topk: no full-vocabulary row leaves the graph). Both answer the two
 questions the runtime asks, so no consumer branches on the kind:
 
-- `logprob_rows(pairs, vocab)`: the log-probs [R, V] of rows picked from one or more pass outputs; a top-k head's
-  rows are -inf outside its k entries; `beam_rows(pairs, vocab)`: the same as `beam.BeamRows`, which a top-k head
-  fills with its k entries only (beam search replays over rows of different passes);
+- `beam_rows(pairs, vocab, logits)`: the log-probs of rows picked from one or more pass outputs as a
+  `beam.BeamRows` (beam search replays over rows of different passes): dense [R, V] rows (with their logits when
+  asked), or a top-k head's k entries only, never a vocabulary-sized row;
 - `top(rows, width)`: each row's `width` most probable tokens and their log-probs (the drafters).
 """
 from __future__ import annotations
@@ -33,13 +33,11 @@ class Dense:
         return log_softmax(self.logits)
 
     @staticmethod
-    def logprob_rows(pairs: list[tuple["Dense", int]], vocab: int) -> np.ndarray:
-        return log_softmax(np.stack([h.logits[j] for h, j in pairs]))
-
-    @staticmethod
-    def beam_rows(pairs: list[tuple["Dense", int]], vocab: int) -> BeamRows:
-        logits = np.stack([h.logits[j] for h, j in pairs]).astype(np.float32, copy=False)
-        return BeamRows(log_softmax(logits), logits=logits)
+    def beam_rows(pairs: list[tuple["Dense", int]], vocab: int, logits: bool = False) -> BeamRows:
+        """logits: keep the raw rows beside the log-probs (a processor acts on them: greedy repetition_penalty);
+        off, no ban or force copies them."""
+        x = np.stack([h.logits[j] for h, j in pairs]).astype(np.float32, copy=False)
+        return BeamRows(log_softmax(x), logits=x if logits else None)
 
     def top(self, rows, width: int) -> tuple[np.ndarray, np.ndarray]:
         """(token ids [R, w], log-probs [R, w]) of each row's w best tokens (unordered within a row)."""
@@ -90,15 +88,9 @@ class TopK:
         raise ValueError("a top-k head has no full distribution (sampling needs a logits head)")
 
     @staticmethod
-    def logprob_rows(pairs: list[tuple["TopK", int]], vocab: int) -> np.ndarray:
-        lp = np.full((len(pairs), vocab), -np.inf, np.float32)
-        for b, (h, j) in enumerate(pairs):
-            lp[b, h.ids[j]] = h.logprobs[j]
-        return lp
-
-    @staticmethod
-    def beam_rows(pairs: list[tuple["TopK", int]], vocab: int) -> BeamRows:
-        """The beams' k entries as they are: beam search never builds a vocabulary-sized row (beam.BeamRows)."""
+    def beam_rows(pairs: list[tuple["TopK", int]], vocab: int, logits: bool = False) -> BeamRows:
+        """The beams' k entries as they are: beam search never builds a vocabulary-sized row (beam.BeamRows). A
+        top-k head has no logits (the engine refuses the processors that need them)."""
         return BeamRows(np.stack([h.logprobs[j] for h, j in pairs]), np.stack([h.ids[j] for h, j in pairs]), vocab)
 
     def top(self, rows, width: int) -> tuple[np.ndarray, np.ndarray]:

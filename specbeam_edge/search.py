@@ -152,7 +152,7 @@ class ExactSearch:
     def _beam_logprobs(self, running) -> BeamRows:
         """The running beams' log-probs (dense [beams, V], or a top-k head's entries: beam.BeamRows)."""
         pairs = [self.rows[n] for n in running]
-        rows = type(pairs[0][0]).beam_rows(pairs, self.target.model.cfg.vocab_size)
+        rows = type(pairs[0][0]).beam_rows(pairs, self.target.model.cfg.vocab_size, logits=self.bs.reads_logits)
         return rows if self.process is None else self.process(rows, self.bs.cur_len)
 
     # 4. commit: keep only the running beams' paths (lazily), in both caches
