@@ -51,29 +51,32 @@ def rowwise_int8(model: onnx.ModelProto, *, reduce_range: bool = False) -> dict:
     g = model.graph
     inits = {t.name: t for t in g.initializer}
     producer = {o: n for n in g.node for o in n.output}
-    uses: dict[str, int] = {}
+    consumers: dict[str, list] = {}
     for n in g.node:
         for i in n.input:
-            uses[i] = uses.get(i, 0) + 1
+            consumers.setdefault(i, []).append(n)
     consts = [onh.from_array(np.array([-1], np.int64), "rowq.axes"),
               onh.from_array(np.float32(1e-30), "rowq.tiny"), onh.from_array(np.float32(127), "rowq.127"),
               onh.from_array(np.float32(128), "rowq.128"), onh.from_array(np.uint8(128), "rowq.zp")]
     quantized_x: dict[str, tuple[str, str]] = {}     # activation -> (u8 tensor, row scales)
     new_inits, dropped, nodes, count, made = [], set(), [], 0, set()
 
+    def float_matrix(name: str) -> bool:
+        t = inits.get(name)
+        return t is not None and t.data_type == TensorProto.FLOAT and len(t.dims) == 2
+
     def weights_of(name: str):
         """(int8 weights, column scales) for the MatMul input `name`, or None when it is not a weight."""
-        t = inits.get(name)
-        if t is not None and t.data_type == TensorProto.FLOAT and len(t.dims) == 2:
+        if float_matrix(name):
             if name + ".q8" not in made:          # a weight shared by several MatMuls is quantized once
-                q, s = quantize_columns(onh.to_array(t), reduce_range)
+                q, s = quantize_columns(onh.to_array(inits[name]), reduce_range)
                 new_inits.extend([onh.from_array(q, name + ".q8"), onh.from_array(s, name + ".q8scale")])
                 made.add(name + ".q8")
-            if all(n.input[1] == name and n.op_type == "MatMul" for n in g.node if name in n.input):
+            if all(n.op_type == "MatMul" and n.input[1] == name for n in consumers[name]):
                 dropped.add(name)
             return name + ".q8", name + ".q8scale"
         p = producer.get(name)
-        if (p is not None and p.op_type == "DequantizeLinear" and len(p.input) == 2 and uses[name] == 1
+        if (p is not None and p.op_type == "DequantizeLinear" and len(p.input) == 2 and len(consumers[name]) == 1
                 and any(a.name == "axis" and a.i == 1 for a in p.attribute)):
             dropped.add(p.output[0])
             return p.input[0], p.input[1]
@@ -100,11 +103,10 @@ def rowwise_int8(model: onnx.ModelProto, *, reduce_range: bool = False) -> dict:
     # side by side, then Split: fewer, larger kernels (per-column scales make this the same arithmetic)
     groups: dict[str, list] = {}
     for n in g.node:
-        t = inits.get(n.input[1]) if n.op_type == "MatMul" else None
-        if t is not None and t.data_type == TensorProto.FLOAT and len(t.dims) == 2 and uses[n.input[1]] == 1:
+        if n.op_type == "MatMul" and float_matrix(n.input[1]) and len(consumers[n.input[1]]) == 1:
             groups.setdefault(n.input[0], []).append(n)
-    merged = {id_: grp for id_, grp in groups.items() if len(grp) > 1}
-    done: set[str] = set()
+    # a merged MatMul's output -> its group (the first member emits the group, the others are skipped)
+    group_of = {m.output[0]: grp for grp in groups.values() if len(grp) > 1 for m in grp}
 
     def emit(x: str, wq: str, ws: str, out: str):
         xq, xs = quantize_rows(x, out)
@@ -115,12 +117,10 @@ def rowwise_int8(model: onnx.ModelProto, *, reduce_range: bool = False) -> dict:
             oh.make_node("Mul", [out + ".rows", ws], [out])])
 
     for n in g.node:
-        if n.op_type == "MatMul" and n.input[0] in merged and any(m.output[0] == n.output[0]
-                                                                    for m in merged[n.input[0]]):
-            if n.input[0] in done:
+        grp = group_of.get(n.output[0]) if n.op_type == "MatMul" else None
+        if grp is not None:
+            if n.output[0] != grp[0].output[0]:
                 continue
-            grp = merged[n.input[0]]
-            done.add(n.input[0])
             ws = [onh.to_array(inits[m.input[1]]) for m in grp]
             q, sc = quantize_columns(np.concatenate(ws, axis=1), reduce_range)
             name = grp[0].input[1] + ".merged"
