@@ -13,8 +13,9 @@ from pathlib import Path
 
 from .config import DEFAULT_BUDGET, ModelFolderError, SpeculativeConfig
 # shared with the apps (they import the runtime, never the reverse); re-exported for existing callers
-from .flags import (DEFAULT_MODELS, DRAFT_WIDTH_HELP, PROVIDERS, DefaultsHelp, add_memory_args,  # noqa: F401
-                    budget_arg, check_prompt_format, check_widths, engine_from_args, guard_std_streams, parse_size)
+from .flags import (DEFAULT_MODELS, DRAFT_WIDTH_HELP, PROVIDERS, DefaultsHelp,  # noqa: F401
+                    add_decoding_constraint_args, add_memory_args, budget_arg, check_prompt_format, check_widths,
+                    decoding_constraints, engine_from_args, guard_std_streams, parse_size)
 from .shipped import resolve_model, shipped
 
 
@@ -24,12 +25,7 @@ def add_search_args(ap: argparse.ArgumentParser, *, beams_flag: str = "--num_bea
     g.add_argument(*aliases, dest="num_beams", type=int, default=None,
                    help="beam width K (1 = greedy; --num_beams and --beam_size are one flag)")
     g.add_argument("--max_new_tokens", type=int, default=None, help="maximum generated tokens")
-    g.add_argument("--min_new_tokens", "--min_decoding_length", dest="min_new_tokens", type=int, default=None,
-                   help="EOS is masked before this many tokens (--min_decoding_length is CTranslate2's name)")
-    g.add_argument("--no_repeat_ngram_size", type=int, default=None,
-                   help="never repeat an n-gram of this size (transformers' semantics; 0: off)")
-    g.add_argument("--repetition_penalty", type=float, default=None,
-                   help="penalise tokens already in the sequence (transformers' semantics; 1: off)")
+    add_decoding_constraint_args(g)
     g.add_argument("--length_penalty", type=float, default=None, help="score = sum logp / length ** this")
     g.add_argument("--early_stopping", default=None, choices=("true", "false", "never"),
                    help="transformers' early_stopping")
@@ -73,12 +69,11 @@ def configs(args) -> tuple[dict, SpeculativeConfig | None]:
     early = {"true": True, "false": False, "never": "never", None: None}[args.early_stopping]
     sample = getattr(args, "do_sample", False)
     overrides = dict(num_beams=args.num_beams, max_new_tokens=getattr(args, "max_new_tokens", None),
-                     min_new_tokens=args.min_new_tokens, length_penalty=args.length_penalty, early_stopping=early,
+                     length_penalty=args.length_penalty, early_stopping=early,
                      num_return_sequences=args.num_return_sequences, do_sample=sample or None,
                      temperature=getattr(args, "temperature", None), top_k=getattr(args, "top_k", None),
                      top_p=getattr(args, "top_p", None), seed=getattr(args, "seed", None),
-                     no_repeat_ngram_size=getattr(args, "no_repeat_ngram_size", None),
-                     repetition_penalty=getattr(args, "repetition_penalty", None))
+                     **decoding_constraints(args))
     spec = None
     if not args.no_draft and (args.draft or args.drafter == "lookup"):
         drafter = args.drafter or ("sample" if sample else "beam")

@@ -144,3 +144,24 @@ def speculative_config(*, drafter: str, budget, max_depth: int, max_branch_width
                              width_threshold=width_threshold, min_num_beams=min_num_beams,
                              single_sequence=single_sequence, min_path_prob=min_path_prob,
                              with_lookup=with_lookup, adaptive=not always_speculate)
+
+
+# GenerationConfig fields both tools take under the same flags (transformers' names; CTranslate2's alias)
+DECODING_CONSTRAINTS = ("min_new_tokens", "no_repeat_ngram_size", "repetition_penalty")
+
+
+def add_decoding_constraint_args(ap) -> None:
+    """--min_new_tokens (--min_decoding_length), --no_repeat_ngram_size, --repetition_penalty on a parser or group
+    (the default None keeps the model's own setting)."""
+    ap.add_argument("--min_new_tokens", "--min_decoding_length", dest="min_new_tokens", type=int, default=None,
+                    help="EOS is masked before this many generated tokens (--min_decoding_length is CTranslate2's "
+                         "name)")
+    ap.add_argument("--no_repeat_ngram_size", type=int, default=None,
+                    help="never repeat an n-gram of this size (transformers' semantics; 0: off)")
+    ap.add_argument("--repetition_penalty", type=finite_float, default=None,
+                    help="penalise tokens already in the sequence (transformers' semantics; 1: off)")
+
+
+def decoding_constraints(args) -> dict:
+    """The decoding-constraint flags that were given, as GenerationConfig overrides."""
+    return {k: getattr(args, k) for k in DECODING_CONSTRAINTS if getattr(args, k, None) is not None}

@@ -31,9 +31,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from specbeam_edge.config import DEFAULT_BUDGET, ModelFolderError
-from specbeam_edge.flags import (DRAFT_WIDTH_HELP, DefaultsHelp, add_memory_args, budget_arg, check_prompt_format,
-                                 check_widths, engine_from_args, finite_float, guard_std_streams, positive_int,
-                                 speculative_config)
+from specbeam_edge.flags import (DRAFT_WIDTH_HELP, DefaultsHelp, add_decoding_constraint_args, add_memory_args,
+                                 budget_arg, check_prompt_format, check_widths, decoding_constraints, engine_from_args,
+                                 finite_float, guard_std_streams, positive_int, speculative_config)
 
 from .journal import Journal, JournalError, OutputLock, Terminated, special_kind
 from .ray_engine import add_ray_args
@@ -95,12 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default: the model's forced_bos_token_id)")
     ap.add_argument("--length_penalty", type=finite_float, default=None,
                     help="score = sum logp / length ** this (default: the model's)")
-    ap.add_argument("--min_decoding_length", "--min_new_tokens", dest="min_decoding_length", type=int, default=None,
-                    help="EOS is masked before this many generated tokens (default: the model's)")
-    ap.add_argument("--no_repeat_ngram_size", type=int, default=None,
-                    help="never repeat an n-gram of this size in a translation (0: off; default: the model's)")
-    ap.add_argument("--repetition_penalty", type=finite_float, default=None,
-                    help="penalise tokens already in the translation (transformers' semantics; 1: off)")
+    add_decoding_constraint_args(ap)
     ap.add_argument("--on_error", choices=("skip", "copy", "fail"), default="skip",
                     help="a bad line (invalid UTF-8, over the model's context): write an empty line, copy the "
                          "source, or stop")
@@ -152,13 +147,7 @@ def generation_overrides(args) -> dict:
     out = dict(num_beams=args.beam_size, num_return_sequences=args.n_best, max_new_tokens=args.max_decoding_length)
     if args.length_penalty is not None:
         out["length_penalty"] = args.length_penalty
-    if args.min_decoding_length is not None:
-        out["min_new_tokens"] = args.min_decoding_length
-    if args.no_repeat_ngram_size is not None:
-        out["no_repeat_ngram_size"] = args.no_repeat_ngram_size
-    if args.repetition_penalty is not None:
-        out["repetition_penalty"] = args.repetition_penalty
-    return out
+    return {**out, **decoding_constraints(args)}
 
 
 def resolve_models(args) -> None:
