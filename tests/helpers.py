@@ -69,3 +69,24 @@ def corpus(n: int, seed: int = 0) -> list[str]:
 
     r = random.Random(seed)
     return [" ".join(r.choice(WORDS) for _ in range(r.randint(1, 8))) for _ in range(n)]
+
+
+def translate_args(pair, inp, out=None, *extra, max_len: int = 8) -> list[str]:
+    """specbeam-translate's arguments for the tiny pair: -i inp [-o out], short translations, quiet."""
+    a = ["-i", str(inp), "--model", pair[0], "--draft", pair[1], "--max_decoding_length", str(max_len), "-q", *extra]
+    return a + (["-o", str(out)] if out else [])
+
+
+def interrupt_after(monkeypatch, n: int):
+    """Make Engine.generate_iter raise KeyboardInterrupt (as Ctrl-C) after n results (monkeypatch.undo() restores
+    it)."""
+    from specbeam_edge.generate import Engine
+
+    real = Engine.generate_iter
+
+    def stopping(self, *a, **kw):
+        for k, item in enumerate(real(self, *a, **kw)):
+            if k == n:
+                raise KeyboardInterrupt
+            yield item
+    monkeypatch.setattr(Engine, "generate_iter", stopping)

@@ -19,34 +19,16 @@ import pytest
 
 from apps.translate.__main__ import main
 from specbeam_edge.config import GenerationConfig, ModelConfig, ModelFolderError, SpeculativeConfig
-from helpers import corpus
+from helpers import corpus, interrupt_after
+from helpers import translate_args as args_for
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 
 
-def args_for(pair, inp, out=None, *extra):
-    a = ["-i", str(inp), "--model", pair[0], "--draft", pair[1], "--max_decoding_length", "8", "-q", *extra]
-    return a + (["-o", str(out)] if out else [])
-
-
 def run(pair, inp, out=None, *extra):
     return main(args_for(pair, inp, out, *extra))
-
-
-def interrupt_after(monkeypatch, n: int):
-    """Make Engine.generate_iter raise KeyboardInterrupt (as Ctrl-C) after n results (monkeypatch.undo() restores it)."""
-    from specbeam_edge.generate import Engine
-
-    real = Engine.generate_iter
-
-    def stopping(self, *a, **kw):
-        for k, item in enumerate(real(self, *a, **kw)):
-            if k == n:
-                raise KeyboardInterrupt
-            yield item
-    monkeypatch.setattr(Engine, "generate_iter", stopping)
 
 
 @pytest.fixture

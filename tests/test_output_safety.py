@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from apps.translate.__main__ import main
-from helpers import corpus
+from helpers import corpus, interrupt_after
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,19 +26,6 @@ def text_in(tmp_path):
     inp = tmp_path / "in.txt"
     inp.write_text("\n".join(corpus(5, seed=9)) + "\n")
     return inp
-
-
-def interrupt_after(monkeypatch, n: int):
-    from specbeam_edge.generate import Engine
-
-    real = Engine.generate_iter
-
-    def stopping(self, *a, **kw):
-        for k, item in enumerate(real(self, *a, **kw)):
-            if k == n:
-                raise KeyboardInterrupt
-            yield item
-    monkeypatch.setattr(Engine, "generate_iter", stopping)
 
 
 # -- special files and the input as -o ----------------------------------------------------------------------

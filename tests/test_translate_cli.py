@@ -10,14 +10,13 @@ from pathlib import Path
 import pytest
 
 from apps.translate.__main__ import main
-from helpers import corpus
+from helpers import corpus, translate_args
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def args_for(pair, inp, out=None, *extra):
-    a = ["-i", str(inp), "--model", pair[0], "--draft", pair[1], "--max_decoding_length", "6", "-q", *extra]
-    return a + (["-o", str(out)] if out else [])
+    return translate_args(pair, inp, out, *extra, max_len=6)
 
 
 def run(pair, inp, out=None, *extra):
