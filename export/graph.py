@@ -291,25 +291,49 @@ def _common_inputs(b: Builder, arch: Arch, with_ids: bool):
         b.node("Where", [inside, "attention_mask", floor], ["sliding_mask"])
 
 
-def add_topk(b: Builder, logits: str) -> None:
-    """The top-k head over `logits` [B, n_new, V]: the `topk` input, LogSoftmax, TopK (sorted, best first)."""
+def add_topk(b: Builder, logits: str, head_ids: str | None = None) -> None:
+    """The top-k head over `logits` [B, n_new, V]: the `topk` input, LogSoftmax, TopK (sorted, best first).
+    head_ids: the vocabulary id of each logit column when the head scores a token subset (TopK's column
+    numbers are mapped through it)."""
     b.inputs.append(_vi("topk", TensorProto.INT64, [1]))
     lp = b.node("LogSoftmax", [logits], ["head_logprobs"], axis=-1)
-    b.node("TopK", [lp, "topk"], ["topk_logprobs", "topk_ids"], axis=-1, largest=1, sorted=1)
+    ids = "topk_ids" if head_ids is None else "topk_columns"
+    b.node("TopK", [lp, "topk"], ["topk_logprobs", ids], axis=-1, largest=1, sorted=1)
+    if head_ids is not None:
+        b.node("Gather", [head_ids, ids], ["topk_ids"], axis=0)
     b.outputs += [_vi("topk_logprobs", F32, ["batch", "n_new", "k"]),
                   _vi("topk_ids", TensorProto.INT64, ["batch", "n_new", "k"])]
 
 
-def _head(b: Builder, arch: Arch, x: str, norm, lm_head, output: str, precision: str):
+def _full_logits(b: Builder, arch: Arch, sub: str, head_ids: str) -> str:
+    """A subset head's logits [B, n_new, S] spread over the vocabulary: -inf for every token it does not score
+    (a draft gives them probability 0; the target still scores every token)."""
+    shape = b.node("Shape", [sub], ["sub_shape"])
+    lead = b.node("Slice", [shape, b.init("lead_start", np.array([0], np.int64)),
+                            b.init("lead_end", np.array([2], np.int64))], ["lead_shape"])
+    full = b.node("Concat", [lead, b.init("vocab_dim", np.array([arch.vocab_size], np.int64))], ["full_shape"], axis=0)
+    fill = b.node("ConstantOfShape", [full], ["full_fill"],
+                  value=onnx.helper.make_tensor("v", F32, [1], [float("-inf")]))
+    where = b.node("Expand", [head_ids, shape], ["head_columns"])
+    return b.node("ScatterElements", [fill, where, sub], ["logits"], axis=2)
+
+
+def _head(b: Builder, arch: Arch, x: str, norm, lm_head, output: str, precision: str, head_ids=None):
+    """Final norm, lm_head, soft cap, and the outputs `output` asks for. head_ids (int64 [S] or None): the
+    vocabulary ids of a subset head's rows."""
+    ids = None if head_ids is None else b.init("head_token_ids", np.asarray(head_ids, np.int64))
     h = b.node("RMSNormalization", [x, norm], ["final_h"], axis=-1, epsilon=arch.rms_eps)
-    logits = b.node("MatMul", [h, lm_head], ["head_logits" if output == "topk" or arch.final_softcap else "logits"])
+    direct = output != "topk" and ids is None     # the MatMul (or cap) writes the `logits` output itself
+    logits = b.node("MatMul", [h, lm_head], ["logits" if direct and not arch.final_softcap else "head_logits"])
     if arch.final_softcap:
         cap = b.init("final_softcap", np.array(arch.final_softcap, np.float32))
         t = b.node("Tanh", [b.node("Div", [logits, cap], ["capped_in"])], ["capped_tanh"])
-        logits = b.node("Mul", [t, cap], ["logits" if output != "topk" else "capped_logits"])
+        logits = b.node("Mul", [t, cap], ["logits" if direct else "capped_logits"])
     if output != "logits":
-        add_topk(b, logits)
+        add_topk(b, logits, ids)
     if output != "topk":
+        if ids is not None:
+            _full_logits(b, arch, logits, ids)
         b.outputs.append(_vi("logits", F32, ["batch", "n_new", arch.vocab_size]))
 
 
@@ -342,7 +366,7 @@ def whole_model(arch: Arch, g: dict, layers: list[dict], precision: str, output:
         pk, pv, ok, ov = kv_names(i)
         _kv_io(b, arch, i, (pk, pv), (ok, ov))
         x = decoder_layer(b, arch, i, x, w, precision, False, pk, pv, ok, ov)
-    _head(b, arch, x, norm, head, output, precision)
+    _head(b, arch, x, norm, head, output, precision, g.get("head_ids"))
     return b.model("specbeam_whole")
 
 
@@ -379,5 +403,5 @@ def head_model(arch: Arch, g: dict, precision: str, output: str) -> onnx.ModelPr
     _, norm, head = _global_inits(b, {**g, "embed": g["embed"][:1]}, precision)
     b.inits = [t for t in b.inits if not t.name.startswith("embed")]
     b.nodes = [n for n in b.nodes if not n.output[0].startswith("embed")]
-    _head(b, arch, "hidden", norm, head, output, precision)
+    _head(b, arch, "hidden", norm, head, output, precision, g.get("head_ids"))
     return b.model("specbeam_head")

@@ -315,7 +315,12 @@ def layer_weights(w: dict[str, np.ndarray], arch: Arch, i: int) -> dict[str, np.
     return out
 
 
+# a draft's head may score only some tokens: lm_head.weight [S, hidden] and this int64 [S] tensor of their ids
+HEAD_TOKEN_IDS = "lm_head.token_ids"
+
+
 def global_weights(w: dict[str, np.ndarray], arch: Arch) -> dict[str, np.ndarray]:
+    """Embedding (scaled), final norm, lm_head [hidden, S] and head_ids (None: the head scores every token)."""
     emb = w.get("model.embed_tokens.weight")
     if emb is None:
         raise ExportError("weight model.embed_tokens.weight is missing from the checkpoint")
@@ -327,9 +332,20 @@ def global_weights(w: dict[str, np.ndarray], arch: Arch) -> dict[str, np.ndarray
         raise ExportError("weight lm_head.weight is missing and tie_word_embeddings is false")
     if "model.norm.weight" not in w:
         raise ExportError("weight model.norm.weight is missing from the checkpoint")
+    ids = w.get(HEAD_TOKEN_IDS)
+    if ids is None and tuple(head.shape) != (arch.vocab_size, arch.hidden):
+        raise ExportError(f"lm_head.weight has shape {tuple(head.shape)} but config.json implies "
+                          f"{(arch.vocab_size, arch.hidden)}")
+    if ids is not None:        # a head over a token subset (a draft's): its rows score these vocabulary ids
+        ids = np.asarray(ids).astype(np.int64).ravel()
+        if tuple(head.shape) != (len(ids), arch.hidden):
+            raise ExportError(f"lm_head.weight has shape {tuple(head.shape)} but {HEAD_TOKEN_IDS} names "
+                              f"{len(ids)} tokens: one row per named token is needed")
+        if len(np.unique(ids)) != len(ids) or ids.min() < 0 or ids.max() >= arch.vocab_size:
+            raise ExportError(f"{HEAD_TOKEN_IDS} must hold distinct token ids in 0..{arch.vocab_size - 1}")
     emb = np.asarray(emb, np.float32)
     if arch.embed_scale != 1.0:
         # transformers multiplies the looked-up rows by the fp32 scale; scaling the table is the same product
         emb = emb * np.float32(arch.embed_scale)
     norm = np.asarray(w["model.norm.weight"], np.float32) + np.float32(arch.norm_offset)
-    return {"embed": emb, "norm": norm, "lm_head": np.asarray(head, np.float32).T.copy()}
+    return {"embed": emb, "norm": norm, "lm_head": np.asarray(head, np.float32).T.copy(), "head_ids": ids}
