@@ -56,6 +56,9 @@ def main(argv=None) -> int:
                     help="int4 quantization block size (a power of two >= 16)")
     ap.add_argument("--reduce_range", action="store_true",
                     help="int8: 7-bit weights, so CPUs without VNNI (AVX2 only) never saturate their int16 sums")
+    ap.add_argument("--attention", choices=("fp32", "fp64"), default=None,
+                    help="attention arithmetic (default: fp64 for int8 and int4, whose int8 activations would turn "
+                         "fp32 rounding that depends on the cache layout into different tokens; fp32 otherwise)")
     ap.add_argument("--overwrite", action="store_true", help="replace the output folder if it holds a previous export "
                     "(never the input, a folder around it, or other files)")
     ap.add_argument("-q", "--quiet", action="store_true", help="no progress display")
@@ -63,7 +66,7 @@ def main(argv=None) -> int:
     try:
         out = export(args.input, args.output, precision=args.precision, layout=args.layout,
                      output=args.output_kind, overwrite=args.overwrite, block_size=args.block_size, quiet=args.quiet,
-                     compute=args.compute, reduce_range=args.reduce_range)
+                     compute=args.compute, reduce_range=args.reduce_range, attention=args.attention)
     except ExportError as e:
         print(f"specbeam-export: error: {e}", file=sys.stderr)
         return 2

@@ -27,6 +27,9 @@ from .safety import check_output, file_sha256, make_staging, replace_folder
 # int8dyn (quantize_dynamic) is not; int4 (MatMulNBits) depends on the kernel: the engine measures it at load
 PRECISIONS = ("fp32", "fp16", "int8w", "int8", "int8dyn", "int4")
 INVARIANT = {"fp32": True, "fp16": True, "int8w": True, "int8": True, "int8dyn": False, "int4": False}
+# attention in double where int8 activations would amplify fp32 layout noise (graph._attention, DESIGN
+# "Layout-exact attention"); --attention overrides
+ATTENTION = {"int8": "fp64", "int4": "fp64"}
 FORMAT_VERSION = 1
 _GEN_KEYS = ("num_beams", "max_new_tokens", "length_penalty", "early_stopping", "num_return_sequences",
              "no_repeat_ngram_size", "repetition_penalty", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p")
@@ -185,9 +188,11 @@ def _layer_checksums(folder: Path, num_layers: int) -> list[str]:
 
 def export(src: str | Path, dst: str | Path, *, precision: str = "fp32", layout: str = "whole",
            output: str = "logits", overwrite: bool = False, block_size: int = 32, quiet: bool = False,
-           compute: str = "fp32", reduce_range: bool = False) -> Path:
+           compute: str = "fp32", reduce_range: bool = False, attention: str | None = None) -> Path:
     """Export the HF folder `src` into the specbeam model folder `dst`; returns dst.
 
+    attention: "fp32" or "fp64" (attention computed in double, so a node's result does not depend on where the
+    cache's dead columns sit); None: fp64 for int8 and int4 (ATTENTION), fp32 otherwise.
     compute: "fp32", or "fp16" for GPUs: weights, activations and the KV cache in fp16 (half the memory and
     bandwidth, tensor cores on CUDA), logits and the tree mask still fp32 at the graph's edge (`_to_fp16`).
     reduce_range: int8 weights in 7 bits, so CPUs without VNNI never saturate int16 sums (export/quant.py).
@@ -201,6 +206,11 @@ def export(src: str | Path, dst: str | Path, *, precision: str = "fp32", layout:
                           f"weights itself), not layout {layout!r} with {precision} weights")
     if precision not in PRECISIONS:
         raise ExportError(f"precision {precision!r} is not one of {PRECISIONS}")
+    attention = attention or ATTENTION.get(precision, "fp32")
+    if attention not in ("fp32", "fp64"):
+        raise ExportError(f"attention {attention!r} is not 'fp32' or 'fp64'")
+    if attention == "fp64" and compute == "fp16":
+        raise ExportError("attention fp64 is for fp32 compute (compute fp16 runs attention in fp16)")
     if layout not in ("whole", "split"):
         raise ExportError(f"layout {layout!r} is not 'whole' or 'split'")
     if output not in OUTPUT_KINDS:
@@ -214,7 +224,7 @@ def export(src: str | Path, dst: str | Path, *, precision: str = "fp32", layout:
         raise ExportError(f"input {src} does not exist (pass a Hugging Face model folder or a .gguf file)")
     check_output(src, dst, overwrite)      # before the long work: never the input, a file or a link (safety.py)
     opts = dict(precision="fp16" if compute == "fp16" else precision, layout=layout, output=output,
-                block_size=block_size, quiet=quiet, compute=compute, reduce_range=reduce_range)
+                block_size=block_size, quiet=quiet, compute=compute, reduce_range=reduce_range, attention=attention)
     if is_gguf(src):             # transformers dequantizes the file; its config and tokenizer go to a side folder
         with tempfile.TemporaryDirectory(prefix="specbeam-gguf-") as side:
             return _export_decoder(Path(side), dst, unpack(src, Path(side), quiet), src.name, **opts)
@@ -226,7 +236,7 @@ def export(src: str | Path, dst: str | Path, *, precision: str = "fp32", layout:
         if compute != "fp32":
             raise ExportError("compute fp16 is not available for encoder-decoder models yet (export fp32 compute)")
         return export_encdec(src, dst, family_of(src), precision=precision, layout=layout, output=output,
-                             overwrite=overwrite, quiet=quiet, reduce_range=reduce_range)
+                             overwrite=overwrite, quiet=quiet, reduce_range=reduce_range, attention=attention)
     return _export_decoder(src, dst, None, src.name, **opts)
 
 
@@ -256,7 +266,7 @@ INT8W = {"method": "specbeam int8 weight storage: symmetric per output channel (
 
 def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str, *, precision: str, layout: str,
                     output: str, block_size: int, quiet: bool, compute: str = "fp32",
-                    reduce_range: bool = False) -> Path:
+                    reduce_range: bool = False, attention: str = "fp32") -> Path:
     """A decoder-only model from the HF-style folder `src` (weights: read from it when None)."""
     if not (src / "tokenizer.json").is_file():
         raise ExportError(f"{src}: no tokenizer.json (a `tokenizers` fast tokenizer is required)")
@@ -275,7 +285,7 @@ def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str
         quant = {"method": "none", "storage": precision}
         if layout == "whole":
             base = precision if precision in ("fp16", "int8w") and compute == "fp32" else "fp32"
-            model = graph.whole_model(arch, g, layers, base, output)
+            model = graph.whole_model(arch, g, layers, base, output, attention)
             if precision == "int8w":
                 quant = INT8W
             if compute == "fp16":
@@ -286,7 +296,8 @@ def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str
             files["model"] = "model.onnx"
         else:
             _save(graph.embed_model(arch, g, precision), tmp / "embed.onnx")
-            layer, head = graph.layer_model(arch, layers[0], precision), graph.head_model(arch, g, precision, output)
+            layer = graph.layer_model(arch, layers[0], precision, attention)
+            head = graph.head_model(arch, g, precision, output)
             if precision == "int8":     # the streamed int8 weights and lm_head compute per-row int8 (quant.py)
                 quant = rowwise_int8(layer, reduce_range=reduce_range)
                 rowwise_int8(head, reduce_range=reduce_range)
@@ -314,6 +325,7 @@ def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str
             "bos_token_id": arch.bos_token_id, "eos_token_ids": arch.eos_token_ids, "pad_token_id": arch.pad_token_id,
             "layout": layout, "precision": precision, "quantization": quant,
             "compute_dtype": "float16" if compute == "fp16" else "float32",
+            "attention_dtype": "float64" if attention == "fp64" else "float16" if compute == "fp16" else "float32",
             # the exporter's claim; the engine measures it when it loads a target for exact speculation. int8dyn
             # quantizes activations per tensor: a node's logits depend on the other nodes of the pass (up to 1e-2)
             "batch_invariant": INVARIANT[precision],

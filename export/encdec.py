@@ -195,8 +195,16 @@ def _attend(b: Builder, arch: EncDecArch, q: str, k: str, v: str, mask: str, p: 
     scale = b.init(p + "scale", np.array(arch.head_dim ** -0.5, np.float32))
     qs = b.node("Mul", [q, scale], [p + "qs"])        # transformers scales q before the product
     s = b.node("MatMul", [qs, b.node("Transpose", [k], [p + "kt"], perm=[0, 1, 3, 2])], [p + "scores"])
-    a = b.node("Softmax", [b.node("Add", [s, mask], [p + "masked"])], [p + "probs"], axis=-1)
-    o = b.node("Transpose", [b.node("MatMul", [a, v], [p + "ctx"])], [p + "ctx_t"], perm=[0, 2, 1, 3])
+    masked = b.node("Add", [s, mask], [p + "masked"])
+    if b.attention == "fp64":      # the sums over columns in double: layout-exact (graph._attention)
+        a = b.node("Softmax", [b.node("Cast", [masked], [p + "masked64"], to=TensorProto.DOUBLE)], [p + "probs64"],
+                   axis=-1)
+        ctx = b.node("Cast", [b.node("MatMul", [a, b.node("Cast", [v], [p + "v64"], to=TensorProto.DOUBLE)],
+                                     [p + "ctx64"])], [p + "ctx"], to=F32)
+    else:
+        a = b.node("Softmax", [masked], [p + "probs"], axis=-1)
+        ctx = b.node("MatMul", [a, v], [p + "ctx"])
+    o = b.node("Transpose", [ctx], [p + "ctx_t"], perm=[0, 2, 1, 3])
     flat = b.init(p + "flat", np.array([0, 0, arch.d_model], np.int64))
     return b.node("Reshape", [o, flat], [p + "ctx_flat"])
 
@@ -244,10 +252,10 @@ def _source_mask_add(b: Builder, mask: str, p: str) -> str:
 
 
 # -- the two graphs ----------------------------------------------------------------------------------------
-def encoder_model(arch: EncDecArch, ew: dict, dw: dict, precision: str) -> onnx.ModelProto:
+def encoder_model(arch: EncDecArch, ew: dict, dw: dict, precision: str, attention: str = "fp32") -> onnx.ModelProto:
     """input_ids, attention_mask [B, S] -> encoder_hidden_states [B, S, D] and cross_key/value.{i}
     [B, heads, S, head_dim] for every decoder layer (its cross K/V projections applied once)."""
-    b = Builder()
+    b = Builder(attention)
     b.inputs += [_vi("input_ids", I64, ["batch", "src_len"]), _vi("attention_mask", I64, ["batch", "src_len"])]
     if arch.pos_pad is None:       # Marian: 0, 1, 2, ... whatever the token
         zero, one = b.init("e.zero", np.array(0, np.int64)), b.init("e.one", np.array(1, np.int64))
@@ -287,9 +295,9 @@ def encoder_model(arch: EncDecArch, ew: dict, dw: dict, precision: str) -> onnx.
     return b.model("specbeam_encoder")
 
 
-def decoder_model(arch: EncDecArch, dw: dict, precision: str, output: str) -> onnx.ModelProto:
+def decoder_model(arch: EncDecArch, dw: dict, precision: str, output: str, attention: str = "fp32") -> onnx.ModelProto:
     """The decoder over a token tree: the decoder-only contract plus static cross K/V and source mask."""
-    b = Builder()
+    b = Builder(attention)
     b.inputs += [_vi("input_ids", I64, ["batch", "n_new"]), _vi("position_ids", I64, ["batch", "n_new"]),
                  _vi("attention_mask", F32, ["batch", 1, "n_new", "n_total"]),
                  _vi(SOURCE_MASK, F32, ["batch", "src_len"])]
@@ -408,7 +416,7 @@ def cross_probe(encoder: Path, layers: int, eos: int, head_dim: int) -> dict:
 
 
 def export_encdec(src: Path, dst: Path, family: str, *, precision: str, layout: str, output: str, overwrite: bool,
-                  quiet: bool, reduce_range: bool = False) -> Path:
+                  quiet: bool, reduce_range: bool = False, attention: str = "fp32") -> Path:
     """Write the model folder of an encoder-decoder: encoder.onnx + model.onnx (the decoder) + config."""
     from .safety import file_sha256
     from .core import FORMAT_VERSION, INT8W, INVARIANT, Progress, _save, save_precision, staged
@@ -427,10 +435,10 @@ def export_encdec(src: Path, dst: Path, family: str, *, precision: str, layout: 
         base = precision if precision in ("fp16", "int8w") else "fp32"
         quant = INT8W if precision == "int8w" else {"method": "none", "storage": precision}
         # the encoder computes in per-row int8 too with -p int8 (each source token its own scale)
-        save_precision(encoder_model(arch, ew, dw, base), tmp / "encoder.onnx",
+        save_precision(encoder_model(arch, ew, dw, base, attention), tmp / "encoder.onnx",
                        precision if precision == "int8" else "fp32", reduce_range=reduce_range)
         prog.step("write encoder.onnx")
-        dec = decoder_model(arch, dw, base, output)
+        dec = decoder_model(arch, dw, base, output, attention)
         quant = save_precision(dec, tmp / "model.onnx", precision, 32, reduce_range) or quant
         prog.step(f"write model.onnx ({precision})")
         for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
@@ -462,6 +470,7 @@ def export_encdec(src: Path, dst: Path, family: str, *, precision: str, layout: 
             "head_dim": arch.head_dim, "context_length": arch.context_length, "bos_token_id": arch.bos_token_id,
             "eos_token_ids": arch.eos_token_ids, "pad_token_id": arch.pad_token_id, "layout": "whole",
             "precision": precision, "quantization": quant, "compute_dtype": "float32",
+            "attention_dtype": "float64" if attention == "fp64" else "float32",
             "batch_invariant": INVARIANT[precision], "mask": "additive_float32", "mask_value": MASK_VALUE,
             "present": "concat", "output": output,
             "files": {"model": "model.onnx", **({} if shared is not None else {"encoder": "encoder.onnx"})},

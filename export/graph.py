@@ -51,8 +51,9 @@ def needs_key_positions(arch: Arch) -> bool:
 
 
 class Builder:
-    def __init__(self):
+    def __init__(self, attention: str = "fp32"):
         self.nodes, self.inits, self.inputs, self.outputs = [], [], [], []
+        self.attention = attention          # "fp32", or "fp64": attention computed in double (see _attention)
 
     def node(self, op, ins, outs, **attrs):
         self.nodes.append(oh.make_node(op, ins, outs, **attrs))
@@ -201,12 +202,71 @@ def _long_rope_attention(b: Builder, arch: Arch, kind: str, proj: dict, q_short:
                   [p + "pk_back"], axis=0)
     past_long = b.node("Transpose", [b.node("Reshape", [rotated, back], [p + "pk_bnhd"])], [p + "past_k_long"],
                        perm=[0, 2, 1, 3])
-    a_long = b.node("Attention", [q, k, proj["v_proj"], mask, past_long, past_v],
-                    [p + "attn_long", p + "pk_long", p + "pv_long"], **attrs)[0]
+    a_long = _attention(b, arch, [q, k, proj["v_proj"], mask, past_long, past_v],
+                        [p + "attn_long", p + "pk_long", p + "pv_long"], attrs)[0]
     orig = b.init(p + "orig", np.array(arch.ropes[kind].original_max, np.int64))
     is_long = b.node("Unsqueeze", [b.node("GreaterOrEqual", ["position_ids", orig], [p + "ge"]),
                                    b.init(p + "ax", np.array([2], np.int64))], [p + "is_long"])
     return b.node("Where", [is_long, a_long, a_short], [p + "attn_sel"])
+
+
+def _attention(b: Builder, arch: Arch, ins: list[str], outs: list[str], attrs: dict) -> list[str]:
+    """Attention over q, k, v [B, S, heads * head_dim], the additive mask [B, 1, S, T] and the past [B, kv_heads,
+    P, head_dim]; outputs (attention [B, S, heads * head_dim], present key, present value).
+
+    "fp32": onnxruntime's fused Attention op. "fp64" (DESIGN "Layout-exact attention"): the same arithmetic from
+    primitive ops with the softmax's sum and the weighted sum of values in double. Why: in fp32 those two sums over
+    a row's columns round, in the last bits, according to where the masked (dead) columns sit among the live ones,
+    which a tree pass and a plain step lay out differently; per-row int8 activations turn such a bit into whole
+    quantization steps (5-9% of the largest logit on SmolLM2-135M, measured). Scores (q . k over head_dim) and exp
+    are per element, so fp32 gives them bit for bit; the double sums round back to the same fp32 value whatever
+    the layout."""
+    if b.attention != "fp64":
+        return b.node("Attention", ins, outs, **attrs)
+    q, k, v, mask, past_k, past_v = ins
+    out, present_k, present_v = outs
+    H, KV, D = arch.heads, arch.kv_heads, arch.head_dim
+    G = H // KV
+    F64 = TensorProto.DOUBLE
+    c = lambda name, values: b.init(f"{out}.{name}", np.array(values, np.int64))
+
+    def heads(x, n, name):               # [B, S, n * D] -> [B, n, S, D]
+        return b.node("Transpose", [b.node("Reshape", [x, c(name + "_shape", [0, 0, n, D])], [f"{out}.{name}_r"])],
+                      [f"{out}.{name}_t"], perm=[0, 2, 1, 3])
+    b.node("Concat", [past_k, heads(k, KV, "k")], [present_k], axis=2)
+    b.node("Concat", [past_v, heads(v, KV, "v")], [present_v], axis=2)
+    # queries grouped by their KV head: [B, S, KV, G, D] -> [B, KV, G, S, D] -> [B, KV, G * S, D]
+    q5 = b.node("Transpose", [b.node("Reshape", [q, c("q_shape", [0, 0, KV, G, D])], [f"{out}.q_r"])],
+                [f"{out}.q_t"], perm=[0, 2, 3, 1, 4])
+    shape5 = b.node("Shape", [q5], [f"{out}.q5_shape"])
+    qg = b.node("Reshape", [q5, c("qg_shape", [0, KV, -1, D])], [f"{out}.qg"])
+    kt = b.node("Transpose", [present_k], [f"{out}.kt"], perm=[0, 1, 3, 2])
+    scores = b.node("MatMul", [qg, kt], [f"{out}.scores"])                      # [B, KV, G * S, T]
+    shape4 = b.node("Shape", [scores], [f"{out}.shape4"])
+    scale = attrs.get("scale", 1.0 / np.sqrt(D))
+    scores = b.node("Mul", [scores, b.init(f"{out}.scale", np.array(scale, np.float32))], [f"{out}.scaled"])
+    if "softcap" in attrs:
+        cap = b.init(f"{out}.softcap", np.array(attrs["softcap"], np.float32))
+        t = b.node("Tanh", [b.node("Div", [scores, cap], [f"{out}.cap_in"])], [f"{out}.cap_t"])
+        scores = b.node("Mul", [t, cap], [f"{out}.capped"])
+    # [B, KV, G, S, T] + mask [B, 1, 1, S, T]
+    t_dim = b.node("Shape", [scores], [f"{out}.t_dim"], start=3, end=4)         # (after the soft cap: same)
+    s5 = b.node("Concat", [b.node("Slice", [shape5, c("s0", [0]), c("s4", [4])], [f"{out}.lead"]), t_dim],
+                [f"{out}.s5"], axis=0)
+    scores = b.node("Add", [b.node("Reshape", [scores, s5], [f"{out}.scores5"]),
+                            b.node("Unsqueeze", [mask, c("ax1", [1])], [f"{out}.mask5"])], [f"{out}.masked"])
+    top = b.node("ReduceMax", [scores, c("ax_last", [-1])], [f"{out}.max"], keepdims=1)
+    e = b.node("Exp", [b.node("Sub", [scores, top], [f"{out}.shifted"])], [f"{out}.exp"])
+    e64 = b.node("Cast", [e], [f"{out}.exp64"], to=F64)
+    total = b.node("ReduceSum", [e64, c("ax_sum", [-1])], [f"{out}.sum64"], keepdims=1)
+    p = b.node("Div", [e64, total], [f"{out}.p64"])
+    pg = b.node("Reshape", [p, shape4], [f"{out}.pg"])
+    v64 = b.node("Cast", [present_v], [f"{out}.v64"], to=F64)
+    a = b.node("Cast", [b.node("MatMul", [pg, v64], [f"{out}.pv64"])], [f"{out}.pv"], to=F32)   # [B, KV, G*S, D]
+    a = b.node("Reshape", [a, shape5], [f"{out}.a5"])                            # [B, KV, G, S, D]
+    a = b.node("Transpose", [a], [f"{out}.a_t"], perm=[0, 3, 1, 2, 4])           # [B, S, KV, G, D]
+    b.node("Reshape", [a, c("a_shape", [0, 0, H * D])], [out])
+    return [out, present_k, present_v]
 
 
 def _mlp(b: Builder, arch: Arch, h: str, W: dict, p: str) -> str:
@@ -244,8 +304,8 @@ def decoder_layer(b: Builder, arch: Arch, i: int, x: str, weights: dict | None, 
         attrs["scale"] = float(arch.attn_scale)
     if arch.attn_softcap:
         attrs["softcap"] = float(arch.attn_softcap)
-    a = b.node("Attention", [q, k, proj["v_proj"], mask, past_k, past_v], [p + "attn", present_k, present_v],
-               **attrs)[0]
+    a = _attention(b, arch, [q, k, proj["v_proj"], mask, past_k, past_v], [p + "attn", present_k, present_v],
+                   attrs)[0]
     kind = arch.layer_rope[i]
     if kind is not None and arch.ropes[kind].long_inv_freq is not None:
         a = _long_rope_attention(b, arch, kind, proj, q, k, a, mask, past_k, past_v, attrs, p)
@@ -355,10 +415,11 @@ def _global_inits(b: Builder, g: dict, precision: str) -> tuple[str, str, str]:
     return emb, b.init("norm.weight", g["norm"]), head
 
 
-def whole_model(arch: Arch, g: dict, layers: list[dict], precision: str, output: str) -> onnx.ModelProto:
+def whole_model(arch: Arch, g: dict, layers: list[dict], precision: str, output: str,
+                attention: str = "fp32") -> onnx.ModelProto:
     """Precision here is the storage of weights in the graph: fp32, fp16 or int8w (int8/int4 are applied
-    afterwards by onnxruntime's quantizers on the fp32 graph)."""
-    b = Builder()
+    afterwards by onnxruntime's quantizers on the fp32 graph). attention: "fp32" or "fp64" (_attention)."""
+    b = Builder(attention)
     _common_inputs(b, arch, with_ids=True)
     emb, norm, head = _global_inits(b, g, precision)
     x = b.node("Gather", [emb, "input_ids"], ["h0"], axis=0)
@@ -381,9 +442,9 @@ def embed_model(arch: Arch, g: dict, precision: str) -> onnx.ModelProto:
     return b.model("specbeam_embed")
 
 
-def layer_model(arch: Arch, sample: dict, precision: str) -> onnx.ModelProto:
+def layer_model(arch: Arch, sample: dict, precision: str, attention: str = "fp32") -> onnx.ModelProto:
     """The shared decoder-layer graph; its weights are inputs named as in `layer_weight_names`."""
-    b = Builder()
+    b = Builder(attention)
     b.inputs.append(_vi("hidden", F32, ["batch", "n_new", arch.hidden]))
     _common_inputs(b, arch, with_ids=False)
     b.inputs.append(_vi("past_key", F32, ["batch", arch.kv_heads, "n_past", arch.head_dim]))

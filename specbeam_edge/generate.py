@@ -95,6 +95,9 @@ class Engine:
         once per engine (invariance.py; cached on disk per model file), refused with the fix when it is not."""
         if not isinstance(self.target, OnnxCausalLM):      # test doubles built with from_models
             return
+        layout = invariance.layout_refusal(self.target)
+        if layout:
+            raise NotInvariantError(layout)
         with self._lock:
             if self._invariance is None:
                 self._invariance = invariance.check(self.target)

@@ -78,33 +78,37 @@ def _rows(model, ids, pos, mask, past, static, past_positions):
     return np.asarray(rows[0], np.float32), presents
 
 
-def _alone(model, token, position, mask_row, past, static, past_positions) -> np.ndarray:
-    """One node's row from a pass of its own, with the padding rows the runtime adds (model.min_rows; a padding
-    row sees only itself, as in cache._one_pass_rows)."""
+def _step(model, token, position, past, static, past_positions):
+    """One plain decoding step: the token's row from a pass of its own over `past` (with the padding rows the
+    runtime adds, model.min_rows; a padding row sees only itself, as in cache._one_pass_rows), and the past with
+    the token's key/value appended."""
     Q = max(1, model.min_rows)
     ids, pos = np.zeros(Q, np.int64), np.zeros(Q, np.int64)
     ids[0], pos[0] = token, position
-    N = len(mask_row) - 1
+    N = len(past_positions)
     mask = np.zeros((Q, N + Q), bool)
-    mask[0, :N + 1] = mask_row
+    mask[0, :N + 1] = True
     mask[np.arange(1, Q), N + np.arange(1, Q)] = True
-    rows, _ = _rows(model, ids, pos, mask, past, static, past_positions)
-    return rows[0]
+    rows, presents = _rows(model, ids, pos, mask, past, static, past_positions)
+    kept = [(model.to_kv(host(k)[:, :, :N + 1]), model.to_kv(host(v)[:, :, :N + 1])) for k, v in presents]
+    return rows[0], kept, np.append(past_positions, position)
 
 
 def measure(model) -> float:
-    """Score a branching tree over a prompt in one pass, then each node again in a pass of its own over the same
-    key columns (the prompt and the nodes before it, as the tree pass laid them out); the largest difference of
-    a node's row between the two, relative to the largest |logit|.
+    """Score a branching tree over a prompt in one pass, then each node's path again as plain decoding does
+    (one token a pass, over a cache that holds the prompt and the path only); the largest difference of a node's
+    row between the two, relative to the largest |logit|.
 
-    Only the number of rows in the pass differs, so this isolates what a precision controls: whether a row's
-    result depends on the other rows (quantize_dynamic's one scale per tensor does; kernels chosen by row count
-    may). A different column layout (a node scored on a compacted path) changes fp32 attention sums in the last
-    bits for every precision; int8 activations can turn such a bit into one quantization step (DESIGN)."""
+    Two things differ, and both are what exact speculation needs the kernels to ignore: the number of rows in a
+    pass (quantize_dynamic's one activation scale per tensor depends on it; kernels chosen by row count may), and
+    the column layout (in the tree pass a node's keys sit among its siblings' masked columns; fp32 attention sums
+    round according to where those sit, which int8 activations turn into quantization steps: graphs exported with
+    fp32 attention and int8 compute fail here, DESIGN "Layout-exact attention")."""
     static = _static(model)
     prompt = _tokens(model, PROMPT_LEN, 0)
     causal = np.tril(np.ones((PROMPT_LEN, PROMPT_LEN), bool))
     _, past = _rows(model, prompt, np.arange(PROMPT_LEN), causal, model.empty_past(1), static, np.zeros(0, np.int64))
+    past = [(model.to_kv(host(k)), model.to_kv(host(v))) for k, v in past]
     tokens = _tokens(model, len(TREE_PARENTS), 1)
     paths = []
     for j, p in enumerate(TREE_PARENTS):
@@ -115,14 +119,12 @@ def measure(model) -> float:
     for j, path in enumerate(paths):
         mask[j, PROMPT_LEN + np.array(path)] = True
     positions = PROMPT_LEN - 1 + np.array([len(p) for p in paths])
-    tree, presents = _rows(model, tokens, positions, mask, past, static, np.arange(PROMPT_LEN))
-    columns = np.concatenate([np.arange(PROMPT_LEN), positions])       # the position of every column
-    presents = [(host(k), host(v)) for k, v in presents]
+    tree, _ = _rows(model, tokens, positions, mask, past, static, np.arange(PROMPT_LEN))
     worst = 0.0
-    for j in range(n):
-        cut = PROMPT_LEN + j
-        before = [(model.to_kv(k[:, :, :cut]), model.to_kv(v[:, :, :cut])) for k, v in presents]
-        ref = _alone(model, tokens[j], positions[j], mask[j, :cut + 1], before, static, columns[:cut])
+    for j, path in enumerate(paths):
+        kv, cols = past, np.arange(PROMPT_LEN)
+        for node in path:
+            ref, kv, cols = _step(model, tokens[node], positions[node], kv, static, cols)
         finite = np.isfinite(ref)
         scale = float(np.abs(ref[finite]).max()) or 1.0
         worst = max(worst, float(np.abs(tree[j][finite] - ref[finite]).max()) / scale)
@@ -205,6 +207,26 @@ def _store(path: Path, key: str, diff: float) -> None:
             os.replace(tmp, path)
     except (OSError, Timeout):
         pass
+
+
+# precisions whose int8 activations amplify fp32 attention's layout-dependent rounding: exact only with the
+# attention the exporter now writes in double for them (export --attention fp64, DESIGN "Layout-exact attention")
+LAYOUT_SENSITIVE = ("int8", "int4")
+
+
+def layout_refusal(model) -> str | None:
+    """The one-line message for a target whose graph cannot be layout-exact (an int8/int4 export made before
+    attention in double), else None. Structural, because the measured check's random tree rarely lands on one
+    of the rounding boundaries that real text hits (SmolLM2-135M int8: 5-9% logit differences on a chat prompt,
+    2.9e-7 on the random tree)."""
+    cfg = model.cfg
+    if cfg.precision not in LAYOUT_SENSITIVE or cfg.raw.get("attention_dtype") == "float64":
+        return None
+    return (f"{model.folder}: this {cfg.precision} target computes attention in fp32, whose rounding depends on "
+            f"where a tree pass's masked columns sit, and its int8 activations turn that into different tokens, so "
+            f"speculative output would not equal plain search. Export it again with this version (specbeam-export "
+            f"-p {cfg.precision}: attention in double; a fetched model: specbeam fetch NAME --force), or run "
+            f"without speculation")
 
 
 def refusal(model, result: Invariance) -> str:
