@@ -16,7 +16,7 @@ from .config import DEFAULT_BUDGET, ModelFolderError, SpeculativeConfig
 from .flags import (DEFAULT_MODELS, DRAFT_WIDTH_HELP, PROVIDERS, DefaultsHelp,  # noqa: F401
                     add_decoding_constraint_args, add_memory_args, budget_arg, check_prompt_format, check_widths,
                     decoding_constraints, engine_from_args, guard_std_streams, parse_size)
-from .shipped import resolve_model, shipped
+from .shipped import default_draft, resolve_model, shipped
 
 
 def add_search_args(ap: argparse.ArgumentParser, *, beams_flag: str = "--num_beams") -> None:
@@ -75,6 +75,8 @@ def configs(args) -> tuple[dict, SpeculativeConfig | None]:
                      top_p=getattr(args, "top_p", None), seed=getattr(args, "seed", None),
                      **decoding_constraints(args))
     spec = None
+    if args.model and args.draft is None and not args.no_draft:
+        args.draft = default_draft(args.model)          # a fetched model's own draft (specbeam fetch builds it)
     if not args.no_draft and (args.draft or args.drafter == "lookup"):
         drafter = args.drafter or ("sample" if sample else "beam")
         spec = SpeculativeConfig(drafter=drafter, budget=args.budget, max_depth=args.max_depth,

