@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from specbeam_edge.contract import LAYOUTS, OUTPUT_KINDS
+
 from .hf import ExportError
 
 EXTRA = "pip install 'specbeam-edge[export]'"
@@ -45,9 +47,9 @@ def main(argv=None) -> int:
                     "the fastest exact precision on CPUs); int8dyn (onnxruntime quantize_dynamic: one activation "
                     "scale per tensor, NOT batch-invariant: for drafts); int4 (MatMulNBits; the engine measures "
                     "its invariance at load)")
-    ap.add_argument("--layout", choices=("whole", "split"), default="whole",
+    ap.add_argument("--layout", choices=LAYOUTS, default="whole",
                     help="one graph, or embed/layer/head graphs with per-layer weight files (for streaming)")
-    ap.add_argument("--output_kind", choices=("logits", "topk", "both"), default="logits",
+    ap.add_argument("--output_kind", choices=OUTPUT_KINDS, default="logits",
                     help="full logits per node; log-softmax top-k (k is a run-time input) for large vocabularies; "
                          "or both, chosen per run (a draft: exact search reads its top-k, sampling its logits)")
     ap.add_argument("--compute", choices=("fp32", "fp16"), default="fp32",

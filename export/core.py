@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from specbeam_edge.config import OUTPUT_KINDS, head_io
+from specbeam_edge.contract import CONFIG_FILE, FORMAT_VERSION, LAYOUTS, MASK_VALUE, OUTPUT_KINDS, graph_io
 
 from . import graph
 from .quant import quantize_columns, rowwise_int8
@@ -30,7 +30,6 @@ INVARIANT = {"fp32": True, "fp16": True, "int8w": True, "int8": True, "int8dyn":
 # attention in double where int8 activations would amplify fp32 layout noise (graph._attention, DESIGN
 # "Layout-exact attention"); --attention overrides
 ATTENTION = {"int8": "fp64", "int4": "fp64"}
-FORMAT_VERSION = 1
 _GEN_KEYS = ("num_beams", "max_new_tokens", "length_penalty", "early_stopping", "num_return_sequences",
              "no_repeat_ngram_size", "repetition_penalty", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p")
 
@@ -211,7 +210,7 @@ def export(src: str | Path, dst: str | Path, *, precision: str = "fp32", layout:
         raise ExportError(f"attention {attention!r} is not 'fp32' or 'fp64'")
     if attention == "fp64" and compute == "fp16":
         raise ExportError("attention fp64 is for fp32 compute (compute fp16 runs attention in fp16)")
-    if layout not in ("whole", "split"):
+    if layout not in LAYOUTS:
         raise ExportError(f"layout {layout!r} is not 'whole' or 'split'")
     if output not in OUTPUT_KINDS:
         raise ExportError(f"output {output!r} is not one of {OUTPUT_KINDS}")
@@ -316,7 +315,6 @@ def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str
         for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
             if (src / f).is_file():
                 shutil.copy2(src / f, tmp / f)
-        head_in, head_out = head_io(output)
         cfg = {
             "format_version": FORMAT_VERSION, "family": arch.family, "vocab_size": arch.vocab_size,
             "tokenizer_sha256": file_sha256(tmp / "tokenizer.json"),
@@ -329,15 +327,12 @@ def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str
             # the exporter's claim; the engine measures it when it loads a target for exact speculation. int8dyn
             # quantizes activations per tensor: a node's logits depend on the other nodes of the pass (up to 1e-2)
             "batch_invariant": INVARIANT[precision],
-            "mask": "additive_float32", "mask_value": float(np.finfo(np.float32).min), "present": "concat",
+            "mask": "additive_float32", "mask_value": MASK_VALUE, "present": "concat",
             "output": output, "files": files, **_layer_info(arch),
-            "io": {"inputs": ["input_ids", "position_ids", "attention_mask"]
-                   + ([graph.KEY_POSITIONS] if graph.needs_key_positions(arch) else [])
-                   + ["past_key_values.{i}.key", "past_key_values.{i}.value"] + head_in,
-                   "outputs": head_out + ["present.{i}.key", "present.{i}.value"]},
+            "io": graph_io(output, key_positions=graph.needs_key_positions(arch)),
             "generation": _generation_defaults(src),
             "source": {"folder_name": source_name, "export_seconds": round(time.time() - t0, 2)},
         }
-        (tmp / "specbeam_config.json").write_text(json.dumps(cfg, indent=2))
+        (tmp / CONFIG_FILE).write_text(json.dumps(cfg, indent=2))
         prog.step("write config")
     return dst

@@ -21,17 +21,16 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
-from specbeam_edge.config import head_io
+from specbeam_edge.contract import (CONFIG_FILE, ENCODER_HIDDEN, FORMAT_VERSION, LOGITS, MASK_VALUE, SOURCE_MASK,
+                                     all_cross_names, cross_names, graph_io, past_names, present_names, probe_source,
+                                     static_inputs)
 
 from .graph import Builder, _vi, add_topk, stored_weight
 from .hf import ExportError, check_layer_count, checkpoint_names, load_config, read_json
 
 ARCHITECTURES = {"MarianMTModel": "marian", "M2M100ForConditionalGeneration": "m2m100"}
 F32, I64 = TensorProto.FLOAT, TensorProto.INT64
-MASK_VALUE = float(np.finfo(np.float32).min)
 MATMULS = ("q", "k", "v", "o", "ck", "cv", "cq", "co", "fc1", "fc2")
-# the source mask and each decoder layer's cross K/V: fixed for a request, zero-padded in batched passes
-SOURCE_MASK = "encoder_attention_mask"
 _ACTIVATIONS = {"swish": "silu", "silu": "silu", "relu": "relu", "gelu": "gelu"}
 
 
@@ -39,10 +38,6 @@ _ACTIVATIONS = {"swish": "silu", "silu": "silu", "relu": "relu", "gelu": "gelu"}
 # projections frozen: the target decoder layer whose cross K/V each of its decoder layers uses (the runtime then
 # skips the draft's encoder pass; specbeam_config.json `encoder_decoder.target_cross_layers`)
 TARGET_CROSS_KEY = "specbeam_target_cross_layers"
-
-
-def cross_names(i: int) -> tuple[str, str]:
-    return f"cross_key.{i}", f"cross_value.{i}"
 
 
 @dataclass(frozen=True)
@@ -283,8 +278,8 @@ def encoder_model(arch: EncDecArch, ew: dict, dw: dict, precision: str, attentio
         x = _block(b, arch, x, W, "ln3", p, _ffn(b, arch, W, p))
     if arch.pre_norm:
         x = _norm(b, arch, x, _weights(b, {k: ew[k] for k in ("norm", "norm_b")}, "enc.", precision), "norm", "enc.")
-    b.node("Identity", [x], ["encoder_hidden_states"])
-    b.outputs.append(_vi("encoder_hidden_states", F32, ["batch", "src_len", arch.d_model]))
+    b.node("Identity", [x], [ENCODER_HIDDEN])
+    b.outputs.append(_vi(ENCODER_HIDDEN, F32, ["batch", "src_len", arch.d_model]))
     for i, lw in enumerate(dw["layers"]):
         p = f"x{i}."
         W = _weights(b, {k: lw[k] for k in ("ck", "ck_b", "cv", "cv_b")}, p, precision)
@@ -308,8 +303,7 @@ def decoder_model(arch: EncDecArch, dw: dict, precision: str, output: str, atten
         p = f"dec{i}."
         # the cross K/V projections ran in the encoder graph
         W = _weights(b, {k: a for k, a in lw.items() if k[:2] not in ("ck", "cv")}, p, precision)
-        pk, pv = f"past_key_values.{i}.key", f"past_key_values.{i}.value"
-        ok, ov = f"present.{i}.key", f"present.{i}.value"
+        (pk, pv), (ok, ov) = past_names(i), present_names(i)
         ck, cv = cross_names(i)
         for n in (pk, pv):
             b.inputs.append(_vi(n, F32, ["batch", arch.heads, "n_past", arch.head_dim]))
@@ -340,8 +334,8 @@ def decoder_model(arch: EncDecArch, dw: dict, precision: str, output: str, atten
     if output != "logits":
         add_topk(b, logits)
     if output != "topk":
-        b.node("Identity", [logits], ["logits"])
-        b.outputs.append(_vi("logits", F32, ["batch", "n_new", arch.vocab_size]))
+        b.node("Identity", [logits], [LOGITS])
+        b.outputs.append(_vi(LOGITS, F32, ["batch", "n_new", arch.vocab_size]))
     return b.model("specbeam_decoder")
 
 
@@ -402,11 +396,9 @@ def cross_probe(encoder: Path, layers: int, eos: int, head_dim: int) -> dict:
     encoder: the runtime compares it with the target's cross K/V of the same source at load."""
     import onnxruntime as ort
 
-    from specbeam_edge.encdec import probe_source
-
     source = probe_source(17, eos)
     sess = ort.InferenceSession(str(encoder), providers=["CPUExecutionProvider"])
-    names = [n for i in range(layers) for n in cross_names(i)]
+    names = all_cross_names(layers)
     outs = sess.run(names, {"input_ids": np.array([source], np.int64),
                             "attention_mask": np.ones((1, len(source)), np.int64)})
     pos, dims = list(range(0, len(source), 4)), list(range(0, head_dim, 16))
@@ -419,7 +411,7 @@ def export_encdec(src: Path, dst: Path, family: str, *, precision: str, layout: 
                   quiet: bool, reduce_range: bool = False, attention: str = "fp32") -> Path:
     """Write the model folder of an encoder-decoder: encoder.onnx + model.onnx (the decoder) + config."""
     from .safety import file_sha256
-    from .core import FORMAT_VERSION, INT8W, INVARIANT, Progress, _save, save_precision, staged
+    from .core import INT8W, INVARIANT, Progress, _save, save_precision, staged
 
     if layout != "whole":
         raise ExportError("encoder-decoder models export with layout 'whole' (static cross K/V inputs need it)")
@@ -462,7 +454,6 @@ def export_encdec(src: Path, dst: Path, family: str, *, precision: str, layout: 
                                                          arch.head_dim)
             for f in ("encoder.onnx", "encoder.onnx.data"):    # (the second: a graph past 2 GB)
                 (tmp / f).unlink(missing_ok=True)
-        head_in, head_out = head_io(output)
         cfg = {
             "format_version": FORMAT_VERSION, "family": family, "vocab_size": arch.vocab_size,
             "tokenizer_sha256": file_sha256(tmp / "tokenizer.json"),
@@ -474,18 +465,13 @@ def export_encdec(src: Path, dst: Path, family: str, *, precision: str, layout: 
             "batch_invariant": INVARIANT[precision], "mask": "additive_float32", "mask_value": MASK_VALUE,
             "present": "concat", "output": output,
             "files": {"model": "model.onnx", **({} if shared is not None else {"encoder": "encoder.onnx"})},
-            "static_inputs": [SOURCE_MASK] + [n for i in range(L) for n in cross_names(i)],
+            "static_inputs": static_inputs(L),
             "encoder_decoder": {"encoder_layers": arch.encoder_layers, "source_vocab_size": arch.source_vocab_size,
                                 **facts},
-            "io": {"inputs": ["input_ids", "position_ids", "attention_mask", SOURCE_MASK, "cross_key.{i}",
-                              "cross_value.{i}", "past_key_values.{i}.key", "past_key_values.{i}.value"]
-                   + head_in,
-                   "outputs": head_out + ["present.{i}.key", "present.{i}.value"],
-                   "encoder_inputs": ["input_ids", "attention_mask"],
-                   "encoder_outputs": ["encoder_hidden_states", "cross_key.{i}", "cross_value.{i}"]},
+            "io": graph_io(output, encoder_decoder=True),
             "generation": defaults,
             "source": {"folder_name": src.name, "export_seconds": round(time.time() - t0, 2)},
         }
-        (tmp / "specbeam_config.json").write_text(json.dumps(cfg, indent=2))
+        (tmp / CONFIG_FILE).write_text(json.dumps(cfg, indent=2))
         prog.step("write config")
     return dst

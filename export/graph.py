@@ -9,6 +9,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper as oh, numpy_helper as onh
 
+from specbeam_edge.contract import (HIDDEN, KEY_POSITIONS, LAYER_HIDDEN_OUT, LAYER_PAST, LAYER_PRESENT, LOGITS,
+                                     TOPK_INPUT, TOPK_OUTPUTS, past_names, present_names)
+
 from .hf import Arch, Rope
 
 OPSET = 23
@@ -17,9 +20,6 @@ NORMS = ("input_layernorm", "post_attention_layernorm")
 BIASES = ("q_proj_bias", "k_proj_bias", "v_proj_bias")
 FLAGS = ("rope_select", "sliding")
 F32 = TensorProto.FLOAT
-
-
-KEY_POSITIONS = "key_position_ids"     # [batch, n_total]: the position of every key column (sliding windows)
 
 
 def layer_weight_names(arch: Arch) -> list[str]:
@@ -355,14 +355,15 @@ def add_topk(b: Builder, logits: str, head_ids: str | None = None) -> None:
     """The top-k head over `logits` [B, n_new, V]: the `topk` input, LogSoftmax, TopK (sorted, best first).
     head_ids: the vocabulary id of each logit column when the head scores a token subset (TopK's column
     numbers are mapped through it)."""
-    b.inputs.append(_vi("topk", TensorProto.INT64, [1]))
+    logprobs, top_ids = TOPK_OUTPUTS
+    b.inputs.append(_vi(TOPK_INPUT, TensorProto.INT64, [1]))
     lp = b.node("LogSoftmax", [logits], ["head_logprobs"], axis=-1)
-    ids = "topk_ids" if head_ids is None else "topk_columns"
-    b.node("TopK", [lp, "topk"], ["topk_logprobs", ids], axis=-1, largest=1, sorted=1)
+    ids = top_ids if head_ids is None else "topk_columns"
+    b.node("TopK", [lp, TOPK_INPUT], [logprobs, ids], axis=-1, largest=1, sorted=1)
     if head_ids is not None:
-        b.node("Gather", [head_ids, ids], ["topk_ids"], axis=0)
-    b.outputs += [_vi("topk_logprobs", F32, ["batch", "n_new", "k"]),
-                  _vi("topk_ids", TensorProto.INT64, ["batch", "n_new", "k"])]
+        b.node("Gather", [head_ids, ids], [top_ids], axis=0)
+    b.outputs += [_vi(logprobs, F32, ["batch", "n_new", "k"]),
+                  _vi(top_ids, TensorProto.INT64, ["batch", "n_new", "k"])]
 
 
 def _full_logits(b: Builder, arch: Arch, sub: str, head_ids: str) -> str:
@@ -375,7 +376,7 @@ def _full_logits(b: Builder, arch: Arch, sub: str, head_ids: str) -> str:
     fill = b.node("ConstantOfShape", [full], ["full_fill"],
                   value=onnx.helper.make_tensor("v", F32, [1], [float("-inf")]))
     where = b.node("Expand", [head_ids, shape], ["head_columns"])
-    return b.node("ScatterElements", [fill, where, sub], ["logits"], axis=2)
+    return b.node("ScatterElements", [fill, where, sub], [LOGITS], axis=2)
 
 
 def _head(b: Builder, arch: Arch, x: str, norm, lm_head, output: str, precision: str, head_ids=None):
@@ -384,17 +385,17 @@ def _head(b: Builder, arch: Arch, x: str, norm, lm_head, output: str, precision:
     ids = None if head_ids is None else b.init("head_token_ids", np.asarray(head_ids, np.int64))
     h = b.node("RMSNormalization", [x, norm], ["final_h"], axis=-1, epsilon=arch.rms_eps)
     direct = output != "topk" and ids is None     # the MatMul (or cap) writes the `logits` output itself
-    logits = b.node("MatMul", [h, lm_head], ["logits" if direct and not arch.final_softcap else "head_logits"])
+    logits = b.node("MatMul", [h, lm_head], [LOGITS if direct and not arch.final_softcap else "head_logits"])
     if arch.final_softcap:
         cap = b.init("final_softcap", np.array(arch.final_softcap, np.float32))
         t = b.node("Tanh", [b.node("Div", [logits, cap], ["capped_in"])], ["capped_tanh"])
-        logits = b.node("Mul", [t, cap], ["logits" if direct else "capped_logits"])
+        logits = b.node("Mul", [t, cap], [LOGITS if direct else "capped_logits"])
     if output != "logits":
         add_topk(b, logits, ids)
     if output != "topk":
         if ids is not None:
             _full_logits(b, arch, logits, ids)
-        b.outputs.append(_vi("logits", F32, ["batch", "n_new", arch.vocab_size]))
+        b.outputs.append(_vi(LOGITS, F32, ["batch", "n_new", arch.vocab_size]))
 
 
 def _kv_io(b: Builder, arch: Arch, i: int, past_names, present_names):
@@ -402,10 +403,6 @@ def _kv_io(b: Builder, arch: Arch, i: int, past_names, present_names):
         b.inputs.append(_vi(name, F32, ["batch", arch.kv_heads, "n_past", arch.head_dim]))
     for name in present_names:
         b.outputs.append(_vi(name, F32, ["batch", arch.kv_heads, "n_total", arch.head_dim]))
-
-
-def kv_names(i: int):
-    return (f"past_key_values.{i}.key", f"past_key_values.{i}.value", f"present.{i}.key", f"present.{i}.value")
 
 
 def _global_inits(b: Builder, g: dict, precision: str) -> tuple[str, str, str]:
@@ -424,7 +421,7 @@ def whole_model(arch: Arch, g: dict, layers: list[dict], precision: str, output:
     emb, norm, head = _global_inits(b, g, precision)
     x = b.node("Gather", [emb, "input_ids"], ["h0"], axis=0)
     for i, w in enumerate(layers):
-        pk, pv, ok, ov = kv_names(i)
+        (pk, pv), (ok, ov) = past_names(i), present_names(i)
         _kv_io(b, arch, i, (pk, pv), (ok, ov))
         x = decoder_layer(b, arch, i, x, w, precision, False, pk, pv, ok, ov)
     _head(b, arch, x, norm, head, output, precision, g.get("head_ids"))
@@ -435,8 +432,8 @@ def embed_model(arch: Arch, g: dict, precision: str) -> onnx.ModelProto:
     b = Builder()
     b.inputs.append(_vi("input_ids", TensorProto.INT64, ["batch", "n_new"]))
     emb, _, _ = _global_inits(b, {**g, "lm_head": g["lm_head"][:, :1]}, precision)
-    b.node("Gather", [emb, "input_ids"], ["hidden"], axis=0)
-    b.outputs.append(_vi("hidden", F32, ["batch", "n_new", arch.hidden]))
+    b.node("Gather", [emb, "input_ids"], [HIDDEN], axis=0)
+    b.outputs.append(_vi(HIDDEN, F32, ["batch", "n_new", arch.hidden]))
     b.inits = [t for t in b.inits if not t.name.startswith("lm_head")]
     b.nodes = [n for n in b.nodes if not n.output[0].startswith("lm_head")]
     return b.model("specbeam_embed")
@@ -445,24 +442,21 @@ def embed_model(arch: Arch, g: dict, precision: str) -> onnx.ModelProto:
 def layer_model(arch: Arch, sample: dict, precision: str, attention: str = "fp32") -> onnx.ModelProto:
     """The shared decoder-layer graph; its weights are inputs named as in `layer_weight_names`."""
     b = Builder(attention)
-    b.inputs.append(_vi("hidden", F32, ["batch", "n_new", arch.hidden]))
+    b.inputs.append(_vi(HIDDEN, F32, ["batch", "n_new", arch.hidden]))
     _common_inputs(b, arch, with_ids=False)
-    b.inputs.append(_vi("past_key", F32, ["batch", arch.kv_heads, "n_past", arch.head_dim]))
-    b.inputs.append(_vi("past_value", F32, ["batch", arch.kv_heads, "n_past", arch.head_dim]))
-    x = decoder_layer(b, arch, 0, "hidden", sample, precision, True, "past_key", "past_value",
-                      "present_key", "present_value")
-    b.node("Identity", [x], ["hidden_out"])
-    b.outputs += [_vi("hidden_out", F32, ["batch", "n_new", arch.hidden]),
-                  _vi("present_key", F32, ["batch", arch.kv_heads, "n_total", arch.head_dim]),
-                  _vi("present_value", F32, ["batch", arch.kv_heads, "n_total", arch.head_dim])]
+    b.inputs += [_vi(n, F32, ["batch", arch.kv_heads, "n_past", arch.head_dim]) for n in LAYER_PAST]
+    x = decoder_layer(b, arch, 0, HIDDEN, sample, precision, True, *LAYER_PAST, *LAYER_PRESENT)
+    b.node("Identity", [x], [LAYER_HIDDEN_OUT])
+    b.outputs += [_vi(LAYER_HIDDEN_OUT, F32, ["batch", "n_new", arch.hidden]),
+                  *[_vi(n, F32, ["batch", arch.kv_heads, "n_total", arch.head_dim]) for n in LAYER_PRESENT]]
     return b.model("specbeam_layer")
 
 
 def head_model(arch: Arch, g: dict, precision: str, output: str) -> onnx.ModelProto:
     b = Builder()
-    b.inputs.append(_vi("hidden", F32, ["batch", "n_new", arch.hidden]))
+    b.inputs.append(_vi(HIDDEN, F32, ["batch", "n_new", arch.hidden]))
     _, norm, head = _global_inits(b, {**g, "embed": g["embed"][:1]}, precision)
     b.inits = [t for t in b.inits if not t.name.startswith("embed")]
     b.nodes = [n for n in b.nodes if not n.output[0].startswith("embed")]
-    _head(b, arch, "hidden", norm, head, output, precision, g.get("head_ids"))
+    _head(b, arch, HIDDEN, norm, head, output, precision, g.get("head_ids"))
     return b.model("specbeam_head")

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-FORMAT_VERSION = 1
+from .contract import CONFIG_FILE, FORMAT_VERSION, LAYOUTS, OUTPUT_KINDS
 
 
 class ModelFolderError(ValueError):
@@ -83,18 +83,6 @@ def _model_fields(raw: dict, path: Path) -> dict:
     return out
 
 
-OUTPUT_KINDS = ("logits", "topk", "both")
-TOPK_OUTPUTS = ["topk_logprobs", "topk_ids"]
-
-
-def head_io(output: str) -> tuple[list[str], list[str]]:
-    """(extra inputs, head outputs) of a graph whose head is `output`: 'logits' (a row per node), 'topk' (the
-    log-softmax top-k, k a run-time input) or 'both' (either, chosen per run by the outputs asked for: a draft that
-    speculative sampling reads in full and exact search through its top-k). The export writes this contract."""
-    return (["topk"] if output != "logits" else [],
-            (TOPK_OUTPUTS if output != "logits" else []) + (["logits"] if output != "topk" else []))
-
-
 def _output_kind(kind, folder) -> str:
     if kind not in OUTPUT_KINDS:
         raise ModelFolderError(f"{folder}: specbeam_config.json 'output' is {kind!r}, not one of {OUTPUT_KINDS}")
@@ -128,7 +116,7 @@ class ModelConfig:
         folder = Path(folder)
         if not folder.is_dir():
             raise ModelFolderError(f"model folder {folder} does not exist")
-        path = folder / "specbeam_config.json"
+        path = folder / CONFIG_FILE
         if not path.is_file():
             raise ModelFolderError(f"{folder}: no specbeam_config.json; export the model with `python -m export`")
         raw = _read_json_object(path)
@@ -145,7 +133,7 @@ class ModelConfig:
                       generation=raw.get("generation", {}), raw=raw)
         except KeyError as e:
             raise ModelFolderError(f"{path}: missing key {e}") from None
-        if cfg.layout not in ("whole", "split"):
+        if cfg.layout not in LAYOUTS:
             raise ModelFolderError(f"{path}: unknown layout {cfg.layout!r}")
         try:
             needed = cls._needed_files(cfg)

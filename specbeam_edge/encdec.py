@@ -13,9 +13,8 @@ import numpy as np
 
 from .beam import BeamRows
 from .config import ModelFolderError
+from .contract import ENCODER_INPUTS, SOURCE_MASK, all_cross_names, cross_names
 from .model import OnnxCausalLM, _session
-
-SOURCE_MASK = "encoder_attention_mask"
 
 
 def is_encoder_decoder(model) -> bool:
@@ -40,10 +39,6 @@ def _text_only_tokenizer(path: Path):
     tok = Tokenizer.from_str(json.dumps(raw))
     tok.encode_special_tokens = True
     return tok
-
-
-def cross_names(i: int) -> tuple[str, str]:
-    return f"cross_key.{i}", f"cross_value.{i}"
 
 
 class Encoder:
@@ -80,9 +75,9 @@ class Encoder:
         self.sess = _session(folder / name, threads, providers, spin)
         self.pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
         self.context_length = cfg.context_length
-        self.out_names = [n for i in range(cfg.num_layers) for n in cross_names(i)]
+        self.out_names = all_cross_names(cfg.num_layers)
         got = {o.name for o in self.sess.get_outputs()}
-        want_in = {"input_ids", "attention_mask"}
+        want_in = set(ENCODER_INPUTS)
         if {i.name for i in self.sess.get_inputs()} != want_in or not set(self.out_names) <= got:
             raise ModelFolderError(f"{folder / name}: encoder graph I/O does not match specbeam_config.json "
                                    f"(inputs {sorted(want_in)}, outputs {self.out_names[:2]}...); re-export")
@@ -140,11 +135,6 @@ class Encoder:
             st.update({name: (np.ascontiguousarray(o[b:b + 1, :, :n]), 2) for name, o in zip(self.out_names, outs)})
             statics.append(st)
         return statics
-
-
-def probe_source(n: int, eos: int) -> list[int]:
-    """A source of n ordinary token ids ending in EOS (load-time checks and cost measurements)."""
-    return [3 + i % 13 for i in range(n - 1)] + [eos]
 
 
 # largest relative difference between a shared-encoder draft's fingerprint and its target's cross K/V: storing

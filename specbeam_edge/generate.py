@@ -16,9 +16,9 @@ import numpy as np
 from . import invariance
 from .adaptive import ChoosersByLoad, PassChooser, auto_budget, cost_curve
 from .config import GenerationConfig, ModelFolderError, SpeculativeConfig
+from .contract import probe_source
 from .draft import make_drafter
-from .encdec import (Encoder, EncoderQueue, is_encoder_decoder, logits_processor, probe_source,
-                     shared_cross_layers, shared_statics)
+from .encdec import Encoder, EncoderQueue, is_encoder_decoder, logits_processor, shared_cross_layers, shared_statics
 from .invariance import Invariance, NotInvariantError
 from .model import OnnxCausalLM
 from .results import Hypothesis, Result, Stats, StreamChunk, peak_rss_mb

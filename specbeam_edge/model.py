@@ -9,7 +9,9 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from .config import TOPK_OUTPUTS, ModelConfig, ModelFolderError, head_io
+from .config import ModelConfig, ModelFolderError
+from .contract import (HIDDEN, KEY_POSITIONS, LAYER_HIDDEN_OUT, LAYER_PAST, LAYER_PRESENT, LOGITS, TOKEN_INPUTS,
+                       TOPK_INPUT, TOPK_OUTPUTS, head_io, past_names, present_names)
 from .offload import LayerStore, layer_nbytes, plan
 from .providers import CUDA, ProviderError, cuda_session, default_providers, wants_cuda
 
@@ -46,7 +48,6 @@ def session_options(threads: int | None, spin: bool = True, fold_limit_bytes: in
 
 # precisions whose graphs quantize activations (export/quant.py, MatMulNBits level 4, quantize_dynamic)
 QUANTIZED_ACTIVATIONS = ("int8", "int4", "int8dyn")
-KEY_POSITIONS = "key_position_ids"   # optional input: the position of every key column (sliding-window layers)
 
 
 def _declares(sess: ort.InferenceSession, name: str) -> bool:
@@ -86,8 +87,8 @@ class OnnxCausalLM:
         self.folder = Path(folder)
         self.min_rows = (2 if cfg.precision in QUANTIZED_ACTIVATIONS else 1) if min_rows is None else min_rows
         L = cfg.num_layers
-        self.past_names = [(f"past_key_values.{i}.key", f"past_key_values.{i}.value") for i in range(L)]
-        self.present_names = [(f"present.{i}.key", f"present.{i}.value") for i in range(L)]
+        self.past_names = [past_names(i) for i in range(L)]
+        self.present_names = [present_names(i) for i in range(L)]
         self.present_flat = [n for p in self.present_names for n in p]
         # head outputs: 'both' graphs (a draft for exact search and sampling) answer a run that gives a top-k with
         # their top-k outputs and any other with their logits; onnxruntime returns only the outputs asked for
@@ -103,7 +104,7 @@ class OnnxCausalLM:
         if cfg.layout == "whole":
             self.sess = _session(self.folder / cfg.files["model"], threads, providers, spin)
             self.needs_key_positions = _declares(self.sess, KEY_POSITIONS)
-            want_in = {"input_ids", "position_ids", "attention_mask", *[n for p in self.past_names for n in p],
+            want_in = {*TOKEN_INPUTS, *[n for p in self.past_names for n in p],
                        *([KEY_POSITIONS] if self.needs_key_positions else []), *self.static_inputs}
             self._check_io(self.sess, want_in | set(head_inputs), {*all_heads, *self.present_flat}, cfg.files["model"])
         else:
@@ -111,13 +112,13 @@ class OnnxCausalLM:
             self.layer = _session(self.folder / cfg.files["layer"], threads, providers, spin)
             self.head = _session(self.folder / cfg.files["head"], threads, providers, spin)
             manifest = cfg.files["layer_manifest"]
-            self._check_io(self.embed, {"input_ids"}, {"hidden"}, cfg.files["embed"])
+            self._check_io(self.embed, {"input_ids"}, {HIDDEN}, cfg.files["embed"])
             self.needs_key_positions = _declares(self.layer, KEY_POSITIONS)
-            self._check_io(self.layer, {"hidden", "position_ids", "attention_mask", "past_key", "past_value",
+            self._check_io(self.layer, {HIDDEN, "position_ids", "attention_mask", *LAYER_PAST,
                                         *[m["name"] for m in manifest],
                                         *([KEY_POSITIONS] if self.needs_key_positions else [])},
-                           {"hidden_out", "present_key", "present_value"}, cfg.files["layer"])
-            self._check_io(self.head, {"hidden", *head_inputs}, set(all_heads), cfg.files["head"])
+                           {LAYER_HIDDEN_OUT, *LAYER_PRESENT}, cfg.files["layer"])
+            self._check_io(self.head, {HIDDEN, *head_inputs}, set(all_heads), cfg.files["head"])
             fixed = sum((self.folder / cfg.files[k]).stat().st_size for k in ("embed", "head"))
             self.placement = plan(L, layer_nbytes(manifest), fixed, max_memory, host_memory, placement)
             self.device = "cuda" if "CUDAExecutionProvider" in self.layer.get_providers() else "cpu"
@@ -129,7 +130,7 @@ class OnnxCausalLM:
         self._check_shapes()
         first = self.sess if cfg.layout == "whole" else self.layer
         self.kv_device = "cuda" if CUDA in first.get_providers() else "cpu"
-        past0 = self.past_names[0][0] if cfg.layout == "whole" else "past_key"
+        past0 = self.past_names[0][0] if cfg.layout == "whole" else LAYER_PAST[0]
         # an fp16-compute graph (export --compute fp16) keeps its KV cache in fp16
         self.kv_dtype = np.float16 if next(i.type for i in first.get_inputs() if i.name == past0) == \
             "tensor(float16)" else np.float32
@@ -142,7 +143,7 @@ class OnnxCausalLM:
         head's top-k when the run gives a k, else its logits."""
         if self.cfg.output == "topk" or (self.cfg.output == "both" and topk):
             return TOPK_OUTPUTS
-        return ["logits"]
+        return [LOGITS]
 
     @staticmethod
     def _check_io(sess, want_in, want_out, name):
@@ -156,7 +157,7 @@ class OnnxCausalLM:
     def _check_shapes(self):
         c = self.cfg
         sess = self.sess if c.layout == "whole" else self.layer
-        name = "past_key_values.0.key" if c.layout == "whole" else "past_key"
+        name = self.past_names[0][0] if c.layout == "whole" else LAYER_PAST[0]
         shape = next(i.shape for i in sess.get_inputs() if i.name == name)
         if shape[1] != c.num_kv_heads or shape[3] != c.head_dim:
             raise ModelFolderError(f"{self.folder}: graph KV shape {shape} does not match the config "
@@ -196,7 +197,7 @@ class OnnxCausalLM:
         if pos.size and int(pos.max()) >= self.cfg.context_length:
             raise ValueError(f"position {int(pos.max())} exceeds the model's context length {self.cfg.context_length}")
         mask = self.additive_mask(tree_mask)
-        extra = {"topk": np.array([topk or 1], np.int64)} if self.has_topk else {}
+        extra = {TOPK_INPUT: np.array([topk or 1], np.int64)} if self.has_topk else {}
         names = self.head_names(topk)
         if self.needs_key_positions != (key_positions is not None):
             raise ValueError(f"{self.folder}: key_positions must be given iff the graph declares {KEY_POSITIONS}")
@@ -239,24 +240,23 @@ class OnnxCausalLM:
         store = self.store
         if store.streamed:
             store.prefetch(store.streamed[0])      # overlaps the embedding lookup
-        hidden = self.embed.run(["hidden"], {"input_ids": ids})[0]
+        hidden = self.embed.run([HIDDEN], {"input_ids": ids})[0]
+        layer_out = [LAYER_HIDDEN_OUT, *LAYER_PRESENT]
         presents = []
         for i, (k, v) in enumerate(past):
             weights = store.get(i)
             if i in self._next_streamed:
                 store.prefetch(self._next_streamed[i])   # the next streamed layer loads while this one computes
             t0 = time.perf_counter()
-            feed = {"hidden": hidden, "position_ids": pos, "attention_mask": mask, "past_key": k, "past_value": v,
+            feed = {HIDDEN: hidden, "position_ids": pos, "attention_mask": mask, LAYER_PAST[0]: k, LAYER_PAST[1]: v,
                     **kpos}
             if self.kv_resident:   # hidden state and cache stay on the device between layers and passes
-                hidden, pk, pv = self._run_bound(self.layer, {**feed, **weights}, [],
-                                                 ["hidden_out", "present_key", "present_value"])
+                hidden, pk, pv = self._run_bound(self.layer, {**feed, **weights}, [], layer_out)
             elif self.device == "cpu":
-                hidden, pk, pv = self.layer.run(["hidden_out", "present_key", "present_value"], {**feed, **weights})
+                hidden, pk, pv = self.layer.run(layer_out, {**feed, **weights})
             else:  # device weights are OrtValues: run with OrtValues throughout
                 feed = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in feed.items()}
-                outs = self.layer.run_with_ort_values(["hidden_out", "present_key", "present_value"],
-                                                      {**feed, **weights})
+                outs = self.layer.run_with_ort_values(layer_out, {**feed, **weights})
                 hidden, pk, pv = (o.numpy() for o in outs)
             store.stats.compute_seconds += time.perf_counter() - t0
             presents.append((pk, pv))
@@ -264,7 +264,7 @@ class OnnxCausalLM:
         for i in store.streamed[:2]:   # both buffers are free: the next pass's first layers load during the
             store.prefetch(i)          # head, the replay and the drafting of the next tree
         if self.kv_resident:
-            outs = self._run_bound(self.head, {"hidden": hidden, **extra}, names, [])
+            outs = self._run_bound(self.head, {HIDDEN: hidden, **extra}, names, [])
         else:
-            outs = self.head.run(names, {"hidden": hidden, **extra})
+            outs = self.head.run(names, {HIDDEN: hidden, **extra})
         return (outs[0] if len(outs) == 1 else tuple(outs)), presents

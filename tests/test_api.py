@@ -97,11 +97,3 @@ def test_cli_speculation_is_adaptive_unless_asked():
     assert spec.adaptive
     _, spec = configs(ap.parse_args(["--draft", "d", "--always_speculate"]))
     assert not spec.adaptive
-
-
-def test_export_and_runtime_agree_on_the_format_version():
-    """They never import each other (DESIGN), so the contract's version is written twice: keep them equal."""
-    from export.core import FORMAT_VERSION as written
-    from specbeam_edge.config import FORMAT_VERSION as read
-
-    assert written == read

@@ -1,0 +1,88 @@
+"""The model-folder contract: the names and versions that `export/` writes and the runtime reads (DESIGN sections
+3-4). One copy, imported by both sides: the exporter imports this module (and no other runtime module); the
+runtime never imports the exporter. No numpy, no onnxruntime, no imports at all, so an export needs nothing of the
+runtime's dependencies to read it.
+
+Name builders take a layer number, or the string "{i}" for the templates that specbeam_config.json `io` lists.
+"""
+from __future__ import annotations
+
+FORMAT_VERSION = 1                      # specbeam_config.json `format_version`: the one this runtime reads
+CONFIG_FILE = "specbeam_config.json"
+LAYOUTS = ("whole", "split")
+# the tree mask's value at hidden positions as the exporter writes it (`mask_value`): float32's minimum, the
+# same float as float(numpy.finfo(numpy.float32).min)
+MASK_VALUE = -3.4028234663852886e+38
+
+# decoder graph inputs every pass gives (DESIGN section 4)
+TOKEN_INPUTS = ("input_ids", "position_ids", "attention_mask")
+KEY_POSITIONS = "key_position_ids"      # optional: [batch, n_past + n_new], the position of every key column
+SOURCE_MASK = "encoder_attention_mask"  # encoder-decoder static input: [batch, src_len], 0 = padding
+
+# the split layout's graphs (DESIGN section 5): embed (input_ids -> hidden), one layer graph run per layer with
+# that layer's weights bound, and the head (hidden -> head outputs)
+HIDDEN = "hidden"
+LAYER_PAST = ("past_key", "past_value")
+LAYER_PRESENT = ("present_key", "present_value")
+LAYER_HIDDEN_OUT = "hidden_out"
+
+# the encoder graph of an encoder-decoder folder
+ENCODER_INPUTS = ("input_ids", "attention_mask")
+ENCODER_HIDDEN = "encoder_hidden_states"
+
+# head outputs (`output` in specbeam_config.json): logits, the log-softmax top-k with k a run-time input, or both
+OUTPUT_KINDS = ("logits", "topk", "both")
+LOGITS = "logits"
+TOPK_INPUT = "topk"
+TOPK_OUTPUTS = ["topk_logprobs", "topk_ids"]
+
+
+def past_names(i: int | str) -> tuple[str, str]:
+    """Layer i's past self-attention key and value inputs (whole layout and encoder-decoder decoders)."""
+    return f"past_key_values.{i}.key", f"past_key_values.{i}.value"
+
+
+def present_names(i: int | str) -> tuple[str, str]:
+    """Layer i's present key and value outputs: past and new concatenated (`present: concat`)."""
+    return f"present.{i}.key", f"present.{i}.value"
+
+
+def cross_names(i: int | str) -> tuple[str, str]:
+    """Decoder layer i's cross-attention key and value: encoder outputs, decoder static inputs."""
+    return f"cross_key.{i}", f"cross_value.{i}"
+
+
+def all_cross_names(layers: int) -> list[str]:
+    """Every decoder layer's cross K/V names in order (key, value of layer 0, then layer 1, ...)."""
+    return [n for i in range(layers) for n in cross_names(i)]
+
+
+def static_inputs(layers: int) -> list[str]:
+    """An encoder-decoder decoder's `static_inputs`: the source mask, then every layer's cross K/V."""
+    return [SOURCE_MASK, *all_cross_names(layers)]
+
+
+def head_io(output: str) -> tuple[list[str], list[str]]:
+    """(extra inputs, head outputs) of a graph whose head is `output`: 'logits' (a row per node), 'topk' (the
+    log-softmax top-k, k a run-time input) or 'both' (either, chosen per run by the outputs asked for: a draft that
+    speculative sampling reads in full and exact search through its top-k)."""
+    return ([TOPK_INPUT] if output != "logits" else [],
+            (TOPK_OUTPUTS if output != "logits" else []) + ([LOGITS] if output != "topk" else []))
+
+
+def graph_io(output: str, *, key_positions: bool = False, encoder_decoder: bool = False) -> dict:
+    """specbeam_config.json `io`: the (whole-layout) graph's input and output names, per-layer names as "{i}"
+    templates; an encoder-decoder adds its source mask and cross K/V inputs and its encoder graph's I/O."""
+    head_in, head_out = head_io(output)
+    inputs = [*TOKEN_INPUTS, *([KEY_POSITIONS] if key_positions else []),
+              *([SOURCE_MASK, *cross_names("{i}")] if encoder_decoder else []), *past_names("{i}"), *head_in]
+    io = {"inputs": inputs, "outputs": head_out + list(present_names("{i}"))}
+    if encoder_decoder:
+        io.update(encoder_inputs=list(ENCODER_INPUTS), encoder_outputs=[ENCODER_HIDDEN, *cross_names("{i}")])
+    return io
+
+
+def probe_source(n: int, eos: int) -> list[int]:
+    """A source of n ordinary token ids ending in EOS: the exporter fingerprints a shared-encoder draft's cross
+    K/V on it, and the runtime uses it for load-time checks and cost measurements."""
+    return [3 + i % 13 for i in range(n - 1)] + [eos]
