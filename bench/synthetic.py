@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from specbeam_edge import Engine, SpeculativeConfig
+from specbeam_edge.cache import ScoreCall
 
 from .common import median
 
@@ -72,6 +73,7 @@ class SyntheticDrafter:
         self.levels_covered = 0      # summed over calls: the drafter's side of beam steps per pass
 
     def __call__(self, dcache, roots, root_scores):
+        """A generator drafter (custom_drafter runs it): one draft pass a level, through the scheduler."""
         tree = dcache.tree
         step = tree.depth(roots[0]) + 1 - self.P          # the oracle's running beams after `step` steps
         base = roots[0]
@@ -98,7 +100,7 @@ class SyntheticDrafter:
             new = [n for n in dict.fromkeys(level) if n not in seen]
             new = dcache.missing_ancestors(new)
             if new:
-                dcache.score(new)                          # the honest draft cost of this level
+                yield ScoreCall(dcache, new)               # the honest draft cost of this level
             seen.update(new)
             out.extend(n for n in new if tree.depth(n) >= self.P)
             frontier = new or frontier

@@ -1,14 +1,16 @@
 """Drafters: grow a token tree below the live beams with the draft model (DESIGN section 6, step 1).
 
-A drafter is any callable `(dcache, roots, root_scores) -> new tree nodes` (parents before children), or a
-generator function that yields `ScoreCall`s for the draft passes it needs (receiving each pass's output) and
-returns the new nodes: the scheduler then serves the draft levels of many requests with one batched pass. The
-draft keeps its own TreeCache over the same TokenTree, so it only ever computes KV for nodes it has not seen.
+A drafter is one protocol: a generator function `(dcache, roots, root_scores, budget)` that yields a
+`ScoreCall` for every draft pass it needs (receiving each pass's output) and returns the new tree nodes (parents
+before children, at most `budget` of them). The scheduler serves the draft levels of many requests with one
+batched pass. A drafter without a model (prompt lookup) yields nothing. The draft keeps its own TreeCache over the
+same TokenTree, so it only ever computes KV for nodes it has not seen. `custom_drafter` adapts a user's function.
 """
 from __future__ import annotations
 
+import inspect
 import math
-from typing import Protocol
+from typing import Generator, Protocol
 
 import numpy as np
 
@@ -17,7 +19,22 @@ from .config import SpeculativeConfig
 
 
 class Drafter(Protocol):
-    def __call__(self, dcache: TreeCache, roots: list[int], root_scores: list[float]) -> list[int]: ...
+    def __call__(self, dcache: TreeCache, roots: list[int], root_scores: list[float],
+                 budget: int) -> Generator[ScoreCall, object, list[int]]: ...
+
+
+def custom_drafter(fn) -> Drafter:
+    """A user's tree-growth function in the drafter protocol: `fn(dcache, roots, root_scores)` returns the new
+    nodes, or is a generator function that yields ScoreCalls and returns them (it is given no budget)."""
+    call = getattr(fn, "__call__", fn)
+    if inspect.isgeneratorfunction(fn) or inspect.isgeneratorfunction(call):
+        def grow(dcache, roots, root_scores, budget):
+            return (yield from fn(dcache, roots, root_scores))
+    else:
+        def grow(dcache, roots, root_scores, budget):
+            yield from ()
+            return fn(dcache, roots, root_scores)
+    return grow
 
 
 def _min_log_prob(spec: SpeculativeConfig) -> float:
@@ -100,7 +117,7 @@ class DraftBeamSearch:
     def __init__(self, spec: SpeculativeConfig, num_beams: int, eos_ids, context_length: int):
         self.K = num_beams
         self.fixed_W, self.branch = spec.draft_width, spec.max_branch_width
-        self.depth, self.budget = spec.max_depth, spec.budget
+        self.depth = spec.max_depth
         self.expand = _Expansions(max(self.width(spec.budget), spec.max_branch_width))
         self.min_lp = _min_log_prob(spec)
         self.eos = np.array(sorted(set(int(e) for e in eos_ids)), np.int64)
@@ -110,10 +127,10 @@ class DraftBeamSearch:
         """Nodes per level at this pass's budget: `draft_width`, else default_width."""
         return self.fixed_W or default_width(self.K, self.branch, budget)
 
-    def __call__(self, dcache, roots, root_scores):
+    def __call__(self, dcache, roots, root_scores, budget):
         tree = dcache.tree
         self.expand.prune(dcache)
-        W = self.width(self.budget)
+        W = self.width(budget)
         frontier = list(dict.fromkeys(roots))
         score, rel = {}, {}                  # cumulative score; log-prob of the path from its beam
         for r, s in zip(roots, root_scores):
@@ -122,7 +139,7 @@ class DraftBeamSearch:
         out, seen, pred = [], set(frontier), set(frontier)
         for _ in range(self.depth):
             frontier = [f for f in frontier if tree.depth(f) + 1 < self.ctx]
-            if not frontier or len(out) >= self.budget:
+            if not frontier or len(out) >= budget:
                 break
             nodes, top, lps = yield from self.expand(dcache, frontier)
             if not nodes:
@@ -131,7 +148,7 @@ class DraftBeamSearch:
             path = np.array([rel[f] for f in nodes])[:, None] + lps
             # the draft's own beams first (its prediction of the target's next K beams), then the best others
             level = level_picks(np.array([f in pred for f in nodes]), top, cum, path, self.eos, self.K,
-                                min(W, self.budget - len(out)), self.min_lp)
+                                min(W, budget - len(out)), self.min_lp)
             if level is None:
                 break                        # the draft is no longer confident about any of its beams
             picks, n_pred = level
@@ -153,17 +170,17 @@ class BestFirstDrafter:
     log(decay_factor) per level) until `budget` nodes; each expansion round is one draft pass."""
 
     def __init__(self, spec: SpeculativeConfig, num_beams: int, eos_ids, context_length: int):
-        self.budget, self.depth = spec.budget, spec.max_depth
+        self.depth, self.K = spec.max_depth, num_beams
         self.expand = _Expansions(spec.max_branch_width)
         self.log_decay = math.log(spec.decay_factor)
         self.min_lp = _min_log_prob(spec)
-        self.chunk = max(num_beams, math.ceil(spec.budget / spec.max_depth))
         self.eos = set(int(e) for e in eos_ids)
         self.ctx = context_length
 
-    def __call__(self, dcache, roots, root_scores):
+    def __call__(self, dcache, roots, root_scores, budget):
         tree = dcache.tree
         self.expand.prune(dcache)
+        chunk = max(self.K, math.ceil(budget / self.depth))       # nodes added per expansion round
         roots = list(dict.fromkeys(roots))
         base = {r: tree.depth(r) for r in roots}
         cum = {r: 0.0 for r in roots}
@@ -181,11 +198,11 @@ class BestFirstDrafter:
             path = np.array([rel[e] for e in nodes])[:, None] + lps
             pool.extend((float(base_scores.flat[i]), nodes[i // top.shape[1]], int(top.flat[i]), float(path.flat[i]))
                         for i in range(base_scores.size) if path.flat[i] >= self.min_lp)
-            room = self.budget - len(out)
+            room = budget - len(out)
             if room <= 0 or not pool:
                 break
             pool.sort(key=lambda c: -c[0])
-            take, pool = pool[:min(self.chunk, room)], pool[min(self.chunk, room):]
+            take, pool = pool[:min(chunk, room)], pool[min(chunk, room):]
             expand = []
             for s, p, t, r in take:
                 n = tree.add(p, t)
@@ -195,7 +212,7 @@ class BestFirstDrafter:
                 out.append(n)
                 cum[n], rel[n], root_of[n] = s, r, root_of[p]
                 expand.append(n)
-            if len(out) >= self.budget:
+            if len(out) >= budget:
                 break
         return out
 
@@ -209,7 +226,7 @@ class PromptLookupDrafter:
 
     def __init__(self, spec: SpeculativeConfig, num_beams: int, eos_ids, context_length: int, max_ngram: int = 3,
                  source=()):
-        self.depth, self.width, self.budget, self.ngram = spec.max_depth, spec.max_branch_width, spec.budget, max_ngram
+        self.depth, self.width, self.ngram = spec.max_depth, spec.max_branch_width, max_ngram
         self.source, self.ctx = list(source), context_length
 
     def _continuations(self, path: list[int]) -> list[tuple]:
@@ -227,14 +244,15 @@ class PromptLookupDrafter:
                     return conts
         return conts
 
-    def __call__(self, dcache, roots, root_scores):
+    def __call__(self, dcache, roots, root_scores, budget):
+        yield from ()                                   # no model pass
         tree = dcache.tree
         out, seen = [], set(roots)
         for root in dict.fromkeys(roots):
             for cont in self._continuations(tree.path(root)):
                 node = root
                 for t in cont:
-                    if len(out) >= self.budget or tree.depth(node) + 1 >= self.ctx:
+                    if len(out) >= budget or tree.depth(node) + 1 >= self.ctx:
                         break
                     node = tree.add(node, t)
                     if node not in seen:
@@ -252,10 +270,10 @@ class MergedDrafter:
     keeps being measured). Lookup costs no draft pass; the draft model later scores the lookup nodes it grows
     below (its cache catches up on their path)."""
 
-    def __init__(self, model, lookup: PromptLookupDrafter, budget: int, num_beams: int, min_share: float = 0.125):
+    def __init__(self, model, lookup: PromptLookupDrafter, num_beams: int, min_share: float = 0.125):
         self.model, self.lookup = model, lookup
         self.K, self.min_share = num_beams, min_share
-        self.budget = budget
+        self.split = (0, 0)                                         # (lookup's, the model's) budget last pass
         self.counts = {"model": [1.0, 2.0], "lookup": [1.0, 2.0]}   # [accepted, proposed], prior 1/2 each
         self.last: dict[int, tuple[str, ...]] = {}                  # node -> the sources that proposed it
         self.floor = 0                                              # depth of the shallowest root last time
@@ -280,13 +298,13 @@ class MergedDrafter:
                 self.counts[src][1] += 1
                 self.counts[src][0] += n in kept
 
-    def __call__(self, dcache, roots, root_scores):
+    def __call__(self, dcache, roots, root_scores, budget):
         self._learn(dcache.tree, roots)
-        self.lookup.budget = max(1, round(self.budget * self.share()))
-        self.model.budget = max(self.K, self.budget - self.lookup.budget)
+        to_lookup = max(1, round(budget * self.share()))
+        self.split = (to_lookup, max(self.K, budget - to_lookup))
         self.floor = min(dcache.tree.depth(r) for r in roots)
-        looked = self.lookup(dcache, roots, root_scores)
-        drafted = yield from self.model(dcache, roots, root_scores)
+        looked = yield from self.lookup(dcache, roots, root_scores, self.split[0])
+        drafted = yield from self.model(dcache, roots, root_scores, self.split[1])
         self.last = {}
         for src, nodes in (("lookup", looked), ("model", drafted)):
             for n in nodes:
@@ -304,4 +322,4 @@ def make_drafter(spec: SpeculativeConfig, num_beams: int, eos_ids, context_lengt
     if not spec.with_lookup:
         return model
     return MergedDrafter(model, PromptLookupDrafter(spec, num_beams, eos_ids, context_length, source=source or ()),
-                         spec.budget, num_beams)
+                         num_beams)

@@ -17,7 +17,7 @@ from . import invariance
 from .adaptive import ChoosersByLoad, PassChooser, auto_budget, cost_curve
 from .config import GenerationConfig, ModelFolderError, SpeculativeConfig
 from .contract import probe_source
-from .draft import make_drafter
+from .draft import custom_drafter, make_drafter
 from .encdec import Encoder, EncoderQueue, is_encoder_decoder, logits_processor, shared_cross_layers, shared_statics
 from .invariance import Invariance, NotInvariantError
 from .model import OnnxCausalLM
@@ -271,7 +271,8 @@ class Engine:
                 budget_for = lambda load, total=spec.budget: max(K, total // load)   # noqa: E731
             dctx = self.draft.cfg.context_length if self.draft is not None else ctx
             # prompt lookup of an encoder-decoder request searches its source (source-side spans)
-            grow = drafter or make_drafter(spec, gen.num_beams, eos, min(ctx, dctx), source=source)
+            grow = custom_drafter(drafter) if drafter else make_drafter(spec, gen.num_beams, eos, min(ctx, dctx),
+                                                                        source=source)
             chooser = self._chooser(gen, spec) if spec.adaptive and drafter is None else None
         # the beam head (a top-k or 'both' head) returns each node's best log-probs only: 2K + #EOS + 1 per beam
         # always hold the 2K candidates beam search keeps, even with EOS masked by min_new_tokens; beam search
@@ -288,7 +289,7 @@ class Engine:
                            min_new_tokens=gen.min_new_tokens, no_repeat_ngram_size=gen.no_repeat_ngram_size,
                            repetition_penalty=gen.repetition_penalty,
                            grow=grow, chooser=chooser, topk=topk,
-                           budget_for=budget_for if drafter is None else None, **extra)
+                           budget_for=budget_for, **extra)
 
     def _statics(self, sources: list[list[int]], batch: int) -> list:
         """Per request, static(with_draft) -> (target's, draft's) encoder outputs, or None for decoder-only

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 from .cache import ScoreCall, score_batch
-from .search import Progress
+from .search import PassContext, Progress
 
 
 @dataclass
@@ -47,6 +47,7 @@ class Scheduler:
         queue = iter(jobs)
         nxt = next(queue, None)
         running: list[_Running] = []
+        upcoming = PassContext((id(self), 0), 1)        # what the running requests were told about the next pass
         while running or nxt is not None:
             tokens = sum(r.job.tokens for r in running)
             joining: list[Job] = []
@@ -57,10 +58,9 @@ class Scheduler:
                 tokens += nxt.tokens
                 nxt = next(queue, None)
             # joiners share the next pass with the running requests, which already chose for it under their label
-            load = running[0].job.search.load if running else len(joining)
+            first = PassContext((id(self), self.target_passes), upcoming.load if running else len(joining))
             for job in joining:
-                job.search.pass_id, job.search.load = (id(self), self.target_passes), load
-                yield from self._advance(_Running(job, job.search.run()), None, running)
+                yield from self._advance(_Running(job, job.search.run(first)), None, running, first)
             if not running:
                 continue
             # one batched pass of one model: a draft first if any request is drafting, else the target
@@ -68,23 +68,22 @@ class Scheduler:
             model = next((m for m in models.values() if m is not self.target), self.target)
             group = [r for r in running if r.call.cache.model is model]
             outs = score_batch([r.call for r in group])
-            n = len(running) if model is self.target else None
-            self.target_passes += n is not None
+            if model is self.target:
+                self.target_passes += 1
+                n = len(running)
+                upcoming = PassContext((id(self), self.target_passes), n, last_batch=n)
             for r, out in zip(group, outs):
-                if n is not None:
-                    r.job.search.stats.batch_sizes.append(n)
-                    r.job.search.pass_id = (id(self), self.target_passes)   # the shared pass it starts next
-                    r.job.search.load = n
-                yield from self._advance(r, out, running)
+                yield from self._advance(r, out, running, upcoming)
 
-    def _advance(self, r: _Running, value, running: list[_Running]):
-        """Send a pass's output into a search and run it to its next ScoreCall, reporting Progress on the way;
-        adds or removes it from `running`."""
+    def _advance(self, r: _Running, value, running: list[_Running], ctx: PassContext):
+        """Send a pass's output into a search and run it to its next ScoreCall, reporting Progress on the way (a
+        search receives `ctx`, the next pass's context, in reply to each Progress); adds or removes it from
+        `running`."""
         try:
             item = r.coro.send(value)
             while isinstance(item, Progress):
                 yield r.job.tag, item, False
-                item = next(r.coro)
+                item = r.coro.send(ctx)
         except StopIteration:
             if r in running:
                 running.remove(r)

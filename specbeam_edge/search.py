@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from types import GeneratorType
 
 import numpy as np
 
@@ -28,6 +27,17 @@ class Progress:
     stats: Stats
 
 
+@dataclass(frozen=True)
+class PassContext:
+    """What the scheduler tells a search about the shared target pass it takes part in next: `pass_id` (requests
+    of one pass get one adaptive choice), `load` (the requests sharing it, as far as known: the size of the pass
+    just run) and `last_batch` (that size; None before the first pass). A search gets one when it starts
+    (`run(ctx)`) and one in reply to every Progress it yields."""
+    pass_id: object = None
+    load: int = 1
+    last_batch: int | None = None
+
+
 def _finish(*caches) -> float:
     """A finished request's KV peak (MB); its caches then let go of their KV: with batch rows a cache is a view of
     its batch's arrays, and finished requests stay referenced until the whole job ends (300 lines at K=4 peaked
@@ -38,20 +48,13 @@ def _finish(*caches) -> float:
     return sum(c.peak_bytes for c in caches) / 2**20
 
 
-def _grow(grow, dcache, roots, scores):
-    """Run a drafter: generator drafters yield their draft passes to the scheduler, plain callables run them."""
-    out = grow(dcache, roots, scores)
-    if isinstance(out, GeneratorType):
-        out = yield from out
-    return out
-
-
 class ExactSearch:
     """Exact beam search (K >= 1), speculative when `grow` is given: output identical to plain beam search.
 
     target/draft: TreeCaches over one TokenTree (draft None without speculation; a cache without a model for
-    prompt lookup). chooser: ChoosersByLoad, whose PassChooser for the pass's load decides whether drafting
-    pays (None: always draft).
+    prompt lookup). grow: a drafter (draft.Drafter). chooser: ChoosersByLoad, whose PassChooser for the pass's
+    load decides whether drafting pays (None: always draft). budget_for(load): the draft nodes this request may
+    add to a pass shared by `load` requests.
     Encoder-decoder requests: `ids` is the decoder's start (decoder start token, maybe a forced BOS) of which
     the first `prompt_len` tokens are the prompt (the rest count as generated, with log-prob 0, as transformers'
     forced-BOS processor makes them); `static(with_draft)` returns the target's and the draft's static inputs
@@ -76,15 +79,15 @@ class ExactSearch:
         self.static, self.process = static, process
         self.rows: dict[int, tuple[object, int]] = {}     # scored node -> (pass output, row)
         self.stats = Stats(prompt_tokens=self.P)
-        self.pass_id = None      # set by the scheduler: which shared target pass comes next
-        self.load = 1            # set by the scheduler: requests sharing that pass
-        self.budget_for = budget_for   # budget="auto": load -> this request's share of the pass's node budget
+        self.budget_for = budget_for
 
     @property
     def state(self) -> BeamSearch:
         return self.bs
 
-    def run(self):
+    def run(self, ctx: PassContext = PassContext()):
+        """The search, pass by pass: grow, score, replay, commit; yields ScoreCalls (receiving their outputs) and
+        a Progress after every target pass (receiving the next pass's PassContext)."""
         stats, bs = self.stats, self.bs
         t0 = time.perf_counter()
         if self.static is not None:
@@ -94,10 +97,10 @@ class ExactSearch:
                 self.draft.static = draft_static
         while not bs.done:
             tp = time.perf_counter()
-            chooser = self.chooser.at(self.load) if self.chooser is not None else None
-            speculate = self.grow is not None and (chooser is None or chooser.choose(self.pass_id))
+            chooser = self.chooser.at(ctx.load) if self.chooser is not None else None
+            speculate = self.grow is not None and (chooser is None or chooser.choose(ctx.pass_id))
             steps0, depth0 = stats.beam_steps, self.tree.depth(self.bs.running[0])
-            drafted = (yield from self._grow()) if speculate else []
+            drafted = (yield from self._grow(self.budget_for(ctx.load))) if speculate else []
             yield from self._score(drafted)
             stats.plain_passes += self.grow is not None and not speculate
             self._replay(set(drafted))
@@ -109,7 +112,9 @@ class ExactSearch:
             if stats.time_to_first_token is None:
                 stats.time_to_first_token = time.perf_counter() - t0
             stats.seconds = time.perf_counter() - t0
-            yield Progress(bs, stats)
+            ctx = yield Progress(bs, stats)
+            if ctx.last_batch:
+                stats.batch_sizes.append(ctx.last_batch)
         stats.generated_tokens = bs.cur_len - self.P
         stats.peak_memory_mb = peak_rss_mb()
         stats.kv_cache_peak_mb = _finish(self.target, self.draft)
@@ -119,11 +124,9 @@ class ExactSearch:
         stats.seconds = time.perf_counter() - t0
 
     # 1. grow a draft tree below every running beam
-    def _grow(self):
+    def _grow(self, budget: int):
         stats, td, d0 = self.stats, time.perf_counter(), self.draft.passes
-        if self.budget_for is not None:
-            self.grow.budget = self.budget_for(self.load)
-        drafted = yield from _grow(self.grow, self.draft, self.bs.running, list(self.bs.scores))
+        drafted = yield from self.grow(self.draft, self.bs.running, list(self.bs.scores), budget)
         stats.draft_passes += self.draft.passes - d0
         stats.draft_tokens_proposed += len(drafted)
         stats.draft_seconds += time.perf_counter() - td
@@ -152,7 +155,7 @@ class ExactSearch:
     def _beam_logprobs(self, running) -> BeamRows:
         """The running beams' log-probs (dense [beams, V], or a top-k head's entries: beam.BeamRows)."""
         pairs = [self.rows[n] for n in running]
-        rows = type(pairs[0][0]).beam_rows(pairs, self.target.model.cfg.vocab_size, logits=self.bs.reads_logits)
+        rows = pairs[0][0].beam_rows(pairs, self.target.model.cfg.vocab_size, logits=self.bs.reads_logits)
         return rows if self.process is None else self.process(rows, self.bs.cur_len)
 
     # 4. commit: keep only the running beams' paths (lazily), in both caches
@@ -189,7 +192,6 @@ class SamplingSearch:
         self.t_rows: dict[int, np.ndarray] = {}
         self.d_rows: dict[int, np.ndarray] = {}
         self.stats = Stats(prompt_tokens=self.P)
-        self.pass_id, self.load = None, 1   # set by the scheduler (unused: sampling has no adaptive chooser)
 
     @property
     def state(self) -> SampleState:
@@ -206,7 +208,8 @@ class SamplingSearch:
                     rows[n] = lp[j] if self.process is None else self.process(lp[j:j + 1], d + 1)[0]
         return len(new)
 
-    def run(self):
+    def run(self, ctx: PassContext = PassContext()):
+        """As ExactSearch.run (sampling has no adaptive choice: of the context it records the batch sizes)."""
         st, stats, spec, rng = self.st, self.stats, self.spec, self.rng
         t0 = time.perf_counter()
         if self.static is not None:
@@ -227,7 +230,9 @@ class SamplingSearch:
             if stats.time_to_first_token is None:
                 stats.time_to_first_token = time.perf_counter() - t0
             stats.seconds = time.perf_counter() - t0
-            yield Progress(st, stats)
+            ctx = yield Progress(st, stats)
+            if ctx.last_batch:
+                stats.batch_sizes.append(ctx.last_batch)
         stats.widths = st.widths
         stats.generated_tokens = st.cur_len - self.P
         stats.peak_memory_mb = peak_rss_mb()

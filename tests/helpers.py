@@ -90,3 +90,13 @@ def interrupt_after(monkeypatch, n: int):
                 raise KeyboardInterrupt
             yield item
     monkeypatch.setattr(Engine, "generate_iter", stopping)
+
+
+def run_drafter(gen):
+    """Run a drafter's generator that needs no model pass (it yields nothing) to its result: the new nodes."""
+    try:
+        while True:
+            call = next(gen)
+            raise AssertionError(f"the drafter asked for a pass: {call}")
+    except StopIteration as e:
+        return e.value

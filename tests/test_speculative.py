@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specbeam_edge import Engine, SpeculativeConfig
+from helpers import run_drafter
 
 PROMPTS = [[3, 17, 33, 8, 99, 41, 7], [250, 12, 9, 77]]
 MAX_NEW = 16
@@ -191,7 +192,10 @@ def test_tree_passes_report_their_best_case(engines, monkeypatch):
     assert all(m is None for spec, _, m in calls if not spec)
     calls.clear()
     from specbeam_edge.draft import PromptLookupDrafter
-    monkeypatch.setattr(PromptLookupDrafter, "__call__", lambda self, dcache, roots, scores: [])   # no match
+    def no_match(self, dcache, roots, scores, budget):
+        yield from ()
+        return []
+    monkeypatch.setattr(PromptLookupDrafter, "__call__", no_match)
     eng.generate(PROMPTS[0], num_beams=1, max_new_tokens=16,
                  speculative=SpeculativeConfig(drafter="lookup", budget=8, max_depth=3, adaptive=True))
     assert any(spec for spec, _, _ in calls) and all(m is None for spec, _, m in calls if spec)
@@ -238,50 +242,38 @@ def test_merged_drafter_splits_the_budget_by_measured_acceptance():
     from specbeam_edge.tree import TokenTree
 
     class Fixed:
-        """A drafter proposing given chains below the first root (a plain callable, as prompt lookup is)."""
+        """A drafter proposing given chains below the first root, within its budget (needs no pass, as prompt
+        lookup)."""
         def __init__(self, chains):
-            self.chains, self.budget = chains, None
+            self.chains, self.budgets = chains, []
 
-        def __call__(self, dcache, roots, scores):
+        def __call__(self, dcache, roots, scores, budget):
+            yield from ()
+            self.budgets.append(budget)
             out = []
             for chain in self.chains:
                 node = roots[0]
-                for t in chain[:self.budget]:
+                for t in chain[:budget]:
                     node = dcache.tree.add(node, t)
                     out.append(node)
             return out
-
-    class FixedModel(Fixed):
-        """The same as a generator drafter, as the model drafters are (they yield their draft passes)."""
-        def __call__(self, dcache, roots, scores):
-            return (yield from iter(())) or Fixed.__call__(self, dcache, roots, scores)
 
     class View:
         tree = TokenTree()
 
     tree = View.tree
     root = tree.add_chain([1, 2, 3])[-1]
-    lookup, model = Fixed([[7, 8, 9]]), FixedModel([[5, 6]])
-    merged = MergedDrafter(model, lookup, budget=16, num_beams=2)
+    lookup, model = Fixed([[7, 8, 9]]), Fixed([[5, 6]])
+    merged = MergedDrafter(model, lookup, num_beams=2)
     share0 = merged.share()
-    gen = merged(View, [root], [0.0])
-    try:
-        while True:
-            next(gen)
-    except StopIteration as e:
-        nodes = e.value
+    nodes = run_drafter(merged(View, [root], [0.0], 16))
     assert [tree.token(n) for n in nodes] == [7, 8, 9, 5, 6]          # lookup's chain, then the model's
-    assert lookup.budget + model.budget == 16 and model.budget >= 2
+    assert lookup.budgets[-1] + model.budgets[-1] == 16 and model.budgets[-1] >= 2
     # the target kept two levels of lookup's chain and none of the model's: lookup's share grows
     new_root = tree.add(tree.add(root, 7), 8)
-    gen = merged(View, [new_root, new_root], [0.0, -1.0])
-    try:
-        while True:
-            next(gen)
-    except StopIteration:
-        pass
+    run_drafter(merged(View, [new_root, new_root], [0.0, -1.0], 16))
     assert merged.counts["lookup"] == [3.0, 5.0] and merged.counts["model"] == [1.0, 4.0]
-    assert merged.share() > share0 and lookup.budget > 8
+    assert merged.share() > share0 and lookup.budgets[-1] > 8
     with pytest.raises(ValueError, match="with_lookup"):
         SpeculativeConfig(adaptive=False, drafter="lookup", with_lookup=True)
 
