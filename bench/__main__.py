@@ -27,8 +27,8 @@ def parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scenario", default="e2e,batch,cost,peers,sampling,synthetic,offload,confidence,kv,quant",
                     help="comma list of: e2e, batch, cost, peers, sampling, synthetic, offload, confidence, kv, "
-                         "quant, ray_scale, llamacpp "
-                         "(ray_scale and llamacpp are not in the default: they need the ray extra, and the "
+                         "quant, ray_scale, llamacpp, smollm2 "
+                         "(ray_scale, llamacpp and smollm2 are not in the default: they need the ray extra, and the "
                          "llamacpp extra plus `specbeam fetch smollm2`)")
     ap.add_argument("--pair", default=str(ROOT / "models" / "ende"), help="pair folder (target/, draft/, hf/)")
     ap.add_argument("--out", default=str(DEFAULT_OUT),
@@ -183,6 +183,21 @@ def main(argv=None) -> int:
                 agree = data["greedy_agreement_with_llama_cpp"].get(k)
                 print(f"{k:20s} {v:8.1f} tok/s" + (f"   x{data['median_ratio_over_llama.cpp'][k]:.2f} of "
                       f"llama.cpp, {agree['identical']}/{agree['of']} greedy sequences identical" if agree else ""))
+        elif sc == "smollm2":
+            from . import smollm2
+
+            target, draft, gguf = smollm2.default_inputs()
+            data = smollm2.bench(target, draft, gguf, n_prompts=4 if args.quick else 24,
+                                 max_new=32 if args.quick else 128, threads=args.threads or 2)
+            data["machine"] = info
+            common.write(out, "smollm2", data)
+            smollm2.plot(data, out / "smollm2.png")
+            for k, v in data["median_tokens_per_second"].items():
+                same = data["identical_to_plain"].get(k)
+                print(f"{k:24s} {v:8.1f} tok/s  x{data['median_ratio_to_plain'].get(k, 1):.2f} of plain"
+                      + (f"  {data['beam_steps_per_target_pass'][k]:.2f} steps/pass"
+                         if k in data["beam_steps_per_target_pass"] else "")
+                      + (f"  identical {same['identical']}/{same['of']}" if same else ""))
         else:
             ap.error(f"unknown scenario {sc!r}")
     if out.resolve() == (ROOT / "bench" / "results").resolve():

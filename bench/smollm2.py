@@ -1,0 +1,186 @@
+"""Speculation on a real model: SmolLM2-135M-Instruct (the fetched int8 export) with the draft trained here
+(models/smollm2/draft, built by `specbeam fetch smollm2`), one request at a time, against plain search and
+against llama.cpp on the same GGUF.
+
+Arms, alternated prompt by prompt (the order reversed every other prompt), 2 threads each:
+  greedy:        llama.cpp; specbeam plain; with the draft, adaptive (the default); with the draft, forced
+  beam K=4:      plain; with the draft, adaptive; forced
+  beam sampling: K=4, do_sample (seeded); with the draft (the draft-sampling tree, forced): speed only, its output
+                 is a sample of the same distribution, not the same sample
+Reported per arm: median tokens/s (generated tokens, EOS included, over wall time), the median per-prompt ratio
+to its plain arm (and greedy to llama.cpp), beam steps per target pass, draft tokens accepted, and whether every
+speculative output equals its plain output token for token (greedy, K=4).
+
+    python -m bench --scenario smollm2                 # 24 prompts, 128 new tokens
+    python -m bench.smollm2 --prompts 6 --max_new 64   # a shorter run
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from .llamacpp import PROMPTS, _llama, generated, prompt_ids
+
+ROOT = Path(__file__).resolve().parents[1]
+PLAIN = {"greedy": "greedy plain", "beam4": "beam4 plain", "sample4": "sample4 plain"}
+
+
+def arms(target, draft, gguf, threads: int, max_new: int, ids_max: int, with_llama: bool = True):
+    """name -> run(ids) -> (tokens, seconds, stats or None)."""
+    from specbeam_edge import Engine, SpeculativeConfig
+
+    plain = Engine(target, threads=threads)
+    spec = Engine(target, draft=draft, threads=threads)
+    forced = SpeculativeConfig(adaptive=False)
+    sample_tree = SpeculativeConfig(adaptive=False, drafter="sample")
+
+    def ours(engine, spec_cfg, **gen):
+        def run(ids, m=max_new):
+            t0 = time.perf_counter()
+            [r] = engine.generate(ids, speculative=spec_cfg, max_new_tokens=m, **gen)
+            return list(r.hypotheses[0].tokens), time.perf_counter() - t0, r.stats
+        return run
+
+    greedy, beam4 = dict(num_beams=1, do_sample=False), dict(num_beams=4, do_sample=False)
+    sample4 = dict(num_beams=4, do_sample=True, seed=0)
+    out = {}
+    if with_llama:
+        from llama_cpp import Llama
+
+        llm = Llama(model_path=str(gguf), n_ctx=ids_max + max_new + 8, n_threads=threads, n_threads_batch=threads,
+                    n_batch=512, seed=0, verbose=False)
+        eos = list(plain.eos)
+
+        def llama(ids, m=max_new):
+            t0 = time.perf_counter()
+            toks, _ = _llama(llm, ids, m, eos)
+            return toks, time.perf_counter() - t0, None
+        out["greedy llama.cpp"] = llama
+    out.update({
+        "greedy plain": ours(plain, None, **greedy),
+        "greedy draft adaptive": ours(spec, None, **greedy),
+        "greedy draft forced": ours(spec, forced, **greedy),
+        "beam4 plain": ours(plain, None, **beam4),
+        "beam4 draft adaptive": ours(spec, None, **beam4),
+        "beam4 draft forced": ours(spec, forced, **beam4),
+        "sample4 plain": ours(plain, None, **sample4),
+        "sample4 draft": ours(spec, sample_tree, **sample4),
+    })
+    return out, plain
+
+
+def bench(target, draft, gguf, *, n_prompts: int = 24, max_new: int = 128, threads: int = 2, with_llama=True,
+          out=sys.stderr) -> dict:
+    from specbeam_edge import Engine
+
+    tok = Engine(target, threads=1).tokenizer
+    prompts = PROMPTS[:n_prompts]
+    ids = [prompt_ids(tok, p) for p in prompts]
+    runs, plain = arms(target, draft, gguf, threads, max_new, max(len(i) for i in ids), with_llama)
+    eos = set(plain.eos)
+    for run in runs.values():                      # warm-up: first-call costs (and the invariance check) untimed
+        run(ids[0], 8)
+    rows = {k: [] for k in runs}
+    for n, x in enumerate(ids):
+        order = list(runs) if n % 2 == 0 else list(runs)[::-1]
+        for k in order:
+            toks, secs, stats = runs[k](x)
+            count = generated(toks, eos)[1]
+            row = {"tokens": toks, "generated": count, "seconds": round(secs, 4),
+                   "tokens_per_second": round(count / secs, 2)}
+            if stats is not None:
+                row.update(target_passes=stats.target_passes, beam_steps=stats.beam_steps,
+                           plain_passes=stats.plain_passes, draft_accepted=stats.draft_tokens_accepted,
+                           draft_proposed=stats.draft_tokens_proposed)
+            rows[k].append(row)
+        print(f"prompt {n + 1}/{len(ids)}: " + ", ".join(f"{k} {rows[k][-1]['tokens_per_second']:.0f}"
+                                                         for k in runs), file=out, flush=True)
+    return summarize(rows, prompts, max_new, threads, gguf)
+
+
+def summarize(rows: dict, prompts, max_new, threads, gguf) -> dict:
+    speed = {k: [r["tokens_per_second"] for r in v] for k, v in rows.items()}
+    data = {"gguf": Path(gguf).name, "threads": threads, "prompts": len(prompts), "max_new_tokens": max_new,
+            "median_tokens_per_second": {k: round(statistics.median(v), 1) for k, v in speed.items()},
+            "median_ratio_to_plain": {}, "beam_steps_per_target_pass": {}, "identical_to_plain": {}}
+    for k, v in rows.items():
+        kind = k.split()[0]
+        base = PLAIN[kind]
+        if k != base and "llama.cpp" not in k:
+            data["median_ratio_to_plain"][k] = round(statistics.median(
+                a / b for a, b in zip(speed[k], speed[base])), 3)
+            if kind != "sample4":
+                same = sum(a["tokens"] == b["tokens"] for a, b in zip(v, rows[base]))
+                data["identical_to_plain"][k] = {"identical": same, "of": len(v)}
+        if v and "target_passes" in v[0]:
+            data["beam_steps_per_target_pass"][k] = round(sum(r["beam_steps"] for r in v)
+                                                          / max(1, sum(r["target_passes"] for r in v)), 3)
+    if "greedy llama.cpp" in speed:
+        data["median_ratio_to_llama_cpp"] = {k: round(statistics.median(
+            a / b for a, b in zip(speed[k], speed["greedy llama.cpp"])), 3)
+            for k in speed if k.startswith("greedy") and k != "greedy llama.cpp"}
+    data["rows"] = {k: [{kk: vv for kk, vv in r.items() if kk != "tokens"} for r in v] for k, v in rows.items()}
+    data["loadavg_at_end"] = [round(x, 2) for x in __import__("os").getloadavg()]
+    return data
+
+
+def plot(data: dict, path: Path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(data["median_tokens_per_second"])
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    vals = [data["median_tokens_per_second"][k] for k in names]
+    colors = ["#999" if "llama" in k else "#4a7" if "draft" in k else "#47a" for k in names]
+    ax.barh(names[::-1], vals[::-1], color=colors[::-1])
+    for i, (k, v) in enumerate(zip(names[::-1], vals[::-1])):
+        r = data["median_ratio_to_plain"].get(k)
+        ax.text(v, i, f" {v:.0f}" + (f" ({r:.2f}x plain)" if r else ""), va="center", fontsize=8)
+    ax.set(xlabel="generated tokens/s (median over prompts)",
+           title=f"SmolLM2-135M int8, {data['prompts']} prompts x {data['max_new_tokens']} tokens, "
+                 f"{data['threads']} threads")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def default_inputs():
+    from specbeam_edge import fetch
+
+    target, draft = fetch.model_path("smollm2"), fetch.draft_path("smollm2")
+    if draft is None:
+        raise SystemExit("the smollm2 draft is not built: run `specbeam fetch smollm2` (it builds the draft from "
+                         "models/smollm2/draft)")
+    return target, draft, fetch.gguf_path("smollm2")
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    from . import common
+
+    ap = argparse.ArgumentParser(prog="python -m bench.smollm2", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=24, help=f"how many of the {len(PROMPTS)} prompts")
+    ap.add_argument("--max_new", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no_llama", action="store_true", help="leave llama.cpp out (no llamacpp extra)")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "results"))
+    a = ap.parse_args(argv)
+    target, draft, gguf = default_inputs()
+    data = bench(target, draft, gguf, n_prompts=a.prompts, max_new=a.max_new, threads=a.threads,
+                 with_llama=not a.no_llama)
+    data["machine"] = common.machine()
+    out = Path(a.out)
+    common.write(out, "smollm2", data)
+    plot(data, out / "smollm2.png")
+    print(json.dumps({k: data[k] for k in data if k != "rows"}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
