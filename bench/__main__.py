@@ -189,6 +189,7 @@ def main(argv=None) -> int:
             target, draft, gguf = smollm2.default_inputs()
             data = smollm2.bench(target, draft, gguf, n_prompts=4 if args.quick else 24,
                                  max_new=32 if args.quick else 128, threads=args.threads or 2)
+            data["pass_costs"] = smollm2.pass_costs(target, draft, args.threads or 2)
             data["machine"] = info
             common.write(out, "smollm2", data)
             smollm2.plot(data, out / "smollm2.png")

@@ -101,6 +101,38 @@ def bench(target, draft, gguf, *, n_prompts: int = 24, max_new: int = 128, threa
     return summarize(rows, prompts, max_new, threads, gguf)
 
 
+def pass_costs(target, draft, threads: int, past: int = 96, rows=(1, 4, 16, 64), reps: int = 15) -> dict:
+    """Seconds of one pass of each model over `rows` new tokens after `past` cached ones (median of reps,
+    target and draft alternated), and the draft's share: what a draft level costs against a target pass."""
+    import numpy as np
+
+    from specbeam_edge.model import OnnxCausalLM
+
+    models = {"target": OnnxCausalLM(target, threads=threads), "draft": OnnxCausalLM(draft, threads=threads)}
+    rng = np.random.default_rng(0)
+    out = {}
+    for n in rows:
+        times = {k: [] for k in models}
+        feeds = {}
+        for k, m in models.items():
+            ids = rng.integers(3, m.cfg.vocab_size, past + n)
+            mask = np.tril(np.ones((past, past), bool))[None, None]
+            _, kv = m.forward(ids[None, :past], np.arange(past)[None], mask, m.empty_past(1))
+            tm = np.zeros((n, past + n), bool)
+            tm[:, :past] = True
+            tm[:, past:] = np.tril(np.ones((n, n), bool))
+            feeds[k] = (ids[None, past:], np.arange(past, past + n)[None], tm[None, None], kv)
+        for r in range(reps):
+            for k in (list(models) if r % 2 == 0 else list(models)[::-1]):
+                t0 = time.perf_counter()
+                models[k].forward(*feeds[k], topk=8)
+                times[k].append(time.perf_counter() - t0)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        out[str(n)] = {"target_ms": round(1e3 * med["target"], 3), "draft_ms": round(1e3 * med["draft"], 3),
+                       "draft_share": round(med["draft"] / med["target"], 3)}
+    return out
+
+
 def summarize(rows: dict, prompts, max_new, threads, gguf) -> dict:
     speed = {k: [r["tokens_per_second"] for r in v] for k, v in rows.items()}
     data = {"gguf": Path(gguf).name, "threads": threads, "prompts": len(prompts), "max_new_tokens": max_new,
@@ -174,6 +206,7 @@ def main(argv=None) -> int:
     target, draft, gguf = default_inputs()
     data = bench(target, draft, gguf, n_prompts=a.prompts, max_new=a.max_new, threads=a.threads,
                  with_llama=not a.no_llama)
+    data["pass_costs"] = pass_costs(target, draft, a.threads)
     data["machine"] = common.machine()
     out = Path(a.out)
     common.write(out, "smollm2", data)
