@@ -14,7 +14,8 @@ from typing import Generator, Protocol
 
 import numpy as np
 
-from .cache import ScoreCall, TreeCache
+from .batch import ScoreCall
+from .cache import TreeCache
 from .config import SpeculativeConfig
 
 

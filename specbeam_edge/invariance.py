@@ -80,7 +80,7 @@ def _rows(model, ids, pos, mask, past, static, past_positions):
 
 def _step(model, token, position, past, static, past_positions):
     """One plain decoding step: the token's row from a pass of its own over `past` (with the padding rows the
-    runtime adds, model.min_rows; a padding row sees only itself, as in cache._one_pass_rows), and the past with
+    runtime adds, model.min_rows; a padding row sees only itself, as in batch._one_pass_rows), and the past with
     the token's key/value appended."""
     Q = max(1, model.min_rows)
     ids, pos = np.zeros(Q, np.int64), np.zeros(Q, np.int64)

@@ -78,7 +78,7 @@ class OnnxCausalLM:
         spin: let onnxruntime's threads busy-wait between runs (faster back-to-back runs of one model).
         kv_resident: keep the KV cache where the session computes it (OrtValues bound with IOBinding, see
         `forward`); default: on for CUDA sessions, off on the CPU (where it measured no faster, DESIGN s. 11).
-        min_rows: the fewest rows a pass scores (cache.py adds padding rows). onnxruntime computes a one-row
+        min_rows: the fewest rows a pass scores (batch.py adds padding rows). onnxruntime computes a one-row
         MatMul on another path (GEMV) whose fp32 sums round differently; int8/int4 activations can turn that last
         bit into a quantization step, so their passes score at least 2 rows and a node's logits are the same bits
         whatever else its pass holds (DESIGN "Per-row int8"). Default: 2 for int8/int4 graphs, else 1; a draft

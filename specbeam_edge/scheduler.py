@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
-from .cache import ScoreCall, score_batch
+from .batch import ScoreCall, score_batch
 from .search import PassContext, Progress
 
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .beam import BeamRows, BeamSearch
-from .cache import ScoreCall, TreeCache
+from .batch import ScoreCall
+from .cache import TreeCache
 from .results import Stats, peak_rss_mb
 from .sampling import SampleState, choose_width, draw, verify_level
 from .tree import TokenTree

@@ -203,7 +203,7 @@ def test_auto_budget_is_shared_by_the_batch(models):
 
 
 def test_sub_batches_keep_a_prefill_apart_from_decoding_requests():
-    from specbeam_edge.cache import _buckets
+    from specbeam_edge.batch import _buckets
 
     shapes = [(50, 4)] * 31 + [(0, 60)]
     groups = _buckets(shapes)
@@ -254,7 +254,8 @@ def test_batch_rows_never_outgrow_the_context(phi4mini):
     """Batch rows keep padding slots, so a row can grow past context_length while every request's own slots stay
     below it; rows are then packed afresh (as long caches, they would only cost attention). Two requests alone
     reach 62 and 63 slots; batched they must too."""
-    from specbeam_edge.cache import ScoreCall, TreeCache, score_batch
+    from specbeam_edge.batch import ScoreCall, score_batch
+    from specbeam_edge.cache import TreeCache
     from specbeam_edge.model import OnnxCausalLM
     from specbeam_edge.tree import TokenTree
 

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from specbeam_edge.cache import ScoreCall, TreeCache
+from specbeam_edge.batch import ScoreCall
+from specbeam_edge.cache import TreeCache
 from specbeam_edge.tree import TokenTree
 from specbeam_edge.model import OnnxCausalLM
 
@@ -86,7 +87,7 @@ def test_tree_mask_rows_are_ancestors():
 def test_batch_rows_match_recomputation(lm, prompts, steps, monkeypatch):
     """Caches scored together stay rows of their batch's arrays (padding slots dead, compaction inside the row,
     the next pass feeding the arrays without a copy); every node's logits still equal a from-scratch run."""
-    from specbeam_edge import cache as cache_mod
+    from specbeam_edge import batch as cache_mod
 
     shared = []
     real = cache_mod._same_batch
@@ -123,7 +124,7 @@ def test_batched_static_inputs_are_reused_only_for_the_same_requests():
     same; a request that leaves or joins, or another order, stacks them anew (never another request's inputs)."""
     import numpy as np
 
-    from specbeam_edge import cache
+    from specbeam_edge import batch as cache
 
     def static(n, v):
         return {"x": (np.full((1, 2, n), v, np.float32), 2)}

@@ -1,0 +1,230 @@
+"""The batched pass: one model pass over the new nodes of several requests' tree caches (DESIGN section 11, "The
+batched pass" and "Batch rows").
+
+Request b's past is left-aligned and zero-padded to the longest past, its new rows follow the padded past;
+padding columns are masked out, padding rows see only themselves. A request alone is the batch of one: exactly
+the unpadded pass. Each cache takes its part of the pass's presents through `TreeCache`'s public interface
+(`pass_inputs`, `adopt_batch_row`, `record_pass`, `append_rows`, `unpad_for_packing`, `drop_padding`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from . import heads
+from .model import host
+
+if TYPE_CHECKING:     # annotations only: cache.py imports this module (TreeCache.score is the batch of one)
+    from .cache import TreeCache
+
+# True: the caches of a batched pass stay rows of its presents (TreeCache.adopt_batch_row); False: the older
+# layout, each request's cache copied out of the presents after the pass and padded into a new array before the
+# next, kept for the A/B of DESIGN section 11, "Batch rows"
+BATCH_ROWS = True
+
+
+@dataclass
+class BatchKV:
+    """The presents of one batched pass: per layer (key, value) [B, kv_heads, Nm + Qm, head_dim] on the host."""
+    presents: list
+    Nm: int
+    Qm: int
+
+
+@dataclass
+class ScoreCall:
+    """A request's demand for one model pass: score `nodes` (parents before children) in `cache`."""
+    cache: TreeCache
+    nodes: list[int]
+    topk: int | None = None
+
+
+def score_batch(calls: list[ScoreCall]) -> list:
+    """One pass of one model over the new nodes of several requests' caches (a batch dimension: request b's
+    past is left-aligned and zero-padded to the longest, its new rows follow the padded past; padding columns
+    are masked out, padding rows see only themselves). Returns each call's head output (heads.Dense, or
+    heads.TopK limited to its own k). Requests whose shapes differ a lot run as separate sub-batches (see
+    `_buckets`). Passes longer than the model's context (a draft cache catching up, a very wide first step)
+    are split into chunks that fit: the rotary tables hold `context_length` rows."""
+    model = calls[0].cache.model
+    limit = model.cfg.context_length
+    outs: list[list] = [[] for _ in calls]
+    todo = [(i, list(c.nodes)) for i, c in enumerate(calls) if c.nodes]
+    # a 'both' head answers with its top-k when every call of the pass takes one (a sampling draft beside exact
+    # ones gets full rows, which answer top() as well) and the pass has two rows or more: over one row Python's
+    # top-k of the logits is the cheaper (DESIGN section 11, "Head outputs")
+    use_topk = model.cfg.output != "both" or (all(calls[i].topk is not None for i, _ in todo)
+                                              and sum(len(n) for _, n in todo) >= 2)
+    while todo:
+        chunk = [(i, nodes[:limit]) for i, nodes in todo]
+        for group in _buckets([(len(calls[i].cache), len(part)) for i, part in chunk]):
+            sub = [chunk[g] for g in group]
+            k = (max((calls[i].topk or 0) for i, _ in sub) or None) if use_topk else None
+            for (i, part), out in zip(sub, _one_pass(model, [(calls[i].cache, part) for i, part in sub], k)):
+                outs[i].append(out.limit(calls[i].topk))
+        todo = [(i, nodes[limit:]) for i, nodes in todo if len(nodes) > limit]
+    return [type(o[0]).join(o) if o else heads.empty(c.cache.model) for o, c in zip(outs, calls)]
+
+
+def _buckets(shapes: list[tuple[int, int]], min_split: int = 4) -> list[list[int]]:
+    """Sub-batches of similar shape, from (cached slots N, new nodes Q) per request. Padding to the largest Q
+    runs every request's padded rows through the whole network (one long prefill made a batch of short decoding
+    steps several times slower: DESIGN section 11, "The batched pass"). So: split where Q more than doubles, then,
+    inside a group, at gaps where N more than doubles (N pads the attention and the KV copies), leaving
+    min_split requests a side."""
+    order = sorted(range(len(shapes)), key=lambda i: (shapes[i][1], shapes[i][0]))
+    by_q: list[list[int]] = []
+    for i in order:
+        if by_q and shapes[i][1] <= 2 * max(1, shapes[by_q[-1][0]][1]):
+            by_q[-1].append(i)
+        else:
+            by_q.append([i])
+    out = []
+    for group in by_q:
+        group = sorted(group, key=lambda i: shapes[i][0])
+        start = 0
+        for j in range(1, len(group)):
+            if (shapes[group[j]][0] > 2 * shapes[group[j - 1]][0] + 16 and j - start >= min_split
+                    and len(group) - j >= min_split):
+                out.append(group[start:j])
+                start = j
+        out.append(group[start:])
+    return out
+
+
+def _one_pass(model, work: list[tuple[TreeCache, list[int]]], topk: int | None) -> list:
+    """The model forward for a batch; appends every request's new KV; returns per-request head outputs."""
+    if len(work) == 1 and len(work[0][1]) >= model.min_rows:   # the batch of one: exactly the unpadded pass
+        cache, new = work[0]
+        cache.drop_padding()
+        ids, pos, mask = cache.pass_inputs(new)
+        kw = {"key_positions": np.concatenate([cache.positions, pos])[None]} if model.needs_key_positions else {}
+        if cache.static:
+            kw["static"] = {name: a for name, (a, _) in cache.static.items()}
+        out, presents = model.forward(ids[None], pos[None], mask[None, None], cache.past, topk=topk, **kw)
+        cache.record_pass(new, mask, presents)
+        return heads.wrap(out)
+    shared = _same_batch([cache for cache, _ in work])
+    if shared is not None and shared.Nm + shared.Qm + max(len(new) for _, new in work) > model.cfg.context_length:
+        shared = None      # rows would outgrow the context: pack each request's own slots instead of attending
+        #                    over ever more padding (LongRoPE graphs from before 2026-12 also refused such a past)
+    if shared is not None:             # the rows of the last pass's presents, in their order: no padding copy
+        order = sorted(range(len(work)), key=lambda b: work[b][0].batch[1])
+        work = [work[b] for b in order]
+        gathers = None
+    else:                              # packed afresh: each request's own slots only, gathered in one copy
+        gathers = [cache.unpad_for_packing() for cache, _ in work]
+    inputs = [cache.pass_inputs(new) for cache, new in work]
+    # model.min_rows: a graph whose kernels change at one row (onnxruntime's GEMV path) gets a padding row
+    Qm = max(model.min_rows, max(len(new) for _, new in work))
+    Nm = max(len(cache) for cache, _ in work)
+    results = _one_pass_rows(model, work, inputs, topk, Nm, Qm, shared.presents if shared is not None else None,
+                             gathers)
+    return results if shared is None else [results[i] for i in np.argsort(order)]
+
+
+def _same_batch(caches: list[TreeCache], max_padding: float = 0.10, slack: int = 16) -> BatchKV | None:
+    """The batch arrays every one of these caches is a row of, if they are exactly all its rows, unchanged, and
+    not mostly padding: rows only grow (by the pass's widest tree) while compaction empties them from the end,
+    so once the longest request's own slots fall below 1 - max_padding of the row (+ slack), the batch is packed
+    afresh (one copy) instead of attending over dead columns every pass."""
+    first = caches[0].batch
+    if first is None:
+        return None
+    shared = first[0]
+    T = shared.Nm + shared.Qm
+    rows = set()
+    for c in caches:
+        if c.batch is None or c.batch[0] is not shared or len(c) != T:
+            return None
+        rows.add(c.batch[1])
+    if rows != set(range(shared.presents[0][0].shape[0])) or len(rows) != len(caches):
+        return None
+    longest = max(len(c) - c.padding for c in caches)
+    return shared if longest + slack >= (1 - max_padding) * T else None
+
+
+def _one_pass_rows(model, work, inputs, topk, Nm, Qm, shared_past, gathers) -> list:
+    """The batched pass proper; shared_past: the batch arrays to feed as they are (rows in work's order); else
+    gathers: per request (its arrays, the slots to take or None for all), packed into new padded arrays."""
+    B = len(work)
+    ids = np.zeros((B, Qm), np.int64)
+    pos = np.zeros((B, Qm), np.int64)
+    kpos = np.zeros((B, Nm + Qm), np.int64)
+    mask = np.zeros((B, 1, Qm, Nm + Qm), bool)
+    mask[:, 0, :, Nm:] = np.eye(Qm, dtype=bool)       # padding rows attend to themselves only
+    for b, ((cache, new), (i, p, m)) in enumerate(zip(work, inputs)):
+        N, Q = len(cache), len(new)
+        ids[b, :Q], pos[b, :Q] = i, p
+        kpos[b, :N], kpos[b, Nm:Nm + Q] = cache.positions, p
+        mask[b, 0, :Q, :N] = m[:, :N]
+        mask[b, 0, :Q, Nm:Nm + Q] = m[:, N:]
+    past = shared_past if shared_past is not None else _pack(model, gathers, Nm)
+    kw = {"key_positions": kpos} if model.needs_key_positions else {}
+    if work[0][0].static:
+        kw["static"] = _batched_static(model, [cache.static for cache, _ in work])
+    out, presents = model.forward(ids, pos, mask, past, topk=topk, **kw)
+    presents = [(host(k), host(v)) for k, v in presents]
+    batch = None if model.kv_resident or not BATCH_ROWS else BatchKV(presents, Nm, Qm)
+    results = []
+    for b, ((cache, new), (_, _, m), head) in enumerate(zip(work, inputs, heads.wrap(out))):
+        Q = len(new)
+        if batch is not None:
+            cache.adopt_batch_row(new, m, batch, b)
+        else:
+            cache.append_rows(new, m, [(k[b:b + 1, :, Nm:Nm + Q], v[b:b + 1, :, Nm:Nm + Q]) for k, v in presents])
+        results.append(head.take(slice(0, Q)))
+    return results
+
+
+def _pack(model, gathers: list, Nm: int) -> list:
+    """New padded past arrays [B, kv_heads, Nm, head_dim] per layer from each request's (arrays, slots to take
+    or None for all), straight from its old arrays (a batch row's own slots, without its padding): one copy."""
+    past = []
+    for layer in range(len(gathers[0][0])):
+        k = v = None
+        for b, (arrays, idx) in enumerate(gathers):
+            ck, cv = host(arrays[layer][0])[0], host(arrays[layer][1])[0]
+            if k is None:
+                k = np.zeros((len(gathers), ck.shape[0], Nm, ck.shape[2]), ck.dtype)
+                v = np.zeros_like(k)
+            if idx is None:
+                k[b, :, :ck.shape[1]], v[b, :, :cv.shape[1]] = ck, cv
+            else:
+                np.take(ck, idx, axis=1, out=k[b, :, :len(idx)], mode="clip")
+                np.take(cv, idx, axis=1, out=v[b, :, :len(idx)], mode="clip")
+        past.append((model.to_kv(k), model.to_kv(v)))
+    return past
+
+
+# per model: the requests' static inputs of its last batched pass and their stacked arrays. A batch whose
+# requests are the same, in the same order, feeds the same arrays instead of padding and copying them anew
+# every pass (DESIGN section 11, "The batched pass")
+_STACKED: dict[int, tuple[list, dict]] = {}
+
+
+def _batched_static(model, statics: list[dict]) -> dict[str, np.ndarray]:
+    last = _STACKED.get(id(model))
+    if last is not None and len(last[0]) == len(statics) and all(a is b for a, b in zip(last[0], statics)):
+        return last[1]
+    out = _stack_static(statics)
+    _STACKED[id(model)] = (statics, out)
+    return out
+
+
+def _stack_static(statics: list[dict]) -> dict[str, np.ndarray]:
+    """Per-request static inputs -> batched arrays, zero-padded to the longest along each input's pad axis."""
+    out = {}
+    for name, (a0, axis) in statics[0].items():
+        shape = list(a0.shape)
+        shape[0] = len(statics)
+        shape[axis] = max(s[name][0].shape[axis] for s in statics)
+        arr = np.zeros(shape, a0.dtype)
+        for b, s in enumerate(statics):
+            a = s[name][0]
+            idx = [slice(b, b + 1)] + [slice(0, n) for n in a.shape[1:]]
+            arr[tuple(idx)] = a
+        out[name] = arr
+    return out
