@@ -212,20 +212,78 @@ class Engine:
             raise ValueError("tgt_lang is for encoder-decoder models (NLLB/M2M100); this is a decoder-only model")
         return self.encoder.language_id(tgt_lang, "tgt_lang")
 
+    def _prefix_ids(self, prefix) -> list[int]:
+        """A target prefix as token ids: None or "" -> none; a text is encoded as plain target-side text (the
+        decoder's tokenizer, no special tokens: the start of a translation as the model writes it); token ids
+        are checked against the decoder's vocabulary."""
+        if prefix is None or isinstance(prefix, str) and not prefix:
+            return []
+        if isinstance(prefix, str):
+            if self.tokenizer is None:
+                raise TypeError("this engine has no tokenizer: pass the target prefix as token ids")
+            return self.tokenizer.encode(prefix)
+        if isinstance(prefix, (bytes, bytearray, memoryview, dict)) or not hasattr(prefix, "__iter__"):
+            raise TypeError(f"a target prefix must be a string or a list of token ids, got {type(prefix).__name__}")
+        items, vocab = list(prefix), self.target.cfg.vocab_size
+        for i, t in enumerate(items):
+            if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+                raise TypeError(f"target prefix token {t!r} at position {i} is a {type(t).__name__}; token ids "
+                                f"are ints")
+            if not 0 <= t < vocab:
+                raise ValueError(f"target prefix token {int(t)} at position {i} is outside the model's vocabulary "
+                                 f"(0-{vocab - 1})")
+        return [int(t) for t in items]
+
+    def _prefixes(self, target_prefix, n: int) -> list[list[int]]:
+        """generate_iter's target_prefix (None, or one prefix per prompt) -> token ids per prompt."""
+        if target_prefix is None:
+            return [[] for _ in range(n)]
+        if isinstance(target_prefix, (str, bytes, bytearray, dict)) or not hasattr(target_prefix, "__len__"):
+            raise TypeError(f"target_prefix must be a list with one prefix (a string, token ids or None) per "
+                            f"prompt, got {type(target_prefix).__name__}")
+        if len(target_prefix) != n:
+            raise ValueError(f"target_prefix has {len(target_prefix)} entries for {n} prompts (one per prompt; "
+                             f"None or '' for none)")
+        out = []
+        for i, p in enumerate(target_prefix):
+            try:
+                out.append(self._prefix_ids(p))
+            except (TypeError, ValueError) as e:
+                if n == 1:
+                    raise
+                raise type(e)(f"prompt {i}: {e}") from None
+        return out
+
+    def _lead(self, prefix: list[int], forced_bos: int | None) -> list[int]:
+        """The tokens a hypothesis starts with that its search counts as prompt: with a target prefix, the
+        forced BOS (encoder-decoder models) and the prefix; none without one (a forced BOS then counts as
+        generated, and the search's own hypotheses hold it)."""
+        if not prefix:
+            return []
+        return (self.encoder.decoder_prompt(forced_bos)[1:] if self.encoder is not None else []) + prefix
+
     def _new_search(self, ids: list[int], gen: GenerationConfig, spec: SpeculativeConfig | None, drafter=None,
-                    static=None, forced_bos: int | None = None):
+                    static=None, forced_bos: int | None = None, prefix: list[int] | None = None):
         """Validate one request and build its search object (search.py). `drafter` overrides the policy named
         in spec (any callable with the Drafter signature; see draft.py). Encoder-decoder models: ids are the
-        source; static(with_draft) gives the request's encoder outputs when it starts (see _statics)."""
+        source; static(with_draft) gives the request's encoder outputs when it starts (see _statics).
+        prefix: target prefix token ids, forced after the prompt (decoder-only) or the decoder start and forced
+        BOS (encoder-decoder); they count as prompt, as transformers counts `input_ids` / `decoder_input_ids`
+        (the length penalty, min_new_tokens and max_new_tokens apply to the tokens after them)."""
         ctx = self.target.cfg.context_length
-        source = None
+        source, prefix = None, list(prefix or [])
         if self.encoder is not None:
             if len(ids) > self.encoder.context_length:
                 raise ValueError(f"the source has {len(ids)} tokens; the encoder's context length is "
                                  f"{self.encoder.context_length}")
-            source, ids = ids, self.encoder.decoder_prompt(forced_bos)
+            source, ids = ids, self.encoder.decoder_prompt(forced_bos) + prefix
+        else:
+            ids = list(ids) + prefix
         if len(ids) >= ctx:
-            raise ValueError(f"the prompt has {len(ids)} tokens; the model's context length is {ctx}")
+            what = "the prompt" if source is None and not prefix else \
+                "the target prefix" if source is not None else "the prompt and target prefix"
+            raise ValueError(f"{what} {'have' if 'and' in what else 'has'} {len(ids)} tokens; the model's context "
+                             f"length is {ctx}")
         max_new = min(gen.max_new_tokens, ctx - len(ids))
         eos = self.eos if gen.eos_token_id is None else list(np.atleast_1d(gen.eos_token_id))
         outside = [int(t) for t in eos if int(t) >= self.target.cfg.vocab_size]
@@ -242,9 +300,11 @@ class Engine:
             if not gen.do_sample:
                 self._require_invariant()
         extra = {}
-        if source is not None:    # the decoder start is the prompt; a forced BOS counts as generated
-            extra = dict(prompt_len=1, static=static, process=logits_processor(
-                self.encoder.suppressed, self.encoder.forced_eos, 1 + max_new))
+        if source is not None:    # the decoder start is the prompt; a forced BOS counts as generated (a target
+            #                        prefix and the forced BOS before it count as prompt: decoder_input_ids)
+            prompt_len = len(ids) if prefix else 1
+            extra = dict(prompt_len=prompt_len, static=static, process=logits_processor(
+                self.encoder.suppressed, self.encoder.forced_eos, prompt_len + max_new))
         if gen.do_sample:
             topk = [str(m.folder) for m in (self.target, self.draft if use_draft else None)
                     if m is not None and m.cfg.output == "topk"]
@@ -311,78 +371,94 @@ class Engine:
     # -- public API: generate_step -> stream (one request); generate_iter -> generate (batches) -------------
     def generate_step(self, prompt: str | list[int], generation: GenerationConfig | None = None,
                       speculative: SpeculativeConfig | None = None, *, drafter=None, src_lang: str | None = None,
-                      tgt_lang: str | None = None, raw: bool = False, **overrides):
+                      tgt_lang: str | None = None, raw: bool = False, target_prefix=None, **overrides):
         """One request alone (a batch of one): yields (search state, live stats) after every target pass; the
         state is a BeamSearch (`running`, `scores`, `hypotheses(n)`, `stable_prefix()`) or, when sampling, a
-        SampleState. drafter: a custom tree-growth callable (exact beam search only)."""
+        SampleState. drafter: a custom tree-growth callable (exact beam search only). target_prefix: see
+        generate (the state's hypotheses and stable prefix then start after it)."""
         gen = self.generation_config(generation, **overrides)
         speculative = self._speculative(speculative)
         forced_bos = self._forced_bos(tgt_lang)
         ids = self.encode(prompt, src_lang, raw)
+        prefix = self._prefix_ids(target_prefix)
         job = Job(0, len(ids), self._new_search(ids, gen, speculative, drafter, self._statics([ids], 1)[0],
-                                                forced_bos))
+                                                forced_bos, prefix))
         for _, progress, finished in Scheduler(self.target, max_batch_size=1).run([job]):
             if not finished:
                 yield progress.state, progress.stats
 
     def stream(self, prompt: str | list[int], generation: GenerationConfig | None = None,
                speculative: SpeculativeConfig | None = None, *, src_lang: str | None = None,
-               tgt_lang: str | None = None, raw: bool = False, **overrides) -> Iterator[StreamChunk]:
+               tgt_lang: str | None = None, raw: bool = False, target_prefix=None,
+               **overrides) -> Iterator[StreamChunk]:
         """Yield text as soon as it is final (the prefix shared by all live and finished beams), one chunk per
         target pass; the last chunk carries the Result. A chunk's text is empty when that pass made nothing new
         final (with beams > 1 the beams often still disagree): such chunks are kept on purpose, as the live
         progress of a search (their stats count passes and tokens) and the points where a caller can stop it;
         skip them with `if chunk.text`. src_lang/tgt_lang: NLLB/M2M100 language codes (see generate_iter); raw:
-        see encode."""
+        see encode; target_prefix: see generate (the first chunk with text starts with the prefix's)."""
         gen = self.generation_config(generation, **overrides)
+        forced = self._prefix_ids(target_prefix)
+        lead = self._lead(forced, self._forced_bos(tgt_lang))
         shown, n_stable = "", 0
         bs = stats = None
         for bs, stats in self.generate_step(prompt, gen, speculative, src_lang=src_lang, tgt_lang=tgt_lang,
-                                            raw=raw):
-            prefix, delta = bs.stable_prefix(), ""
+                                            raw=raw, target_prefix=forced):
+            prefix, delta = lead + bs.stable_prefix(), ""
             if len(prefix) > n_stable:        # decode only when more tokens became final
                 n_stable = len(prefix)
                 text = self.tokenizer.decode_stable(prefix)
                 if len(text) > len(shown) and text.startswith(shown):
                     delta, shown = text[len(shown):], text
             yield StreamChunk(delta, stats.snapshot())   # one chunk per target pass (maybe empty): callers can stop here
-        result = self._result(prompt, bs, stats, gen)
+        result = self._result(prompt, bs, stats, gen, lead)
         final = result.text
         yield StreamChunk(final[len(shown):] if final.startswith(shown) else "", stats, result)
 
     def generate(self, prompts, generation: GenerationConfig | None = None,
                  speculative: SpeculativeConfig | None = None, drafter=None, *, max_batch_size: int = 32,
                  max_batch_tokens: int | None = None, src_lang: str | None = None, tgt_lang: str | None = None,
-                 raw: bool = False, **overrides) -> list[Result]:
+                 raw: bool = False, target_prefix=None, **overrides) -> list[Result]:
         """Generate for one prompt (str or token ids) or a list of them; returns one Result per prompt, in order.
         A list is decoded in batches (continuous batching; see generate_iter). A text is put into the model
         folder's prompt format unless raw=True (see encode). drafter: a custom tree-growth callable (exact beam
-        search only)."""
+        search only). target_prefix: the start of the output, forced (CTranslate2's target_prefix): one prefix
+        (a text or token ids) for one prompt, a list of them (None or '' for none) for a list of prompts; see
+        generate_iter."""
         if prompts is None or isinstance(prompts, (bytes, bytearray, memoryview, dict, int, np.integer)):
             raise TypeError(f"prompts must be a string, a list of token ids, or a list of those; got "
                             f"{type(prompts).__name__}")
         if isinstance(prompts, str) or isinstance(prompts, np.ndarray) and prompts.ndim == 1:
-            batch = [prompts]                 # one prompt
+            batch, one = [prompts], True      # one prompt
         else:
-            batch = list(prompts)
+            batch, one = list(prompts), False
             if batch and isinstance(batch[0], (int, np.integer)):
-                batch = [batch]               # one token-id prompt
+                batch, one = [batch], True    # one token-id prompt
+        if one and target_prefix is not None:
+            target_prefix = [target_prefix]
         out: list[Result | None] = [None] * len(batch)
         for i, result in self.generate_iter(batch, generation, speculative, drafter=drafter,
                                             max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens,
-                                            src_lang=src_lang, tgt_lang=tgt_lang, raw=raw, **overrides):
+                                            src_lang=src_lang, tgt_lang=tgt_lang, raw=raw,
+                                            target_prefix=target_prefix, **overrides):
             out[i] = result
         return out
 
     def generate_iter(self, prompts, generation: GenerationConfig | None = None,
                       speculative: SpeculativeConfig | None = None, drafter=None, *, max_batch_size: int = 32,
                       max_batch_tokens: int | None = None, src_lang: str | None = None, tgt_lang: str | None = None,
-                      raw: bool = False, **overrides) -> Iterator[tuple[int, Result]]:
+                      raw: bool = False, target_prefix=None, **overrides) -> Iterator[tuple[int, Result]]:
         """Yield (index into prompts, Result) in completion order. Up to max_batch_size requests (and
         max_batch_tokens prompt tokens) share every target pass and every draft level's pass; a finished
         request leaves at once and the next one joins. Each request's output is the one it gets alone.
         NLLB/M2M100: src_lang puts the source language code into text prompts (as transformers' tokenizers do;
-        token-id prompts are taken as they are), tgt_lang forces the target language code as the first token."""
+        token-id prompts are taken as they are), tgt_lang forces the target language code as the first token.
+        target_prefix: None, or one prefix per prompt (a text, encoded as plain target-side text, or token ids;
+        None or '' for none): the output starts with it and the search continues from there, as transformers'
+        generate(input_ids=prompt + prefix) (decoder-only) or generate(decoder_input_ids=[decoder start, forced
+        BOS] + prefix) (encoder-decoder): the prefix counts as prompt for the length penalty, min_new_tokens and
+        max_new_tokens. Each hypothesis includes the prefix (its tokens and text; its score is of the tokens
+        after it), as CTranslate2 returns it."""
         gen = self.generation_config(generation, **overrides)
         speculative = self._speculative(speculative)
         forced_bos = self._forced_bos(tgt_lang)
@@ -399,17 +475,21 @@ class Engine:
                 if len(prompts) == 1:
                     raise
                 raise type(e)(f"prompt {i}: {e}") from None
+        prefixes = self._prefixes(target_prefix, len(prompts))
         statics = self._statics(sources, max_batch_size)
-        jobs = [Job(i, len(ids), self._new_search(ids, gen, speculative, drafter, statics[i], forced_bos))
+        jobs = [Job(i, len(ids), self._new_search(ids, gen, speculative, drafter, statics[i], forced_bos,
+                                                  prefixes[i]))
                 for i, ids in enumerate(sources)]
         sched = Scheduler(self.target, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens)
         for i, progress, finished in sched.run(jobs):
             if finished:
-                yield i, self._result(prompts[i], progress.state, progress.stats, gen)
+                yield i, self._result(prompts[i], progress.state, progress.stats, gen,
+                                      self._lead(prefixes[i], forced_bos))
 
-    def _result(self, prompt, bs, stats: Stats, gen: GenerationConfig) -> Result:
+    def _result(self, prompt, bs, stats: Stats, gen: GenerationConfig, lead=()) -> Result:
+        """lead: the target prefix tokens the hypotheses start with (see _lead)."""
         eos = set(self.eos if gen.eos_token_id is None else np.atleast_1d(gen.eos_token_id).tolist())
         decode = self.tokenizer.decode if self.tokenizer else (lambda ids: "")
         hyps = [Hypothesis(decode([t for t in toks if t not in eos]), toks, score)
-                for toks, score in bs.hypotheses(gen.num_return_sequences)]
+                for toks, score in ((list(lead) + t, s) for t, s in bs.hypotheses(gen.num_return_sequences))]
         return Result(prompt, hyps, stats)
