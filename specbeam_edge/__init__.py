@@ -7,9 +7,9 @@ except ModuleNotFoundError as e:
     raise ImportError("specbeam-edge needs ONNX Runtime, which comes with one of its extras: pip install "
                       "'specbeam-edge[cpu]', or 'specbeam-edge[gpu]' for CUDA (never both)") from None
 from .config import GenerationConfig, ModelConfig, ModelFolderError, SpeculativeConfig
-from .generate import Engine, Hypothesis, Result, Stats, StreamChunk
+from .generate import Alternative, Engine, Hypothesis, Result, Stats, StreamChunk
 from .model import OnnxCausalLM
 
 __all__ = ["Engine", "GenerationConfig", "SpeculativeConfig", "ModelConfig", "ModelFolderError", "OnnxCausalLM",
-           "Result", "Hypothesis", "Stats", "StreamChunk"]
+           "Result", "Hypothesis", "Alternative", "Stats", "StreamChunk"]
 __version__ = "0.1.0"

@@ -21,12 +21,12 @@ from .draft import custom_drafter, make_drafter
 from .encdec import Encoder, EncoderQueue, is_encoder_decoder, logits_processor, shared_cross_layers, shared_statics
 from .invariance import Invariance, NotInvariantError
 from .model import OnnxCausalLM
-from .results import Hypothesis, Result, Stats, StreamChunk, peak_rss_mb
+from .results import Alternative, Hypothesis, Result, Stats, StreamChunk, peak_rss_mb
 from .scheduler import Job, Scheduler
 from .search import ExactSearch, SamplingSearch
 from .tokenizer import PromptText, Tokenizer, check_compatible, check_vocabulary
 
-__all__ = ["Engine", "Hypothesis", "PassChooser", "Result", "Stats", "StreamChunk", "peak_rss_mb"]
+__all__ = ["Alternative", "Engine", "Hypothesis", "PassChooser", "Result", "Stats", "StreamChunk", "peak_rss_mb"]
 
 
 class Engine:
@@ -485,6 +485,88 @@ class Engine:
             if finished:
                 yield i, self._result(prompts[i], progress.state, progress.stats, gen,
                                       self._lead(prefixes[i], forced_bos))
+
+    # -- alternatives at a position (interactive translation) ----------------------------------------------
+    def alternatives(self, prompt: str | list[int], target_prefix=None, n: int = 5,
+                     generation: GenerationConfig | None = None, speculative: SpeculativeConfig | None = None, *,
+                     drafter=None, src_lang: str | None = None, tgt_lang: str | None = None, raw: bool = False,
+                     max_batch_size: int = 32, **overrides) -> list[Alternative]:
+        """The n most probable tokens after `target_prefix` (a text or token ids; None: the output's first
+        position), best first, each with its log-prob there and its best continuation: beam search (these
+        settings) from the prefix and that token, as generate(target_prefix=prefix + [token]) returns it
+        (CTranslate2's return_alternatives, but the true top n of the model's distribution at the position: one
+        pass over the prompt and prefix, every token ranked, not the beams' candidates). The log-probs are the
+        log-softmax of the model's logits; tokens the search can never emit there (an encoder-decoder's banned
+        pad, EOS under min_new_tokens) are left out. The continuations run as one batch (speculative when
+        asked: the same output)."""
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"n must be a positive int, got {n!r}")
+        gen = replace(self.generation_config(generation, **overrides), num_return_sequences=1)
+        if gen.no_repeat_ngram_size or gen.repetition_penalty != 1.0:
+            raise ValueError("alternatives rank the model's own log-probs; no_repeat_ngram_size / "
+                             "repetition_penalty would change them (leave them unset)")
+        forced_bos = self._forced_bos(tgt_lang)
+        ids = self.encode(prompt, src_lang, raw)
+        prefix = self._prefix_ids(target_prefix)
+        logp = self._next_logprobs(ids, prefix, forced_bos, gen, int(n))
+        order = np.argsort(-logp, kind="stable")[:int(n)]
+        order = [int(t) for t in order if np.isfinite(logp[t])]
+        eos = set(self.eos if gen.eos_token_id is None else np.atleast_1d(gen.eos_token_id).tolist())
+        go_on = [t for t in order if t not in eos]
+        hyps = dict(zip(go_on, self.generate([ids] * len(go_on), gen, speculative, drafter,
+                                             max_batch_size=max_batch_size, tgt_lang=tgt_lang,
+                                             target_prefix=[prefix + [t] for t in go_on]))) if go_on else {}
+        lead = (self.encoder.decoder_prompt(forced_bos)[1:] if self.encoder is not None else []) + prefix
+        decode = self.tokenizer.decode if self.tokenizer else (lambda ids: "")
+        before, out = decode(prefix), []
+        for t in order:
+            after = decode(prefix + [t])
+            text = after[len(before):] if after.startswith(before) else decode([t])
+            if not text and self.tokenizer is not None:       # a special token (EOS): its name
+                text = self.tokenizer.id_to_token(t) or ""
+            hyp = hyps[t].hypotheses[0] if t in hyps else Hypothesis(before, lead + [t], 0.0)
+            out.append(Alternative(t, text, float(logp[t]), hyp))
+        return out
+
+    def _next_logprobs(self, ids: list[int], prefix: list[int], forced_bos: int | None,
+                       gen: GenerationConfig, n: int) -> np.ndarray:
+        """fp32 log-probs [V] of the token after the prompt (an encoder-decoder's source: its decoder start and
+        forced BOS) and the prefix: one target pass over them; the tokens the search bans there are -inf."""
+        from .cache import TreeCache
+        from .tree import TokenTree
+
+        ctx, static = self.target.cfg.context_length, None
+        if self.encoder is not None:
+            static = self.encoder.encode([ids])[0]
+            chain = self.encoder.decoder_prompt(forced_bos) + prefix
+        else:
+            chain = list(ids) + prefix
+        if len(chain) >= ctx:
+            raise ValueError(f"the prompt and target prefix have {len(chain)} tokens; the model's context length "
+                             f"is {ctx}")
+        tree = TokenTree()
+        nodes = tree.add_chain(chain)
+        cache = TreeCache(self.target, tree, static)
+        try:
+            out = cache.score(nodes).take([len(nodes) - 1])
+        finally:
+            cache.release()
+        V = self.target.cfg.vocab_size
+        if hasattr(out, "logits"):
+            logp = out.log_probs()[0].astype(np.float32)
+        else:       # a top-k head: its k best log-probs are the true top k; beyond k nothing is known
+            k = out.ids.shape[1]
+            if n > k:
+                raise ValueError(f"{self.target.folder} has a top-k head of {k} tokens a position: ask for at most "
+                                 f"{k} alternatives (or export with --output_kind both or logits)")
+            logp = np.full(V, -np.inf, np.float32)
+            logp[out.ids[0]] = out.logprobs[0]
+        if self.encoder is not None and self.encoder.suppressed:
+            logp[np.array(self.encoder.suppressed, np.int64)] = -np.inf
+        if gen.min_new_tokens > 0:
+            eos = self.eos if gen.eos_token_id is None else list(np.atleast_1d(gen.eos_token_id))
+            logp[np.array(eos, np.int64)] = -np.inf
+        return logp
 
     def _result(self, prompt, bs, stats: Stats, gen: GenerationConfig, lead=()) -> Result:
         """lead: the target prefix tokens the hypotheses start with (see _lead)."""

@@ -84,6 +84,22 @@ class Hypothesis:
 
 
 @dataclass
+class Alternative:
+    """One of the most probable tokens at a position (Engine.alternatives): its id, its text (as it reads after
+    the prefix), its log-prob there, and the best hypothesis that continues with it: beam search from the
+    prefix and this token (which it includes; its score is of the tokens after them, 0.0 when the token is
+    EOS: none follow)."""
+    token_id: int
+    token: str
+    logprob: float
+    hypothesis: Hypothesis
+
+    @property
+    def text(self) -> str:
+        return self.hypothesis.text
+
+
+@dataclass
 class Result:
     prompt: str | list[int]
     hypotheses: list[Hypothesis]

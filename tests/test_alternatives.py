@@ -1,0 +1,119 @@
+"""Alternatives at a position (Engine.alternatives): the true top n next tokens after a target prefix, with the
+log-probs of transformers' dense log-softmax at that position, each with its best continuation (beam search
+from the prefix and that token, == transformers' generate with them forced); speculative == plain."""
+import numpy as np
+import pytest
+
+from specbeam_edge import Engine, SpeculativeConfig
+from test_beam import MAX_NEW as DEC_MAX_NEW, PROMPTS, hf_beam, peer  # noqa: F401 (fixture)
+from test_encdec import LANGS, PAD, SOURCES, SPEC, encdec, peers  # noqa: F401 (fixtures)
+from test_target_prefix import _hf_encdec
+
+N = 6
+
+
+def _dense_top(logits, n, banned=()):
+    import torch
+
+    lp = torch.log_softmax(logits.double(), -1).numpy()
+    lp[list(banned)] = -np.inf
+    top = np.argsort(-lp, kind="stable")[:n]
+    return top.tolist(), lp[top]
+
+
+@pytest.mark.parametrize("prefix", [None, [5, 40]])
+def test_decoder_only_top_n_is_the_dense_top_n(peer, prefix):
+    import torch
+
+    model, engine, eos = peer
+    for prompt in PROMPTS:
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + (prefix or [])])).logits[0, -1]
+        want, want_lp = _dense_top(logits, N)
+        alts = engine.alternatives(prompt, prefix, n=N, num_beams=4, max_new_tokens=DEC_MAX_NEW, eos_token_id=eos)
+        assert [a.token_id for a in alts] == want
+        np.testing.assert_allclose([a.logprob for a in alts], want_lp, atol=1e-4)
+        assert all(a.logprob >= b.logprob for a, b in zip(alts, alts[1:]))
+        for a in alts:          # the continuation: transformers' beam search from prompt + prefix + token
+            if a.token_id in eos:       # the output ends there (test_eos_alternative_and_min_new_tokens)
+                continue
+            forced = (prefix or []) + [a.token_id]
+            hf, scores = hf_beam(model, prompt + forced, eos, num_beams=4)
+            gen = a.hypothesis.tokens[len(forced):]
+            assert a.hypothesis.tokens[:len(forced)] == forced
+            assert gen == hf[0][:len(gen)] and all(t == eos[0] for t in hf[0][len(gen):])
+            np.testing.assert_allclose(a.hypothesis.score, scores[0], atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["marian", "m2m100", "nllb"])
+@pytest.mark.parametrize("prefix", [None, [7, 12]])
+def test_encoder_decoder_top_n_is_the_dense_top_n(peers, kind, prefix):
+    """The position after [decoder start(, forced BOS)] + prefix; Marian's banned pad is never an alternative."""
+    import torch
+
+    model, engine, eos = peers(kind)
+    start = [model.generation_config.decoder_start_token_id] + ([LANGS["deu_Latn"]] if kind == "nllb" else [])
+    banned = [PAD] if kind == "marian" else []
+    for src in SOURCES[kind]:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([src]),
+                           decoder_input_ids=torch.tensor([start + (prefix or [])])).logits[0, -1]
+        want, want_lp = _dense_top(logits, N, banned)
+        alts = engine.alternatives(src, prefix, n=N, num_beams=4, max_new_tokens=10, eos_token_id=eos)
+        assert [a.token_id for a in alts] == want
+        np.testing.assert_allclose([a.logprob for a in alts], want_lp, atol=1e-4)
+        for a in alts[:3]:
+            if a.token_id in eos:
+                continue
+            forced = (prefix or []) + [a.token_id]
+            hf, scores = _hf_encdec(model, kind, src, forced, eos, num_beams=4)
+            toks = a.hypothesis.tokens
+            assert toks[:len(start) - 1 + len(forced)] == start[1:] + forced
+            assert toks == hf[0][:len(toks)]
+            np.testing.assert_allclose(a.hypothesis.score, scores[0].item(), atol=1e-4)
+
+
+def test_eos_alternative_and_min_new_tokens(peer):
+    """An EOS alternative ends the output there (its hypothesis: the prefix and EOS, score 0.0, nothing after);
+    min_new_tokens > 0 bans EOS at the position, so it is no alternative."""
+    _, engine, _ = peer
+    prompt, prefix = PROMPTS[0], [5, 40]
+    top = engine.alternatives(prompt, prefix, n=3, eos_token_id=[0])
+    eos = top[1].token_id
+    alts = engine.alternatives(prompt, prefix, n=3, num_beams=2, max_new_tokens=6, eos_token_id=[eos])
+    assert [a.token_id for a in alts] == [a.token_id for a in top]
+    assert alts[1].hypothesis.tokens == prefix + [eos] and alts[1].hypothesis.score == 0.0
+    banned = engine.alternatives(prompt, prefix, n=3, num_beams=2, max_new_tokens=6, eos_token_id=[eos],
+                                 min_new_tokens=2)
+    assert eos not in [a.token_id for a in banned]
+    assert [a.token_id for a in banned][:1] == [top[0].token_id]
+
+
+def test_alternatives_speculative_equal_plain(pair):
+    target, draft = pair
+    eng = Engine(target, draft=draft)
+    spec = SpeculativeConfig(adaptive=False, drafter="beam", budget=24, max_depth=4, max_branch_width=3)
+    for prompt in PROMPTS:
+        plain = eng.alternatives(prompt, [5], n=4, num_beams=4, max_new_tokens=10)
+        fast = eng.alternatives(prompt, [5], n=4, num_beams=4, max_new_tokens=10, speculative=spec)
+        assert [(a.token_id, a.logprob, a.hypothesis.tokens) for a in plain] == \
+            [(a.token_id, a.logprob, a.hypothesis.tokens) for a in fast]
+
+
+def test_alternatives_nllb_speculative_equal_plain(encdec):
+    target, _ = encdec("nllb")
+    other, _ = encdec("nllb", seed=11, decoder_layers=1, encoder_layers=1)
+    eng = Engine(target, draft=other)
+    for src in SOURCES["nllb"]:
+        plain = eng.alternatives(src, [7], n=4, num_beams=4, max_new_tokens=10)
+        fast = eng.alternatives(src, [7], n=4, num_beams=4, max_new_tokens=10, speculative=SPEC)
+        assert [a.hypothesis.tokens for a in plain] == [a.hypothesis.tokens for a in fast]
+
+
+def test_alternatives_validation(peer):
+    _, engine, _ = peer
+    with pytest.raises(ValueError, match="n must be a positive int"):
+        engine.alternatives(PROMPTS[0], None, n=0)
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        engine.alternatives(PROMPTS[0], None, n=2, repetition_penalty=1.3)
+    assert len(engine.alternatives(PROMPTS[0], None, n=2, max_new_tokens=2)) == 2
