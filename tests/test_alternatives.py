@@ -117,3 +117,42 @@ def test_alternatives_validation(peer):
     with pytest.raises(ValueError, match="repetition_penalty"):
         engine.alternatives(PROMPTS[0], None, n=2, repetition_penalty=1.3)
     assert len(engine.alternatives(PROMPTS[0], None, n=2, max_new_tokens=2)) == 2
+
+
+# -- the translate tool: --alternatives N (JSON lines) ------------------------------------------------------
+def test_cli_alternatives_json_lines(pair, tmp_path):
+    """One JSON object per input line (an empty line: no alternatives); the alternatives are the API's at the
+    position after the line's target prefix."""
+    import json
+
+    from apps.translate.__main__ import main, one_line
+    from helpers import corpus, translate_args
+
+    lines = corpus(3, seed=21) + [""]
+    inp, pre, out = tmp_path / "in.txt", tmp_path / "prefix.txt", tmp_path / "out.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    prefixes = ["ab", "", "the c", ""]
+    pre.write_text("\n".join(prefixes) + "\n")
+    assert main(translate_args(pair, inp, out, "--alternatives", "3", "--target_prefix", str(pre), max_len=6)) == 0
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(rows) == 4 and rows[3] == {"alternatives": []}
+    eng = Engine(pair[0], draft=pair[1])
+    for line, p, row in zip(lines[:3], prefixes, rows):
+        alts = eng.alternatives(eng.tokenizer.format_prompt(line), p or None, n=3, num_beams=4, max_new_tokens=6)
+        assert [a["token_id"] for a in row["alternatives"]] == [a.token_id for a in alts]
+        assert [a["text"] for a in row["alternatives"]] == [one_line(a.text) for a in alts]
+        assert [a["token"] for a in row["alternatives"]] == [a.token for a in alts]
+        np.testing.assert_allclose([a["logprob"] for a in row["alternatives"]], [a.logprob for a in alts], atol=1e-6)
+        assert all(a.text.startswith(p) for a in alts)
+
+
+@pytest.mark.parametrize("flags,why", [(["--n_best", "2"], "--n_best"), (["--with_score"], "--with_score"),
+                                       (["--engine", "ray", "-o", "x"], "local engine")])
+def test_cli_alternatives_refuses_text_output_flags(pair, tmp_path, capsys, flags, why):
+    from apps.translate.__main__ import main
+
+    inp = tmp_path / "in.txt"
+    inp.write_text("a b\n")
+    with pytest.raises(SystemExit) as e:
+        main(["-i", str(inp), "--model", pair[0], "--alternatives", "2", *flags])
+    assert e.value.code == 2 and why in capsys.readouterr().err

@@ -206,3 +206,78 @@ def test_text_prefix_on_the_shipped_pair():
     assert res.text.startswith("Die Datei") and res.hypotheses[0].tokens[:len(prefix)] == prefix
     [fast] = eng.generate("Open the file.", target_prefix="Die Datei", num_beams=4, speculative={"adaptive": False})
     assert fast.hypotheses[0].tokens == res.hypotheses[0].tokens
+
+
+# -- the translate tool: --target_prefix FILE ---------------------------------------------------------------
+def _cli_lines():
+    from helpers import corpus
+
+    return corpus(5, seed=21)
+
+
+def test_cli_target_prefix_file(pair, tmp_path, capsys):
+    """One prefix a line (an empty line for none): each output line is the API's translation from that prefix
+    (it includes the prefix); lines without one are the plain translation."""
+    from apps.translate.__main__ import main, one_line
+    from helpers import translate_args
+
+    lines = _cli_lines()
+    inp, pre = tmp_path / "in.txt", tmp_path / "prefix.txt"
+    inp.write_text("\n".join(lines) + "\n")
+    prefixes = ["ab", "", "the c", "", "x"]
+    pre.write_text("\n".join(prefixes) + "\n")
+    assert main(translate_args(pair, inp, tmp_path / "plain.txt", max_len=6)) == 0
+    assert main(translate_args(pair, inp, tmp_path / "out.txt", "--target_prefix", str(pre), max_len=6)) == 0
+    got = (tmp_path / "out.txt").read_text().splitlines()
+    plain = (tmp_path / "plain.txt").read_text().splitlines()
+    eng = Engine(pair[0], draft=pair[1])
+    for line, p, g, q in zip(lines, prefixes, got, plain):
+        [res] = eng.generate(eng.tokenizer.format_prompt(line), target_prefix=p or None, num_beams=4,
+                             max_new_tokens=6)
+        assert g == one_line(res.text)
+        if p:
+            assert res.hypotheses[0].tokens[:len(eng.tokenizer.encode(p))] == eng.tokenizer.encode(p)
+        else:
+            assert g == q
+
+
+def test_cli_target_prefix_line_count_mismatch_is_one_line(pair, tmp_path, capsys):
+    from apps.translate.__main__ import main
+    from helpers import translate_args
+
+    inp, pre = tmp_path / "in.txt", tmp_path / "prefix.txt"
+    inp.write_text("\n".join(_cli_lines()) + "\n")
+    pre.write_text("ab\ncd\n")
+    assert main(translate_args(pair, inp, None, "--target_prefix", str(pre))) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has 2 lines, the input has 5" in err[0] and str(pre) in err[0]
+
+
+def test_cli_resume_treats_the_prefix_file_as_a_setting(pair, tmp_path, monkeypatch, capsys):
+    """An interrupted run resumes with the same prefix file to the bytes of an uninterrupted run; a changed
+    prefix file is refused by name."""
+    from apps.translate.__main__ import main
+    from helpers import interrupt_after, translate_args
+
+    inp, pre, out, ref = tmp_path / "in.txt", tmp_path / "prefix.txt", tmp_path / "out.txt", tmp_path / "ref.txt"
+    inp.write_text("\n".join(_cli_lines()) + "\n")
+    pre.write_text("ab\n\nthe c\n\nx\n")
+    flags = ("--target_prefix", str(pre), "--batch_size", "1")
+    assert main(translate_args(pair, inp, ref, *flags)) == 0
+    interrupt_after(monkeypatch, 2)
+    assert main(translate_args(pair, inp, out, *flags)) == 130
+    monkeypatch.undo()
+    pre.write_text("ab\n\nthe d\n\nx\n")
+    capsys.readouterr()
+    assert main(translate_args(pair, inp, out, "--resume", *flags)) == 2
+    err = capsys.readouterr().err
+    assert "target_prefix (the file's contents):" in err and "beam_size" not in err
+    pre.write_text("ab\n\nthe c\n\nx\n")
+    assert main(translate_args(pair, inp, out, "--resume", *flags)) == 0
+    assert out.read_bytes() == ref.read_bytes()
+    # a run without the prefix file is another setting too
+    interrupt_after(monkeypatch, 2)
+    out2 = tmp_path / "out2.txt"
+    assert main(translate_args(pair, inp, out2, *flags)) == 130
+    monkeypatch.undo()
+    assert main(translate_args(pair, inp, out2, "--resume", "--batch_size", "1")) == 2

@@ -12,6 +12,9 @@ through a temporary file (created exclusively in the output's folder) and rename
 uninterrupted run, with the old output's permission bits. -o must be a regular file path (not a device, FIFO or
 socket: stream through stdout instead) and never the input. A lock (<output>.lock, removed at the end) keeps a
 second process off the same output. A UTF-8 BOM is dropped; LF, CRLF and CR all end a line.
+--target_prefix FILE forces the start of each line's translation (one prefix a line, an empty line for none; the
+output includes it); --alternatives N writes JSON lines instead of text: per input line the N most probable
+tokens at the position after the prefix (or at the start), with their log-probs and each one's best translation.
 --engine ray spreads the same work over a Ray cluster, one engine per actor, with the same output and resume
 guarantee per shard (ray_engine.py).
 Exit codes: 0 done, 1 failed (--on_error fail, I/O error while running), 2 usage or unusable input/model,
@@ -96,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--length_penalty", type=finite_float, default=None,
                     help="score = sum logp / length ** this (default: the model's)")
     add_decoding_constraint_args(ap)
+    ap.add_argument("--target_prefix", default=None, metavar="FILE",
+                    help="the start of each translation, forced (CTranslate2's target_prefix): one prefix a line, "
+                         "line k for input line k, an empty line for none; the output line includes it")
+    ap.add_argument("--alternatives", type=positive_int, default=None, metavar="N",
+                    help="write JSON lines, one object per input line: the N most probable tokens after the target "
+                         "prefix (or at the start), each with its text, log-prob and best translation")
     ap.add_argument("--on_error", choices=("skip", "copy", "fail"), default="skip",
                     help="a bad line (invalid UTF-8, over the model's context): write an empty line, copy the "
                          "source, or stop")
@@ -139,6 +148,13 @@ def parse_args(argv):
         ap.error("--engine ray needs -i (a file, a folder or a glob) and -o (where the shards and outputs go)")
     if args.engine == "ray" and args.eval:
         ap.error("--eval reads one output; with --engine ray run it on the local engine, or score the output apart")
+    if args.engine == "ray" and (args.target_prefix or args.alternatives):
+        ap.error("--target_prefix and --alternatives run on the local engine (--engine local)")
+    if args.alternatives:
+        for flag, used in (("--n_best", args.n_best > 1), ("--with_score", args.with_score), ("--eval", args.eval)):
+            if used:
+                ap.error(f"--alternatives writes JSON lines (each alternative with its score); {flag} is for text "
+                         f"output")
     return args
 
 
@@ -206,6 +222,29 @@ def split_lines(raw: bytes) -> list[bytes]:
     return raw.splitlines()          # bytes.splitlines: \n, \r\n and \r only (U+2028 etc. stay in the line)
 
 
+def read_prefixes(args, n: int) -> list[str] | None:
+    """--target_prefix FILE: one prefix per input line ('' for none), read as the input is (universal newlines,
+    a BOM dropped); keeps the raw lines in args.prefix_lines for the journal."""
+    if not args.target_prefix:
+        return None
+    path = Path(args.target_prefix)
+    try:
+        raw = split_lines(path.read_bytes())
+    except OSError as e:
+        raise UsageError(f"cannot read --target_prefix {path}: {e.strerror or e}") from None
+    if len(raw) != n:
+        raise UsageError(f"--target_prefix {path} has {len(raw)} line{'s' * (len(raw) != 1)}, the input has {n}: "
+                         f"give one prefix per input line (an empty line for none)")
+    out = []
+    for k, b in enumerate(raw):
+        try:
+            out.append(b.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise UsageError(f"--target_prefix {path}: line {k + 1} is not valid UTF-8") from None
+    args.prefix_lines = raw
+    return out
+
+
 def check_output(args) -> None:
     """Fail before the model loads (seconds) rather than after the translation (minutes)."""
     if args.output is None:
@@ -244,16 +283,20 @@ def settings(args, generation) -> dict:
     # the target folder's files (weights, layer files, encoder, tokenizer, config) by SHA-256: a model replaced
     # between the interrupt and --resume is refused. The draft is left out on purpose: speculation is exact, the
     # output does not depend on it (a resume with another draft, or none, gives the same bytes).
+    prefixes = getattr(args, "prefix_lines", None)
     return {"model": str(Path(args.model).resolve()), "model_files": folder_sha256(Path(args.model)),
             "generation": gen, "with_score": args.with_score, "max_input_length": args.max_input_length,
             "on_error": args.on_error,
-            **({"languages": [args.src_lang, args.tgt_lang]} if args.src_lang or args.tgt_lang else {})}
+            **({"languages": [args.src_lang, args.tgt_lang]} if args.src_lang or args.tgt_lang else {}),
+            # the prefix file by its lines' SHA-256 (as the input): a changed prefix is a changed setting
+            **({"target_prefix": hashlib.sha256(b"\n".join(prefixes)).hexdigest()} if prefixes is not None else {}),
+            **({"alternatives": args.alternatives} if getattr(args, "alternatives", None) else {})}
 
 
 # settings as the flags name them, for a refused --resume ("beam_size: 4 in the journal, 5 now")
 LABELS = {"generation.num_beams": "beam_size", "generation.num_return_sequences": "n_best",
           "generation.max_new_tokens": "max_decoding_length", "generation.length_penalty": "length_penalty",
-          "languages": "src_lang/tgt_lang"}
+          "languages": "src_lang/tgt_lang", "target_prefix": "target_prefix (the file's contents)"}
 
 
 class InOrder:
@@ -321,6 +364,16 @@ def prepare(args, engine, lines: list[bytes], first: int = 0, report=report_line
     return items, fixed, bad
 
 
+def alternatives_line(alts) -> str:
+    """--alternatives output for one input line: a JSON object (no newline inside)."""
+    return json.dumps({"alternatives": [
+        {"token": a.token, "token_id": a.token_id, "logprob": round(a.logprob, 6), "text": one_line(a.text),
+         "score": round(a.hypothesis.score, 6)} for a in alts]}, ensure_ascii=False)
+
+
+NO_ALTERNATIVES = json.dumps({"alternatives": []})      # an empty or bad input line in --alternatives mode
+
+
 def translate(args, engine, todo, on_line, progress, first: int = 0, report=report_line):
     """Decode `todo` [(index, ids)] in batches; on_line(index, outputs) as each line completes. A translation
     that ran into the model's context (not --max_decoding_length) is reported: report(line number, why)."""
@@ -329,10 +382,21 @@ def translate(args, engine, todo, on_line, progress, first: int = 0, report=repo
     ctx = engine.target.cfg.context_length
     total = Stats()
     by_tokens = args.batch_type == "tokens"
+    prefixes = getattr(args, "prefixes", None)
+    prefix = [prefixes[first + i] or None for i, _ in todo] if prefixes is not None else None
+    if args.alternatives:           # one line at a time: its N continuations are the batch
+        for k, (i, ids) in enumerate(todo):
+            alts = engine.alternatives(ids, prefix[k] if prefix else None, args.alternatives,
+                                       speculative=speculation(args), tgt_lang=args.tgt_lang,
+                                       max_batch_size=args.batch_size if not by_tokens else args.alternatives,
+                                       **generation_overrides(args))
+            on_line(i, [alternatives_line(alts)])
+            progress.update(1)
+        return total
     results = engine.generate_iter([ids for _, ids in todo], speculative=speculation(args), tgt_lang=args.tgt_lang,
                                    max_batch_size=args.batch_size if not by_tokens else max(1, len(todo)),
                                    max_batch_tokens=args.batch_size if by_tokens else None,
-                                   **generation_overrides(args))
+                                   target_prefix=prefix, **generation_overrides(args))
     for k, res in results:
         room = ctx - len(todo[k][1])
         if engine.encoder is None and room < args.max_decoding_length and \
@@ -362,6 +426,7 @@ def run(args) -> int:
         return run_ray(args)
     check_output(args)
     lines = split_lines(read_input(args))
+    args.prefixes = read_prefixes(args, len(lines))
     with OutputLock(Path(args.output)) if args.output else contextlib.nullcontext():
         if args.resume and finished(Path(args.output), len(lines) * args.n_best):
             return 0
@@ -401,6 +466,8 @@ def run_locked(args, lines: list[bytes]) -> int:
     if items is None:
         print(f"{PROG}: stopping (--on_error fail)", file=sys.stderr)
         return 1
+    if args.alternatives:           # JSON lines: an empty or bad line has no alternatives
+        fixed = {i: [NO_ALTERNATIVES] for i in fixed}
     journal = writer = None
     if args.output:
         journal = Journal(Path(args.output), hashlib.sha256(b"\n".join(lines)).hexdigest(),
