@@ -1,7 +1,9 @@
 """Renders the chat window offscreen into a PNG, for the documentation: a conversation whose stored answer has
-code with generics and HTML (the text is written here, not by a model; it shows how any answer renders).
+code with generics and HTML (the text is written here, not by a model; it shows how any answer renders), or
+with --live a real conversation: the question is sent to the model and its answer streams in as in use.
 
     QT_QPA_PLATFORM=offscreen python -m apps.chat.screenshot docs/img/chat_code.png
+    python -m apps.chat.screenshot docs/img/chat_smollm2.png --live smollm2 "Give me three tips for a good night's sleep."
 """
 import os
 import sys
@@ -27,8 +29,12 @@ Then put it inside a `<div>`: <div id="names"></div> stays visible as written, a
 
 
 def main(argv=None) -> int:
-    out = Path((argv or sys.argv[1:] or ["docs/img/chat_code.png"])[0])
-    shown = render(out)
+    args = list(argv if argv is not None else sys.argv[1:]) or ["docs/img/chat_code.png"]
+    out = Path(args[0])
+    if len(args) >= 4 and args[1] == "--live":
+        shown = live(out, args[2], args[3])
+    else:
+        shown = render(out)
     print(f"{'wrote' if shown is not None else 'could not write'} {out}")
     return 0 if shown is not None else 1
 
@@ -61,6 +67,48 @@ def render(out: Path) -> str | None:
         win.show()
         app.processEvents()
         win.split.setSizes([210, 600, 290])
+        app.processEvents()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        ok = win.grab().save(str(out))
+        text = win.transcript.toPlainText()
+        win.close()
+    return text if ok else None
+
+
+def live(out: Path, model: str, question: str, beams: int = 1, timeout_s: float = 300) -> str | None:
+    """Ask `model` (a folder or a fetched model's name, with its draft) `question` in the window, wait for the
+    answer, save the picture; returns the transcript's text (None when the file was not written)."""
+    import time
+
+    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+    from PySide6.QtCore import QSettings
+    from PySide6.QtWidgets import QApplication
+
+    from specbeam_edge.shipped import default_draft, resolve_model
+
+    from .store import ChatStore
+    from .window import ChatWindow
+
+    app = QApplication.instance() or QApplication(sys.argv[:1])
+    with tempfile.TemporaryDirectory() as tmp:
+        settings = QSettings(str(Path(tmp) / "settings.ini"), QSettings.Format.IniFormat)
+        settings.setValue("model", resolve_model(model))
+        settings.setValue("draft", default_draft(model) or "")
+        settings.setValue("beams", beams)
+        win = ChatWindow(ChatStore(Path(tmp) / "chat.sqlite"), settings=settings)
+        win.resize(1100, 720)
+        win.show()
+        app.processEvents()
+        win.split.setSizes([210, 600, 290])
+        win.input.setPlainText(question)
+        win.send_btn.click()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            app.processEvents()
+            if win.gen is None and win.store.messages(win.current())[-1:] and \
+                    win.store.messages(win.current())[-1]["role"] == "assistant":
+                break
+            time.sleep(0.05)
         app.processEvents()
         out.parent.mkdir(parents=True, exist_ok=True)
         ok = win.grab().save(str(out))
