@@ -49,8 +49,10 @@ def test_speculative_equals_plain(engines, draft, K, spec):
         np.testing.assert_allclose([h.score for h in plain.hypotheses], [h.score for h in fast.hypotheses],
                                    atol=1e-4)
         assert plain.stats.beam_steps_per_pass == 1.0
-        assert fast.stats.beam_steps_per_pass >= 1.0
         assert fast.stats.beam_steps == plain.stats.beam_steps
+        if draft == "same" and spec.drafter == "beam" and spec.min_path_prob == 0 and spec.budget >= K:
+            # the draft's own beams are the target's next beams: every pass covers several steps
+            assert fast.stats.beam_steps_per_pass > 1.5, fast.stats.beam_steps_per_pass
 
 
 @pytest.mark.parametrize("drafter", ["beam", "best_first"])
