@@ -508,7 +508,7 @@ class Engine:
         forced_bos = self._forced_bos(tgt_lang)
         ids = self.encode(prompt, src_lang, raw)
         prefix = self._prefix_ids(target_prefix)
-        logp = self._next_logprobs(ids, prefix, forced_bos, gen, int(n))
+        logp = self._next_logprobs(ids, prefix, forced_bos, gen, min(int(n), self.target.cfg.vocab_size))
         order = np.argsort(-logp, kind="stable")[:int(n)]
         order = [int(t) for t in order if np.isfinite(logp[t])]
         eos = set(self.eos if gen.eos_token_id is None else np.atleast_1d(gen.eos_token_id).tolist())
@@ -548,17 +548,18 @@ class Engine:
         nodes = tree.add_chain(chain)
         cache = TreeCache(self.target, tree, static)
         try:
-            out = cache.score(nodes).take([len(nodes) - 1])
+            # a top-k head returns the k it is asked for (its graph's TopK input): n and room for the bans below;
+            # any other head its logits
+            banned = (len(self.encoder.suppressed) if self.encoder is not None else 0) + len(self.eos) + \
+                len(np.atleast_1d(gen.eos_token_id if gen.eos_token_id is not None else []))
+            k = min(n + banned, self.target.cfg.vocab_size) if self.target.cfg.output == "topk" else None
+            out = cache.score(nodes, k).take([len(nodes) - 1])
         finally:
             cache.release()
         V = self.target.cfg.vocab_size
         if hasattr(out, "logits"):
             logp = out.log_probs()[0].astype(np.float32)
-        else:       # a top-k head: its k best log-probs are the true top k; beyond k nothing is known
-            k = out.ids.shape[1]
-            if n > k:
-                raise ValueError(f"{self.target.folder} has a top-k head of {k} tokens a position: ask for at most "
-                                 f"{k} alternatives (or export with --output_kind both or logits)")
+        else:       # a top-k head: its k best log-probs are the true top k (k = n; the vocabulary at most)
             logp = np.full(V, -np.inf, np.float32)
             logp[out.ids[0]] = out.logprobs[0]
         if self.encoder is not None and self.encoder.suppressed:

@@ -156,3 +156,17 @@ def test_cli_alternatives_refuses_text_output_flags(pair, tmp_path, capsys, flag
     with pytest.raises(SystemExit) as e:
         main(["-i", str(inp), "--model", pair[0], "--alternatives", "2", *flags])
     assert e.value.code == 2 and why in capsys.readouterr().err
+
+
+def test_topk_head_gives_the_same_top_n_up_to_its_k(peer, exported):
+    """A top-k head asked for n tokens returns the true top n: the same alternatives as the logits head's."""
+    _, dense, eos = peer
+    topk = Engine(exported("llama", output="topk", std=0.3, seed=3))
+    a = dense.alternatives(PROMPTS[0], [5], n=3, num_beams=2, max_new_tokens=6, eos_token_id=eos)
+    b = topk.alternatives(PROMPTS[0], [5], n=3, num_beams=2, max_new_tokens=6, eos_token_id=eos)
+    assert [x.token_id for x in a] == [x.token_id for x in b]
+    np.testing.assert_allclose([x.logprob for x in a], [x.logprob for x in b], atol=1e-4)
+    c = topk.alternatives(PROMPTS[0], [5], n=8, num_beams=2, max_new_tokens=6, eos_token_id=eos)
+    d = dense.alternatives(PROMPTS[0], [5], n=8, num_beams=2, max_new_tokens=6, eos_token_id=eos)
+    assert [x.token_id for x in c] == [x.token_id for x in d]
+    assert [x.hypothesis.tokens for x in c] == [x.hypothesis.tokens for x in d]
