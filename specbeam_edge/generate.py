@@ -502,6 +502,8 @@ class Engine:
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             raise ValueError(f"n must be a positive int, got {n!r}")
         gen = replace(self.generation_config(generation, **overrides), num_return_sequences=1)
+        if gen.do_sample:
+            raise ValueError("alternatives continue each token with (exact) beam search; do_sample is for generate")
         if gen.no_repeat_ngram_size or gen.repetition_penalty != 1.0:
             raise ValueError("alternatives rank the model's own log-probs; no_repeat_ngram_size / "
                              "repetition_penalty would change them (leave them unset)")

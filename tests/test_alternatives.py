@@ -116,6 +116,8 @@ def test_alternatives_validation(peer):
         engine.alternatives(PROMPTS[0], None, n=0)
     with pytest.raises(ValueError, match="repetition_penalty"):
         engine.alternatives(PROMPTS[0], None, n=2, repetition_penalty=1.3)
+    with pytest.raises(ValueError, match="do_sample is for generate"):
+        engine.alternatives(PROMPTS[0], None, n=2, do_sample=True)
     assert len(engine.alternatives(PROMPTS[0], None, n=2, max_new_tokens=2)) == 2
 
 
