@@ -81,11 +81,15 @@ class OnnxCausalLM:
         min_rows: the fewest rows a pass scores (batch.py adds padding rows). onnxruntime computes a one-row
         MatMul on another path (GEMV) whose fp32 sums round differently; int8/int4 activations can turn that last
         bit into a quantization step, so their passes score at least 2 rows and a node's logits are the same bits
-        whatever else its pass holds (DESIGN "Per-row int8"). Default: 2 for int8/int4 graphs, else 1; a draft
-        needs no invariance (Engine passes 1)."""
+        whatever else its pass holds (DESIGN "Per-row int8"). Default: 2 for int8/int4 graphs, else 1, and 1
+        for an int8 graph with attention in double (its attention sums no longer depend on the path, and its
+        MatMulIntegers are exact: one row measured bit-identical); a draft needs no invariance (Engine passes 1)."""
         self.cfg = cfg = ModelConfig.load(folder)
         self.folder = Path(folder)
-        self.min_rows = (2 if cfg.precision in QUANTIZED_ACTIVATIONS else 1) if min_rows is None else min_rows
+        floor = 2 if cfg.precision in QUANTIZED_ACTIVATIONS else 1
+        if cfg.precision == "int8" and cfg.raw.get("attention_dtype") == "float64":
+            floor = 1
+        self.min_rows = floor if min_rows is None else min_rows
         L = cfg.num_layers
         self.past_names = [past_names(i) for i in range(L)]
         self.present_names = [present_names(i) for i in range(L)]
