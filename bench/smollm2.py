@@ -3,7 +3,8 @@
 against llama.cpp on the same GGUF.
 
 Arms, alternated prompt by prompt (the order reversed every other prompt), 2 threads each:
-  greedy:        llama.cpp; specbeam plain; with the draft, adaptive (the default); with the draft, forced
+  greedy:        llama.cpp; specbeam plain; with the draft, adaptive (the default); with the draft, forced; forced
+                 with a 6-token chain (one child a level) instead of the default tree
   beam K=4:      plain; with the draft, adaptive; forced
   beam sampling: K=4, do_sample (seeded); with the draft (the draft-sampling tree, forced): speed only, its output
                  is a sample of the same distribution, not the same sample
@@ -35,6 +36,7 @@ def arms(target, draft, gguf, threads: int, max_new: int, ids_max: int, with_lla
     plain = Engine(target, threads=threads)
     spec = Engine(target, draft=draft, threads=threads)
     forced = SpeculativeConfig(adaptive=False)
+    chain = SpeculativeConfig(adaptive=False, budget=6, max_depth=6, max_branch_width=1, draft_width=1)
     sample_tree = SpeculativeConfig(adaptive=False, drafter="sample")
 
     def ours(engine, spec_cfg, **gen):
@@ -63,6 +65,7 @@ def arms(target, draft, gguf, threads: int, max_new: int, ids_max: int, with_lla
         "greedy plain": ours(plain, None, **greedy),
         "greedy draft adaptive": ours(spec, None, **greedy),
         "greedy draft forced": ours(spec, forced, **greedy),
+        "greedy draft chain6": ours(spec, chain, **greedy),
         "beam4 plain": ours(plain, None, **beam4),
         "beam4 draft adaptive": ours(spec, None, **beam4),
         "beam4 draft forced": ours(spec, forced, **beam4),
