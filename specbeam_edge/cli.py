@@ -75,7 +75,7 @@ def configs(args) -> tuple[dict, SpeculativeConfig | None]:
                      top_p=getattr(args, "top_p", None), seed=getattr(args, "seed", None),
                      **decoding_constraints(args))
     spec = None
-    if args.model and args.draft is None and not args.no_draft:
+    if getattr(args, "model", None) and args.draft is None and not args.no_draft:
         args.draft = default_draft(args.model)          # a fetched model's own draft (specbeam fetch builds it)
     if not args.no_draft and (args.draft or args.drafter == "lookup"):
         drafter = args.drafter or ("sample" if sample else "beam")
