@@ -80,22 +80,22 @@ def test_tree_mask_rows_are_ancestors():
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(prompts=st.integers(1, 9).flatmap(   # equal lengths: one sub-batch (cache._buckets splits on length)
+@given(prompts=st.integers(1, 9).flatmap(   # equal lengths: one sub-batch (batch._buckets splits on length)
     lambda n: st.lists(st.lists(st.integers(1, 300), min_size=n, max_size=n), min_size=2, max_size=3)),
        steps=st.lists(st.tuples(st.integers(0, 10 ** 6), st.integers(1, 3), st.booleans(), st.floats(0, 1)),
                       min_size=1, max_size=6))
 def test_batch_rows_match_recomputation(lm, prompts, steps, monkeypatch):
     """Caches scored together stay rows of their batch's arrays (padding slots dead, compaction inside the row,
     the next pass feeding the arrays without a copy); every node's logits still equal a from-scratch run."""
-    from specbeam_edge import batch as cache_mod
+    from specbeam_edge import batch
 
     shared = []
-    real = cache_mod._same_batch
-    monkeypatch.setattr(cache_mod, "_same_batch", lambda caches: shared.append(real(caches)) or shared[-1])
+    real = batch._same_batch
+    monkeypatch.setattr(batch, "_same_batch", lambda caches: shared.append(real(caches)) or shared[-1])
     tree = TokenTree()
     caches = [TreeCache(lm, tree) for _ in prompts]
     lives = [[tree.add_chain(p)[-1]] for p in prompts]
-    cache_mod.score_batch([ScoreCall(c, tree.add_chain(p)) for c, p in zip(caches, prompts)])
+    batch.score_batch([ScoreCall(c, tree.add_chain(p)) for c, p in zip(caches, prompts)])
     first_step = None
     for pick, width, compact, frac in steps:
         calls = []
@@ -104,7 +104,7 @@ def test_batch_rows_match_recomputation(lm, prompts, steps, monkeypatch):
             new = [n for n in dict.fromkeys(tree.add(parent, (pick + 11 * i + r) % 300 + 1) for i in range(width))
                    if n not in c]
             calls.append(ScoreCall(c, new))
-        outs = cache_mod.score_batch(calls)
+        outs = batch.score_batch(calls)
         for c, call, out, live in zip(caches, calls, outs, lives):
             for j, n in enumerate(call.nodes):
                 np.testing.assert_allclose(out.logits[j], from_scratch(lm, tree.path(n)), atol=2e-5)
@@ -124,16 +124,16 @@ def test_batched_static_inputs_are_reused_only_for_the_same_requests():
     same; a request that leaves or joins, or another order, stacks them anew (never another request's inputs)."""
     import numpy as np
 
-    from specbeam_edge import batch as cache
+    from specbeam_edge import batch
 
     def static(n, v):
         return {"x": (np.full((1, 2, n), v, np.float32), 2)}
     a, b, c = static(3, 1.0), static(5, 2.0), static(4, 3.0)
     model = object()
-    first = cache._batched_static(model, [a, b])
-    assert cache._batched_static(model, [a, b]) is first
+    first = batch._batched_static(model, [a, b])
+    assert batch._batched_static(model, [a, b]) is first
     for other in ([b, a], [a, c], [a, b, c], [a]):
-        out = cache._batched_static(model, other)
+        out = batch._batched_static(model, other)
         assert out is not first
-        np.testing.assert_array_equal(out["x"], cache._stack_static(other)["x"])
-    assert cache._batched_static(object(), [a, b]) is not first          # another model has its own entry
+        np.testing.assert_array_equal(out["x"], batch._stack_static(other)["x"])
+    assert batch._batched_static(object(), [a, b]) is not first          # another model has its own entry

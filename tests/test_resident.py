@@ -25,7 +25,7 @@ def models(exported):
 
 def same(a, b, batched=False):
     """Bit for bit: tokens and scores of every hypothesis, and the pass counts. Batched passes: host caches stay
-    rows of the batch arrays (cache.py, _adopt) while resident ones are packed afresh, so a batched pass attends
+    rows of the batch arrays (TreeCache.adopt_batch_row) while resident ones are packed afresh, so a batched pass attends
     over a different number of padding columns, and its sums may round differently in the last bit: scores to
     1e-5 there, as batched == alone (tests/test_batch.py)."""
     assert [h.tokens for h in a.hypotheses] == [h.tokens for h in b.hypotheses]
