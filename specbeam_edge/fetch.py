@@ -61,6 +61,7 @@ class Source:
     description: str
     draft: str | None = None  # the draft trained here: its folder under the shipped models/ (weights without
                               # the embedding, which is the target's); built beside the target by fetch
+    draft_pays: bool = False  # measured faster than plain search: `--model NAME` then uses the draft by default
 
 
 SOURCES = {

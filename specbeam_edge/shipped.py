@@ -51,10 +51,11 @@ def resolve_model(model: str) -> str:
 
 def default_draft(model: str) -> str | None:
     """The draft that goes with a `--model` value: a fetched model's name gives the draft `specbeam fetch` built
-    beside it (None when it has none); a folder gives None (its draft is named with --draft)."""
+    beside it when that draft was measured to pay (Source.draft_pays; else None: pass it with --draft to try it);
+    a folder gives None (its draft is named with --draft)."""
     from . import fetch
 
-    if Path(model).expanduser().is_dir() or not fetch.is_name(model):
+    if Path(model).expanduser().is_dir() or not fetch.is_name(model) or not fetch.source(model).draft_pays:
         return None
     path = fetch.draft_path(model)
     return str(path) if path else None

@@ -410,10 +410,12 @@ def test_a_fetched_target_without_its_draft_gets_only_the_draft(with_draft, data
     assert data["export"] == exports + 1                                        # both complete: nothing to do
 
 
-def test_the_fetched_name_brings_its_draft_to_generate(with_draft):
+def test_the_fetched_name_brings_its_draft_to_generate_once_it_pays(with_draft, monkeypatch):
     from specbeam_edge.shipped import default_draft
 
     assert default_draft("smollm2") is None                 # not fetched yet
     run()
+    assert default_draft("smollm2") is None                 # built, but not measured faster than plain
+    monkeypatch.setitem(fetch.SOURCES, "smollm2", replace(fetch.SOURCES["smollm2"], draft_pays=True))
     assert default_draft("smollm2") == str(fetch.draft_folder("smollm2"))
     assert default_draft(str(fetch.folder("smollm2"))) is None       # a folder names its draft with --draft

@@ -98,8 +98,13 @@ def known_models() -> list[tuple[str, str, str]]:
     for name, src in fetch.SOURCES.items():
         if name in have:
             draft = fetch.draft_path(name)
-            found.append((f"{src.folder} (fetched{', with its draft' if draft else ', no draft'})", str(have[name]),
-                          str(draft) if draft else ""))
+            if draft and src.draft_pays:
+                found.append((f"{src.folder} (fetched, with its draft)", str(have[name]), str(draft)))
+                continue
+            found.append((f"{src.folder} (fetched{'' if draft else ', no draft'})", str(have[name]), ""))
+            if draft:        # offered, not the default: measured slower than plain search (models/<name>/README)
+                found.append((f"{src.folder} with its draft (trained here; slower than plain so far)",
+                              str(have[name]), str(draft)))
         else:
             found.append((f"{name}: not fetched (run: specbeam fetch {name})", "", ""))
     return found
