@@ -234,18 +234,23 @@ def default_inputs(precisions=("int8", "fp32"), cache: Path | None = None) -> tu
     return gguf, folders
 
 
-def main(argv=None) -> int:
+def run_parser(prog: str, doc: str, prompts: int):
+    """The flags both real-model benchmarks take: how many prompts, new tokens, threads, where results go."""
     import argparse
 
-    from . import common
-
-    ap = argparse.ArgumentParser(prog="python -m bench.llamacpp", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts", type=int, default=12, help=f"how many of the {len(PROMPTS)} prompts")
+    ap = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=prompts, help=f"how many of the {len(PROMPTS)} prompts")
     ap.add_argument("--max_new", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--precisions", default="int8,fp32", help="our exports of the same GGUF (comma list)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "results"))
+    return ap
+
+
+def main(argv=None) -> int:
+    from . import common
+
+    ap = run_parser("python -m bench.llamacpp", __doc__, prompts=12)
+    ap.add_argument("--precisions", default="int8,fp32", help="our exports of the same GGUF (comma list)")
     a = ap.parse_args(argv)
     gguf, folders = default_inputs(tuple(a.precisions.split(",")))
     data = bench(gguf, folders, n_prompts=a.prompts, max_new=a.max_new, threads=a.threads)

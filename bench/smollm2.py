@@ -194,17 +194,11 @@ def default_inputs():
 
 
 def main(argv=None) -> int:
-    import argparse
-
     from . import common
+    from .llamacpp import run_parser
 
-    ap = argparse.ArgumentParser(prog="python -m bench.smollm2", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts", type=int, default=24, help=f"how many of the {len(PROMPTS)} prompts")
-    ap.add_argument("--max_new", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=2)
+    ap = run_parser("python -m bench.smollm2", __doc__, prompts=24)
     ap.add_argument("--no_llama", action="store_true", help="leave llama.cpp out (no llamacpp extra)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "results"))
     a = ap.parse_args(argv)
     target, draft, gguf = default_inputs()
     data = bench(target, draft, gguf, n_prompts=a.prompts, max_new=a.max_new, threads=a.threads,

@@ -28,6 +28,23 @@ Then put it inside a `<div>`: <div id="names"></div> stays visible as written, a
 - **HTML**: <b>not bold</b>, <!-- not a comment -->"""
 
 
+def _show(app, win) -> None:
+    """The window at the documentation's size, its three panes split as in the pictures."""
+    win.resize(1100, 720)
+    win.show()
+    app.processEvents()
+    win.split.setSizes([210, 600, 290])
+
+
+def _save(win, out: Path) -> str | None:
+    """Save the window's picture; the transcript's text, or None when the file was not written."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    ok = win.grab().save(str(out))
+    text = win.transcript.toPlainText()
+    win.close()
+    return text if ok else None
+
+
 def main(argv=None) -> int:
     args = list(argv if argv is not None else sys.argv[1:]) or ["docs/img/chat_code.png"]
     out = Path(args[0])
@@ -63,16 +80,9 @@ def render(out: Path) -> str | None:
         settings.setValue("model", model)
         settings.setValue("draft", draft)
         win = ChatWindow(store, settings=settings)
-        win.resize(1100, 720)
-        win.show()
+        _show(app, win)
         app.processEvents()
-        win.split.setSizes([210, 600, 290])
-        app.processEvents()
-        out.parent.mkdir(parents=True, exist_ok=True)
-        ok = win.grab().save(str(out))
-        text = win.transcript.toPlainText()
-        win.close()
-    return text if ok else None
+        return _save(win, out)
 
 
 def live(out: Path, model: str, question: str, beams: int = 1, timeout_s: float = 300) -> str | None:
@@ -96,10 +106,7 @@ def live(out: Path, model: str, question: str, beams: int = 1, timeout_s: float 
         settings.setValue("draft", default_draft(model) or "")
         settings.setValue("beams", beams)
         win = ChatWindow(ChatStore(Path(tmp) / "chat.sqlite"), settings=settings)
-        win.resize(1100, 720)
-        win.show()
-        app.processEvents()
-        win.split.setSizes([210, 600, 290])
+        _show(app, win)
         win.input.setPlainText(question)
         win.send_btn.click()
         deadline = time.monotonic() + timeout_s
@@ -110,11 +117,7 @@ def live(out: Path, model: str, question: str, beams: int = 1, timeout_s: float 
                 break
             time.sleep(0.05)
         app.processEvents()
-        out.parent.mkdir(parents=True, exist_ok=True)
-        ok = win.grab().save(str(out))
-        text = win.transcript.toPlainText()
-        win.close()
-    return text if ok else None
+        return _save(win, out)
 
 
 if __name__ == "__main__":
