@@ -321,8 +321,6 @@ def load_pretrained(folder, arch: str):
 def load_init(args):
     """The --init model; with --init_layers, a draft cut from it: its embedding, these (decoder) layers, final
     norm and head (an encoder-decoder keeps its whole encoder: it runs once per request)."""
-    import torch
-
     arch = getattr(args, "arch", "llama")
     model = load_pretrained(args.init, arch)
     if not args.init_layers:
@@ -333,6 +331,15 @@ def load_init(args):
     if not keep or any(not 0 <= i < n for i in keep) or len(set(keep)) != len(keep):
         raise SystemExit(f"--init_layers {args.init_layers}: distinct layer numbers separated by commas; "
                          f"{args.init} has {'decoder ' if arch == 'm2m100' else ''}layers 0..{n - 1}")
+    return cut_layers(model, keep, arch)
+
+
+def cut_layers(model, keep: list[int], arch: str = "llama"):
+    """The model with only the (decoder) layers `keep`, renumbered, its config saying so (a draft cut from a
+    target)."""
+    import torch
+
+    stack = model.model.decoder if arch == "m2m100" else model.model
     stack.layers = torch.nn.ModuleList(stack.layers[i] for i in keep)
     for j, layer in enumerate(stack.layers):
         layer.self_attn.layer_idx = j

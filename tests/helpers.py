@@ -1,6 +1,7 @@
 """Tiny random Hugging Face models built locally (no downloads) and a byte-level tokenizer for them."""
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -100,3 +101,39 @@ def run_drafter(gen):
             raise AssertionError(f"the drafter asked for a pass: {call}")
     except StopIteration as e:
         return e.value
+
+
+def chat_session_script(ready: str, platform: str | None = None) -> str:
+    """A script that runs `specbeam-chat`'s main() as a user does (app.exec()), types a message with QTest, and
+    slows the search down so a signal can land mid-answer; it prints `ready` (a Python expression) once the
+    answer is under way. platform: the Qt platform it must run on (asserted), e.g. "xcb"."""
+    check = f"assert app.platformName() == {platform!r}, app.platformName()\n" if platform else ""
+    return textwrap.dedent("""
+        import os, sys, time
+        from PySide6.QtCore import QTimer, Qt
+        from PySide6.QtTest import QTest
+        from PySide6.QtWidgets import QApplication
+        from specbeam_edge.generate import Engine
+        from apps.chat import __main__ as chat_main
+        from apps.chat.window import ChatWindow
+
+        real = Engine.generate_step
+        def slow(self, *a, **kw):
+            for item in real(self, *a, **kw):
+                time.sleep(0.03)
+                yield item
+        Engine.generate_step = slow
+        app = QApplication(sys.argv[:1])
+    """) + check + textwrap.dedent(f"""
+        def drive():
+            win = next((w for w in app.topLevelWidgets() if isinstance(w, ChatWindow)), None)
+            if win is not None and win.gen is None and not win.store.messages(win.current()):
+                QTest.keyClicks(win.input, "the quick brown fox")
+                QTest.keyClick(win.input, Qt.Key.Key_Return)
+            elif win is not None and win.gen is not None and win.partial_steps >= 3:
+                print({ready}, flush=True)
+                return
+            QTimer.singleShot(10, drive)
+        QTimer.singleShot(10, drive)
+        sys.exit(chat_main.main(sys.argv[1:]))
+    """)

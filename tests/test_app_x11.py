@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import chat_session_script
+
 pytest.importorskip("PySide6")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,36 +91,7 @@ def test_close_idle_under_x_three_times(tmp_path, pair):
 
 # specbeam-chat's main() under X; QTest types the message; the search is slowed down so the signal lands
 # mid-answer. Prints its pid once the answer is under way (xvfb-run is the parent and would take the signal).
-SIGNAL_SESSION = textwrap.dedent("""
-    import os, sys, time
-    from PySide6.QtCore import QTimer, Qt
-    from PySide6.QtTest import QTest
-    from PySide6.QtWidgets import QApplication
-    from specbeam_edge.generate import Engine
-    from apps.chat import __main__ as chat_main
-    from apps.chat.window import ChatWindow
-
-    real = Engine.generate_step
-    def slow(self, *a, **kw):
-        for item in real(self, *a, **kw):
-            time.sleep(0.03)
-            yield item
-    Engine.generate_step = slow
-    app = QApplication(sys.argv[:1])
-    assert app.platformName() == "xcb", app.platformName()
-
-    def drive():
-        win = next((w for w in app.topLevelWidgets() if isinstance(w, ChatWindow)), None)
-        if win is not None and win.gen is None and not win.store.messages(win.current()):
-            QTest.keyClicks(win.input, "the quick brown fox")
-            QTest.keyClick(win.input, Qt.Key.Key_Return)
-        elif win is not None and win.gen is not None and win.partial_steps >= 3:
-            print(os.getpid(), flush=True)
-            return
-        QTimer.singleShot(10, drive)
-    QTimer.singleShot(10, drive)
-    sys.exit(chat_main.main(sys.argv[1:]))
-""")
+SIGNAL_SESSION = chat_session_script('os.getpid()', 'xcb')
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

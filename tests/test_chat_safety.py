@@ -5,7 +5,6 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from apps.chat.render import insert_answer  # noqa: E402
 from apps.chat.store import ChatStore  # noqa: E402
 from apps.chat.window import ChatWindow, searching_text  # noqa: E402
 from specbeam_edge import Engine  # noqa: E402
+from helpers import chat_session_script  # noqa: E402
 
 
 class _NoAgreement:
@@ -224,35 +224,7 @@ def test_a_conversation_longer_than_the_context_still_gets_answers(qtbot, tmp_pa
 
 # `specbeam-chat` as a user runs it (main(), app.exec()), offscreen; QTest types the message; the search is
 # slowed down so the signal lands mid-answer. Prints "streaming" once the answer is under way.
-SESSION = textwrap.dedent("""
-    import sys, time
-    from PySide6.QtCore import QTimer, Qt
-    from PySide6.QtTest import QTest
-    from PySide6.QtWidgets import QApplication
-    from specbeam_edge.generate import Engine
-    from apps.chat import __main__ as chat_main
-    from apps.chat.window import ChatWindow
-
-    real = Engine.generate_step
-    def slow(self, *a, **kw):
-        for item in real(self, *a, **kw):
-            time.sleep(0.03)
-            yield item
-    Engine.generate_step = slow
-    app = QApplication(sys.argv[:1])
-
-    def drive():
-        win = next((w for w in app.topLevelWidgets() if isinstance(w, ChatWindow)), None)
-        if win is not None and win.gen is None and not win.store.messages(win.current()):
-            QTest.keyClicks(win.input, "the quick brown fox")
-            QTest.keyClick(win.input, Qt.Key.Key_Return)
-        elif win is not None and win.gen is not None and win.partial_steps >= 3:
-            print("streaming", flush=True)
-            return
-        QTimer.singleShot(10, drive)
-    QTimer.singleShot(10, drive)
-    sys.exit(chat_main.main(sys.argv[1:]))
-""")
+SESSION = chat_session_script('"streaming"')
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

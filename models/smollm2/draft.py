@@ -253,13 +253,9 @@ class Draft:
     def __init__(self, target, layers: list[int], token_ids: list[int]):
         import torch
 
-        model = target
-        model.model.layers = torch.nn.ModuleList(model.model.layers[i] for i in layers)
-        for j, layer in enumerate(model.model.layers):
-            layer.self_attn.layer_idx = j
-        model.config.num_hidden_layers = len(layers)
-        if getattr(model.config, "layer_types", None):
-            model.config.layer_types = [model.config.layer_types[i] for i in layers]
+        from models.train import cut_layers
+
+        model = cut_layers(target, layers)
         model.model.embed_tokens.weight.requires_grad_(False)
         self.model = model
         self.token_ids = torch.tensor(token_ids, dtype=torch.long)
@@ -460,7 +456,8 @@ def save(args) -> None:
 
     target, _ = _load(fetch.gguf_path("smollm2"), quiet=True)
     cfg = target.config.to_dict()
-    cfg.pop("quantization_config", None)
+    for key in ("quantization_config", "_name_or_path"):     # the latter: where the GGUF was, on this machine
+        cfg.pop(key, None)
     layers = [int(i) for i in state["layers"].split(",")]
     cfg.update(num_hidden_layers=len(layers), tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
     if cfg.get("layer_types"):
