@@ -70,8 +70,7 @@ class Scheduler:
             outs = score_batch([r.call for r in group])
             if model is self.target:
                 self.target_passes += 1
-                n = len(running)
-                upcoming = PassContext((id(self), self.target_passes), n, last_batch=n)
+                upcoming = PassContext((id(self), self.target_passes), len(running))
             for r, out in zip(group, outs):
                 yield from self._advance(r, out, running, upcoming)
 

@@ -31,12 +31,11 @@ class Progress:
 @dataclass(frozen=True)
 class PassContext:
     """What the scheduler tells a search about the shared target pass it takes part in next: `pass_id` (requests
-    of one pass get one adaptive choice), `load` (the requests sharing it, as far as known: the size of the pass
-    just run) and `last_batch` (that size; None before the first pass). A search gets one when it starts
-    (`run(ctx)`) and one in reply to every Progress it yields."""
+    of one pass get one adaptive choice) and `load` (the requests sharing it, as far as known: the size of the
+    pass just run, which a search records as its batch size). A search gets one when it starts (`run(ctx)`) and
+    one in reply to every Progress it yields."""
     pass_id: object = None
     load: int = 1
-    last_batch: int | None = None
 
 
 def _finish(*caches) -> float:
@@ -114,8 +113,7 @@ class ExactSearch:
                 stats.time_to_first_token = time.perf_counter() - t0
             stats.seconds = time.perf_counter() - t0
             ctx = yield Progress(bs, stats)
-            if ctx.last_batch:
-                stats.batch_sizes.append(ctx.last_batch)
+            stats.batch_sizes.append(ctx.load)          # the size of the pass just run
         stats.generated_tokens = bs.cur_len - self.P
         stats.peak_memory_mb = peak_rss_mb()
         stats.kv_cache_peak_mb = _finish(self.target, self.draft)
@@ -232,8 +230,7 @@ class SamplingSearch:
                 stats.time_to_first_token = time.perf_counter() - t0
             stats.seconds = time.perf_counter() - t0
             ctx = yield Progress(st, stats)
-            if ctx.last_batch:
-                stats.batch_sizes.append(ctx.last_batch)
+            stats.batch_sizes.append(ctx.load)
         stats.widths = st.widths
         stats.generated_tokens = st.cur_len - self.P
         stats.peak_memory_mb = peak_rss_mb()
