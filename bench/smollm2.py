@@ -77,9 +77,9 @@ def arms(target, draft, gguf, threads: int, max_new: int, ids_max: int, with_lla
 
 def bench(target, draft, gguf, *, n_prompts: int = 24, max_new: int = 128, threads: int = 2, with_llama=True,
           out=sys.stderr) -> dict:
-    from specbeam_edge import Engine
+    from specbeam_edge.tokenizer import Tokenizer
 
-    tok = Engine(target, threads=1).tokenizer
+    tok = Tokenizer(target)                        # the prompts' ids, without loading the model a second time
     prompts = PROMPTS[:n_prompts]
     ids = [prompt_ids(tok, p) for p in prompts]
     runs, plain = arms(target, draft, gguf, threads, max_new, max(len(i) for i in ids), with_llama)
