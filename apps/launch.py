@@ -17,6 +17,11 @@ def _run(module: str, prog: str, argv) -> int:
 
 
 def specbeam(argv=None) -> int:
+    """`specbeam generate|chat|fetch` run the runtime's CLI; `specbeam translate` is the translate tool (an app:
+    the runtime imports no app, so the dispatch lives here)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["translate"]:     # every later flag, --help included, belongs to the translate tool
+        return translate(argv[1:])
     return _run("specbeam_edge.cli", "specbeam", argv)
 
 

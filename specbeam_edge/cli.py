@@ -9,63 +9,41 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 
-from .config import DEFAULT_BUDGET, ModelFolderError, SpeculativeConfig
+from .config import ModelFolderError, SpeculativeConfig
 # shared with the apps (they import the runtime, never the reverse); re-exported for existing callers
-from .flags import (DEFAULT_MODELS, DRAFT_WIDTH_HELP, PROVIDERS, DefaultsHelp,  # noqa: F401
-                    add_decoding_constraint_args, add_memory_args, budget_arg, check_prompt_format, check_widths,
-                    decoding_constraints, engine_from_args, guard_std_streams, parse_size)
+from .flags import (DEFAULT_MODELS, PROVIDERS, DefaultsHelp, add_beam_arg,  # noqa: F401
+                    add_decoding_constraint_args, add_length_penalty_arg, add_memory_args, add_speculation_args,
+                    check_prompt_format, check_widths, decoding_constraints, engine_from_args, finite_float,
+                    guard_std_streams, parse_size, positive_int, speculative_from_args)
 from .shipped import default_draft, resolve_model, shipped
 
 
-def add_search_args(ap: argparse.ArgumentParser, *, beams_flag: str = "--num_beams") -> None:
+def add_search_args(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("search")
-    aliases = [beams_flag] + [f for f in ("--num_beams", "--beam_size") if f != beams_flag]
-    g.add_argument(*aliases, dest="num_beams", type=int, default=None,
-                   help="beam width K (1 = greedy; --num_beams and --beam_size are one flag)")
-    g.add_argument("--max_new_tokens", type=int, default=None, help="maximum generated tokens")
+    add_beam_arg(g, None)
+    g.add_argument("--max_new_tokens", type=positive_int, default=None, help="maximum generated tokens")
     add_decoding_constraint_args(g)
-    g.add_argument("--length_penalty", type=float, default=None, help="score = sum logp / length ** this")
+    add_length_penalty_arg(g)
     g.add_argument("--early_stopping", default=None, choices=("true", "false", "never"),
                    help="transformers' early_stopping")
-    g.add_argument("--num_return_sequences", type=int, default=None, help="hypotheses to return (<= beams)")
+    g.add_argument("--num_return_sequences", type=positive_int, default=None, help="hypotheses to return (<= beams)")
     g.add_argument("--do_sample", action="store_true", help="beam sampling (speculative: DSBD) instead of search")
-    g.add_argument("--temperature", type=float, default=None, help="sampling temperature")
+    g.add_argument("--temperature", type=finite_float, default=None, help="sampling temperature")
     g.add_argument("--top_k", type=int, default=None, help="top-k on the joint (beam, token) scores")
-    g.add_argument("--top_p", type=float, default=None, help="top-p on the joint (beam, token) scores")
+    g.add_argument("--top_p", type=finite_float, default=None, help="top-p on the joint (beam, token) scores")
     g.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    s = ap.add_argument_group("speculation")
-    s.add_argument("--draft", default=None, help="draft model folder (enables speculative beam search)")
-    s.add_argument("--no_draft", action="store_true", help="plain beam search even if a default draft exists")
-    s.add_argument("--drafter", choices=("beam", "best_first", "sample", "lookup"), default=None,
-                   help="tree growth: draft beam search (AtSpeed), best-first by draft log-prob (SpecExec), "
-                        "draft beam sampling (the only one for --do_sample; the default then), or prompt lookup "
-                        "(n-gram continuations; needs no draft model)")
-    s.add_argument("--budget", type=budget_arg, default=DEFAULT_BUDGET,
-                   help="draft tree nodes per target pass, or 'auto' (chosen from the measured pass-cost curve)")
-    s.add_argument("--max_depth", type=int, default=6, help="tree levels below each beam")
-    s.add_argument("--always_speculate", action="store_true",
-                   help="draft on every pass; by default beam search measures both ways and drafts only while it "
-                        "pays (the output is the same)")
-    s.add_argument("--max_branch_width", type=int, default=4, help="children per expanded draft node")
-    s.add_argument("--draft_width", type=int, default=None, help=DRAFT_WIDTH_HELP)
-    s.add_argument("--with_lookup", action="store_true",
-                   help="also put prompt-lookup spans (copied names, numbers, markup) into the draft model's tree, "
-                        "the budget split by measured acceptance")
-    s.add_argument("--min_path_prob", type=float, default=0.0,
-                   help="stop a draft branch once the draft's probability of its path from the beam falls below this "
-                        "(0: grow every level up to --max_depth)")
-    s.add_argument("--width_threshold", type=float, default=0.0,
-                   help="DSBD dynamic width: largest k with P(#accepted >= k) >= this (0: fixed width)")
-    s.add_argument("--min_num_beams", type=int, default=1, help="DSBD width floor")
-    s.add_argument("--single_sequence", action="store_true", help="DSBD memory-saving mode")
-    ap.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")
+    add_speculation_args(ap, sampling=True,
+                         draft_help="draft model folder (enables speculative search; default: a fetched model's own "
+                                    "draft, or the shipped pair's draft with the default model)")
+    ap.add_argument("--threads", type=positive_int, default=None, help="onnxruntime intra-op threads")
     ap.add_argument("--stats", action="store_true", help="print statistics (JSON) to stderr")
     add_memory_args(ap)
 
 
 def configs(args) -> tuple[dict, SpeculativeConfig | None]:
+    """The search flags as GenerationConfig overrides (those given) and the speculative settings; a fetched
+    model's own draft applies to it when no --draft is given."""
     early = {"true": True, "false": False, "never": "never", None: None}[args.early_stopping]
     sample = getattr(args, "do_sample", False)
     overrides = dict(num_beams=args.num_beams, max_new_tokens=getattr(args, "max_new_tokens", None),
@@ -74,18 +52,9 @@ def configs(args) -> tuple[dict, SpeculativeConfig | None]:
                      temperature=getattr(args, "temperature", None), top_k=getattr(args, "top_k", None),
                      top_p=getattr(args, "top_p", None), seed=getattr(args, "seed", None),
                      **decoding_constraints(args))
-    spec = None
     if getattr(args, "model", None) and args.draft is None and not args.no_draft:
         args.draft = default_draft(args.model)          # a fetched model's own draft (specbeam fetch builds it)
-    if not args.no_draft and (args.draft or args.drafter == "lookup"):
-        drafter = args.drafter or ("sample" if sample else "beam")
-        spec = SpeculativeConfig(drafter=drafter, budget=args.budget, max_depth=args.max_depth,
-                                 max_branch_width=args.max_branch_width, draft_width=args.draft_width,
-                                 min_path_prob=args.min_path_prob, with_lookup=args.with_lookup,
-                                 width_threshold=getattr(args, "width_threshold", 0.0),
-                                 min_num_beams=getattr(args, "min_num_beams", 1),
-                                 single_sequence=getattr(args, "single_sequence", False),
-                                 adaptive=not getattr(args, "always_speculate", False))
+    spec = speculative_from_args(args, draft=args.draft, sample=sample)
     return {k: v for k, v in overrides.items() if v is not None}, spec
 
 
@@ -196,19 +165,6 @@ def cmd_chat(args) -> int:
     return 0
 
 
-def run_translate(argv: list[str]) -> int:
-    """`specbeam translate ...` runs the installed specbeam-translate tool: the apps import the runtime, never
-    the reverse, so the tool is found through its console-script entry point instead of an import."""
-    from importlib.metadata import entry_points
-
-    found = entry_points(group="console_scripts", name="specbeam-translate")
-    if not found:
-        print("specbeam: error: the translate tool is not installed; install the project (pip install -e '.[cpu]') "
-              "or run python -m apps.translate", file=sys.stderr)
-        return 2
-    return next(iter(found)).load()(argv)
-
-
 MODEL_HELP = ("target model folder, or the name of a fetched model (specbeam fetch smollm2; then --model "
               "smollm2) (default: the shipped en->de pair's target, models/ende/target; SPECBEAM_MODELS names "
               "another models/ folder)")
@@ -258,11 +214,15 @@ def main(argv=None) -> int:
     f.add_argument("--force", action="store_true", help="export again even if the model folder is complete")
     f.add_argument("--list", action="store_true", help="list the fetchable models and where each one is")
     f.add_argument("-q", "--quiet", action="store_true", help="no progress messages")
+    # listed for --help; the `specbeam` command (specbeam_apps.launch) hands `translate` to the translate tool
+    # before this parser runs: the runtime imports no app
     t = sub.add_parser("translate", help="batch translation (same as specbeam-translate)", add_help=False)
     t.add_argument("rest", nargs=argparse.REMAINDER)
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["translate"]:     # every later flag, --help included, belongs to the translate tool
-        return run_translate(argv[1:])
+    if argv[:1] == ["translate"]:
+        print("specbeam: error: translate is the translate tool's command: run specbeam translate (the installed "
+              "command) or specbeam-translate", file=sys.stderr)
+        return 2
     guard_std_streams()
     args = ap.parse_args(argv)
     from .fetch import FetchError

@@ -7,7 +7,7 @@ import math
 import os
 import sys
 
-from .config import SpeculativeConfig
+from .config import DEFAULT_BUDGET, SpeculativeConfig
 from .shipped import models_root
 
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
@@ -138,12 +138,76 @@ def speculative_config(*, drafter: str, budget, max_depth: int, max_branch_width
                        always_speculate: bool, width_threshold: float = 0.0, min_num_beams: int = 1,
                        single_sequence: bool = False, min_path_prob: float = 0.0,
                        with_lookup: bool = False) -> SpeculativeConfig:
-    """The speculation flags every tool shares -> SpeculativeConfig (adaptive unless --always_speculate)."""
+    """The one place a tool's speculation settings become a SpeculativeConfig (adaptive unless always_speculate):
+    the flags of add_speculation_args (speculative_from_args) and the chat app's settings panel."""
     return SpeculativeConfig(drafter=drafter, budget=budget, max_depth=max_depth,
                              max_branch_width=max_branch_width, draft_width=draft_width,
                              width_threshold=width_threshold, min_num_beams=min_num_beams,
                              single_sequence=single_sequence, min_path_prob=min_path_prob,
                              with_lookup=with_lookup, adaptive=not always_speculate)
+
+
+def add_beam_arg(ap, default: int | None, first: str = "--num_beams") -> None:
+    """The beam width, under both tools' names (--num_beams is transformers', --beam_size CTranslate2's; `first`
+    is the one a tool's help and errors name)."""
+    names = [first] + [f for f in ("--num_beams", "--beam_size") if f != first]
+    ap.add_argument(*names, dest="num_beams", type=positive_int, default=default,
+                    help="beam width K (1 = greedy; --num_beams and --beam_size are one flag)"
+                         + ("" if default is not None else " (default: the model's)"))
+
+
+def add_length_penalty_arg(ap) -> None:
+    ap.add_argument("--length_penalty", type=finite_float, default=None,
+                    help="score = sum logp / length ** this (default: the model's)")
+
+
+def add_speculation_args(ap: argparse.ArgumentParser, *, draft_help: str, sampling: bool) -> None:
+    """The speculation flags of every tool (`specbeam generate/chat`, `specbeam-translate`); sampling=True adds the
+    draft beam-sampling drafter and DSBD's width flags (the translate tool decodes by beam search only)."""
+    s = ap.add_argument_group("speculation")
+    s.add_argument("--draft", default=None, help=draft_help)
+    s.add_argument("--no_draft", action="store_true",
+                   help="no draft model: plain search even where a default draft exists (with --drafter lookup: "
+                        "prompt lookup alone)")
+    drafters = ("beam", "best_first", "sample", "lookup") if sampling else ("beam", "best_first", "lookup")
+    s.add_argument("--drafter", choices=drafters, default=None,
+                   help="tree growth: draft beam search (AtSpeed; the default), best-first by draft log-prob "
+                        "(SpecExec), " + ("draft beam sampling (the only one for --do_sample; the default then), "
+                                          if sampling else "") +
+                        "or prompt lookup (n-gram continuations; needs no draft model)")
+    s.add_argument("--budget", type=budget_arg, default=DEFAULT_BUDGET,
+                   help="draft tree nodes per target pass, or 'auto' (chosen from the measured pass-cost curve)")
+    s.add_argument("--max_depth", type=positive_int, default=6, help="tree levels below each beam")
+    s.add_argument("--always_speculate", action="store_true",
+                   help="draft on every pass; by default the engine measures both ways and drafts only while it "
+                        "pays (the output is the same)")
+    s.add_argument("--max_branch_width", type=positive_int, default=4, help="children per expanded draft node")
+    s.add_argument("--draft_width", type=positive_int, default=None, help=DRAFT_WIDTH_HELP)
+    s.add_argument("--with_lookup", action="store_true",
+                   help="also put prompt-lookup spans (copied names, numbers, markup) into the draft model's tree, "
+                        "the budget split by measured acceptance")
+    s.add_argument("--min_path_prob", type=finite_float, default=0.0,
+                   help="stop a draft branch once the draft's probability of its path from the beam falls below this "
+                        "(0: grow every level up to --max_depth)")
+    if sampling:
+        s.add_argument("--width_threshold", type=finite_float, default=0.0,
+                       help="DSBD dynamic width: largest k with P(#accepted >= k) >= this (0: fixed width)")
+        s.add_argument("--min_num_beams", type=positive_int, default=1, help="DSBD width floor")
+        s.add_argument("--single_sequence", action="store_true", help="DSBD memory-saving mode")
+
+
+def speculative_from_args(args, *, draft: str | None, sample: bool = False) -> SpeculativeConfig | None:
+    """The flags of add_speculation_args -> SpeculativeConfig, or None (plain search) without a draft model
+    (`draft`, as the tool resolved it) unless --drafter lookup, or with --no_draft and another drafter."""
+    if args.drafter != "lookup" and (args.no_draft or draft is None):
+        return None
+    return speculative_config(drafter=args.drafter or ("sample" if sample else "beam"), budget=args.budget,
+                              max_depth=args.max_depth, max_branch_width=args.max_branch_width,
+                              draft_width=args.draft_width, always_speculate=args.always_speculate,
+                              width_threshold=getattr(args, "width_threshold", 0.0),
+                              min_num_beams=getattr(args, "min_num_beams", 1),
+                              single_sequence=getattr(args, "single_sequence", False),
+                              min_path_prob=args.min_path_prob, with_lookup=args.with_lookup)
 
 
 # GenerationConfig fields both tools take under the same flags (transformers' names; CTranslate2's alias)

@@ -127,7 +127,8 @@ def test_cli_alternatives_json_lines(pair, tmp_path):
     position after the line's target prefix."""
     import json
 
-    from apps.translate.__main__ import main, one_line
+    from apps.translate.__main__ import main
+    from apps.translate.job import one_line
     from helpers import corpus, translate_args
 
     lines = corpus(3, seed=21) + [""]

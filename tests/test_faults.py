@@ -298,12 +298,12 @@ def test_out_of_order_completion_is_written_in_input_order(pair, text_in, refere
 
 
 def test_sigint_during_load(pair, text_in, tmp_path, monkeypatch, capsys):
-    import apps.translate.__main__ as tool
+    import apps.translate.job as job
 
     def interrupted(*a, **kw):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(tool, "engine_from_args", interrupted)
+    monkeypatch.setattr(job, "engine_from_args", interrupted)
     assert run(pair, text_in, tmp_path / "o.txt") == 130
     assert err_of(capsys) == ("\nspecbeam-translate: interrupted; finished lines are kept: rerun with --resume to "
                               "continue\n")
@@ -418,13 +418,13 @@ def test_bad_flags_are_usage_errors(flags, message, capsys):
 
 
 def test_help_shows_defaults_and_specbeam_translate_takes_every_flag(pair, text_in, reference, tmp_path, capsys):
-    from specbeam_edge.cli import main as cli_main
+    from apps.launch import specbeam as cli_main
 
     with pytest.raises(SystemExit) as e:
         cli_main(["translate", "--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    assert out.startswith("usage: specbeam-translate") and "beam width (default: 4)" in out
+    assert out.startswith("usage: specbeam-translate") and "are one flag) (default: 4)" in out
     assert cli_main(["translate", *args_for(pair, text_in, tmp_path / "o.txt")]) == 0
     assert (tmp_path / "o.txt").read_bytes() == reference
 

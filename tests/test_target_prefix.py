@@ -218,7 +218,8 @@ def _cli_lines():
 def test_cli_target_prefix_file(pair, tmp_path, capsys):
     """One prefix a line (an empty line for none): each output line is the API's translation from that prefix
     (it includes the prefix); lines without one are the plain translation."""
-    from apps.translate.__main__ import main, one_line
+    from apps.translate.__main__ import main
+    from apps.translate.job import one_line
     from helpers import translate_args
 
     lines = _cli_lines()

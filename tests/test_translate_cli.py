@@ -84,10 +84,10 @@ def test_interrupt_to_stdout_writes_the_contiguous_lines_and_counts_the_rest(pai
 # -- resume, counting, progress -----------------------------------------------------------------------------
 def test_resume_on_a_finished_output_does_nothing(pair, text_in, reference, tmp_path, monkeypatch, capsys):
     """Before: --resume on a finished output silently translated everything again."""
-    import apps.translate.__main__ as tool
+    import apps.translate.job as job
 
     out = tmp_path / "ref.txt"
-    monkeypatch.setattr(tool, "engine_from_args", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(job, "engine_from_args", lambda *a, **k: pytest.fail("the model was loaded"))
     assert run(pair, text_in, out, "--resume") == 0
     assert capsys.readouterr().err == f"specbeam-translate: {out} is complete (its run finished); nothing to do\n"
     assert out.read_bytes() == reference
@@ -220,7 +220,8 @@ def test_decoding_constraints_reach_the_search():
     GenerationConfig the run decodes with; specbeam generate takes the same two flags."""
     import argparse
 
-    from apps.translate.__main__ import generation_overrides, parse_args
+    from apps.translate.__main__ import parse_args
+    from apps.translate.job import generation_overrides
     from specbeam_edge.cli import add_search_args, configs
 
     args = parse_args(["--min_decoding_length", "3", "--no_repeat_ngram_size", "2", "--repetition_penalty", "1.2"])

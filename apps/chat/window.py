@@ -16,14 +16,16 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog
                                QMessageBox, QPlainTextEdit, QPushButton, QSizePolicy, QSpinBox, QSplitter,
                                QTextBrowser, QVBoxLayout, QWidget)
 
-from specbeam_edge import Engine, SpeculativeConfig
-from specbeam_edge import fetch
-from specbeam_edge.config import DEFAULT_BUDGET
+from specbeam_edge import Engine, fetch
+from specbeam_edge.config import DEFAULT_BUDGET, SpeculativeConfig
+from specbeam_edge.flags import speculative_config
 from specbeam_edge.shipped import missing_message, models_root
 
 from .render import CURSOR, insert_answer
 from .store import ChatStore
 from .worker import Answer, Generation
+
+SPECULATION_DEFAULTS = SpeculativeConfig()     # the panel sets the budget; the rest are the engine's defaults
 
 MODES = ("beam search (exact)", "beam sampling (DSBD)")
 NO_TEMPLATE = ("This model has no chat template: each message is sent alone in the model's prompt format, "
@@ -631,8 +633,10 @@ class ChatWindow(QMainWindow):
             kwargs.update(temperature=self.temperature.value(), seed=int(time.time()))
         spec = None
         if self.engine.draft is not None and self.speculate.isChecked():
-            spec = SpeculativeConfig(drafter="sample" if sample else "beam",
-                                     budget=max(self.budget.value(), self.beams.value()), adaptive=True)
+            d = SPECULATION_DEFAULTS
+            spec = speculative_config(drafter="sample" if sample else "beam",
+                                      budget=max(self.budget.value(), self.beams.value()), max_depth=d.max_depth,
+                                      max_branch_width=d.max_branch_width, draft_width=None, always_speculate=False)
         self.save_settings()
         self.gen_conv, self.partial, self.partial_steps = cid, Answer(), 0
         self.gen = Generation(self.engine, self._prompt(cid), kwargs, spec, self.engine_name)

@@ -32,9 +32,12 @@ class JournalError(Exception):
 
 
 class Terminated(BaseException):
-    """SIGTERM, raised like KeyboardInterrupt so finished lines are kept the same way. Defined here, not in
-    __main__: `python -m apps.translate` runs that file as __main__ and ray_engine imports it a second time by
-    name, and one class must reach the handler in main()."""
+    """SIGTERM, raised like KeyboardInterrupt so finished lines are kept the same way."""
+
+
+def raise_terminated(signum, frame):
+    """The tool's SIGTERM handler (the local run and the Ray driver install it)."""
+    raise Terminated()
 
 
 def _line(obj) -> bytes:

@@ -30,23 +30,34 @@ and pandas to the extra.
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
+import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+from tqdm import tqdm
+
+from specbeam_edge.config import GenerationConfig, ModelConfig
+from specbeam_edge.flags import positive_int
+from specbeam_edge.results import Stats
+
+from .job import (LABELS, PROG, Settings, UsageError, check_output, journal_settings, open_engine, prepare,
+                  split_lines, summary, translate)
+from .journal import Journal, OutputLock, atomic_write, atomic_write_chunks, output_lines, raise_terminated
+
 PART_DIGITS = 6
 
 
 def add_ray_args(ap: argparse.ArgumentParser) -> None:
     """The flags of the Ray engine (cheap: nothing of Ray is imported to build the parser)."""
-    from specbeam_edge.flags import positive_int
-
     ap.add_argument("--engine", choices=("local", "ray"), default="local",
                     help="translate in this process, or on a Ray cluster (pip install 'specbeam-edge[ray]')")
     r = ap.add_argument_group("ray (--engine ray)")
@@ -112,8 +123,6 @@ def input_files(spec: str, output: Path | None = None) -> tuple[list[tuple[Path,
     glob input) rather than a file (a file input). Each real file is listed once (a symlink loop or a second
     link to a file is not translated twice; `**` does not descend into symlinked folders), and the run's own
     files on `output` are never inputs."""
-    from .__main__ import UsageError
-
     path = Path(spec)
     own = own_files(output)
     if path.is_file():
@@ -171,10 +180,8 @@ def _prefix(parts: tuple[str, ...]) -> list[str]:
 def output_paths(output: Path, files: list[tuple[Path, str]], folder: bool) -> list[Path]:
     """Where each input file's output goes; fails before any work if -o cannot take them (a special file, a
     file where a folder is needed, or an output that is one of the inputs)."""
-    from .__main__ import UsageError, check_output
-
     if not folder:
-        check_output(argparse.Namespace(output=str(output), input=str(files[0][0])))
+        check_output(str(output), str(files[0][0]))
         return [output]
     if output.exists() and not output.is_dir():
         raise UsageError(f"output {output} is a file; with a folder or glob input, -o is a folder")
@@ -191,8 +198,6 @@ def output_paths(output: Path, files: list[tuple[Path, str]], folder: bool) -> l
 
 def check_resources(nodes: list[dict], cpus: float, gpus: float) -> None:
     """Refuse up front an actor that no node of the cluster can hold (Ray would wait for one forever)."""
-    from .__main__ import UsageError
-
     alive = [n.get("Resources", {}) for n in nodes if n.get("Alive", True)]
     most_cpu = max((r.get("CPU", 0) for r in alive), default=0)
     most_gpu = max((r.get("GPU", 0) for r in alive), default=0)
@@ -233,36 +238,27 @@ class ShardWorker:
     """Runs in a Ray actor: loads the Engine once, then translates shard after shard with the local tool's
     validation, batching and formatting (so shards join into the single-process output byte for byte)."""
 
-    def __init__(self, args: argparse.Namespace):
-        from .__main__ import open_engine
-
-        self.args = args
-        self.engine = open_engine(args)
+    def __init__(self, args: argparse.Namespace, settings: Settings):
+        self.settings = settings
+        self.engine = open_engine(args, settings)
 
     def ready(self) -> int:
         return os.getpid()
 
     def translate(self, first: int, lines: list[bytes]) -> ShardResult:
-        from tqdm import tqdm
-        from .__main__ import prepare, translate
-        from .journal import output_lines
-
         bad = []
         report = lambda n, why: bad.append((n, why))    # noqa: E731
-        items, fixed, _ = prepare(self.args, self.engine, lines, first, report)
+        items, fixed, _ = prepare(self.settings, self.engine, lines, first, report)
         if items is None:
             return ShardResult(None, bad, None)
         outputs = dict(fixed)
-        stats = translate(self.args, self.engine, items, outputs.__setitem__, tqdm(disable=True), first, report)
+        stats = translate(self.settings, self.engine, items, outputs.__setitem__, tqdm(disable=True), first,
+                          report)
         return ShardResult(output_lines(outputs, 0, len(lines)), bad, stats)
 
 
 # -- the driver --------------------------------------------------------------------------------------------------
-def run_ray(args) -> int:
-    from specbeam_edge.config import GenerationConfig, ModelConfig
-    from .__main__ import UsageError, generation_overrides, settings
-    from .journal import OutputLock
-
+def run_ray(args, s: Settings) -> int:
     try:
         import ray  # noqa: F401
     except ImportError:
@@ -271,20 +267,18 @@ def run_ray(args) -> int:
     outputs = output_paths(Path(args.output), files, folder)
     # The driver decides the settings from the model folder alone (no Engine here): bad settings and a broken
     # folder fail before the cluster starts, and the manifest refuses a resume under other settings.
-    gen = GenerationConfig.from_dict(dict(ModelConfig.load(args.model).generation), **generation_overrides(args))
-    setting = {**settings(args, gen), "shard_lines": args.shard_lines}
+    gen = GenerationConfig.from_dict(dict(ModelConfig.load(s.model).generation), **s.generation)
+    setting = {**journal_settings(s, gen), "shard_lines": args.shard_lines}
     if folder:
         Path(args.output).mkdir(exist_ok=True)
     with OutputLock(Path(args.output)):
         if args.resume and finished(args, files, outputs):
             return 0
-        return Job(args, files, outputs, setting).run()
+        return RayRun(args, s, files, outputs, setting).run()
 
 
 def finished(args, files, outputs: list[Path]) -> bool:
     """--resume after a run that finished (no shard folder; every output there with its line count): say so."""
-    from .__main__ import PROG, UsageError, split_lines
-
     out = Path(args.output)
     if out.with_name(out.name + ".shards").exists() or not all(o.is_file() for o in outputs):
         return False
@@ -298,28 +292,23 @@ def finished(args, files, outputs: list[Path]) -> bool:
     return True
 
 
-class Job:
+class RayRun:
     """One run of the driver: the manifest, the shards still to do, the actors, progress and the summary."""
 
-    def __init__(self, args, files, outputs: list[Path], setting: dict):
-        from .__main__ import PROG, split_lines
-        from .journal import Journal
-
-        self.args, self.outputs, self.prog = args, outputs, PROG
+    def __init__(self, args, settings: Settings, files, outputs: list[Path], setting: dict):
+        self.args, self.settings, self.outputs, self.prog = args, settings, outputs, PROG
         self.names = [name for _, name in files]
         raws = []
         for path, _ in files:
             try:
                 raws.append(path.read_bytes())
             except OSError as e:
-                from .__main__ import UsageError
                 raise UsageError(f"cannot read input {path}: {e.strerror}") from None
         self.lines = [split_lines(raw) for raw in raws]
         self.shards = plan([len(x) for x in self.lines], args.shard_lines)
         out = Path(args.output)
         self.state = out.with_name(out.name + ".shards")
         self.state.mkdir(exist_ok=True)
-        from .__main__ import LABELS
         self.manifest = Journal(out, input_sha256(self.names, raws), setting, args.resume,
                                 path=self.state / "manifest", unit="shard", labels=LABELS)
         for note in self.manifest.notes:
@@ -348,14 +337,10 @@ class Job:
 
     def commit(self, shard: Shard, data: bytes) -> None:
         """Part file first (atomic), then its manifest record: a crash between the two only redoes the shard."""
-        from .journal import atomic_write
-
         atomic_write(self.state / shard.part, data)
         self.manifest.add(shard.index, [hashlib.sha256(data).hexdigest()])
 
     def run(self) -> int:
-        from specbeam_edge.results import Stats
-
         if len(self.todo) < len(self.shards):
             self.say(f"resuming, {len(self.shards) - len(self.todo)} of {len(self.shards)} shards already done")
         stats = Stats()
@@ -366,12 +351,10 @@ class Job:
             self.manifest.close()
         self.assemble()
         if not self.args.quiet:
-            from .__main__ import summary
             lines = sum(s.count for s in self.todo)
             print(f"{summary(stats, lines, stats.seconds)}; {len(self.todo)} shard(s) on {self.n_actors} actor(s), "
                   f"{self.retries} retried", file=sys.stderr)
         if self.args.stats:
-            import json
             print(json.dumps(stats.as_dict()), file=sys.stderr)
         return 0
 
@@ -395,8 +378,6 @@ class Job:
                 ray.shutdown()
 
     def start_actors(self) -> list:
-        import copy
-
         import ray
 
         a = self.args
@@ -409,11 +390,10 @@ class Job:
         # the driver (max_task_retries=0) so that every retry is counted and reported.
         cls = ray.remote(ShardWorker).options(num_cpus=a.cpus_per_actor, num_gpus=a.gpus_per_actor,
                                               max_restarts=-1, max_task_retries=0)
-        actors = [cls.remote(worker_args) for _ in range(n)]
+        actors = [cls.remote(worker_args, self.settings) for _ in range(n)]
         try:
             ray.get([x.ready.remote() for x in actors])
         except ray.exceptions.RayError as e:
-            from .__main__ import UsageError
             raise UsageError(f"a Ray worker could not load the model: {_cause(e)}") from None
         return actors
 
@@ -421,7 +401,6 @@ class Job:
         """One shard in flight per actor; each result committed as it arrives; failed shards retried. A worker
         that died is pinged until Ray has restarted it (its Engine loaded again), then gets shards again."""
         import ray
-        from tqdm import tqdm
 
         self.pending, self.idle, self.inflight, self.tries = deque(self.todo), list(actors), {}, {}
         self.stats, self.done = stats, len(self.shards) - len(self.todo)
@@ -515,8 +494,6 @@ class Job:
 
     def assemble(self) -> None:
         """Every shard is in: each output file from its parts (atomically, in input order), then no state."""
-        from .journal import atomic_write_chunks
-
         for f, out in enumerate(self.outputs):
             out.parent.mkdir(parents=True, exist_ok=True)
             parts = [self.state / s.part for s in self.shards if s.file == f]
@@ -545,12 +522,8 @@ def keep_sigterm() -> None:
     """ray.init installs Ray's C++ failure handler for SIGTERM (it prints a native stack and exits 15); the
     tool's own handler is put back so that SIGTERM ends the run as the local engine does (one line, exit 143,
     committed shards kept)."""
-    import signal
-
-    from .__main__ import _terminate
-
-    if signal.getsignal(signal.SIGTERM) is not _terminate:
-        signal.signal(signal.SIGTERM, _terminate)
+    if signal.getsignal(signal.SIGTERM) is not raise_terminated:
+        signal.signal(signal.SIGTERM, raise_terminated)
 
 
 def _cause(error: Exception) -> str:

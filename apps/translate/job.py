@@ -1,0 +1,327 @@
+"""The translate tool as a library: what the flags decide (Settings, resolved once per run), input and output
+checks, line validation, batched translation and the journal's record of the settings. `__main__.py` (the
+command line, the local run) and `ray_engine.py` (shards on a Ray cluster) both import it at the top; it imports
+neither of them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from specbeam_edge.config import SpeculativeConfig
+from specbeam_edge.flags import (check_prompt_format, check_widths, decoding_constraints, engine_from_args,
+                                 speculative_from_args)
+from specbeam_edge.results import Stats
+from specbeam_edge.shipped import shipped
+
+from .fingerprint import folder_sha256
+from .journal import special_kind
+
+PROG = "specbeam-translate"
+
+
+class LineError(ValueError):
+    pass
+
+
+class UsageError(ValueError):
+    """Bad arguments or unusable input found after parsing: exit code 2, one line."""
+
+
+_BREAKS = str.maketrans({c: " " for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"})
+
+
+def one_line(text: str) -> str:
+    """Output must stay one line per input line, whatever the model emits."""
+    return text.translate(_BREAKS)
+
+
+# -- what the flags decide -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Settings:
+    """One run's settings, resolved once from the flags (the Ray workers get a copy): the model pair, the
+    generation overrides, the speculative settings and how lines are validated, batched and written."""
+    model: str
+    draft: str | None
+    generation: dict                    # GenerationConfig overrides (the rest are the model's defaults)
+    speculative: SpeculativeConfig | None
+    n_best: int
+    with_score: bool
+    max_input_length: int
+    on_error: str
+    batch_size: int
+    batch_type: str
+    src_lang: str | None = None
+    tgt_lang: str | None = None
+    alternatives: int | None = None
+    prefixes: tuple[str, ...] | None = None     # per input line ('' for none), from --target_prefix
+    prefix_sha256: str | None = None            # of the prefix file's lines, for the journal
+
+    def with_prefixes(self, lines: list[bytes] | None, texts: list[str] | None) -> Settings:
+        if lines is None:
+            return self
+        return dataclasses.replace(self, prefixes=tuple(texts),
+                                   prefix_sha256=hashlib.sha256(b"\n".join(lines)).hexdigest())
+
+
+def generation_overrides(args) -> dict:
+    """This tool's flags -> GenerationConfig overrides (the rest come from the model's defaults)."""
+    out = dict(num_beams=args.num_beams, num_return_sequences=args.n_best, max_new_tokens=args.max_decoding_length)
+    if args.length_penalty is not None:
+        out["length_penalty"] = args.length_penalty
+    return {**out, **decoding_constraints(args)}
+
+
+def resolve(args) -> Settings:
+    """The flags -> Settings. The shipped pair is the default only as a pair: its draft applies only to its own
+    target. Another --model without --draft runs plain beam search; --drafter lookup needs no draft model (none
+    is loaded)."""
+    model, draft = args.model, args.draft
+    if model is None:
+        model = str(shipped("ende", "target"))
+        if draft is None and not args.no_draft and args.drafter != "lookup":
+            draft = str(shipped("ende", "draft"))
+    if args.no_draft or args.drafter == "lookup":
+        draft = None
+    return Settings(model=model, draft=draft, generation=generation_overrides(args),
+                    speculative=speculative_from_args(args, draft=draft),
+                    n_best=args.n_best, with_score=args.with_score, max_input_length=args.max_input_length,
+                    on_error=args.on_error, batch_size=args.batch_size, batch_type=args.batch_type,
+                    src_lang=args.src_lang, tgt_lang=args.tgt_lang, alternatives=args.alternatives)
+
+
+def open_engine(args, s: Settings):
+    """The engine of the flags (threads, memory, provider), checked against the settings: generation settings
+    valid for the model, tree widths within the vocabulary, a prompt format that can be filled."""
+    engine = engine_from_args(args, s.model, s.draft)
+    engine.generation_config(**s.generation)       # bad settings fail before any work
+    if s.speculative is not None:
+        check_widths(engine, s.speculative.max_branch_width, s.speculative.draft_width)
+    check_prompt_format(engine, s.model)
+    return engine
+
+
+def journal_settings(s: Settings, generation) -> dict:
+    """What decides the output's bytes (speculation knobs do not: the output is the same), for the journal;
+    `generation` is the GenerationConfig the run decodes with."""
+    gen = asdict(generation)
+    gen["eos_token_id"] = list(gen["eos_token_id"]) if isinstance(gen["eos_token_id"], tuple) else gen["eos_token_id"]
+    # the target folder's files (weights, layer files, encoder, tokenizer, config) by SHA-256: a model replaced
+    # between the interrupt and --resume is refused. The draft is left out on purpose: speculation is exact, the
+    # output does not depend on it (a resume with another draft, or none, gives the same bytes).
+    return {"model": str(Path(s.model).resolve()), "model_files": folder_sha256(Path(s.model)),
+            "generation": gen, "with_score": s.with_score, "max_input_length": s.max_input_length,
+            "on_error": s.on_error,
+            **({"languages": [s.src_lang, s.tgt_lang]} if s.src_lang or s.tgt_lang else {}),
+            # the prefix file by its lines' SHA-256 (as the input): a changed prefix is a changed setting
+            **({"target_prefix": s.prefix_sha256} if s.prefix_sha256 is not None else {}),
+            **({"alternatives": s.alternatives} if s.alternatives else {})}
+
+
+# settings as the flags name them, for a refused --resume ("beam_size: 4 in the journal, 5 now")
+LABELS = {"generation.num_beams": "beam_size", "generation.num_return_sequences": "n_best",
+          "generation.max_new_tokens": "max_decoding_length", "generation.length_penalty": "length_penalty",
+          "languages": "src_lang/tgt_lang", "target_prefix": "target_prefix (the file's contents)"}
+
+
+# -- input and output ------------------------------------------------------------------------------------------
+def read_input(path: str | None) -> bytes:
+    """The input's bytes: stdin when path is None."""
+    if path is None:
+        if sys.stdin is None:
+            raise UsageError("stdin is closed; pass -i FILE")
+        try:
+            return sys.stdin.buffer.read()
+        except OSError as e:
+            raise UsageError(f"cannot read stdin ({e.strerror or e}); pass -i FILE") from None
+    path = Path(path)
+    if path.is_dir():
+        raise UsageError(f"input {path} is a directory; pass a text file, one sentence per line")
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise UsageError(f"cannot read input {path}: {e.strerror}") from None
+
+
+BOM = b"\xef\xbb\xbf"
+
+
+def split_lines(raw: bytes) -> list[bytes]:
+    """Lines as `wc -l` counts them, with universal newlines: LF, CRLF and a lone CR (old Mac files) each end a
+    line and never reach the model; a UTF-8 byte order mark before line 1 is dropped."""
+    if raw.startswith(BOM):
+        raw = raw[len(BOM):]
+    return raw.splitlines()          # bytes.splitlines: \n, \r\n and \r only (U+2028 etc. stay in the line)
+
+
+def read_prefixes(path: str | None, n: int) -> tuple[list[bytes] | None, list[str] | None]:
+    """--target_prefix FILE: (its raw lines, for the journal; their texts), one per input line ('' for none),
+    read as the input is (universal newlines, a BOM dropped); (None, None) without the flag."""
+    if not path:
+        return None, None
+    path = Path(path)
+    try:
+        raw = split_lines(path.read_bytes())
+    except OSError as e:
+        raise UsageError(f"cannot read --target_prefix {path}: {e.strerror or e}") from None
+    if len(raw) != n:
+        raise UsageError(f"--target_prefix {path} has {len(raw)} line{'s' * (len(raw) != 1)}, the input has {n}: "
+                         f"give one prefix per input line (an empty line for none)")
+    out = []
+    for k, b in enumerate(raw):
+        try:
+            out.append(b.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise UsageError(f"--target_prefix {path}: line {k + 1} is not valid UTF-8") from None
+    return raw, out
+
+
+def check_output(output: str | None, input: str | None = None) -> None:
+    """Fail before the model loads (seconds) rather than after the translation (minutes)."""
+    if output is None:
+        if sys.stdout is None:
+            raise UsageError("stdout is closed; pass -o FILE")
+        return
+    out = Path(output)
+    if out.is_dir():
+        raise UsageError(f"output {out} is a directory; pass a file path")
+    kind = special_kind(out)
+    if kind:
+        raise UsageError(f"output {out} is {kind}, which would be replaced by a regular file; to stream the "
+                         f"translation, leave out -o and redirect stdout")
+    if not out.parent.is_dir():
+        raise UsageError(f"the output's directory {out.parent} does not exist; create it first")
+    if input and same_file(Path(input), out):
+        raise UsageError(f"output {out} is the input {input}: the translation would replace the source; "
+                         f"write to another -o")
+
+
+def same_file(a: Path, b: Path) -> bool:
+    """The same file (hard links and symlinks included), or the same path once resolved."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+class InOrder:
+    """Writes each input line's outputs as soon as it and all lines before it are done; flushes per line.
+    `pending` holds finished lines waiting behind an unfinished one (a stream cannot take them out of order)."""
+
+    def __init__(self, stream):
+        self.stream, self.next, self.pending = stream, 0, {}
+
+    def add(self, i: int, out: list[str]) -> None:
+        self.pending[i] = out
+        while self.next in self.pending:
+            for line in self.pending.pop(self.next):
+                self.stream.write(line.encode("utf-8") + b"\n")
+            self.stream.flush()
+            self.next += 1
+
+
+# -- validating and translating lines ----------------------------------------------------------------------------
+def report_line(number: int, why: str, where: str = "") -> None:
+    """A bad input line on stderr: number counts from 1 in its file (`where`, when there are several)."""
+    print(f"{PROG}: {where + ': ' if where else ''}line {number}: {why}", file=sys.stderr)
+
+
+def truncated(tok, text: str, src: list[int], n: int) -> str:
+    """The text of the first n source tokens (CTranslate2's --max_input_length truncates; it never drops)."""
+    cut = tok.decode_stable(src[:n])
+    while cut and len(tok.encode(cut)) > n:        # re-encoding a prefix can merge differently at its end
+        cut = cut[:-1]
+    return cut
+
+
+def prepare(s: Settings, engine, lines: list[bytes], first: int = 0, report=report_line):
+    """Validate every line first: returns (items to translate [(index, ids)], fixed outputs {index: lines},
+    number of bad lines); bad lines are reported, report(line number, why), and handled by --on_error;
+    truncated lines are reported the same way (and translated). `first` is the input line index of lines[0]
+    (a shard of a larger input)."""
+    tok, ctx = engine.tokenizer, engine.target.cfg.context_length
+    items, fixed, bad = [], {}, 0
+    for i, b in enumerate(lines):
+        try:
+            text = b.decode("utf-8")
+            if not text.strip():
+                fixed[i] = [""] * s.n_best
+                continue
+            src = tok.encode(text)
+            if len(src) > s.max_input_length:
+                text = truncated(tok, text, src, s.max_input_length)
+                report(first + i + 1, f"{len(src)} tokens, truncated to the first {s.max_input_length} "
+                                      f"(--max_input_length)")
+            ids = engine.encode(tok.format_prompt(text), src_lang=s.src_lang)
+            if len(ids) + 1 >= ctx:
+                overhead = len(ids) - len(tok.encode(text))        # the prompt format's own tokens
+                raise LineError(f"{len(ids)} prompt tokens, over the model's context {ctx}; pass a smaller "
+                                f"--max_input_length (at most {max(1, ctx - 2 - overhead)})")
+            items.append((i, ids))
+        except (UnicodeDecodeError, LineError) as e:
+            bad += 1
+            why = "invalid UTF-8" if isinstance(e, UnicodeDecodeError) else str(e)
+            report(first + i + 1, why)
+            if s.on_error == "fail":
+                return None, None, bad
+            copy = one_line(b.decode("utf-8", errors="replace")) if s.on_error == "copy" else ""
+            fixed[i] = [copy] * s.n_best
+    return items, fixed, bad
+
+
+def alternatives_line(alts) -> str:
+    """--alternatives output for one input line: a JSON object (no newline inside)."""
+    return json.dumps({"alternatives": [
+        {"token": a.token, "token_id": a.token_id, "logprob": round(a.logprob, 6), "text": one_line(a.text),
+         "score": round(a.hypothesis.score, 6)} for a in alts]}, ensure_ascii=False)
+
+
+NO_ALTERNATIVES = json.dumps({"alternatives": []})      # an empty or bad input line in --alternatives mode
+
+
+def translate(s: Settings, engine, todo, on_line, progress, first: int = 0, report=report_line) -> Stats:
+    """Decode `todo` [(index, ids)] in batches; on_line(index, outputs) as each line completes. A translation
+    that ran into the model's context (not --max_decoding_length) is reported: report(line number, why)."""
+    ctx = engine.target.cfg.context_length
+    total = Stats()
+    by_tokens = s.batch_type == "tokens"
+    prefix = [s.prefixes[first + i] or None for i, _ in todo] if s.prefixes is not None else None
+    if s.alternatives:           # one line at a time: its N continuations are the batch
+        for k, (i, ids) in enumerate(todo):
+            alts = engine.alternatives(ids, prefix[k] if prefix else None, s.alternatives,
+                                       speculative=s.speculative, tgt_lang=s.tgt_lang,
+                                       max_batch_size=s.batch_size if not by_tokens else s.alternatives,
+                                       **s.generation)
+            on_line(i, [alternatives_line(alts)])
+            progress.update(1)
+        return total
+    results = engine.generate_iter([ids for _, ids in todo], speculative=s.speculative, tgt_lang=s.tgt_lang,
+                                   max_batch_size=s.batch_size if not by_tokens else max(1, len(todo)),
+                                   max_batch_tokens=s.batch_size if by_tokens else None,
+                                   target_prefix=prefix, **s.generation)
+    limit = s.generation["max_new_tokens"]
+    for k, res in results:
+        room = ctx - len(todo[k][1])
+        if engine.encoder is None and room < limit and any(len(h.tokens) >= room for h in res.hypotheses):
+            report(first + todo[k][0] + 1, f"the translation reached the model's context ({ctx} tokens) after "
+                                           f"{room} tokens and may be cut; shorten the line or pass a smaller "
+                                           f"--max_input_length")
+        hyps = [f"{h.score:.4f} ||| {h.text}" if s.with_score else h.text for h in res.hypotheses]
+        on_line(todo[k][0], [one_line(h) for h in hyps])
+        total.add(res.stats)
+        progress.update(1)
+        progress.set_postfix_str(f"{total.generated_tokens} tok", refresh=False)
+    return total
+
+
+def summary(stats, lines: int, seconds: float) -> str:
+    tok = stats.generated_tokens
+    return (f"{PROG}: {lines} lines, {tok} tokens in {seconds:.1f} s ({lines / max(seconds, 1e-9):.2f} lines/s, "
+            f"{tok / max(seconds, 1e-9):.1f} tok/s); {stats.target_passes} target passes, "
+            f"{stats.beam_steps_per_pass:.2f} beam steps per pass")
