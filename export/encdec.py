@@ -26,7 +26,7 @@ from specbeam_edge.contract import (CONFIG_FILE, ENCODER_HIDDEN, FORMAT_VERSION,
                                      static_inputs)
 
 from .graph import Builder, _vi, add_topk, stored_weight
-from .hf import ExportError, check_layer_count, checkpoint_names, load_config, read_json
+from .hf import ExportError, check_layer_count, checkpoint_names, load_config, quiet_transformers, read_json
 
 ARCHITECTURES = {"MarianMTModel": "marian", "M2M100ForConditionalGeneration": "m2m100"}
 F32, I64 = TensorProto.FLOAT, TensorProto.INT64
@@ -128,8 +128,8 @@ def _positions(stack) -> np.ndarray:
     return _np(pe.weights if hasattr(pe, "weights") else pe.weight)
 
 
-def read_model(folder: Path, family: str):
-    """(arch, encoder weights, decoder weights) of a local HF encoder-decoder folder."""
+def read_model(folder: Path, family: str, quiet: bool = False):
+    """(arch, encoder weights, decoder weights) of a local HF encoder-decoder folder; quiet: no progress bars."""
     import torch
     import transformers as tf
 
@@ -143,7 +143,7 @@ def read_model(folder: Path, family: str):
             check_layer_count(names, n, folder.name, prefix=f"model.{side}.layers.")
     cls = {"marian": tf.MarianMTModel, "m2m100": tf.M2M100ForConditionalGeneration}[family]
     try:
-        with torch.no_grad():
+        with torch.no_grad(), quiet_transformers(quiet):
             model = cls.from_pretrained(str(folder), local_files_only=True, dtype=torch.float32).eval()
     except Exception as e:  # transformers raises many types for unreadable weights
         raise ExportError(f"{folder}: transformers cannot load the weights ({str(e).splitlines()[0][:200]})") from None
@@ -411,7 +411,7 @@ def export_encdec(src: Path, dst: Path, family: str, *, precision: str, layout: 
                   quiet: bool, reduce_range: bool = False, attention: str = "fp32") -> Path:
     """Write the model folder of an encoder-decoder: encoder.onnx + model.onnx (the decoder) + config."""
     from .safety import file_sha256
-    from .core import INT8W, INVARIANT, Progress, _save, save_precision, staged
+    from .core import INT8W, INVARIANT, Progress, save_precision, staged
 
     if layout != "whole":
         raise ExportError("encoder-decoder models export with layout 'whole' (static cross K/V inputs need it)")
@@ -420,7 +420,7 @@ def export_encdec(src: Path, dst: Path, family: str, *, precision: str, layout: 
     t0 = time.time()
     prog = Progress(4, quiet)
     tokenizers = _tokenizers(src, family)
-    arch, ew, dw = read_model(src, family)
+    arch, ew, dw = read_model(src, family, quiet)
     prog.step("read weights")
     defaults, facts = _generation(src, arch)
     with staged(dst, prog) as tmp:

@@ -3,13 +3,12 @@ weights and rebuilds its tokenizer (`from_pretrained(folder, gguf_file=...)`); t
 same exporter as a Hugging Face folder, so a GGUF model gets exactly the graph its architecture gets."""
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 
 import numpy as np
 
-from .hf import ExportError
+from .hf import ExportError, quiet_transformers
 
 # general.architecture values transformers reads (and dequantizes) whose model classes export/families/ covers
 GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
@@ -19,29 +18,6 @@ def is_gguf(path: Path) -> bool:
     return path.is_file() and path.suffix.lower() == ".gguf"
 
 
-@contextlib.contextmanager
-def _quiet_transformers(quiet: bool):
-    """Without transformers' progress bars (its GGUF reader also calls tqdm directly, past its own switch)."""
-    if not quiet:
-        yield
-        return
-    import functools
-    from unittest import mock
-
-    import transformers as tf
-    import transformers.modeling_gguf_pytorch_utils as reader
-    from tqdm.auto import tqdm
-
-    bars = tf.utils.logging.is_progress_bar_enabled()
-    tf.utils.logging.disable_progress_bar()
-    try:
-        with mock.patch.object(reader, "tqdm", functools.partial(tqdm, disable=True)):
-            yield
-    finally:
-        if bars:
-            tf.utils.logging.enable_progress_bar()
-
-
 def _load(path: Path, quiet: bool = False):
     """The dequantized fp32 torch model and the rebuilt tokenizer; transformers' errors become ExportErrors."""
     import torch
@@ -49,7 +25,7 @@ def _load(path: Path, quiet: bool = False):
 
     kw = dict(gguf_file=path.name, local_files_only=True)
     try:
-        with _quiet_transformers(quiet):
+        with quiet_transformers(quiet):
             model = tf.AutoModelForCausalLM.from_pretrained(
                 str(path.parent), dtype=torch.float32, quantization_config=tf.GgufConfig(dequantize=True), **kw)
             tok = tf.AutoTokenizer.from_pretrained(str(path.parent), **kw)

@@ -2,6 +2,7 @@
 default is the one transformers uses), weights (safetensors, parsed here), rope tables."""
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
 from dataclasses import dataclass, field
@@ -349,3 +350,27 @@ def global_weights(w: dict[str, np.ndarray], arch: Arch) -> dict[str, np.ndarray
         emb = emb * np.float32(arch.embed_scale)
     norm = np.asarray(w["model.norm.weight"], np.float32) + np.float32(arch.norm_offset)
     return {"embed": emb, "norm": norm, "lm_head": np.asarray(head, np.float32).T.copy(), "head_ids": ids}
+
+
+@contextlib.contextmanager
+def quiet_transformers(quiet: bool):
+    """Without transformers' progress bars when quiet (`export -q`): its own switch for loading weights, and its
+    GGUF reader's tqdm, which it calls directly, past that switch."""
+    if not quiet:
+        yield
+        return
+    import functools
+    from unittest import mock
+
+    import transformers as tf
+    import transformers.modeling_gguf_pytorch_utils as reader
+    from tqdm.auto import tqdm
+
+    bars = tf.utils.logging.is_progress_bar_enabled()
+    tf.utils.logging.disable_progress_bar()
+    try:
+        with mock.patch.object(reader, "tqdm", functools.partial(tqdm, disable=True)):
+            yield
+    finally:
+        if bars:
+            tf.utils.logging.enable_progress_bar()

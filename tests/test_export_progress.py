@@ -20,3 +20,17 @@ def test_progress_reaches_the_end_and_warnings_do_not_break_into_it(hf_models, t
     for u in updates:
         if re.search(r"\d+/\d+ \[", u):
             assert not re.search(r"WARNING|pre-process|quantiz", u, re.I), u
+
+
+def test_quiet_encoder_decoder_export_prints_nothing(tmp_path):
+    """Before: `export -q` on a Marian/M2M100/NLLB folder still printed transformers' 'Loading weights' bar (its
+    from_pretrained ran with bars on; only GGUF input was silenced)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from encdec_models import make_encdec_model
+
+    src = tmp_path / "marian"
+    make_encdec_model(src, "marian")
+    out = subprocess.run([sys.executable, "-m", "export", "-i", str(src), "-o", str(tmp_path / "m"), "-q"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr == "", out.stderr[-500:]
