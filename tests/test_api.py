@@ -28,6 +28,18 @@ def test_stream_prefixes_are_final(engine, K, spec):
     assert final == plain.text
 
 
+@pytest.mark.parametrize("K", [1, 4])
+def test_stream_chunks_are_one_per_target_pass(engine, K):
+    """The documented contract of empty chunks: one chunk per target pass (an empty one when the pass made
+    nothing final), each stats snapshot one pass further, then the closing chunk with the Result."""
+    chunks = list(engine.stream("the quick brown fox", num_beams=K, max_new_tokens=20))
+    passes = [c.stats.target_passes for c in chunks[:-1]]
+    assert passes == list(range(passes[0], passes[0] + len(passes)))
+    assert chunks[-1].result is not None and chunks[-1].result.stats.target_passes == passes[-1]
+    assert all(c.result is None for c in chunks[:-1])
+    assert "".join(c.text for c in chunks) == chunks[-1].result.text
+
+
 def test_config_validation():
     with pytest.raises(ValueError, match="num_return_sequences"):
         GenerationConfig(num_beams=2, num_return_sequences=3)

@@ -113,3 +113,16 @@ def test_chat_survives_invalid_utf8_and_a_message_over_the_context():
 def test_generate_takes_beam_size_as_num_beams():
     proc = specbeam("generate", "Open the file.", "--beam_size", "4")
     assert proc.returncode == 0 and proc.stdout == "Öffnen Sie die Datei.\n", proc.stderr
+
+
+def test_generate_lookup_with_no_draft_proposes():
+    """Before: `specbeam generate --drafter lookup --no_draft` silently ran plain search (0 tokens proposed);
+    --no_draft drops the draft model, and prompt lookup needs none (as in specbeam-translate)."""
+    import json
+
+    prompt = "the quick brown fox the quick brown fox the quick brown fox"
+    proc = specbeam("generate", prompt, "--no_draft", "--drafter", "lookup", "--always_speculate", "--stats",
+                    "--max_new_tokens", "12")
+    assert proc.returncode == 0, proc.stderr
+    stats = json.loads(proc.stderr.strip().splitlines()[-1])
+    assert stats["draft_tokens_proposed"] > 0, stats

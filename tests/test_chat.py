@@ -299,7 +299,9 @@ def test_startup_names_the_missing_qt_library():
     err = ImportError("libEGL.so.1: cannot open shared object file: No such file or directory")
     assert chat_main.import_problem(err) == ("Qt cannot load the system library libEGL: " + str(err)
                                              + " (Debian/Ubuntu: sudo apt-get install libegl1)")
-    assert "pip install" in chat_main.import_problem(ImportError("No module named 'PySide6'"))
+    # before: `pip install -e '.[app]'`, which works only in a checkout and brings no onnxruntime
+    hint = chat_main.import_problem(ImportError("No module named 'PySide6'"))
+    assert "pip install 'specbeam-edge[app]'" in hint and "pip install -e '.[cpu,app]'" in hint
 
 
 def test_main_reports_the_problem_instead_of_aborting(monkeypatch, capsys):

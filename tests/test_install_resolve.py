@@ -54,3 +54,16 @@ def test_import_without_onnxruntime_names_the_extras():
     assert r.stderr.strip().splitlines()[-1] == (
         "ImportError: specbeam-edge needs ONNX Runtime, which comes with one of its extras: pip install "
         "'specbeam-edge[cpu]', or 'specbeam-edge[gpu]' for CUDA (never both)")
+
+
+def test_the_docs_say_how_to_get_torchs_cpu_build():
+    """Before: the only advice was a comment that pinning torch avoids its CUDA build, which is true only where a
+    CPU wheel of that release is at hand; pip's default index serves Linux torch with its CUDA libraries."""
+    readme = (ROOT / "README.md").read_text()
+    quick = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    assert "torch's CPU build" in quick and 'see "Install"' in quick
+    install = readme.split("\n## Install", 1)[1].split("\n## ", 1)[0]
+    assert "--index-url <PyTorch's CPU wheel index>" in install
+    for path in (ROOT / ".ci" / "run", ROOT / "pyproject.toml"):
+        text = path.read_text()
+        assert "anything unpinned pulls" not in text and "or pip pulls a CUDA build" not in text, path

@@ -127,6 +127,11 @@ def test_settings_refusal_names_only_what_differs(pair, text_in, tmp_path, monke
     err = capsys.readouterr().err
     assert ("(max_decoding_length: 6 in the journal, 7 now; beam_size: 4 in the journal, 3 now); rerun with the "
             "same settings" in err) and "{" not in err
+    # the decoding-constraint flags are named as the user typed them, not as GenerationConfig fields
+    assert run(pair, text_in, out, "--resume", "--min_decoding_length", "2", "--no_repeat_ngram_size", "3") == 2
+    err = capsys.readouterr().err
+    assert "min_decoding_length: 0 in the journal, 2 now" in err and "no_repeat_ngram_size: 0 in the journal, 3 now" \
+        in err and "generation." not in err, err
 
 
 # -- flags and defaults -------------------------------------------------------------------------------------

@@ -126,6 +126,8 @@ def journal_settings(s: Settings, generation) -> dict:
 # settings as the flags name them, for a refused --resume ("beam_size: 4 in the journal, 5 now")
 LABELS = {"generation.num_beams": "beam_size", "generation.num_return_sequences": "n_best",
           "generation.max_new_tokens": "max_decoding_length", "generation.length_penalty": "length_penalty",
+          "generation.min_new_tokens": "min_decoding_length", "generation.no_repeat_ngram_size": "no_repeat_ngram_size",
+          "generation.repetition_penalty": "repetition_penalty",
           "languages": "src_lang/tgt_lang", "target_prefix": "target_prefix (the file's contents)"}
 
 
