@@ -5,9 +5,10 @@ Hub ships them): sizes and times do not depend on the values.
     python -m bench.export_sizes --families smollm2,qwen3 --precisions fp16,int8
 
 CPU and memory heavy (Qwen3-0.6B: ~1.2 GB of bf16 weights, several GB of RAM per export). Each export runs in its
-own process, so its peak RSS is its own. Writes bench/results/export_sizes.json (a row replaces the one of an
-earlier run for the same family, precision and layout; the others stay, each with its run's date) and prints a
-table; `python -m bench` renders it into bench/README.md.
+own process, so its peak RSS is its own. Writes export_sizes.json into --out (default the ignored
+bench/out/results; `--out bench/results` updates the committed record, which `python -m bench` renders into
+bench/README.md): a row replaces the one of an earlier run for the same family, precision and layout; the others
+stay, each with its run's date. Prints a table.
 """
 from __future__ import annotations
 
@@ -109,14 +110,20 @@ def merge_rows(out: Path, rows: list[dict]) -> list[dict]:
     return [r for r in old if key(r) not in new] + rows
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.export_sizes", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--families", default="smollm2,qwen3", help=f"comma list of: {', '.join(SHAPES)}")
     ap.add_argument("--precisions", default="fp16,int8", help="comma list of: fp32, fp16, int8w, int8, int4")
     ap.add_argument("--layout", choices=("whole", "split"), default="whole", help="graph layout of every export")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results"), help="output folder for the JSON")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "results"),
+                    help="output folder for the JSON (bench/results: the committed record)")
     ap.add_argument("--work", default=None, help="scratch folder (default: a temporary one, removed at the end)")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     names = args.families.split(",")
     unknown = [n for n in names if n not in SHAPES]

@@ -14,3 +14,10 @@ def test_default_out_is_ignored_by_git():
     ignored = subprocess.run(["git", "check-ignore", "-q", str(probe)], cwd=ROOT)
     assert ignored.returncode == 0, f"{probe} is not ignored by git"
     assert Path(parser().parse_args(["--out", "x"]).out) == Path("x")
+
+
+def test_export_sizes_default_out_is_ignored_too():
+    """Before: python -m bench.export_sizes wrote into the tracked bench/results/ by default."""
+    from bench.export_sizes import parser
+
+    assert Path(parser().parse_args([]).out) == ROOT / "bench" / "out" / "results"
