@@ -356,3 +356,19 @@ def test_folders_remembered_by_an_earlier_version_are_carried_over(qtbot, tmp_pa
     win = make_window(qtbot, tmp_path, None)
     assert (win.model_edit.text(), win.draft_edit.text()) == (folders[0], "")
     assert win.engine is not None and win.engine.draft is None and not win.speculate.isEnabled()
+
+
+def test_picking_another_model_folder_clears_its_old_draft(qtbot, tmp_path, folders, monkeypatch):
+    """Before: a model picked with '…' kept the previous model's draft, so loading the new pair could fail on a
+    draft that does not go with it; a default (or earlier) draft applies only to its own target."""
+    win = make_window(qtbot, tmp_path, folders)
+    assert win.draft_edit.text() == folders[1]
+    other = str(tmp_path / "another-model")
+    monkeypatch.setattr("apps.chat.window.QFileDialog.getExistingDirectory", lambda *a, **k: other)
+    win._pick_model()
+    assert win.model_edit.text() == other and win.draft_edit.text() == ""
+    assert "draft cleared" in win.status.text()
+    monkeypatch.setattr("apps.chat.window.QFileDialog.getExistingDirectory", lambda *a, **k: "")   # cancelled
+    win.draft_edit.setText(folders[1])
+    win._pick_model()
+    assert win.model_edit.text() == other and win.draft_edit.text() == folders[1]

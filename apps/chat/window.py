@@ -314,7 +314,14 @@ class ChatWindow(QMainWindow):
         return form
 
     def _pick_model(self):
+        """Another model folder: the draft field is cleared (a draft goes with its own target; the one there
+        belonged to the previous model), so the pick loads as plain search until a draft is chosen for it."""
+        old = self.model_edit.text()
         self._pick(self.model_edit)
+        if self.model_edit.text() != old and self.draft_edit.text():
+            self.draft_edit.clear()
+            self.status.setText("draft cleared: it went with the previous model; pick one for this model, or load "
+                                "it without")
 
     def _known_chosen(self, index: int):
         folders = self.known.itemData(index)
