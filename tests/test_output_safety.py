@@ -154,7 +154,7 @@ def test_lock_removed_by_its_holder_is_not_taken_twice(tmp_path):
 # -- Ray's input listing -----------------------------------------------------------------------------------
 def test_ray_glob_with_dotdot_after_a_wildcard_is_refused(tmp_path, monkeypatch):
     """Before: docs/*/../../x wrote outputs outside -o."""
-    from apps.translate.__main__ import UsageError
+    from apps.translate.job import UsageError
     from apps.translate.ray_engine import input_files
 
     (tmp_path / "docs" / "a").mkdir(parents=True)
@@ -182,7 +182,7 @@ def test_ray_double_star_lists_each_real_file_once(tmp_path, monkeypatch):
 def test_ray_output_inside_the_input_folder_is_never_read_as_input(tmp_path, monkeypatch):
     """Before: the shards, lock, pid file and outputs of a run with -o inside the input folder were read as
     input: --resume was refused ("input changed") and a second run translated the first one's output."""
-    from apps.translate.__main__ import UsageError
+    from apps.translate.job import UsageError
     from apps.translate.ray_engine import input_files, output_paths
 
     docs = tmp_path / "docs"
@@ -213,7 +213,7 @@ def test_ray_output_inside_the_input_folder_is_never_read_as_input(tmp_path, mon
 
 def test_ray_refuses_actors_no_node_can_hold():
     """Before: --cpus_per_actor 64 on a 2-CPU machine (or --gpus_per_actor 1 without a GPU) waited for ever."""
-    from apps.translate.__main__ import UsageError
+    from apps.translate.job import UsageError
     from apps.translate.ray_engine import check_resources
 
     nodes = [{"Alive": True, "Resources": {"CPU": 2.0}}, {"Alive": False, "Resources": {"CPU": 64.0}}]

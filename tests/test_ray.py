@@ -27,7 +27,7 @@ def test_plan_cuts_files_into_shards_in_input_order():
 
 
 def test_inputs_file_folder_and_glob(tmp_path, monkeypatch):
-    from apps.translate.__main__ import UsageError
+    from apps.translate.job import UsageError
 
     (tmp_path / "docs" / "sub").mkdir(parents=True)
     for name in ("docs/b.txt", "docs/a.txt", "docs/sub/c.txt", "docs/.hidden", "docs/sub/d.md"):
@@ -112,6 +112,12 @@ def test_ray_output_is_byte_identical_to_single_process(cluster, pair, job, tmp_
     assert "line 71: invalid UTF-8" in err
     assert "line 81: 121 tokens, truncated to the first 100 (--max_input_length)" in err
     assert not (tmp_path / "out.txt.shards").exists()
+    # every input line counted, as the local engine counts them (it once said 196 where Ray said 200)
+    assert f"specbeam-translate: {N_LINES} lines, " in err
+    # --resume on the finished output: nothing to do, said once, the output untouched
+    assert main(ray_args(pair, inp, out, "--resume")) == 0
+    assert capsys.readouterr().err == f"specbeam-translate: {out} is complete (its run finished); nothing to do\n"
+    assert out.read_bytes() == ref.read_bytes()
     # A folder of files: one output per input at the same relative path, each equal to the single file run.
     (tmp_path / "docs" / "sub").mkdir(parents=True)
     raw = inp.read_bytes().split(b"\n")
