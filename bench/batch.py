@@ -9,7 +9,7 @@ from pathlib import Path
 
 from specbeam_edge import Engine, SpeculativeConfig
 
-from .common import median
+from .common import median, save_figure
 from .e2e import load_prompts
 
 SIZES = (1, 8, 32, 64)
@@ -147,6 +147,4 @@ def plot(data: dict, path: Path):
         ax.set(xscale="log", xlabel="max batch size", ylabel="lines/s", title=f"K={K}, n_best={nb}")
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)

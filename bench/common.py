@@ -49,3 +49,12 @@ def _fmt(v):
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
     return "" if v is None else str(v)
+
+
+def save_figure(fig, path: Path, dpi: int = 110) -> None:
+    """A benchmark's plot: laid out, written as PNG, closed (a long run makes many)."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)

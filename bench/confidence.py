@@ -9,7 +9,7 @@ from pathlib import Path
 
 from specbeam_edge import Engine, SpeculativeConfig
 
-from .common import median
+from .common import median, save_figure
 from .e2e import load_prompts
 
 TAUS = (0.0, 0.05, 0.2)
@@ -61,6 +61,4 @@ def plot(data: dict, path: Path):
     for ax in axes:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)

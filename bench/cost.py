@@ -8,7 +8,7 @@ import numpy as np
 
 from specbeam_edge.model import OnnxCausalLM
 
-from .common import median
+from .common import median, save_figure
 
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
@@ -104,6 +104,4 @@ def plot(data: dict, path: Path):
            ylabel="pass time (ms)", title=f"target pass cost vs tree size (past {data['past_len']})")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from specbeam_edge import Engine, SpeculativeConfig
 
-from .common import median
+from .common import median, save_figure
 
 
 def load_prompts(pair: Path, n: int) -> list[str]:
@@ -98,6 +98,4 @@ def plot(data: dict, path: Path):
         ax.set_xscale("log", base=2)
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)

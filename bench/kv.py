@@ -20,7 +20,7 @@ import onnxruntime as ort
 from specbeam_edge import Engine, SpeculativeConfig
 
 from .batch import _ct2, ct2_generator
-from .common import median
+from .common import median, save_figure
 from .e2e import load_prompts
 
 
@@ -181,6 +181,4 @@ def plot(data: dict, path: Path):
     axes[1].barh(list(ops)[::-1], list(ops.values())[::-1])
     axes[1].set(xlabel="us per pass (profiled)",
                 title=f"one pass: Q={data['op_profile']['Q']} new over N={data['op_profile']['N']} cached")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)

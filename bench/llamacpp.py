@@ -21,6 +21,9 @@ import sys
 import time
 from pathlib import Path
 
+from . import common
+from .common import save_figure
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # short, varied English instructions (written for this benchmark; none is from a training set we know of)
@@ -214,9 +217,7 @@ def plot(data: dict, path: Path):
            title=f"greedy, {data['max_new_tokens']} new tokens, {data['threads']} threads: {data['gguf']}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def default_inputs(precisions=("int8", "fp32"), cache: Path | None = None) -> tuple[Path, dict[str, Path]]:
@@ -247,8 +248,6 @@ def run_parser(prog: str, doc: str, prompts: int):
 
 
 def main(argv=None) -> int:
-    from . import common
-
     ap = run_parser("python -m bench.llamacpp", __doc__, prompts=12)
     ap.add_argument("--precisions", default="int8,fp32", help="our exports of the same GGUF (comma list)")
     a = ap.parse_args(argv)

@@ -14,7 +14,7 @@ from specbeam_edge import Engine, SpeculativeConfig
 from specbeam_edge.model import OnnxCausalLM
 
 from . import synthetic
-from .common import median
+from .common import median, save_figure
 from .cost import pass_time
 from .e2e import load_prompts
 
@@ -170,6 +170,4 @@ def plot(data: dict, path: Path):
                title=f"{scale['model_mib']} MiB target streamed, {scale['max_memory_mib']} MiB budget")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)

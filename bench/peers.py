@@ -10,6 +10,7 @@ from pathlib import Path
 from specbeam_edge import Engine, SpeculativeConfig
 
 from .batch import ct2_generator
+from .common import save_figure
 from .e2e import load_prompts
 
 
@@ -89,9 +90,7 @@ def plot(data: dict, path: Path):
     ax.barh(names, [data["tokens_per_second"][n] for n in names], color="tab:blue")
     ax.set(xlabel="generated tokens/s (beam search, K=%d)" % data["K"], title="same weights, this machine")
     ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # -- encoder-decoder: a random Marian at Opus-MT base shapes vs CTranslate2's Translator on the same weights --

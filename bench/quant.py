@@ -17,7 +17,7 @@ from pathlib import Path
 
 from specbeam_edge import Engine, SpeculativeConfig, invariance
 
-from .common import median
+from .common import median, save_figure
 
 PRECISIONS = ("fp32", "int8", "int8dyn")
 PARTS = ("exactness", "quality", "speed", "speed_360m", "opus_mt", "beam_step")
@@ -287,6 +287,4 @@ def plot(data: dict, path: Path) -> None:
     ax.set_xticks(range(len(rows)), labels, fontsize=7)
     ax.set_ylabel("tokens/s vs fp32 (plain beam search)")
     ax.set_title("per-row int8 (exact-safe) vs fp32 and quantize_dynamic (int8dyn)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)

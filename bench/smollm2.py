@@ -23,7 +23,9 @@ import sys
 import time
 from pathlib import Path
 
-from .llamacpp import PROMPTS, _llama, generated, prompt_ids
+from . import common
+from .common import save_figure
+from .llamacpp import PROMPTS, _llama, generated, prompt_ids, run_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAIN = {"greedy": "greedy plain", "beam4": "beam4 plain", "sample4": "sample4 plain"}
@@ -178,9 +180,7 @@ def plot(data: dict, path: Path):
     ax.set(xlabel="generated tokens/s (median over prompts)",
            title=f"SmolLM2-135M int8, {data['prompts']} prompts x {data['max_new_tokens']} tokens, "
                  f"{data['threads']} threads")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def default_inputs():
@@ -194,9 +194,6 @@ def default_inputs():
 
 
 def main(argv=None) -> int:
-    from . import common
-    from .llamacpp import run_parser
-
     ap = run_parser("python -m bench.smollm2", __doc__, prompts=24)
     ap.add_argument("--no_llama", action="store_true", help="leave llama.cpp out (no llamacpp extra)")
     a = ap.parse_args(argv)

@@ -17,7 +17,7 @@ import numpy as np
 from specbeam_edge import Engine, SpeculativeConfig
 from specbeam_edge.batch import ScoreCall
 
-from .common import median
+from .common import median, save_figure
 
 
 def build_models(hidden=768, layers=12, vocab=32000, seed=0, precision="fp16", layout="whole",
@@ -214,6 +214,4 @@ def plot(data: dict, path: Path):
     axes[1].set(xscale="log", xlabel="tree nodes in one target pass", ylabel="pass time (ms)",
                 title="target pass cost at this scale")
     axes[1].grid(alpha=0.3, which="both")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)

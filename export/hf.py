@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+from specbeam_edge.contract import read_json_object
+
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64, "I64": np.int64}
 
 
@@ -19,17 +21,7 @@ class ExportError(ValueError):
 
 def read_json(path: Path, default: dict | None = None) -> dict:
     """A JSON object file of the input folder (`default` when it is absent); a damaged one is an ExportError."""
-    if default is not None and not path.is_file():
-        return default
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ExportError(f"{path}: not valid JSON ({e}); fix or replace the file") from None
-    except OSError as e:
-        raise ExportError(f"{path}: cannot be read ({e.strerror})") from None
-    if not isinstance(data, dict):
-        raise ExportError(f"{path}: must hold a JSON object ({{...}}), found a {type(data).__name__}")
-    return data
+    return read_json_object(path, ExportError, default, fix="fix or replace the file")
 
 
 @dataclass(frozen=True)

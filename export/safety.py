@@ -9,7 +9,6 @@ contains or lies inside the input (deleting it would delete the source). The rep
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import shutil
 import signal
@@ -17,6 +16,8 @@ import tempfile
 import threading
 from contextlib import contextmanager
 from pathlib import Path
+
+from specbeam_edge.contract import file_sha256  # noqa: F401  (export.core and encdec import it from here)
 
 from .hf import ExportError
 
@@ -121,12 +122,3 @@ def os_error_message(e: OSError) -> str:
     where = f": {e.filename}" if e.filename else ""
     hint = _HINTS.get(e.errno, "fix it and run the export again")
     return f"{e.strerror or e}{where}; no partial export was left: {hint}"
-
-
-def file_sha256(path: Path) -> str:
-    """SHA-256 of a file: the tokenizer.json a model was exported with (the runtime refuses another one)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()

@@ -77,28 +77,26 @@ def blocks(text: str):
     return out
 
 
-def libreoffice_pairs(root: Path):
-    en_root = root / "usr/share/libreoffice/help/en-US"
-    de_root = root / "usr/share/libreoffice/help/de"
+def html_blocks(en_root: Path, de_root: Path):
+    """(English blocks, German blocks) of every help page present in both languages, in path order."""
     for en_file in sorted(en_root.rglob("*.html")):
         de_file = de_root / en_file.relative_to(en_root)
-        if not de_file.exists():
-            continue
-        de = {i: t for i, t in blocks(de_file.read_text("utf-8", "replace")) if i}
-        for i, t in blocks(en_file.read_text("utf-8", "replace")):
+        if de_file.exists():
+            yield blocks(en_file.read_text("utf-8", "replace")), blocks(de_file.read_text("utf-8", "replace"))
+
+
+def libreoffice_pairs(root: Path):
+    help_root = root / "usr/share/libreoffice/help"
+    for a, b in html_blocks(help_root / "en-US", help_root / "de"):
+        de = {i: t for i, t in b if i}
+        for i, t in a:
             if i and i in de:
                 yield "libreoffice", t, de[i]
 
 
 def gimp_pairs(root: Path):
-    en_root = root / "usr/share/gimp/2.0/help/en"
-    de_root = root / "usr/share/gimp/2.0/help/de"
-    for en_file in sorted(en_root.rglob("*.html")):
-        de_file = de_root / en_file.relative_to(en_root)
-        if not de_file.exists():
-            continue
-        a = blocks(en_file.read_text("utf-8", "replace"))
-        b = blocks(de_file.read_text("utf-8", "replace"))
+    help_root = root / "usr/share/gimp/2.0/help"
+    for a, b in html_blocks(help_root / "en", help_root / "de"):
         if len(a) == len(b):
             for (_, t), (_, u) in zip(a, b):
                 yield "gimp", t, u

@@ -391,7 +391,6 @@ def share_target_encoder(model, args) -> None:
 
 
 def build_model(args, vocab_size: int, sep: int = 1):
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if args.init_layers and not args.init:

@@ -1,12 +1,11 @@
 """Configuration: the model folder's facts, and the frozen, validated search settings users pass."""
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from .contract import CONFIG_FILE, FORMAT_VERSION, LAYOUTS, OUTPUT_KINDS
+from .contract import CONFIG_FILE, FORMAT_VERSION, LAYOUTS, OUTPUT_KINDS, read_json_object
 
 
 class ModelFolderError(ValueError):
@@ -28,18 +27,6 @@ def _float(value, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     return float(value)
-
-
-def _read_json_object(path: Path) -> dict:
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelFolderError(f"{path}: not valid JSON ({e})") from None
-    except OSError as e:
-        raise ModelFolderError(f"{path}: cannot be read ({e.strerror})") from None
-    if not isinstance(raw, dict):
-        raise ModelFolderError(f"{path}: must hold a JSON object ({{...}}), found a {type(raw).__name__}")
-    return raw
 
 
 MASK_VALUE_MAX = -1e4   # the largest mask value that still hides a position (exp(-1e4) underflows to 0 in fp32)
@@ -119,7 +106,7 @@ class ModelConfig:
         path = folder / CONFIG_FILE
         if not path.is_file():
             raise ModelFolderError(f"{folder}: no specbeam_config.json; export the model with `python -m export`")
-        raw = _read_json_object(path)
+        raw = read_json_object(path, ModelFolderError)
         if raw.get("format_version") != FORMAT_VERSION:
             raise ModelFolderError(f"{path}: format_version {raw.get('format_version')!r}, this runtime reads "
                                    f"{FORMAT_VERSION}; re-export the model")
@@ -143,7 +130,7 @@ class ModelConfig:
         if missing:
             raise ModelFolderError(f"{folder}: missing file(s) {', '.join(missing)}")
         if (folder / "tokenizer_config.json").is_file():      # read later by the tokenizer: fail here, named
-            _read_json_object(folder / "tokenizer_config.json")
+            read_json_object(folder / "tokenizer_config.json", ModelFolderError)
         if cfg.layout == "split":
             _check_manifest(cfg.files.get("layer_manifest"), path)
             _check_checksums(cfg.files.get("layer_sha256"), cfg.num_layers, path)

@@ -1,11 +1,16 @@
 """The model-folder contract: the names and versions that `export/` writes and the runtime reads (DESIGN sections
 3-4). One copy, imported by both sides: the exporter imports this module (and no other runtime module); the
-runtime never imports the exporter. No numpy, no onnxruntime, no imports at all, so an export needs nothing of the
-runtime's dependencies to read it.
+runtime never imports the exporter. No numpy, no onnxruntime: the standard library only, so an export needs nothing
+of the runtime's dependencies to read it. Both sides read the folder's files the same way: `read_json_object` (a
+JSON object file, damaged or missing ones as the caller's error) and `file_sha256` (tokenizer.json's checksum).
 
 Name builders take a layer number, or the string "{i}" for the templates that specbeam_config.json `io` lists.
 """
 from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
 
 FORMAT_VERSION = 1                      # specbeam_config.json `format_version`: the one this runtime reads
 CONFIG_FILE = "specbeam_config.json"
@@ -86,3 +91,30 @@ def probe_source(n: int, eos: int) -> list[int]:
     """A source of n ordinary token ids ending in EOS: the exporter fingerprints a shared-encoder draft's cross
     K/V on it, and the runtime uses it for load-time checks and cost measurements."""
     return [3 + i % 13 for i in range(n - 1)] + [eos]
+
+
+def read_json_object(path: Path, error: type[Exception], default: dict | None = None, fix: str = "") -> dict:
+    """A JSON object file of a model folder (`default` when the file is absent and a default is given); a damaged,
+    unreadable or non-object file raises `error` with one line naming the file (and `fix`, the remedy)."""
+    path = Path(path)
+    if default is not None and not path.is_file():
+        return default
+    hint = f"; {fix}" if fix else ""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise error(f"{path}: not valid JSON ({e}){hint}") from None
+    except OSError as e:
+        raise error(f"{path}: cannot be read ({e.strerror})") from None
+    if not isinstance(data, dict):
+        raise error(f"{path}: must hold a JSON object ({{...}}), found a {type(data).__name__}")
+    return data
+
+
+def file_sha256(path: Path) -> str:
+    """SHA-256 of a file, read in 1 MiB blocks (tokenizer.json as exported; a fetched GGUF; a model's files)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

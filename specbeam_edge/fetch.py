@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import ModelFolderError
+from .contract import file_sha256
 
 ENV = "SPECBEAM_DATA_DIR"
 EXTRA = "pip install 'specbeam-edge[export]'"
@@ -153,12 +154,6 @@ def gguf_path(name: str) -> Path:
 
 
 # -- the steps (each one replaceable in tests) ------------------------------------------------------------------
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(_CHUNK), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 _OFFLINE = ("NewConnectionError", "Failed to establish a new connection", "Temporary failure in name resolution",

@@ -209,7 +209,7 @@ class SamplingSearch:
 
     def run(self, ctx: PassContext = PassContext()):
         """As ExactSearch.run (sampling has no adaptive choice: of the context it records the batch sizes)."""
-        st, stats, spec, rng = self.st, self.stats, self.spec, self.rng
+        st, stats, spec = self.st, self.stats, self.spec
         t0 = time.perf_counter()
         if self.static is not None:
             self.target.static, draft_static = self.static(self.draft is not None)

@@ -10,7 +10,6 @@ included, as plain text."""
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import re
 import string
@@ -20,6 +19,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as _HFTokenizer
 
 from .config import ModelFolderError
+from .contract import file_sha256, read_json_object
 
 
 class PromptText(str):
@@ -235,8 +235,7 @@ def check_vocabulary(tokenizer: "Tokenizer", cfg) -> None:
                                f"the model or put its own tokenizer.json back")
     want = cfg.raw.get("tokenizer_sha256")
     if isinstance(want, str):
-        h = hashlib.sha256((cfg.folder / "tokenizer.json").read_bytes()).hexdigest()
-        if h != want:
+        if file_sha256(cfg.folder / "tokenizer.json") != want:
             raise ModelFolderError(f"{where}: is not the tokenizer the model was exported with (its SHA-256 differs "
                                    f"from specbeam_config.json's tokenizer_sha256); put the exported file back, "
                                    f"re-export, or delete tokenizer_sha256 from the config if the change is "
@@ -244,15 +243,7 @@ def check_vocabulary(tokenizer: "Tokenizer", cfg) -> None:
 
 
 def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ModelFolderError(f"{path}: not valid JSON ({e}); fix or remove the file") from None
-    if not isinstance(data, dict):
-        raise ModelFolderError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+    return read_json_object(path, ModelFolderError, {}, fix="fix or remove the file")
 
 
 def _token_text(v) -> str | None:

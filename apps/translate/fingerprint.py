@@ -11,11 +11,12 @@ that cannot be read or written is ignored.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import tempfile
 from pathlib import Path
+
+from specbeam_edge.contract import file_sha256
 
 SKIP_SUFFIXES = (".md",)
 
@@ -48,14 +49,6 @@ def _save_cache(path: Path, cache: dict) -> None:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def folder_sha256(folder: Path) -> dict[str, str]:

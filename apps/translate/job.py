@@ -175,13 +175,17 @@ def read_prefixes(path: str | None, n: int) -> tuple[list[bytes] | None, list[st
     if len(raw) != n:
         raise UsageError(f"--target_prefix {path} has {len(raw)} line{'s' * (len(raw) != 1)}, the input has {n}: "
                          f"give one prefix per input line (an empty line for none)")
-    out = []
-    for k, b in enumerate(raw):
-        try:
-            out.append(b.decode("utf-8"))
-        except UnicodeDecodeError:
-            raise UsageError(f"--target_prefix {path}: line {k + 1} is not valid UTF-8") from None
-    return raw, out
+    texts = [_utf8(b) for b in raw]
+    if None in texts:
+        raise UsageError(f"--target_prefix {path}: line {texts.index(None) + 1} is not valid UTF-8")
+    return raw, texts
+
+
+def _utf8(b: bytes) -> str | None:
+    try:
+        return b.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
 
 
 def check_output(output: str | None, input: str | None = None) -> None:

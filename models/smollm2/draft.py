@@ -373,7 +373,6 @@ def train(args) -> None:
     draft = Draft(target, [int(i) for i in args.layers.split(",")], token_ids)
     held = {i for i in range(0, 100000, 20)}                   # every 20th prompt: validation
     items, val = _load_items(work, held)
-    rng = random.Random(0)
     batches = [_batches(items, args.batch_tokens, random.Random(e)) for e in range(args.epochs)]
     total = sum(len(b) for b in batches)
     opt = torch.optim.AdamW(draft.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
