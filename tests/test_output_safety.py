@@ -90,6 +90,24 @@ def test_planted_symlinks_at_the_old_temporary_names_are_not_followed(pair, text
     assert not out.is_symlink() and out.read_text().count("\n") == 5
 
 
+def test_the_tools_own_files_never_write_through_a_planted_symlink(pair, text_in, tmp_path, capsys):
+    """Before: a symlink planted at <out>.lock.pid had its target replaced by 'pid N', and one at <out>.journal had
+    its target replaced by the journal. The pid file's link is replaced, not followed; a linked journal is refused."""
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"precious\n")
+    out = tmp_path / "out.txt"
+    (tmp_path / "out.txt.lock.pid").symlink_to(victim)
+    assert run(pair, text_in, out) == 0
+    assert victim.read_bytes() == b"precious\n" and out.read_bytes().count(b"\n") == 5
+    assert not (tmp_path / "out.txt.lock.pid").exists()
+    out.unlink()
+    (tmp_path / "out.txt.journal").symlink_to(victim)
+    assert run(pair, text_in, out) == 2
+    err = capsys.readouterr().err
+    assert "out.txt.journal is a symbolic link; a journal is never read or written through one" in err, err
+    assert victim.read_bytes() == b"precious\n" and not out.exists()
+
+
 def test_permission_bits_of_the_output_and_journal_are_kept(pair, text_in, tmp_path, monkeypatch):
     """Before: a mode-600 output came back 644 (the temporary file's default mode), and so did its journal."""
     out = tmp_path / "out.txt"

@@ -101,19 +101,24 @@ def file_mode(path: Path) -> int | None:
     return stat.S_IMODE(st.st_mode) if stat.S_ISREG(st.st_mode) else None
 
 
-def atomic_write(path: Path, data: bytes, *, mode: int | None = None) -> None:
+def atomic_write(path: Path, data: bytes, *, mode: int | None = None, follow_symlinks: bool = True) -> None:
     """Write through a temporary sibling, fsync, rename: readers see the old file or the whole new one."""
-    atomic_write_chunks(path, [data], mode=mode)
+    atomic_write_chunks(path, [data], mode=mode, follow_symlinks=follow_symlinks)
 
 
-def atomic_write_chunks(path: Path, chunks, *, mode: int | None = None) -> None:
+def atomic_write_chunks(path: Path, chunks, *, mode: int | None = None, follow_symlinks: bool = True) -> None:
     """atomic_write of the concatenated byte strings `chunks` (an iterable: a large file is never held whole).
 
     The temporary file is created exclusively (mkstemp: O_EXCL, an unpredictable name) in the destination's own
-    folder, so nothing planted there is followed or truncated. A symlinked destination is written at its target.
-    The result keeps the permission bits of the file it replaces; a new file gets `mode`, else the umask's."""
-    path = Path(os.path.realpath(path))
-    kind = special_kind(path)
+    folder, so nothing planted there is followed or truncated. A symlinked destination is written at its target
+    (an output the user named); with follow_symlinks=False (the tool's own files: pid file, journal, shard parts)
+    the rename replaces a link planted at that name and its target is never touched. The result keeps the
+    permission bits of the file it replaces; a new file gets `mode`, else the umask's."""
+    if follow_symlinks:
+        path = Path(os.path.realpath(path))
+    else:
+        path = Path(os.path.abspath(path))
+    kind = None if path.is_symlink() else special_kind(path)
     if kind:
         raise JournalError(f"{path} is {kind}, not a regular file; it is never replaced: write to a file path")
     bits = file_mode(path)
@@ -131,6 +136,13 @@ def atomic_write_chunks(path: Path, chunks, *, mode: int | None = None) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
     _fsync_dir(path.parent)
+
+
+def _open_own(path: Path, append: bool = True):
+    """One of the tool's own files for writing, never through a symbolic link (O_NOFOLLOW)."""
+    flags = (os.O_WRONLY | os.O_APPEND if append else os.O_RDWR) | getattr(os, "O_NOFOLLOW", 0) | \
+        getattr(os, "O_CLOEXEC", 0)
+    return os.fdopen(os.open(path, flags), "ab" if append else "r+b")
 
 
 class _Busy(Exception):
@@ -220,7 +232,7 @@ class OutputLock:
             raise JournalError(f"{self.path.with_suffix('')} is being written by {self._holder()}; wait for it to "
                                f"finish or write to another -o") from None
         try:
-            atomic_write(self.pid_path, f"pid {os.getpid()}\n".encode())
+            atomic_write(self.pid_path, f"pid {os.getpid()}\n".encode(), follow_symlinks=False)
         except BaseException:
             self.lock.release()
             raise
@@ -275,21 +287,24 @@ class Journal:
         self.header = {"journal": VERSION, "input_sha256": input_sha256, "settings": settings}
         self.done: dict[int, list[str]] = {}
         self.notes: list[str] = []
+        if self.path.is_symlink():
+            raise JournalError(f"{self.path} is a symbolic link; a journal is never read or written through one "
+                               f"(it could point anywhere): remove it, or write to another -o")
         kind = special_kind(self.path)
         if kind:
             raise JournalError(f"{self.path} is {kind}, not a journal; remove it or write to another -o")
         if self.path.exists() and self._load(resume):
             if self.rewrite is not None:          # damaged records in the middle: keep only the valid ones
-                atomic_write(self.path, self.rewrite)
-                self.f = open(self.path, "ab")
+                atomic_write(self.path, self.rewrite, follow_symlinks=False)
+                self.f = _open_own(self.path)
             else:
-                self.f = open(self.path, "r+b")
+                self.f = _open_own(self.path, append=False)
                 self.f.seek(self.valid_bytes)
                 self.f.truncate()
         else:
             # a new journal holds the output's translations: it gets the output's permission bits if it exists
-            atomic_write(self.path, _line(self.header), mode=file_mode(output))
-            self.f = open(self.path, "ab")
+            atomic_write(self.path, _line(self.header), mode=file_mode(output), follow_symlinks=False)
+            self.f = _open_own(self.path)
 
     def _load(self, resume: bool) -> bool:
         """Read an existing journal; True to continue it, False to start over (it holds no work)."""

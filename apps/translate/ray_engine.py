@@ -308,6 +308,9 @@ class RayRun:
         self.shards = plan([len(x) for x in self.lines], args.shard_lines)
         out = Path(args.output)
         self.state = out.with_name(out.name + ".shards")
+        if self.state.is_symlink() or (self.state.exists() and not self.state.is_dir()):
+            raise UsageError(f"{self.state} is not a folder of this run's shards (a link or a file); remove it, or "
+                             f"write to another -o")
         self.state.mkdir(exist_ok=True)
         self.manifest = Journal(out, input_sha256(self.names, raws), setting, args.resume,
                                 path=self.state / "manifest", unit="shard", labels=LABELS)
@@ -337,7 +340,7 @@ class RayRun:
 
     def commit(self, shard: Shard, data: bytes) -> None:
         """Part file first (atomic), then its manifest record: a crash between the two only redoes the shard."""
-        atomic_write(self.state / shard.part, data)
+        atomic_write(self.state / shard.part, data, follow_symlinks=False)
         self.manifest.add(shard.index, [hashlib.sha256(data).hexdigest()])
 
     def run(self) -> int:
