@@ -241,3 +241,14 @@ def test_ray_refuses_actors_no_node_can_hold():
         check_resources(nodes, 64, 0)
     with pytest.raises(UsageError, match=r"--gpus_per_actor 1: .* \(it has none\); pass --gpus_per_actor 0"):
         check_resources(nodes, 1, 1)
+
+
+def test_ray_starts_only_the_actors_the_cluster_holds():
+    """Before: --actors 4 on a 2-CPU machine waited for ever for the two actors that could never start."""
+    from apps.translate.ray_engine import actors_that_fit
+
+    two_cpus = [{"Alive": True, "Resources": {"CPU": 2.0}}]
+    assert actors_that_fit(two_cpus, 1, 0) == 2 and actors_that_fit(two_cpus, 2, 0) == 1
+    nodes = two_cpus + [{"Alive": True, "Resources": {"CPU": 8.0, "GPU": 1.0}}, {"Alive": False,
+                                                                               "Resources": {"CPU": 64.0}}]
+    assert actors_that_fit(nodes, 2, 0) == 5 and actors_that_fit(nodes, 1, 0.5) == 2

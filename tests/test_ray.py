@@ -196,6 +196,18 @@ def test_actor_no_node_can_hold_is_refused_up_front(cluster, pair, job, tmp_path
 
 
 @pytest.mark.slow
+def test_more_actors_than_the_cluster_holds_start_as_many_as_fit(cluster, pair, job, tmp_path, capsys):
+    """Before: --actors 4 on a 2-CPU cluster waited for ever (two actors could never start)."""
+    inp, ref = job
+    argv = ray_args(pair, inp, tmp_path / "out.txt")
+    argv[argv.index("--actors") + 1] = "4"
+    assert main(argv) == 0
+    assert (tmp_path / "out.txt").read_bytes() == ref.read_bytes()
+    err = capsys.readouterr().err
+    assert "--actors 4: the cluster holds 2 actor(s) of 1 CPU(s) at once; starting 2" in err and "on 2 actor(s)" in err
+
+
+@pytest.mark.slow
 def test_sigterm_to_the_driver_is_one_line_and_resume_finishes(cluster, pair, job, tmp_path, capsys):
     """Before: SIGTERM went to the handler ray.init installs (sys.exit(15)): a native stack, exit 15."""
     inp, ref = job

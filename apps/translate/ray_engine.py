@@ -210,6 +210,21 @@ def check_resources(nodes: list[dict], cpus: float, gpus: float) -> None:
                          f"pass --gpus_per_actor 0 (or a fraction a node has)")
 
 
+def actors_that_fit(nodes: list[dict], cpus: float, gpus: float) -> int:
+    """How many actors of `cpus` CPUs and `gpus` GPUs the cluster's live nodes hold at once (Ray starts no more:
+    the rest would wait for ever)."""
+    total = 0
+    for n in nodes:
+        if not n.get("Alive", True):
+            continue
+        r = n.get("Resources", {})
+        fit = int(r.get("CPU", 0) // cpus) if cpus > 0 else 10**9
+        if gpus > 0:
+            fit = min(fit, int(r.get("GPU", 0) // gpus))
+        total += fit
+    return total
+
+
 def plan(counts: list[int], shard_lines: int) -> list[Shard]:
     """Shards in input order: every file cut into runs of shard_lines lines (a shard never spans two files)."""
     shards = []
@@ -384,9 +399,14 @@ class RayRun:
         import ray
 
         a = self.args
-        check_resources(ray.nodes(), a.cpus_per_actor, a.gpus_per_actor)
-        n = a.actors or max(1, int(ray.cluster_resources().get("CPU", 1) // a.cpus_per_actor))
-        self.n_actors = n = min(n, len(self.todo))
+        nodes = ray.nodes()
+        check_resources(nodes, a.cpus_per_actor, a.gpus_per_actor)
+        fit = actors_that_fit(nodes, a.cpus_per_actor, a.gpus_per_actor)
+        if a.actors and a.actors > fit:
+            self.say(f"--actors {a.actors}: the cluster holds {fit} actor(s) of {a.cpus_per_actor} CPU(s) at once; "
+                     f"starting {fit}")
+        n = min(a.actors or fit, fit)
+        self.n_actors = n = max(1, min(n, len(self.todo)))
         worker_args = copy.copy(a)
         worker_args.threads = a.threads or a.cpus_per_actor
         # A worker that dies (killed, out of memory, node lost) is restarted by Ray; its shard is retried by
