@@ -1,19 +1,51 @@
-"""The console commands' entry points: a tool's imports (numpy, onnxruntime, tokenizers; torch for the exporter)
-take seconds, and Ctrl-C during them printed a KeyboardInterrupt traceback. Each command imports its module
-here, where that interrupt becomes one line and exit status 130, as it does once the tool runs."""
+"""The console commands' entry points: a tool's imports (numpy, onnxruntime, tokenizers; torch for the exporter;
+Qt for the chat app) take seconds, and Ctrl-C during them printed a traceback (or, inside onnxruntime's import,
+"ImportError: import numpy failed"). Each command imports its module here with SIGINT and SIGTERM held back; one
+that arrived meanwhile ends the command with one line and exit status 130 (143 for SIGTERM) before the tool
+starts, as the tool itself ends on them once it runs."""
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
 
+_STOPS = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
-def _run(module: str, prog: str, argv) -> int:
+
+def _import_held(module: str, preload: tuple[str, ...]):
+    """(the module's main, the signal that arrived during the imports or None), with SIGINT/SIGTERM blocked
+    meanwhile: a signal waits as pending instead of raising inside an extension module's import."""
+    held = set(_STOPS)
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
     try:
         main = importlib.import_module(module).main
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted while starting", file=sys.stderr)
+        for name in preload:            # what main() imports first: the slow part of starting
+            try:
+                importlib.import_module(name)
+            except ImportError:         # not installed: main() says so in its own words
+                pass
+        pending = held & signal.sigpending()
+        got = min(pending) if pending else None
+        for sig in pending:
+            signal.sigwait({sig})       # consume it, so that unblocking does not deliver it
+        return main, got
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _run(module: str, prog: str, argv, preload: tuple[str, ...] = ()) -> int:
+    try:
+        main, got = _import_held(module, preload)
+    except KeyboardInterrupt:           # delivered to another thread during the imports
+        got = signal.SIGINT
+    if got is not None:
+        print(f"{prog}: {'interrupted' if got == signal.SIGINT else 'terminated'} while starting", file=sys.stderr)
+        return _STOPS[got]
+    try:
+        return main(argv)
+    except KeyboardInterrupt:           # between the imports and the tool's own handling
+        print(f"\n{prog}: interrupted", file=sys.stderr)
         return 130
-    return main(argv)
 
 
 def specbeam(argv=None) -> int:
@@ -22,16 +54,17 @@ def specbeam(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["translate"]:     # every later flag, --help included, belongs to the translate tool
         return translate(argv[1:])
-    return _run("specbeam_edge.cli", "specbeam", argv)
+    return _run("specbeam_edge.cli", "specbeam", argv, ("specbeam_edge.generate",))
 
 
 def export(argv=None) -> int:
-    return _run("specbeam_export.__main__", "specbeam-export", argv)
+    return _run("specbeam_export.__main__", "specbeam-export", argv, ("torch", "transformers", "onnx"))
 
 
 def translate(argv=None) -> int:
-    return _run("specbeam_apps.translate.__main__", "specbeam-translate", argv)
+    return _run("specbeam_apps.translate.__main__", "specbeam-translate", argv, ("specbeam_edge.generate",))
 
 
 def chat(argv=None) -> int:
-    return _run("specbeam_apps.chat.__main__", "specbeam-chat", argv)
+    return _run("specbeam_apps.chat.__main__", "specbeam-chat", argv,
+                ("PySide6.QtWidgets", "specbeam_apps.chat.window"))

@@ -102,10 +102,10 @@ def install_signal_handlers(app) -> list:
             return
         closing.append(signum)
         app.closeAllWindows()
-        app.exit(128 + signum)
+        app.exit(128 + signum)          # ignored before the event loop runs: main() checks `closing` then
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, handler)
-    return [rsock, wsock, notifier, handler]
+    return [rsock, wsock, notifier, handler, closing]
 
 
 def main(argv=None) -> int:
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
                     help="settings file (INI; default: Qt's per-user settings for specbeam-edge/chat)")
     args = ap.parse_args(argv)
     try:
-        from PySide6.QtCore import QSettings
+        from PySide6.QtCore import QSettings, QTimer
         from PySide6.QtWidgets import QApplication
     except ImportError as e:
         print(f"specbeam chat: {import_problem(e)}", file=sys.stderr)
@@ -132,8 +132,14 @@ def main(argv=None) -> int:
     keep = install_signal_handlers(app)
     settings = QSettings(args.settings, QSettings.Format.IniFormat) if args.settings else None
     win = ChatWindow(ChatStore(args.db), settings=settings)
-    win.show()
-    code = app.exec()
+    closing = keep[-1]
+    if closing:                         # Ctrl-C or SIGTERM while the window was being built (models loading)
+        code = 128 + closing[0]
+    else:
+        win.show()
+        # a signal between this check and the loop's start: app.exit() came too early, so ask again from inside
+        QTimer.singleShot(0, lambda: closing and app.exit(128 + closing[0]))
+        code = app.exec()
     del win, keep    # the window (and its thread) go before the application object
     return code
 
