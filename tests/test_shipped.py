@@ -29,6 +29,30 @@ def test_folders_load_and_validate():
         assert lm.cfg.vocab_size == 8192 and lm.cfg.eos_token_ids == (0,)
 
 
+def test_shipped_folders_check_their_tokenizer(tmp_path):
+    """Before: no shipped config carried tokenizer_sha256, so a tokenizer.json with two vocabulary entries
+    swapped loaded and translated silently. Every shipped folder names its tokenizer's SHA-256 now; a changed
+    tokenizer is refused."""
+    import shutil
+
+    from specbeam_edge.contract import file_sha256
+
+    folders = sorted(p.parent for p in (ROOT / "models").glob("**/specbeam_config.json"))
+    assert len(folders) >= 5
+    for folder in folders:
+        cfg = json.loads((folder / "specbeam_config.json").read_text())
+        assert cfg.get("tokenizer_sha256") == file_sha256(folder / "tokenizer.json"), folder
+    copy = tmp_path / "target"
+    shutil.copytree(PAIR / "target", copy)
+    tok = json.loads((copy / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = (k for k, v in vocab.items() if v in (100, 101))
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (copy / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ModelFolderError, match="is not the tokenizer the model was exported with"):
+        Engine(str(copy))
+
+
 def test_tokenizer_round_trips_held_out_text():
     tok = Tokenizer(PAIR / "target")
     for f in ("test_sample.en", "test_sample.de"):
