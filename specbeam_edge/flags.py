@@ -48,13 +48,7 @@ def guard_std_streams() -> None:
 
 def check_widths(engine, max_branch_width: int | None, draft_width: int | None) -> None:
     """Tree widths beyond the vocabulary (a TopK k larger than the vocabulary fails deep inside onnxruntime)."""
-    vocab = engine.target.cfg.vocab_size
-    if engine.draft is not None:
-        vocab = min(vocab, engine.draft.cfg.vocab_size)
-    for flag, value in (("--max_branch_width", max_branch_width), ("--draft_width", draft_width)):
-        if value is not None and value > vocab:
-            raise ValueError(f"{flag} {value} is larger than the model's vocabulary ({vocab} tokens); pass at most "
-                             f"{vocab}")
+    engine.check_widths(max_branch_width, draft_width, flags=True)
 
 
 def check_prompt_format(engine, model: str) -> None:

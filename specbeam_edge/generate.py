@@ -129,6 +129,8 @@ class Engine:
         if src_lang is not None and self.encoder is None:
             raise ValueError("src_lang is for encoder-decoder models (NLLB/M2M100); this is a decoder-only model")
         if isinstance(prompt, str):
+            if not prompt:      # the format's tokens alone (or a source of EOS alone): junk, not a request
+                raise ValueError("the prompt is empty; pass some text (or token ids)")
             if self.encoder is not None:
                 ids = self.encoder.source_ids(prompt, self.tokenizer, src_lang)
             elif self.tokenizer is None:
@@ -167,18 +169,33 @@ class Engine:
                 raise ValueError(f"token id {int(t)} at position {i} is outside the model's vocabulary (0-{vocab - 1})")
         return [int(t) for t in items]
 
-    @staticmethod
-    def _speculative(spec) -> SpeculativeConfig | None:
-        """A SpeculativeConfig, or a dict of its fields, or None."""
-        if spec is None or isinstance(spec, SpeculativeConfig):
-            return spec
+    def _speculative(self, spec) -> SpeculativeConfig | None:
+        """A SpeculativeConfig, or a dict of its fields, or None; tree widths are checked against the vocabulary
+        (a TopK wider than it fails deep inside onnxruntime)."""
         if isinstance(spec, dict):
             unknown = set(spec) - {f.name for f in fields(SpeculativeConfig)}
             if unknown:
                 raise ValueError(f"unknown speculative option(s): {', '.join(sorted(map(str, unknown)))}")
-            return SpeculativeConfig(**spec)
-        raise TypeError(f"speculative must be a SpeculativeConfig, a dict of its fields or None, got "
-                        f"{type(spec).__name__}")
+            spec = SpeculativeConfig(**spec)
+        if spec is None:
+            return None
+        if not isinstance(spec, SpeculativeConfig):
+            raise TypeError(f"speculative must be a SpeculativeConfig, a dict of its fields or None, got "
+                            f"{type(spec).__name__}")
+        self.check_widths(spec.max_branch_width, spec.draft_width)
+        return spec
+
+    def check_widths(self, max_branch_width: int | None, draft_width: int | None, flags: bool = False) -> None:
+        """Tree widths within the vocabulary (the draft's, when it has a smaller one); `flags`: name them as the
+        command-line flags."""
+        vocab = self.target.cfg.vocab_size
+        if self.draft is not None:
+            vocab = min(vocab, self.draft.cfg.vocab_size)
+        for name, value in (("max_branch_width", max_branch_width), ("draft_width", draft_width)):
+            if value is not None and value > vocab:
+                what = f"--{name} {value}" if flags else f"{name}={value}"
+                raise ValueError(f"{what} is larger than the model's vocabulary ({vocab} tokens); pass at most "
+                                 f"{vocab}")
 
     def cost_curve(self, sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), past: int = 32,
                    reps: int = 3) -> dict[int, float]:

@@ -215,3 +215,21 @@ def test_tokenizer_of_another_size_or_model_is_refused(exported, tmp_path):
     (folder / "tokenizer.json").write_text(json.dumps(spec))
     with pytest.raises(ModelFolderError, match="not the tokenizer the model was exported with"):
         Engine(folder)
+
+
+def test_an_empty_text_prompt_is_refused_not_filled_by_the_format(shipped):
+    """Before: engine.generate("") on the translation pair returned '________' (the prompt format's tokens alone
+    were decoded from)."""
+    with pytest.raises(ValueError, match="the prompt is empty; pass some text"):
+        shipped.generate("", num_beams=2, max_new_tokens=8)
+    assert shipped.generate("Open the file.", num_beams=2, max_new_tokens=8)[0].text
+
+
+def test_tree_widths_over_the_vocabulary_are_a_value_error(engine):
+    """Before: the API passed them to the graph's TopK, which failed deep inside onnxruntime."""
+    vocab = min(engine.target.cfg.vocab_size, engine.draft.cfg.vocab_size)
+    for kw in (dict(max_branch_width=vocab + 1), dict(draft_width=100000)):
+        with pytest.raises(ValueError, match=r"larger than the model's vocabulary \(\d+ tokens\); pass at most"):
+            engine.generate("hello", num_beams=2, max_new_tokens=4, speculative=SpeculativeConfig(**kw))
+        with pytest.raises(ValueError, match="larger than the model's vocabulary"):
+            engine.generate("hello", num_beams=2, max_new_tokens=4, speculative=kw)
