@@ -143,10 +143,12 @@ def cmd_chat(args) -> int:
         if not line:
             break
         turn = messages + [{"role": "user", "content": line}]
-        if engine.tokenizer.chat_template:
-            prompt = engine.tokenizer.apply_chat_template(turn)
-        else:
-            prompt = engine.tokenizer.format_prompt(line)
+        ctx = engine.target.cfg.context_length
+        room = min(engine.generation_config(**overrides).max_new_tokens, ctx // 4)
+        prompt, left_out = engine.chat_prompt(turn, room=room)
+        if left_out and engine.tokenizer.chat_template:
+            print(f"chat: the earliest {left_out} message(s) no longer fit the model's context ({ctx} tokens) and "
+                  f"were left out of this turn", file=sys.stderr)
         answer = ""
         try:
             for chunk in engine.stream(prompt, speculative=spec, **overrides):

@@ -117,6 +117,25 @@ class Engine:
         base = asdict(generation) if generation is not None else dict(self.target.cfg.generation)
         return GenerationConfig.from_dict(base, **overrides)
 
+    def chat_prompt(self, messages: list[dict], room: int = 0) -> tuple[str, int]:
+        """(the conversation in the model's chat template, how many of the earliest messages were left out): when
+        it is longer than the context less `room` tokens (for the answer), the earliest messages are left out, a
+        system message first in the list stays, and the kept history starts with a user message. A model without
+        a chat template gets its prompt format around the last message alone (e.g. a translation model)."""
+        tok = self.tokenizer
+        if not tok.chat_template:
+            return tok.format_prompt(messages[-1]["content"]), len(messages) - 1
+        head = messages[:1] if messages and messages[0]["role"] == "system" else []
+        msgs, left_out = messages[len(head):], 0
+        fits = self.target.cfg.context_length - room
+        while True:
+            prompt = tok.apply_chat_template(head + msgs)
+            if len(msgs) <= 1 or len(self.encode(prompt)) <= fits:
+                return prompt, left_out
+            msgs, left_out = msgs[1:], left_out + 1
+            while len(msgs) > 1 and msgs[0]["role"] != "user":    # the history starts with a question
+                msgs, left_out = msgs[1:], left_out + 1
+
     def encode(self, prompt: str | list[int], src_lang: str | None = None, raw: bool = False) -> list[int]:
         """Token ids of a prompt. A text is put into the model folder's prompt format (tokenizer_config.json
         `prompt_format`, e.g. the translation pair's `<|endoftext|>{source}<|de|>`) and encoded with the format's

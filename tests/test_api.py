@@ -109,3 +109,35 @@ def test_cli_speculation_is_adaptive_unless_asked():
     assert spec.adaptive
     _, spec = configs(ap.parse_args(["--draft", "d", "--always_speculate"]))
     assert not spec.adaptive
+
+
+def test_chat_prompt_leaves_the_earliest_messages_out_to_fit(engine):
+    """A conversation longer than the context: the earliest messages go (the system message stays, the kept
+    history starts with a question) until the prompt leaves `room` tokens for the answer."""
+    ctx = engine.target.cfg.context_length
+    long = " ".join(["fox"] * (ctx // 6))
+    msgs = [{"role": "system", "content": "be brief"}]
+    for k in range(8):
+        msgs += [{"role": "user", "content": f"{k} {long}"}, {"role": "assistant", "content": f"answer {k}"}]
+    msgs.append({"role": "user", "content": "last question"})
+    prompt, left_out = engine.chat_prompt(msgs, room=16)
+    assert 0 < left_out < len(msgs) - 2 and len(engine.encode(prompt)) <= ctx - 16
+    kept = [msgs[0]] + msgs[1 + left_out:]
+    assert kept[1]["role"] == "user" and prompt == engine.tokenizer.apply_chat_template(kept)
+    short = [{"role": "user", "content": "hi"}]
+    assert engine.chat_prompt(short) == (engine.tokenizer.apply_chat_template(short), 0)
+
+
+def test_terminal_chat_keeps_going_when_the_history_outgrows_the_context(engine, exported, monkeypatch, capsys):
+    """Before: with a chat-template model, `specbeam chat` refused every message once the history was longer than
+    the context; it now leaves the earliest messages out of the turn (as the desktop app does) and says so."""
+    import io
+    import sys
+
+    ctx = engine.target.cfg.context_length
+    lines = "".join(f"{k} " + " ".join(["fox"] * (ctx // 5)) + "\n" for k in range(6))
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(lines.encode())))
+    assert cli_main(["chat", "--model", str(exported("llama", std=0.3, seed=3)), "--max_new_tokens", "4"]) == 0
+    out, err = capsys.readouterr()
+    assert len(out.splitlines()) >= 6, (out, err)           # every message answered
+    assert "were left out of this turn" in err and "was not sent" not in err

@@ -580,25 +580,14 @@ class ChatWindow(QMainWindow):
     def _prompt(self, cid: int) -> str:
         """The conversation in the model's chat template; when it is longer than the model's context (less room
         for the answer), the earliest messages are left out (`left_out` counts them; the system prompt stays)."""
-        tok = self.engine.tokenizer
         msgs = [{"role": m["role"], "content": m["content"]} for m in self.store.messages(cid)
                 if m["id"] != self.replacing]
-        self.left_out = 0
-        if not tok.chat_template:
-            return tok.format_prompt(msgs[-1]["content"])   # e.g. a translation model: the last message alone
         system = self.store.system(cid)
-        head = [{"role": "system", "content": system}] if system else []
+        head = [{"role": "system", "content": system}] if system and self.engine.tokenizer.chat_template else []
         ctx = self.engine.target.cfg.context_length
-        fits = ctx - min(self.max_new.value(), ctx // 4)
-        while True:
-            prompt = tok.apply_chat_template(head + msgs)
-            if len(msgs) <= 1 or len(self.engine.encode(prompt)) <= fits:
-                return prompt
-            msgs = msgs[1:]
-            self.left_out += 1
-            while len(msgs) > 1 and msgs[0]["role"] != "user":    # the history starts with a question
-                msgs = msgs[1:]
-                self.left_out += 1
+        prompt, left_out = self.engine.chat_prompt(head + msgs, room=min(self.max_new.value(), ctx // 4))
+        self.left_out = left_out if self.engine.tokenizer.chat_template else 0
+        return prompt
 
     def send(self):
         text = self.input.toPlainText().strip()
