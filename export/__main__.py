@@ -56,8 +56,11 @@ def main(argv=None) -> int:
                     help="fp16: weights, activations and KV cache in fp16 (for GPUs; whole layout; logits fp32)")
     ap.add_argument("--block_size", type=block_size, default=32,
                     help="int4 quantization block size (a power of two >= 16)")
-    ap.add_argument("--reduce_range", action="store_true",
-                    help="int8: 7-bit weights, so CPUs without VNNI (AVX2 only) never saturate their int16 sums")
+    ap.add_argument("--full_range", action="store_true",
+                    help="int8/int8dyn: 8-bit weights (half the rounding error of the default 7 bits) for CPUs with "
+                         "VNNI only: without it (AVX2 only) onnxruntime's int8 kernel sums pairs of products in int16, "
+                         "which 8-bit weights overflow (logits off by 20-30%%)")
+    ap.add_argument("--reduce_range", action="store_true", help=argparse.SUPPRESS)   # the default now (7-bit)
     ap.add_argument("--attention", choices=("fp32", "fp64"), default=None,
                     help="attention arithmetic (default: fp64 for int8 and int4, whose int8 activations would turn "
                          "fp32 rounding that depends on the cache layout into different tokens; fp32 otherwise)")
@@ -68,7 +71,7 @@ def main(argv=None) -> int:
     try:
         out = export(args.input, args.output, precision=args.precision, layout=args.layout,
                      output=args.output_kind, overwrite=args.overwrite, block_size=args.block_size, quiet=args.quiet,
-                     compute=args.compute, reduce_range=args.reduce_range, attention=args.attention)
+                     compute=args.compute, reduce_range=not args.full_range, attention=args.attention)
     except ExportError as e:
         print(f"specbeam-export: error: {e}", file=sys.stderr)
         return 2

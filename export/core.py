@@ -84,19 +84,21 @@ def _save(model: onnx.ModelProto, path: Path) -> bool:
     return big
 
 
-def _save_quantized(model: onnx.ModelProto, dst: Path, precision: str, block_size: int) -> dict:
+def _save_quantized(model: onnx.ModelProto, dst: Path, precision: str, block_size: int,
+                    reduce_range: bool = True) -> dict:
     """Quantize `model` (int8/int4) into `dst` through a temporary fp32 graph beside it, which is removed with
     its tensor file (measured: gemma-3-270m's int8 folder was 2688 MB with a 1.7 GB leftover, 962 MB without)."""
     raw = dst.with_name(dst.stem + ".fp32.onnx")
     big = _save(model, raw)
     try:
-        return _quantize(raw, dst, precision, block_size, external=big)
+        return _quantize(raw, dst, precision, block_size, external=big, reduce_range=reduce_range)
     finally:
         raw.unlink(missing_ok=True)
         raw.with_name(raw.name + ".data").unlink(missing_ok=True)
 
 
-def _quantize(src: Path, dst: Path, precision: str, block_size: int, external: bool) -> dict:
+def _quantize(src: Path, dst: Path, precision: str, block_size: int, external: bool,
+              reduce_range: bool = True) -> dict:
     """int8dyn (quantize_dynamic) or int4 (MatMulNBits) through onnxruntime's quantizers. external: write the
     tensors to `<dst>.data` (the quantized graph of a past-2-GB fp32 graph can pass 2 GB too: fp32 embeddings
     and int8 matrices). int8 is not here: quant.rowwise_int8 rewrites the graph in memory."""
@@ -106,9 +108,9 @@ def _quantize(src: Path, dst: Path, precision: str, block_size: int, external: b
         from onnxruntime.quantization import QuantType, quantize_dynamic
 
         quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"],
-                         per_channel=True, use_external_data_format=external)
+                         per_channel=True, reduce_range=reduce_range, use_external_data_format=external)
         return {"method": "onnxruntime quantize_dynamic (one activation scale per tensor: not batch-invariant)",
-                "weight_type": "int8", "per_channel": True,
+                "weight_type": "int8", "per_channel": True, "reduce_range": reduce_range,
                 "ops": "DynamicQuantizeLinear + MatMulInteger (all weight MatMuls incl. lm_head); embeddings fp32"}
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
@@ -122,7 +124,7 @@ def _quantize(src: Path, dst: Path, precision: str, block_size: int, external: b
 
 
 def save_precision(model: onnx.ModelProto, dst: Path, precision: str, block_size: int = 32,
-                   reduce_range: bool = False) -> dict | None:
+                   reduce_range: bool = True) -> dict | None:
     """Write the fp32-compute graph `model` to `dst` at `precision`; returns the quantization entry of the
     config (None: the graph is saved as built)."""
     if precision == "int8":
@@ -130,7 +132,7 @@ def save_precision(model: onnx.ModelProto, dst: Path, precision: str, block_size
         _save(model, dst)
         return quant
     if precision in ("int8dyn", "int4"):
-        return _save_quantized(model, dst, precision, block_size)
+        return _save_quantized(model, dst, precision, block_size, reduce_range)
     _save(model, dst)
     return None
 
@@ -141,7 +143,7 @@ def _generation_defaults(src: Path) -> dict:
 
 
 def _write_layer_weights(folder: Path, layers: list[dict], arch: Arch, precision: str,
-                         reduce_range: bool = False) -> list[dict]:
+                         reduce_range: bool = True) -> list[dict]:
     """weights/layer_{i}.bin: each layer's tensors back to back (64-byte aligned); the manifest is shared."""
     (folder / "weights").mkdir()
     manifest = None
@@ -150,7 +152,8 @@ def _write_layer_weights(folder: Path, layers: list[dict], arch: Arch, precision
         for name in graph.layer_weight_names(arch):
             arrays = [(name, w[name])]
             if precision in ("int8", "int8w") and name in graph.MATMULS:
-                q, s = quantize_columns(w[name], reduce_range)
+                # 7 bits only where the CPU sums int8 products (int8 compute); int8w computes in fp32
+                q, s = quantize_columns(w[name], reduce_range and precision == "int8")
                 arrays = [(name, q), (name + ".scale", s)]
             elif precision == "fp16":
                 arrays = [(name, w[name].astype(np.float16))]
@@ -187,14 +190,15 @@ def _layer_checksums(folder: Path, num_layers: int) -> list[str]:
 
 def export(src: str | Path, dst: str | Path, *, precision: str = "fp32", layout: str = "whole",
            output: str = "logits", overwrite: bool = False, block_size: int = 32, quiet: bool = False,
-           compute: str = "fp32", reduce_range: bool = False, attention: str | None = None) -> Path:
+           compute: str = "fp32", reduce_range: bool = True, attention: str | None = None) -> Path:
     """Export the HF folder `src` into the specbeam model folder `dst`; returns dst.
 
     attention: "fp32" or "fp64" (attention computed in double, so a node's result does not depend on where the
     cache's dead columns sit); None: fp64 for int8 and int4 (ATTENTION), fp32 otherwise.
     compute: "fp32", or "fp16" for GPUs: weights, activations and the KV cache in fp16 (half the memory and
     bandwidth, tensor cores on CUDA), logits and the tree mask still fp32 at the graph's edge (`_to_fp16`).
-    reduce_range: int8 weights in 7 bits, so CPUs without VNNI never saturate int16 sums (export/quant.py).
+    reduce_range: int8 weights in 7 bits (the default), so CPUs without VNNI never saturate their int16 sums
+    (export/quant.py); False: 8 bits, half the weight rounding error, only for CPUs with VNNI.
     The folder is written to a temporary sibling and renamed at the end, so a failure leaves nothing behind.
     """
     src, dst = Path(src), Path(dst)
@@ -265,7 +269,7 @@ INT8W = {"method": "specbeam int8 weight storage: symmetric per output channel (
 
 def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str, *, precision: str, layout: str,
                     output: str, block_size: int, quiet: bool, compute: str = "fp32",
-                    reduce_range: bool = False, attention: str = "fp32") -> Path:
+                    reduce_range: bool = True, attention: str = "fp32") -> Path:
     """A decoder-only model from the HF-style folder `src` (weights: read from it when None)."""
     if not (src / "tokenizer.json").is_file():
         raise ExportError(f"{src}: no tokenizer.json (a `tokenizers` fast tokenizer is required)")

@@ -408,7 +408,7 @@ def cross_probe(encoder: Path, layers: int, eos: int, head_dim: int) -> dict:
 
 
 def export_encdec(src: Path, dst: Path, family: str, *, precision: str, layout: str, output: str, overwrite: bool,
-                  quiet: bool, reduce_range: bool = False, attention: str = "fp32") -> Path:
+                  quiet: bool, reduce_range: bool = True, attention: str = "fp32") -> Path:
     """Write the model folder of an encoder-decoder: encoder.onnx + model.onnx (the decoder) + config."""
     from .safety import file_sha256
     from .core import INT8W, INVARIANT, Progress, save_precision, staged

@@ -7,6 +7,7 @@ the scheduler (scheduler.py) batches the passes of many requests. `generate_iter
 from __future__ import annotations
 
 import threading
+import warnings
 from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Iterator
@@ -19,7 +20,7 @@ from .config import GenerationConfig, ModelFolderError, SpeculativeConfig
 from .contract import probe_source
 from .draft import custom_drafter, make_drafter
 from .encdec import Encoder, EncoderQueue, is_encoder_decoder, logits_processor, shared_cross_layers, shared_statics
-from .invariance import Invariance, NotInvariantError
+from .invariance import Invariance, NotInvariantError, QuantizationWarning, saturation_warning
 from .model import OnnxCausalLM
 from .results import Alternative, Hypothesis, Result, Stats, StreamChunk, peak_rss_mb
 from .scheduler import Job, Scheduler
@@ -62,6 +63,10 @@ class Engine:
             draft_tokenizer = Tokenizer(draft)
             check_compatible(self.tokenizer, draft_tokenizer, self.draft.cfg.vocab_size, self.target.cfg.vocab_size)
             check_vocabulary(draft_tokenizer, self.draft.cfg)
+        # the target only: a draft's numbers change how fast, never what, the engine outputs
+        warning = saturation_warning(self.target.cfg)
+        if warning:
+            warnings.warn(warning, QuantizationWarning, stacklevel=2)
         self.eos = list(self.target.cfg.eos_token_ids)
         self._init_encoders(threads, providers)
         self._init_state()

@@ -7,10 +7,12 @@ is cached per model file, onnxruntime version and CPU, so a start-up pays for it
 """
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
 import platform
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -238,3 +240,41 @@ def refusal(model, result: Invariance) -> str:
             f"from its paths scored alone by {result.max_diff:.1e} of the largest logit; the limit is "
             f"{TOLERANCE:.0e}), so speculative output would not equal plain beam search. Run without speculation "
             f"(plain search works), or {fix}")
+
+
+# -- int8 sums that overflow int16 -----------------------------------------------------------------------------
+# A MatMulInteger of [2, 64] uint8 activations (zero point 128) by [64, 16] int8 weights, all 127: the graph
+# tests/test_invariance.py builds with onnx and checks against these bytes (zlib, base64), so that the runtime
+# measures without onnx.
+SATURATION_PROBE = ("eNrj4BDiLS5ITU5KTczVTU1JT7V6ycElw8WYyMVYzsVUlSjEWKnE65tY4lua45lXkpqeWiTEWlCUn5Sq1cPB4cAhIMDsxFju1cBRP"
+                    "wpGwSgYsUCLU4DJCVheeDE2RAkDiw8hPi4eDiYhDi4mDiYgdkgCClaCBdngggJOLFwMArwA0/oVBQ==")
+_SATURATES: bool | None = None
+
+
+class QuantizationWarning(UserWarning):
+    """A quantized graph whose numbers this machine cannot compute as exported (see saturation_warning)."""
+
+
+def int8_sums_saturate() -> bool:
+    """Does this machine's onnxruntime sum u8 x s8 products in int16 pairs that overflow (AVX2 without VNNI:
+    vpmaddubsw)? Measured once per process on a MatMulInteger whose pairs reach 255 x 127 x 2 > 32,767, as 8-bit
+    weights can (export/quant.py)."""
+    global _SATURATES
+    if _SATURATES is None:
+        model = zlib.decompress(base64.b64decode(SATURATION_PROBE))
+        sess = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+        y = sess.run(None, {"a": np.full((2, 64), 255, np.uint8)})[0]
+        _SATURATES = bool((y != (255 - 128) * 127 * 64).any())
+    return _SATURATES
+
+
+def saturation_warning(cfg) -> str | None:
+    """A warning for an int8 graph with 8-bit weights (exported with --full_range, or before 7 bits became the
+    default) on a machine whose int8 kernel saturates: its logits can be far off (measured 20-33%)."""
+    quant = cfg.raw.get("quantization") or {}
+    if cfg.raw.get("precision") not in ("int8", "int8dyn") or not isinstance(quant, dict) or \
+            quant.get("reduce_range", False) or not int8_sums_saturate():
+        return None
+    return (f"{cfg.folder}: this CPU's int8 kernel sums pairs of products in 16 bits (no VNNI), which this export's "
+            f"8-bit weights overflow: its outputs can be far from the model's; re-export it without --full_range "
+            f"(7-bit weights, the default; a fetched model: specbeam fetch NAME --force)")

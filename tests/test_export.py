@@ -136,12 +136,16 @@ def test_export_cli_and_config(hf_models, tmp_path):
     cfg = json.loads((out / "specbeam_config.json").read_text())
     assert cfg["precision"] == "int8" and "per-row int8" in cfg["quantization"]["method"]
     assert cfg["num_kv_heads"] == 2 and cfg["layout"] == "whole" and cfg["batch_invariant"]
-    # --reduce_range: 7-bit weights (no int16 saturation on CPUs without VNNI); -p int8dyn: quantize_dynamic
-    assert main(["-i", str(src), "-o", str(tmp_path / "r"), "-p", "int8", "--reduce_range", "-q"]) == 0
+    # 7-bit weights by default (no int16 saturation on CPUs without VNNI); --full_range: 8 bits
     import onnx
-    q8 = [onnx.numpy_helper.to_array(t) for t in onnx.load(str(tmp_path / "r" / "model.onnx")).graph.initializer
-          if t.data_type == onnx.TensorProto.INT8]
-    assert q8 and max(int(np.abs(q.astype(np.int16)).max()) for q in q8) == 64
+
+    def widest(folder):
+        q8 = [onnx.numpy_helper.to_array(t) for t in onnx.load(str(folder / "model.onnx")).graph.initializer
+              if t.data_type == onnx.TensorProto.INT8]
+        return q8 and max(int(np.abs(q.astype(np.int16)).max()) for q in q8)
+    assert widest(out) == 64 and cfg["quantization"]["reduce_range"] is True
+    assert main(["-i", str(src), "-o", str(tmp_path / "r"), "-p", "int8", "--full_range", "-q"]) == 0
+    assert widest(tmp_path / "r") == 127
     assert main(["-i", str(src), "-o", str(tmp_path / "d"), "-p", "int8dyn", "-q"]) == 0
     dyn = json.loads((tmp_path / "d" / "specbeam_config.json").read_text())
     assert "quantize_dynamic" in dyn["quantization"]["method"] and dyn["batch_invariant"] is False
