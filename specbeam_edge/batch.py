@@ -1,4 +1,4 @@
-"""The batched pass: one model pass over the new nodes of several requests' tree caches (DESIGN section 11, "The
+"""The batched pass: one model pass over the new nodes of several requests' tree caches (docs/HISTORY.md "The
 batched pass" and "Batch rows").
 
 Request b's past is left-aligned and zero-padded to the longest past, its new rows follow the padded past;
@@ -21,7 +21,7 @@ if TYPE_CHECKING:     # annotations only: cache.py imports this module (TreeCach
 
 # True: the caches of a batched pass stay rows of its presents (TreeCache.adopt_batch_row); False: the older
 # layout, each request's cache copied out of the presents after the pass and padded into a new array before the
-# next, kept for the A/B of DESIGN section 11, "Batch rows"
+# next, kept for the A/B of docs/HISTORY.md "Batch rows"
 BATCH_ROWS = True
 
 
@@ -71,7 +71,7 @@ def score_batch(calls: list[ScoreCall]) -> list:
 def _buckets(shapes: list[tuple[int, int]], min_split: int = 4) -> list[list[int]]:
     """Sub-batches of similar shape, from (cached slots N, new nodes Q) per request. Padding to the largest Q
     runs every request's padded rows through the whole network (one long prefill made a batch of short decoding
-    steps several times slower: DESIGN section 11, "The batched pass"). So: split where Q more than doubles, then,
+    steps several times slower: docs/HISTORY.md "The batched pass"). So: split where Q more than doubles, then,
     inside a group, at gaps where N more than doubles (N pads the attention and the KV copies), leaving
     min_split requests a side."""
     order = sorted(range(len(shapes)), key=lambda i: (shapes[i][1], shapes[i][0]))
@@ -201,7 +201,7 @@ def _pack(model, gathers: list, Nm: int) -> list:
 
 # per model: the requests' static inputs of its last batched pass and their stacked arrays. A batch whose
 # requests are the same, in the same order, feeds the same arrays instead of padding and copying them anew
-# every pass (DESIGN section 11, "The batched pass")
+# every pass (docs/HISTORY.md "The batched pass")
 _STACKED: dict[int, tuple[list, dict]] = {}
 
 

@@ -229,7 +229,7 @@ DRAFTERS = ("beam", "best_first", "sample", "lookup")
 # Draft nodes per target pass by default. 80, not 48: at K = 4 the default width is 16 nodes a level, so 48 nodes
 # gave three levels (at most 4 steps per pass) and the shipped pair 2.37 steps; 80 gives five levels and 2.61
 # (100 held-out lines, identical output). K = 1 and 2 are bound by max_depth, not by the budget, below 80
-# (4 x 6 and 8 x 6 nodes), so they draw the same trees. docs/DESIGN.md section 11, "The default budget".
+# (4 x 6 and 8 x 6 nodes), so they draw the same trees. docs/HISTORY.md "The default budget".
 DEFAULT_BUDGET = 80
 
 

@@ -101,7 +101,7 @@ def default_width(num_beams: int, max_branch_width: int, budget: int) -> int:
     budget // 2)). For K > 1 a level is accepted only when it holds all K of the target's next beams, which the
     draft's own top K rarely are: spending the budget on width (4K, at least two levels) rather than depth measured
     1.11 -> 1.58 beam steps per target pass at K=4, 1.76 -> 2.14 at K=2, 1.02 -> 1.23 at K=8 (budget 48, a draft cut
-    from the shipped target before its KD stage); K=1 keeps max_branch_width children per level (DESIGN section 11,
+    from the shipped target before its KD stage); K=1 keeps max_branch_width children per level (docs/HISTORY.md
     "Draft width")."""
     return max(num_beams, max_branch_width, min(4 * num_beams, budget // 2))
 

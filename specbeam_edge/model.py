@@ -77,7 +77,7 @@ class OnnxCausalLM:
         placement: an explicit list of 'resident' / 'host' / 'disk' per layer instead of the planner.
         spin: let onnxruntime's threads busy-wait between runs (faster back-to-back runs of one model).
         kv_resident: keep the KV cache where the session computes it (OrtValues bound with IOBinding, see
-        `forward`); default: on for CUDA sessions, off on the CPU (where it measured no faster, DESIGN s. 11).
+        `forward`); default: on for CUDA sessions, off on the CPU (where it measured no faster, docs/HISTORY.md "Resident KV caches").
         min_rows: the fewest rows a pass scores (batch.py adds padding rows). onnxruntime computes a one-row
         MatMul on another path (GEMV) whose fp32 sums round differently; int8/int4 activations can turn that last
         bit into a quantization step, so their passes score at least 2 rows and a node's logits are the same bits

@@ -1,4 +1,4 @@
-"""Continuous batching: many request searches share every model pass (DESIGN section 10, "the batched pass").
+"""Continuous batching: many request searches share every model pass (docs/HISTORY.md "The batched pass").
 
 Each running search waits on one `ScoreCall`. Per round the scheduler runs ONE batched pass of one model over
 all calls waiting on it: draft models first (so every request's draft level k is one pass), then the target

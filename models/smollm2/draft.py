@@ -15,7 +15,7 @@ The 24 prompts of bench/llamacpp.py are held out (none is in the set; checked). 
 export (`specbeam fetch smollm2`): the answers and the teacher's top-k come from the graph the draft will serve,
 so the draft learns what this target says, rounding included.
 
-The draft (DESIGN "Drafts for a real model"): 2 decoder layers initialised from the target's layers 0 and 1,
+The draft (docs/HISTORY.md "A draft for a real model"): 2 decoder layers initialised from the target's layers 0 and 1,
 the target's final norm, the target's embedding shared and frozen, and a head over the FREQ most frequent answer
 tokens (rows of the tied embedding to start with); trained with cross-entropy on the target's answers plus the
 top-K alignment term of the shipped pair (models/train.py `align_loss`) against the target's top-k.
