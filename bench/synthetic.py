@@ -68,17 +68,17 @@ class SyntheticDrafter:
 
     def __init__(self, oracle: list[list[tuple[int, ...]]], prompt_len: int, acceptance: float, budget: int,
                  depth: int, seed: int = 0):
-        self.oracle, self.P, self.a, self.budget, self.depth = oracle, prompt_len, acceptance, budget, depth
+        self.oracle, self.prompt_len, self.a, self.budget, self.depth = oracle, prompt_len, acceptance, budget, depth
         self.rng = np.random.default_rng(seed)
         self.levels_covered = 0      # summed over calls: the drafter's side of beam steps per pass
 
     def __call__(self, dcache, roots, root_scores):
         """A generator drafter (custom_drafter runs it): one draft pass a level, through the scheduler."""
         tree = dcache.tree
-        step = tree.depth(roots[0]) + 1 - self.P          # the oracle's running beams after `step` steps
+        step = tree.depths[roots[0]] + 1 - self.prompt_len          # the oracle's running beams after `step` steps
         base = roots[0]
-        while tree.depth(base) >= self.P:                 # the prompt's last node
-            base = tree.parent(base)
+        while tree.depths[base] >= self.prompt_len:                 # the prompt's last node
+            base = tree.parents[base]
         out, seen, covered = [], set(roots), True
         frontier = list(dict.fromkeys(roots))
         per_level = max(1, self.budget // self.depth)
@@ -102,7 +102,7 @@ class SyntheticDrafter:
             if new:
                 yield ScoreCall(dcache, new)               # the honest draft cost of this level
             seen.update(new)
-            out.extend(n for n in new if tree.depth(n) >= self.P)
+            out.extend(n for n in new if tree.depths[n] >= self.prompt_len)
             frontier = new or frontier
         return [n for n in dict.fromkeys(out) if n not in roots]
 
@@ -116,8 +116,8 @@ def plain_run(engine: Engine, prompt: list[int], K: int, max_new: int):
     steps = [[()]]
     t0 = time.perf_counter()
     bs = None
-    for bs, _ in engine.generate_step(prompt, gen):
-        steps.append([tuple(bs.tree.path(n)[bs.P:]) for n in bs.running])
+    for bs, _ in engine.generate_passes(prompt, gen):
+        steps.append([tuple(bs.tree.path(n)[bs.prompt_len:]) for n in bs.running])
     seconds = time.perf_counter() - t0
     return steps, seconds, bs.hypotheses(1)[0][0]
 

@@ -34,7 +34,7 @@ _GEN_KEYS = ("num_beams", "max_new_tokens", "length_penalty", "early_stopping", 
              "no_repeat_ngram_size", "repetition_penalty", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p")
 
 
-class Progress:
+class ExportProgress:
     """The export's progress bar on stderr (tqdm; silent when quiet). Log records (onnxruntime's quantizer warns
     through `logging`) print above the bar instead of breaking into it."""
 
@@ -57,7 +57,7 @@ class Progress:
 
 
 @contextmanager
-def staged(dst: Path, prog: Progress):
+def staged(dst: Path, prog: ExportProgress):
     """A temporary folder beside `dst` that replaces `dst` when the block completes, and is removed when it fails
     (an interrupted export leaves no half-written model folder); the progress bar is closed either way."""
     tmp = make_staging(dst)       # with the permissions mkdir would give (mkdtemp's are 0700)
@@ -277,7 +277,7 @@ def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str
     arch = read_arch(src)
     weights = read_weights(src) if weights is None else weights
     check_layer_count(weights, arch.layers, source_name)
-    prog = Progress(arch.layers + 3, quiet)   # read each layer, build, write, config
+    prog = ExportProgress(arch.layers + 3, quiet)   # read each layer, build, write, config
     g = global_weights(weights, arch)
     layers = []
     for i in range(arch.layers):

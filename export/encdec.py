@@ -411,14 +411,14 @@ def export_encdec(src: Path, dst: Path, family: str, *, precision: str, layout: 
                   quiet: bool, reduce_range: bool = True, attention: str = "fp32") -> Path:
     """Write the model folder of an encoder-decoder: encoder.onnx + model.onnx (the decoder) + config."""
     from .safety import file_sha256
-    from .core import INT8W, INVARIANT, Progress, save_precision, staged
+    from .core import INT8W, INVARIANT, ExportProgress, save_precision, staged
 
     if layout != "whole":
         raise ExportError("encoder-decoder models export with layout 'whole' (static cross K/V inputs need it)")
     if precision not in ("fp32", "fp16", "int8w", "int8", "int8dyn"):
         raise ExportError(f"encoder-decoder models export as fp32, fp16, int8w, int8 or int8dyn, not {precision!r}")
     t0 = time.time()
-    prog = Progress(4, quiet)
+    prog = ExportProgress(4, quiet)
     tokenizers = _tokenizers(src, family)
     arch, ew, dw = read_model(src, family, quiet)
     prog.step("read weights")

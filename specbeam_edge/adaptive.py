@@ -17,9 +17,8 @@ class PassChooser:
     drafted level accepted; none when it drafted nothing); when even that best case, taken from tree passes that
     follow a tree pass (the first one after plain passes also pays the draft's catch-up over the context), is
     slower per step than plain search, the tree cannot pay on this machine at any acceptance rate, so
-    speculation's remaining warm-up is skipped and it is probed only every `hopeless_every` passes (a probe costs
-    the draft's catch-up over the whole context, a tree and a larger target pass: about 12 plain steps with the
-    shipped pair on 2 CPU cores, where the warm-up and probes every 512 passes cost the main job 3-6%)."""
+    speculation's remaining warm-up is skipped and it is probed only every `hopeless_every` passes (why these
+    numbers: docs/HISTORY.md "Adaptive speculation")."""
 
     def __init__(self, warmup: int = 3, probe_every: int = 16, max_interval: int = 512, smoothing: float = 0.25,
                  hopeless_every: int = 4096):

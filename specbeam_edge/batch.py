@@ -44,8 +44,8 @@ class ScoreCall:
 def score_batch(calls: list[ScoreCall]) -> list:
     """One pass of one model over the new nodes of several requests' caches (a batch dimension: request b's
     past is left-aligned and zero-padded to the longest, its new rows follow the padded past; padding columns
-    are masked out, padding rows see only themselves). Returns each call's head output (heads.Dense, or
-    heads.TopK limited to its own k). Requests whose shapes differ a lot run as separate sub-batches (see
+    are masked out, padding rows see only themselves). Returns each call's head output (heads.DenseOutput, or
+    heads.TopKOutput limited to its own k). Requests whose shapes differ a lot run as separate sub-batches (see
     `_buckets`). Passes longer than the model's context (a draft cache catching up, a very wide first step)
     are split into chunks that fit: the rotary tables hold `context_length` rows."""
     model = calls[0].cache.model

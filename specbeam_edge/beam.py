@@ -62,15 +62,15 @@ class BeamRows:
 
     def ban(self, tokens: np.ndarray) -> "BeamRows":
         """Tokens set to -inf (min_new_tokens' EOS, an encoder-decoder's pad)."""
-        lp = self.logprobs.copy()
+        logp = self.logprobs.copy()
         if self.ids is None:
-            lp[:, tokens] = -np.inf
+            logp[:, tokens] = -np.inf
             logits = None if self.logits is None else self.logits.copy()
             if logits is not None:
                 logits[:, tokens] = -np.inf
-            return BeamRows(lp, logits=logits)
-        lp[np.isin(self.ids, tokens)] = -np.inf
-        return BeamRows(lp, self.ids, self.vocab)
+            return BeamRows(logp, logits=logits)
+        logp[np.isin(self.ids, tokens)] = -np.inf
+        return BeamRows(logp, self.ids, self.vocab)
 
     def penalize(self, seqs: list, penalty: float, on_logits: bool) -> "BeamRows":
         """transformers' repetition_penalty: per beam, each token of its sequence scores x * penalty where x < 0,
@@ -86,33 +86,33 @@ class BeamRows:
             for b, toks in enumerate(seqs):
                 apply(x, b, toks)
             return BeamRows(log_softmax(x), logits=x)
-        lp = self.logprobs.copy()
+        logp = self.logprobs.copy()
         for b, toks in enumerate(seqs):
             if self.ids is None:
-                apply(lp, b, toks)
+                apply(logp, b, toks)
             else:
                 hit = np.flatnonzero(np.isin(self.ids[b], toks))
-                apply(lp, b, hit)
-        return BeamRows(lp, self.ids, self.vocab, self.logits)
+                apply(logp, b, hit)
+        return BeamRows(logp, self.ids, self.vocab, self.logits)
 
     def ban_per_beam(self, banned: list) -> "BeamRows":
         """Per beam, its own tokens set to -inf (no_repeat_ngram_size)."""
-        lp = self.logprobs.copy()
+        logp = self.logprobs.copy()
         for b, toks in enumerate(banned):
             if len(toks):
                 if self.ids is None:
-                    lp[b, toks] = -np.inf
+                    logp[b, toks] = -np.inf
                 else:
-                    lp[b, np.isin(self.ids[b], toks)] = -np.inf
-        return BeamRows(lp, self.ids, self.vocab)
+                    logp[b, np.isin(self.ids[b], toks)] = -np.inf
+        return BeamRows(logp, self.ids, self.vocab)
 
     def force(self, token: int) -> "BeamRows":
         """Only `token` survives, with log-prob 0 (a forced EOS)."""
         K = len(self.logprobs)
         if self.ids is None:
-            lp = np.full_like(self.logprobs, -np.inf)
-            lp[:, token] = 0
-            return BeamRows(lp, logits=None if self.logits is None else lp.copy())
+            logp = np.full_like(self.logprobs, -np.inf)
+            logp[:, token] = 0
+            return BeamRows(logp, logits=None if self.logits is None else logp.copy())
         return BeamRows(np.zeros((K, 1), np.float32), np.full((K, 1), token, np.int64), self.vocab)
 
     def dense(self) -> np.ndarray:
@@ -127,12 +127,12 @@ class BeamRows:
         if self.ids is None:
             tok = int(np.argmax(self.logprobs[0]))
             return tok, self.logprobs[0, tok]
-        lp, ids = self.logprobs[0], self.ids[0]
-        finite = np.isfinite(lp)
+        logp, ids = self.logprobs[0], self.ids[0]
+        finite = np.isfinite(logp)
         if not finite.any():                 # every entry -inf: argmax of the dense row is token 0
             return 0, np.float32(-np.inf)
-        j = np.lexsort((ids[finite], -lp[finite]))[0]
-        return int(ids[finite][j]), lp[finite][j]
+        j = np.lexsort((ids[finite], -logp[finite]))[0]
+        return int(ids[finite][j]), logp[finite][j]
 
     def top(self, scores: np.ndarray, M: int) -> tuple[np.ndarray, np.ndarray]:
         """The M best candidates scores[beam] + logprob[beam, token]: (values [M], flat indices beam * V + token)."""
@@ -161,13 +161,13 @@ class BeamSearch:
     def __init__(self, tree: TokenTree, start_node: int, *, num_beams: int, prompt_len: int, max_new_tokens: int,
                  eos_token_ids, length_penalty: float = 1.0, early_stopping=False, min_new_tokens: int = 0,
                  no_repeat_ngram_size: int = 0, repetition_penalty: float = 1.0):
-        self.tree, self.K, self.P = tree, num_beams, prompt_len
+        self.tree, self.num_beams, self.prompt_len = tree, num_beams, prompt_len
         self.ngram, self.penalty = no_repeat_ngram_size, float(repetition_penalty)
         self.max_length = prompt_len + max_new_tokens
         self.eos = np.array(sorted(set(int(e) for e in eos_token_ids)), dtype=np.int64)
-        self.lp, self.early, self.min_new = float(length_penalty), early_stopping, min_new_tokens
-        self.M = max(2, 1 + len(self.eos)) * num_beams
-        self.cur_len = tree.depth(start_node) + 1   # > prompt_len when forced tokens (a language code) count as generated
+        self.length_penalty, self.early, self.min_new = float(length_penalty), early_stopping, min_new_tokens
+        self.n_candidates = max(2, 1 + len(self.eos)) * num_beams
+        self.cur_len = tree.depths[start_node] + 1   # > prompt_len when forced tokens (a language code) count as generated
         self.running = [start_node] * num_beams
         self.scores = np.full(num_beams, NEG, np.float32)
         self.scores[0] = 0
@@ -180,13 +180,13 @@ class BeamSearch:
     @property
     def reads_logits(self) -> bool:
         """Whether a step needs the raw logits beside the log-probs (greedy repetition_penalty, as transformers)."""
-        return self.K == 1 and self.penalty != 1.0
+        return self.num_beams == 1 and self.penalty != 1.0
 
     def process(self, rows: BeamRows) -> BeamRows:
         """Logits processors on the beams' log-probs, in transformers' order: min_new_tokens masks EOS,
         repetition_penalty (transformers: on the logits at K = 1, on the log-probs at K > 1), no_repeat_ngram_size
         bans each beam's tokens that would repeat one of its n-grams."""
-        if self.cur_len - self.P < self.min_new and len(self.eos):
+        if self.cur_len - self.prompt_len < self.min_new and len(self.eos):
             rows = rows.ban(self.eos)
         if self.penalty != 1.0:
             seqs = [np.unique(self.tree.path(n)) for n in self.running]
@@ -201,17 +201,17 @@ class BeamSearch:
         if self.done:
             raise RuntimeError("beam search already finished")
         rows = self.process(rows if isinstance(rows, BeamRows) else BeamRows(rows))
-        if self.K == 1:
+        if self.num_beams == 1:
             return self._greedy_step(*rows.best())
-        K, V = self.K, rows.vocab
-        topv, idx = rows.top(self.scores, self.M)
+        K, V = self.num_beams, rows.vocab
+        topv, idx = rows.top(self.scores, self.n_candidates)
         beam, tok = idx // V, idx % V
         hit = (tok[:, None] == self.eos).any(axis=1) | (self.cur_len + 1 >= self.max_length)   # np.isin sorts: 0.5 ms
         # running beams for the next step: the best K candidates that did not stop
         run_scores = topv + hit.astype(np.float32) * NEG
         nxt = _top(run_scores, K)
-        # finished hypotheses: only candidates ranked < K that stopped, normalised by generated length ** lp
-        cand = topv / np.float32((self.cur_len + 1 - self.P) ** self.lp)
+        # finished hypotheses: only candidates ranked < K that stopped, normalised by generated length ** length_penalty
+        cand = topv / np.float32((self.cur_len + 1 - self.prompt_len) ** self.length_penalty)
         full = bool(self.fin_done.all()) and self.early is True
         cand = cand + np.float32(full) * NEG + np.float32(not self.improvable) * NEG
         just = hit & (np.arange(len(idx)) < K)
@@ -229,11 +229,11 @@ class BeamSearch:
         self.scores = run_scores[nxt].astype(np.float32)
         self.cur_len += 1
         # early-stop heuristic (sticky)
-        if self.early == "never" and self.lp > 0.0:
-            L = self.max_length - self.P
+        if self.early == "never" and self.length_penalty > 0.0:
+            L = self.max_length - self.prompt_len
         else:
-            L = self.cur_len - self.P
-        best = self.scores[0] / np.float32(L ** self.lp)
+            L = self.cur_len - self.prompt_len
+        best = self.scores[0] / np.float32(L ** self.length_penalty)
         worst = np.where(self.fin_done, self.fin_scores.min(), NEG)
         self.improvable = self.improvable and bool((best > worst).any())
         open_beam = not (bool(self.fin_done.all()) and self.early is True)
@@ -246,7 +246,7 @@ class BeamSearch:
         self.cur_len += 1
         if tok in self.eos or self.cur_len >= self.max_length:
             self.fin_nodes[0] = node
-            self.fin_scores[0] = self.scores[0] / np.float32((self.cur_len - self.P) ** self.lp)
+            self.fin_scores[0] = self.scores[0] / np.float32((self.cur_len - self.prompt_len) ** self.length_penalty)
             self.fin_done[0] = True
             self.done = True
         self.running = [node]
@@ -257,15 +257,15 @@ class BeamSearch:
         out = []
         for node, score, ok in zip(self.fin_nodes, self.fin_scores, self.fin_done):
             if node >= 0:
-                out.append((self.tree.path(node)[self.P:], float(score)))
+                out.append((self.tree.path(node)[self.prompt_len:], float(score)))
         if not out:  # cannot happen with max_new_tokens >= 1, kept for safety
-            out = [(self.tree.path(self.running[0])[self.P:], float(self.scores[0]))]
+            out = [(self.tree.path(self.running[0])[self.prompt_len:], float(self.scores[0]))]
         return out[:n]
 
     def stable_prefix(self) -> list[int]:
         """Generated tokens that every running beam and every finished hypothesis share: final for sure."""
         nodes = list(self.running) + [n for n, ok in zip(self.fin_nodes, self.fin_done) if ok]
-        paths = [self.tree.path(n)[self.P:] for n in set(nodes)]
+        paths = [self.tree.path(n)[self.prompt_len:] for n in set(nodes)]
         if not paths:
             return []
         n = min(len(p) for p in paths)

@@ -53,7 +53,7 @@ class TreeCache:
             while n >= 0 and n not in self.slot and n not in seen:
                 chain.append(n)
                 seen.add(n)
-                n = self.tree.parent(n)
+                n = self.tree.parents[n]
             out.extend(reversed(chain))
         return out
 
@@ -63,7 +63,7 @@ class TreeCache:
         mask = np.zeros((Q, N + Q), dtype=bool)
         index = {n: j for j, n in enumerate(new)}
         for j, n in enumerate(new):
-            p = self.tree.parent(n)
+            p = self.tree.parents[n]
             if p in index:
                 mask[j] = mask[index[p]]
             elif p >= 0:
@@ -74,7 +74,7 @@ class TreeCache:
     def score(self, new: list[int], topk: int | None = None):
         """One model pass over `new` (each node's parent is cached or earlier in `new`); appends their KV.
 
-        Returns the head output for the new nodes (heads.Dense [Q, V] logits, or heads.TopK [Q, k])."""
+        Returns the head output for the new nodes (heads.DenseOutput [Q, V] logits, or heads.TopKOutput [Q, k])."""
         return score_batch([ScoreCall(self, new, topk)])[0]
 
     def pass_inputs(self, new: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -83,7 +83,7 @@ class TreeCache:
             if n in self.slot:
                 raise ValueError(f"node {n} is already cached")
         tr = self.tree
-        return (np.array([tr.token(n) for n in new], np.int64), np.array([tr.depth(n) for n in new], np.int64),
+        return (np.array([tr.tokens[n] for n in new], np.int64), np.array([tr.depths[n] for n in new], np.int64),
                 self.tree_mask(new))
 
     def adopt_batch_row(self, new: list[int], mask: np.ndarray, batch: BatchKV, row: int):
@@ -105,7 +105,7 @@ class TreeCache:
         self.nodes.extend([-1] * (Nm - N) + list(new) + [-1] * (Qm - Q))
         pos = np.zeros(T, np.int64)
         pos[:N] = self.positions
-        pos[Nm:Nm + Q] = [self.tree.depth(n) for n in new]
+        pos[Nm:Nm + Q] = [self.tree.depths[n] for n in new]
         self.positions = pos
         self.padding += T - N - Q
         self.batch = (batch, row)
@@ -127,7 +127,7 @@ class TreeCache:
         for j, n in enumerate(new):
             self.slot[n] = N + j
         self.nodes.extend(new)
-        self.positions = np.concatenate([self.positions, [self.tree.depth(n) for n in new]]).astype(np.int64)
+        self.positions = np.concatenate([self.positions, [self.tree.depths[n] for n in new]]).astype(np.int64)
         self.passes += 1
         self.tokens_scored += Q
         self._note_peak()
@@ -152,7 +152,7 @@ class TreeCache:
         live = np.zeros(len(self.nodes), dtype=bool)
         for n in keep_nodes:
             while n >= 0 and n not in self.slot:
-                n = self.tree.parent(n)
+                n = self.tree.parents[n]
             if n >= 0:
                 live |= self.vis[self.slot[n]]
         return live

@@ -99,10 +99,8 @@ def level_picks(is_pred: np.ndarray, top: np.ndarray, cum: np.ndarray, path: np.
 def default_width(num_beams: int, max_branch_width: int, budget: int) -> int:
     """Nodes per level of draft beam search when `draft_width` is not given: max(K, max_branch_width, min(4K,
     budget // 2)). For K > 1 a level is accepted only when it holds all K of the target's next beams, which the
-    draft's own top K rarely are: spending the budget on width (4K, at least two levels) rather than depth measured
-    1.11 -> 1.58 beam steps per target pass at K=4, 1.76 -> 2.14 at K=2, 1.02 -> 1.23 at K=8 (budget 48, a draft cut
-    from the shipped target before its KD stage); K=1 keeps max_branch_width children per level (docs/HISTORY.md
-    "Draft width")."""
+    draft's own top K rarely are, so the budget goes to width (4K, at least two levels) rather than depth; K=1 keeps
+    max_branch_width children per level (measured: docs/HISTORY.md "Draft width")."""
     return max(num_beams, max_branch_width, min(4 * num_beams, budget // 2))
 
 
@@ -116,7 +114,7 @@ class DraftBeamSearch:
     unless it is one of the draft's own beams, and the levels stop once the best of those is below it too."""
 
     def __init__(self, spec: SpeculativeConfig, num_beams: int, eos_ids, context_length: int):
-        self.K = num_beams
+        self.num_beams = num_beams
         self.fixed_W, self.branch = spec.draft_width, spec.max_branch_width
         self.depth = spec.max_depth
         self.expand = _Expansions(max(self.width(spec.budget), spec.max_branch_width))
@@ -126,7 +124,7 @@ class DraftBeamSearch:
 
     def width(self, budget: int) -> int:
         """Nodes per level at this pass's budget: `draft_width`, else default_width."""
-        return self.fixed_W or default_width(self.K, self.branch, budget)
+        return self.fixed_W or default_width(self.num_beams, self.branch, budget)
 
     def __call__(self, dcache, roots, root_scores, budget):
         tree = dcache.tree
@@ -139,7 +137,7 @@ class DraftBeamSearch:
             rel[r] = 0.0
         out, seen, pred = [], set(frontier), set(frontier)
         for _ in range(self.depth):
-            frontier = [f for f in frontier if tree.depth(f) + 1 < self.ctx]
+            frontier = [f for f in frontier if tree.depths[f] + 1 < self.ctx]
             if not frontier or len(out) >= budget:
                 break
             nodes, top, lps = yield from self.expand(dcache, frontier)
@@ -148,7 +146,7 @@ class DraftBeamSearch:
             cum = np.array([score[f] for f in nodes])[:, None] + lps                 # [F, width]
             path = np.array([rel[f] for f in nodes])[:, None] + lps
             # the draft's own beams first (its prediction of the target's next K beams), then the best others
-            level = level_picks(np.array([f in pred for f in nodes]), top, cum, path, self.eos, self.K,
+            level = level_picks(np.array([f in pred for f in nodes]), top, cum, path, self.eos, self.num_beams,
                                 min(W, budget - len(out)), self.min_lp)
             if level is None:
                 break                        # the draft is no longer confident about any of its beams
@@ -171,7 +169,7 @@ class BestFirstDrafter:
     log(decay_factor) per level) until `budget` nodes; each expansion round is one draft pass."""
 
     def __init__(self, spec: SpeculativeConfig, num_beams: int, eos_ids, context_length: int):
-        self.depth, self.K = spec.max_depth, num_beams
+        self.depth, self.num_beams = spec.max_depth, num_beams
         self.expand = _Expansions(spec.max_branch_width)
         self.log_decay = math.log(spec.decay_factor)
         self.min_lp = _min_log_prob(spec)
@@ -181,17 +179,17 @@ class BestFirstDrafter:
     def __call__(self, dcache, roots, root_scores, budget):
         tree = dcache.tree
         self.expand.prune(dcache)
-        chunk = max(self.K, math.ceil(budget / self.depth))       # nodes added per expansion round
+        chunk = max(self.num_beams, math.ceil(budget / self.depth))       # nodes added per expansion round
         roots = list(dict.fromkeys(roots))
-        base = {r: tree.depth(r) for r in roots}
+        base = {r: tree.depths[r] for r in roots}
         cum = {r: 0.0 for r in roots}
         rel = {r: 0.0 for r in roots}            # undecayed log-prob of the path from its root (min_path_prob)
         root_of = {r: r for r in roots}
         out, seen, pool = [], set(roots), []
         expand = roots
         while expand:
-            expand = [e for e in expand if tree.depth(e) + 1 < self.ctx
-                      and tree.depth(e) - base[root_of[e]] < self.depth and tree.token(e) not in self.eos]
+            expand = [e for e in expand if tree.depths[e] + 1 < self.ctx
+                      and tree.depths[e] - base[root_of[e]] < self.depth and tree.tokens[e] not in self.eos]
             if not expand:
                 break
             nodes, top, lps = yield from self.expand(dcache, expand)
@@ -253,7 +251,7 @@ class PromptLookupDrafter:
             for cont in self._continuations(tree.path(root)):
                 node = root
                 for t in cont:
-                    if len(out) >= budget or tree.depth(node) + 1 >= self.ctx:
+                    if len(out) >= budget or tree.depths[node] + 1 >= self.ctx:
                         break
                     node = tree.add(node, t)
                     if node not in seen:
@@ -273,7 +271,7 @@ class MergedDrafter:
 
     def __init__(self, model, lookup: PromptLookupDrafter, num_beams: int, min_share: float = 0.125):
         self.model, self.lookup = model, lookup
-        self.K, self.min_share = num_beams, min_share
+        self.num_beams, self.min_share = num_beams, min_share
         self.split = (0, 0)                                         # (lookup's, the model's) budget last pass
         self.counts = {"model": [1.0, 2.0], "lookup": [1.0, 2.0]}   # [accepted, proposed], prior 1/2 each
         self.last: dict[int, tuple[str, ...]] = {}                  # node -> the sources that proposed it
@@ -290,10 +288,10 @@ class MergedDrafter:
         only lengthen those paths)."""
         kept = set()
         for n in dict.fromkeys(roots):
-            while n >= 0 and tree.depth(n) > self.floor and n not in kept:
+            while n >= 0 and tree.depths[n] > self.floor and n not in kept:
                 if n in self.last:
                     kept.add(n)
-                n = tree.parent(n)
+                n = tree.parents[n]
         for n, sources in self.last.items():
             for src in sources:
                 self.counts[src][1] += 1
@@ -302,8 +300,8 @@ class MergedDrafter:
     def __call__(self, dcache, roots, root_scores, budget):
         self._learn(dcache.tree, roots)
         to_lookup = max(1, round(budget * self.share()))
-        self.split = (to_lookup, max(self.K, budget - to_lookup))
-        self.floor = min(dcache.tree.depth(r) for r in roots)
+        self.split = (to_lookup, max(self.num_beams, budget - to_lookup))
+        self.floor = min(dcache.tree.depths[r] for r in roots)
         looked = yield from self.lookup(dcache, roots, root_scores, self.split[0])
         drafted = yield from self.model(dcache, roots, root_scores, self.split[1])
         self.last = {}

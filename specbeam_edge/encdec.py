@@ -143,7 +143,7 @@ class Encoder:
 PROBE_LIMIT = 0.1
 
 
-def shared_cross_layers(target: Encoder, draft_model: OnnxCausalLM, target_model: OnnxCausalLM) -> list[int] | None:
+def shared_cross_layers(target_encoder: Encoder, draft_model: OnnxCausalLM, target_model: OnnxCausalLM) -> list[int] | None:
     """A draft cut from its target with the target's encoder, embedding and cross K/V projections kept as they
     were (models/train.py --freeze_encoder) declares, per decoder layer, the target layer whose cross K/V it
     uses (`encoder_decoder.target_cross_layers`), and ships no encoder: the runtime feeds it the target's cross
@@ -177,7 +177,7 @@ def shared_cross_layers(target: Encoder, draft_model: OnnxCausalLM, target_model
         raise ModelFolderError(f"{path}: encoder_decoder.target_cross_probe missing or malformed ({e!r}); re-export "
                                f"the draft") from None
     try:
-        [t] = target.encode([source])
+        [t] = target_encoder.encode([source])
         got = [t[tn][0][0][:, pos][:, :, dims].reshape(-1) for _, tn in wanted]
         worst = float(np.max([np.abs(a - b).max() / (np.abs(b).max() + 1e-6) for (a, _), b in zip(wanted, got)]))
     except Exception as e:  # onnxruntime's own errors (ids outside the vocabulary), shapes that do not match

@@ -409,10 +409,10 @@ class Engine:
             return t, (dq.get(i) if dq is not None else None)
         return [lambda with_draft, i=i: static(i, with_draft) for i in range(len(sources))]
 
-    # -- public API: generate_step -> stream (one request); generate_iter -> generate (batches) -------------
-    def generate_step(self, prompt: str | list[int], generation: GenerationConfig | None = None,
-                      speculative: SpeculativeConfig | None = None, *, drafter=None, src_lang: str | None = None,
-                      tgt_lang: str | None = None, raw: bool = False, target_prefix=None, **overrides):
+    # -- public API: generate_passes -> stream (one request); generate_iter -> generate (batches) -------------
+    def generate_passes(self, prompt: str | list[int], generation: GenerationConfig | None = None,
+                        speculative: SpeculativeConfig | None = None, *, drafter=None, src_lang: str | None = None,
+                        tgt_lang: str | None = None, raw: bool = False, target_prefix=None, **overrides):
         """One request alone (a batch of one): yields (search state, live stats) after every target pass; the
         state is a BeamSearch (`running`, `scores`, `hypotheses(n)`, `stable_prefix()`) or, when sampling, a
         SampleState. drafter: a custom tree-growth callable (exact beam search only). target_prefix: see
@@ -427,6 +427,9 @@ class Engine:
         for _, progress, finished in Scheduler(self.target, max_batch_size=1).run([job]):
             if not finished:
                 yield progress.state, progress.stats
+
+
+    generate_step = generate_passes     # its name before it said what it yields: one item per target pass
 
     def stream(self, prompt: str | list[int], generation: GenerationConfig | None = None,
                speculative: SpeculativeConfig | None = None, *, src_lang: str | None = None,
@@ -443,7 +446,7 @@ class Engine:
         lead = self._lead(forced, self._forced_bos(tgt_lang))
         shown, n_stable = "", 0
         bs = stats = None
-        for bs, stats in self.generate_step(prompt, gen, speculative, src_lang=src_lang, tgt_lang=tgt_lang,
+        for bs, stats in self.generate_passes(prompt, gen, speculative, src_lang=src_lang, tgt_lang=tgt_lang,
                                             raw=raw, target_prefix=forced):
             prefix, delta = lead + bs.stable_prefix(), ""
             if len(prefix) > n_stable:        # decode only when more tokens became final

@@ -1,6 +1,6 @@
 """What a model pass returns for the nodes it scored: one type per head kind (DESIGN section 11).
 
-`Dense` holds a logit row per node (the usual head); `TopK` holds a top-k head's sorted log-probs and token
+`DenseOutput` holds a logit row per node (the usual head); `TopKOutput` holds a top-k head's sorted log-probs and token
 ids per node (export --output_kind topk: no full-vocabulary row leaves the graph). Both answer the two
 questions the runtime asks, so no consumer branches on the kind:
 
@@ -16,16 +16,16 @@ import numpy as np
 from .beam import BeamRows, log_softmax
 
 
-class Dense:
+class DenseOutput:
     """Logits [Q, V] fp32 of Q scored nodes."""
 
     def __init__(self, logits: np.ndarray):
         self.logits = logits
 
-    def take(self, rows) -> "Dense":
-        return Dense(self.logits[rows])
+    def take(self, rows) -> "DenseOutput":
+        return DenseOutput(self.logits[rows])
 
-    def limit(self, k: int | None) -> "Dense":
+    def limit(self, k: int | None) -> "DenseOutput":
         return self
 
     def log_probs(self) -> np.ndarray:
@@ -33,7 +33,7 @@ class Dense:
         return log_softmax(self.logits)
 
     @staticmethod
-    def beam_rows(pairs: list[tuple["Dense", int]], vocab: int, logits: bool = False) -> BeamRows:
+    def beam_rows(pairs: list[tuple["DenseOutput", int]], vocab: int, logits: bool = False) -> BeamRows:
         """logits: keep the raw rows beside the log-probs (a processor acts on them: greedy repetition_penalty);
         off, no ban or force copies them."""
         x = np.stack([h.logits[j] for h, j in pairs]).astype(np.float32, copy=False)
@@ -41,17 +41,17 @@ class Dense:
 
     def top(self, rows, width: int) -> tuple[np.ndarray, np.ndarray]:
         """(token ids [R, w], log-probs [R, w]) of each row's w best tokens (unordered within a row)."""
-        lp = log_softmax(self.logits[rows])
-        w = min(width, lp.shape[1])
-        if w < lp.shape[1]:
-            ids = _top_ids(lp, w)
+        logp = log_softmax(self.logits[rows])
+        w = min(width, logp.shape[1])
+        if w < logp.shape[1]:
+            ids = _top_ids(logp, w)
         else:
-            ids = np.tile(np.arange(lp.shape[1]), (len(lp), 1))
-        return ids, np.take_along_axis(lp, ids, axis=1)
+            ids = np.tile(np.arange(logp.shape[1]), (len(logp), 1))
+        return ids, np.take_along_axis(logp, ids, axis=1)
 
     @staticmethod
-    def join(parts: list["Dense"]) -> "Dense":
-        return parts[0] if len(parts) == 1 else Dense(np.concatenate([p.logits for p in parts]))
+    def join(parts: list["DenseOutput"]) -> "DenseOutput":
+        return parts[0] if len(parts) == 1 else DenseOutput(np.concatenate([p.logits for p in parts]))
 
 
 def _top_ids(x: np.ndarray, w: int) -> np.ndarray:
@@ -71,24 +71,24 @@ def _top_ids(x: np.ndarray, w: int) -> np.ndarray:
     return out
 
 
-class TopK:
+class TopKOutput:
     """A top-k head's log-probs [Q, k] (sorted, best first) and token ids [Q, k] of Q scored nodes."""
 
     def __init__(self, logprobs: np.ndarray, ids: np.ndarray):
         self.logprobs, self.ids = logprobs, ids
 
-    def take(self, rows) -> "TopK":
-        return TopK(self.logprobs[rows], self.ids[rows])
+    def take(self, rows) -> "TopKOutput":
+        return TopKOutput(self.logprobs[rows], self.ids[rows])
 
-    def limit(self, k: int | None) -> "TopK":
+    def limit(self, k: int | None) -> "TopKOutput":
         """The first k entries of each row (a batched pass runs with the largest k its requests asked for)."""
-        return self if k is None else TopK(self.logprobs[:, :k], self.ids[:, :k])
+        return self if k is None else TopKOutput(self.logprobs[:, :k], self.ids[:, :k])
 
     def log_probs(self) -> np.ndarray:
         raise ValueError("a top-k head has no full distribution (sampling needs a logits head)")
 
     @staticmethod
-    def beam_rows(pairs: list[tuple["TopK", int]], vocab: int, logits: bool = False) -> BeamRows:
+    def beam_rows(pairs: list[tuple["TopKOutput", int]], vocab: int, logits: bool = False) -> BeamRows:
         """The beams' k entries as they are: beam search never builds a vocabulary-sized row (beam.BeamRows). A
         top-k head has no logits (the engine refuses the processors that need them)."""
         return BeamRows(np.stack([h.logprobs[j] for h, j in pairs]), np.stack([h.ids[j] for h, j in pairs]), vocab)
@@ -97,21 +97,21 @@ class TopK:
         return self.ids[rows, :width], self.logprobs[rows, :width]
 
     @staticmethod
-    def join(parts: list["TopK"]) -> "TopK":
+    def join(parts: list["TopKOutput"]) -> "TopKOutput":
         if len(parts) == 1:
             return parts[0]
-        return TopK(np.concatenate([p.logprobs for p in parts]), np.concatenate([p.ids for p in parts]))
+        return TopKOutput(np.concatenate([p.logprobs for p in parts]), np.concatenate([p.ids for p in parts]))
 
 
 def wrap(raw) -> list:
     """A batched model.forward head output (logits [B, n_new, V], or a top-k head's (logprobs, ids) pair of
     [B, n_new, k]) -> one object per batch row."""
     if isinstance(raw, tuple):
-        return [TopK(lp, ids) for lp, ids in zip(*raw)]
-    return [Dense(x) for x in raw]
+        return [TopKOutput(logp, ids) for logp, ids in zip(*raw)]
+    return [DenseOutput(x) for x in raw]
 
 
-def empty(model) -> Dense | TopK:
+def empty(model) -> DenseOutput | TopKOutput:
     if model.cfg.output == "topk":
-        return TopK(np.zeros((0, 0), np.float32), np.zeros((0, 0), np.int64))
-    return Dense(np.zeros((0, model.cfg.vocab_size), np.float32))
+        return TopKOutput(np.zeros((0, 0), np.float32), np.zeros((0, 0), np.int64))
+    return DenseOutput(np.zeros((0, model.cfg.vocab_size), np.float32))

@@ -115,14 +115,14 @@ class SampleState:
 
     def __init__(self, tree, start: int, *, prompt_len: int, max_new_tokens: int, eos, min_new_tokens: int,
                  temperature: float, top_k: int, top_p: float):
-        self.tree, self.P = tree, prompt_len
+        self.tree, self.prompt_len = tree, prompt_len
         self.max_len = prompt_len + max_new_tokens
         self.eos = np.array(sorted(set(int(e) for e in eos)), dtype=np.int64)
         self.min_new, self.T, self.top_k, self.top_p = min_new_tokens, temperature, top_k, top_p
         self.live = [start]
         self.score = {start: 0.0}
         self.finished: list[int] = []
-        self.cur_len = tree.depth(start) + 1   # > prompt_len when forced tokens count as generated
+        self.cur_len = tree.depths[start] + 1   # > prompt_len when forced tokens count as generated
         self.widths: list[int] = []
 
     @property
@@ -130,7 +130,7 @@ class SampleState:
         return not self.live or self.cur_len >= self.max_len
 
     def process(self, logp: np.ndarray, cur_len: int) -> np.ndarray:
-        if cur_len - self.P < self.min_new and len(self.eos):
+        if cur_len - self.prompt_len < self.min_new and len(self.eos):
             logp = logp.copy()
             logp[..., self.eos] = -np.inf
         return logp
@@ -166,12 +166,12 @@ class SampleState:
 
     def hypotheses(self, n: int) -> list[tuple[list[int], float]]:
         cands = set(self.finished) | (set(self.live) if self.cur_len >= self.max_len else set())
-        ranked = sorted(cands, key=lambda c: -self.score[c] / (self.tree.depth(c) + 1 - self.P))
-        return [(self.tree.path(c)[self.P:], self.score[c] / (self.tree.depth(c) + 1 - self.P))
+        ranked = sorted(cands, key=lambda c: -self.score[c] / (self.tree.depths[c] + 1 - self.prompt_len))
+        return [(self.tree.path(c)[self.prompt_len:], self.score[c] / (self.tree.depths[c] + 1 - self.prompt_len))
                 for c in ranked[:n]]
 
     def stable_prefix(self) -> list[int]:
-        paths = [self.tree.path(n)[self.P:] for n in set(self.live) | set(self.finished)]
+        paths = [self.tree.path(n)[self.prompt_len:] for n in set(self.live) | set(self.finished)]
         if not paths:
             return []
         out = []

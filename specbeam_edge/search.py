@@ -67,9 +67,9 @@ class ExactSearch:
                  topk: int | None = None, prompt_len: int | None = None, static=None, process=None,
                  budget_for=None):
         self.tree = TokenTree()
-        self.P = len(ids)
+        self.chain_len = len(ids)
         self.bs = BeamSearch(self.tree, self.tree.add_chain(ids)[-1], num_beams=num_beams,
-                             prompt_len=self.P if prompt_len is None else prompt_len,
+                             prompt_len=self.chain_len if prompt_len is None else prompt_len,
                              max_new_tokens=max_new_tokens, eos_token_ids=eos, length_penalty=length_penalty,
                              early_stopping=early_stopping, min_new_tokens=min_new_tokens,
                              no_repeat_ngram_size=no_repeat_ngram_size, repetition_penalty=repetition_penalty)
@@ -78,7 +78,7 @@ class ExactSearch:
         self.grow, self.chooser, self.topk = grow, chooser, topk
         self.static, self.process = static, process
         self.rows: dict[int, tuple[object, int]] = {}     # scored node -> (pass output, row)
-        self.stats = Stats(prompt_tokens=self.P)
+        self.stats = Stats(prompt_tokens=self.chain_len)
         self.budget_for = budget_for
 
     @property
@@ -99,14 +99,14 @@ class ExactSearch:
             tp = time.perf_counter()
             chooser = self.chooser.at(ctx.load) if self.chooser is not None else None
             speculate = self.grow is not None and (chooser is None or chooser.choose(ctx.pass_id))
-            steps0, depth0 = stats.beam_steps, self.tree.depth(self.bs.running[0])
+            steps0, depth0 = stats.beam_steps, self.tree.depths[self.bs.running[0]]
             drafted = (yield from self._grow(self.budget_for(ctx.load))) if speculate else []
             yield from self._score(drafted)
             stats.plain_passes += self.grow is not None and not speculate
             self._replay(set(drafted))
             self._commit(speculate)
             if chooser is not None and stats.target_passes > 1:   # the first pass carries the prefill
-                levels = max((self.tree.depth(n) - depth0 for n in drafted), default=0)
+                levels = max((self.tree.depths[n] - depth0 for n in drafted), default=0)
                 chooser.update(speculate, time.perf_counter() - tp, stats.beam_steps - steps0,
                                max_steps=1 + levels if speculate and levels else None)
             if stats.time_to_first_token is None:
@@ -114,7 +114,7 @@ class ExactSearch:
             stats.seconds = time.perf_counter() - t0
             ctx = yield Progress(bs, stats)
             stats.batch_sizes.append(ctx.load)          # the size of the pass just run
-        stats.generated_tokens = bs.cur_len - self.P
+        stats.generated_tokens = bs.cur_len - self.chain_len
         stats.peak_memory_mb = peak_rss_mb()
         stats.kv_cache_peak_mb = _finish(self.target, self.draft)
         store = getattr(self.target.model, "store", None)
@@ -136,7 +136,7 @@ class ExactSearch:
         new = self.target.missing_ancestors(list(self.bs.running) + drafted)
         out = yield ScoreCall(self.target, new, self.topk)
         for j, n in enumerate(new):
-            if self.tree.depth(n) >= self.P - 1:
+            if self.tree.depths[n] >= self.chain_len - 1:
                 self.rows[n] = (out, j)
         self.stats.target_passes += 1
         self.stats.target_tokens_scored += len(new)
@@ -177,20 +177,20 @@ class SamplingSearch:
                  min_new_tokens: int, temperature: float, top_k, top_p, seed, spec=None,
                  prompt_len: int | None = None, static=None, process=None):
         self.tree = tree = TokenTree()
-        self.P = len(ids)
+        self.chain_len = len(ids)
         self.st = SampleState(tree, tree.add_chain(ids)[-1], max_new_tokens=max_new_tokens,
-                              prompt_len=self.P if prompt_len is None else prompt_len,
+                              prompt_len=self.chain_len if prompt_len is None else prompt_len,
                               eos=eos, min_new_tokens=min_new_tokens, temperature=temperature, top_k=top_k,
                               top_p=top_p)
         self.static, self.process = static, process
         self.target = TreeCache(target_lm, tree)
         self.draft = TreeCache(draft_lm, tree) if spec else None
-        self.spec, self.K = spec, num_beams
-        self.W = (spec.draft_width or max(num_beams, spec.max_branch_width)) if spec else num_beams
+        self.spec, self.num_beams = spec, num_beams
+        self.width = (spec.draft_width or max(num_beams, spec.max_branch_width)) if spec else num_beams
         self.rng = np.random.default_rng(seed)
         self.t_rows: dict[int, np.ndarray] = {}
         self.d_rows: dict[int, np.ndarray] = {}
-        self.stats = Stats(prompt_tokens=self.P)
+        self.stats = Stats(prompt_tokens=self.chain_len)
 
     @property
     def state(self) -> SampleState:
@@ -200,11 +200,11 @@ class SamplingSearch:
         """Log-probs of `nodes` (and any missing ancestors) in `rows`, by one pass; returns how many were new."""
         new = cache.missing_ancestors(nodes)
         if new:
-            lp = (yield ScoreCall(cache, new)).log_probs()
+            logp = (yield ScoreCall(cache, new)).log_probs()
             for j, n in enumerate(new):
-                d = self.tree.depth(n)
-                if d >= self.P - 1:     # the row of a node at depth d predicts the token at length d + 1
-                    rows[n] = lp[j] if self.process is None else self.process(lp[j:j + 1], d + 1)[0]
+                d = self.tree.depths[n]
+                if d >= self.chain_len - 1:     # the row of a node at depth d predicts the token at length d + 1
+                    rows[n] = logp[j] if self.process is None else self.process(logp[j:j + 1], d + 1)[0]
         return len(new)
 
     def run(self, ctx: PassContext = PassContext()):
@@ -232,7 +232,7 @@ class SamplingSearch:
             ctx = yield Progress(st, stats)
             stats.batch_sizes.append(ctx.load)
         stats.widths = st.widths
-        stats.generated_tokens = st.cur_len - self.P
+        stats.generated_tokens = st.cur_len - self.chain_len
         stats.peak_memory_mb = peak_rss_mb()
         stats.kv_cache_peak_mb = _finish(self.target, self.draft)
         stats.seconds = time.perf_counter() - t0
@@ -250,12 +250,12 @@ class SamplingSearch:
             space = sorted(set(parents))
             q = st.joint(space, parents, self.d_rows.__getitem__, dscore, st.cur_len + j)
             V = len(q) // len(space)
-            picks = draw(q, self.W, self.rng)
+            picks = draw(q, self.width, self.rng)
             kids = [tree.add(space[i // V], i % V) for i in picks]
             for i, c in zip(picks, kids):
                 dscore[c] = dscore[space[i // V]] + float(self.d_rows[space[i // V]][i % V])
             levels.append((space, q, picks))
-            parents = [c for c in kids if tree.token(c) not in st.eos]
+            parents = [c for c in kids if tree.tokens[c] not in st.eos]
             stats.draft_tokens_proposed += len(set(kids))
         stats.draft_seconds += time.perf_counter() - td
         return levels
@@ -266,7 +266,7 @@ class SamplingSearch:
         full = True
         for space, q, picks in levels:
             p = st.joint(space, st.live, self.t_rows.__getitem__, st.score, st.cur_len)
-            k = choose_width(p, q, self.W, spec.width_threshold, spec.min_num_beams, self.K)
+            k = choose_width(p, q, self.width, spec.width_threshold, spec.min_num_beams, self.num_beams)
             out, accepted = verify_level(p, q, picks, k, rng)
             full = accepted == k
             st.advance(out, space, len(q) // len(space), self.t_rows.__getitem__)
@@ -278,7 +278,7 @@ class SamplingSearch:
         if full and not st.done and all(n in self.t_rows for n in st.live):
             space = sorted(set(st.live))
             p = st.joint(space, st.live, self.t_rows.__getitem__, st.score, st.cur_len)
-            st.advance(draw(p, self.K, rng), space, len(p) // len(space), self.t_rows.__getitem__)
+            st.advance(draw(p, self.num_beams, rng), space, len(p) // len(space), self.t_rows.__getitem__)
             stats.beam_steps += 1
             stats.from_draft.append(False)
 

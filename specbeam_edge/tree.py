@@ -4,24 +4,28 @@ from __future__ import annotations
 
 
 class TokenTree:
-    """Append-only registry of nodes: node i has token[i], parent[i] (-1 for the first prompt token), depth[i]."""
+    """Append-only registry of nodes: node n has tokens[n], parents[n] (-1 for the first prompt token) and
+    depths[n]. The lists are read directly (`tree.depths[n]`: no call per node in the loops over a pass's nodes);
+    only `add` writes them."""
 
     def __init__(self):
-        self._tok, self._par, self._dep = [], [], []
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.depths: list[int] = []
         self.children: dict[tuple[int, int], int] = {}
 
     def __len__(self):
-        return len(self._tok)
+        return len(self.tokens)
 
     def add(self, parent: int, token: int) -> int:
         """The node for `token` below `parent`, created if new (the same child is never added twice)."""
         key = (parent, int(token))
         node = self.children.get(key)
         if node is None:
-            node = len(self._tok)
-            self._tok.append(int(token))
-            self._par.append(parent)
-            self._dep.append(0 if parent < 0 else self._dep[parent] + 1)
+            node = len(self.tokens)
+            self.tokens.append(int(token))
+            self.parents.append(parent)
+            self.depths.append(0 if parent < 0 else self.depths[parent] + 1)
             self.children[key] = node
         return node
 
@@ -32,19 +36,10 @@ class TokenTree:
             out.append(parent)
         return out
 
-    def token(self, n: int) -> int:
-        return self._tok[n]
-
-    def parent(self, n: int) -> int:
-        return self._par[n]
-
-    def depth(self, n: int) -> int:
-        return self._dep[n]
-
     def path(self, n: int) -> list[int]:
         """Tokens from the root to n inclusive."""
-        out = []
+        tokens, parents, out = self.tokens, self.parents, []
         while n >= 0:
-            out.append(self._tok[n])
-            n = self._par[n]
+            out.append(tokens[n])
+            n = parents[n]
         return out[::-1]

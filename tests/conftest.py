@@ -75,11 +75,11 @@ def top_calls(monkeypatch):
     import specbeam_edge.heads as heads
 
     calls = {"Dense": [], "TopK": []}
-    for cls in (heads.Dense, heads.TopK):
+    for cls in (heads.DenseOutput, heads.TopKOutput):
         real = cls.top
 
         def spy(self, rows, width, real=real, name=cls.__name__):
-            calls[name].append(len(rows))
+            calls[name.removesuffix("Output")].append(len(rows))
             return real(self, rows, width)
         monkeypatch.setattr(cls, "top", spy)
     return calls

@@ -117,12 +117,12 @@ def chat_session_script(ready: str, platform: str | None = None) -> str:
         from apps.chat import __main__ as chat_main
         from apps.chat.window import ChatWindow
 
-        real = Engine.generate_step
+        real = Engine.generate_passes
         def slow(self, *a, **kw):
             for item in real(self, *a, **kw):
                 time.sleep(0.03)
                 yield item
-        Engine.generate_step = slow
+        Engine.generate_passes = slow
         app = QApplication(sys.argv[:1])
     """) + check + textwrap.dedent(f"""
         def drive():

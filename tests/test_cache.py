@@ -57,7 +57,7 @@ def test_cache_matches_recomputation(lm, prompt, steps):
             for n in keep:
                 while n >= 0:
                     want.add(n)
-                    n = tree.parent(n)
+                    n = tree.parents[n]
             assert set(cache.nodes) == want
     assert cache.vis.shape == (len(cache), len(cache))
     assert all(k.shape[2] == len(cache) for k, _ in cache.past)

@@ -28,8 +28,8 @@ ENDE = Path(__file__).resolve().parents[1] / "models" / "ende"
 class SlowEngine(Engine):
     """The real engine, with a pause after each target pass so that Stop lands mid-generation."""
 
-    def generate_step(self, *a, **kw):     # what Engine.stream and the app's worker iterate
-        for item in super().generate_step(*a, **kw):
+    def generate_passes(self, *a, **kw):     # what Engine.stream and the app's worker iterate
+        for item in super().generate_passes(*a, **kw):
             time.sleep(0.03)
             yield item
 

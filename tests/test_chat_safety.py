@@ -42,15 +42,15 @@ class _NoAgreement:
 class DisagreeingEngine(Engine):
     """The real engine, slowed down, with beams that share no final text until the search ends."""
 
-    def generate_step(self, *a, **kw):       # what Engine.stream and the app's worker iterate
-        for state, stats in super().generate_step(*a, **kw):
+    def generate_passes(self, *a, **kw):       # what Engine.stream and the app's worker iterate
+        for state, stats in super().generate_passes(*a, **kw):
             time.sleep(0.02)
             yield _NoAgreement(state), stats
 
 
 class SlowEngine(Engine):
-    def generate_step(self, *a, **kw):
-        for item in super().generate_step(*a, **kw):
+    def generate_passes(self, *a, **kw):
+        for item in super().generate_passes(*a, **kw):
             time.sleep(0.02)
             yield item
 

@@ -203,7 +203,7 @@ def test_source_lookup_proposes_source_spans_and_equals_plain(encdec):
         pass
     view = View()
     view.tree = tree
-    assert [tree.token(n) for n in run_drafter(d(view, [root], [0.0], 16))] == [9, 10, 11]
+    assert [tree.tokens[n] for n in run_drafter(d(view, [root], [0.0], 16))] == [9, 10, 11]
     target, _ = encdec("marian")
     eng = Engine(target)
     for src in SOURCES["marian"]:

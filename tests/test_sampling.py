@@ -130,7 +130,7 @@ def test_dynamic_width_and_memory_saving(fake):
     single = SpeculativeConfig(adaptive=False, drafter="sample", max_depth=3, draft_width=3, single_sequence=True)
     from specbeam_edge.config import GenerationConfig
     gen = GenerationConfig(num_beams=3, do_sample=True, max_new_tokens=8, seed=5)
-    for st, _ in fake.generate_step([1, 2], gen, single):
+    for st, _ in fake.generate_passes([1, 2], gen, single):
         assert len(st.live) <= 1
     a = fake.generate([1, 2], generation=gen, speculative=single)[0].hypotheses[0].tokens
     b = fake.generate([1, 2], generation=gen, speculative=single)[0].hypotheses[0].tokens

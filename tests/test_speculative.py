@@ -269,7 +269,7 @@ def test_merged_drafter_splits_the_budget_by_measured_acceptance():
     merged = MergedDrafter(model, lookup, num_beams=2)
     share0 = merged.share()
     nodes = run_drafter(merged(View, [root], [0.0], 16))
-    assert [tree.token(n) for n in nodes] == [7, 8, 9, 5, 6]          # lookup's chain, then the model's
+    assert [tree.tokens[n] for n in nodes] == [7, 8, 9, 5, 6]          # lookup's chain, then the model's
     assert lookup.budgets[-1] + model.budgets[-1] == 16 and model.budgets[-1] >= 2
     # the target kept two levels of lookup's chain and none of the model's: lookup's share grows
     new_root = tree.add(tree.add(root, 7), 8)

@@ -175,7 +175,7 @@ def test_stream_and_generate_step_with_a_prefix(peer):
     [res] = engine.generate(prompt, target_prefix=prefix, num_beams=2, max_new_tokens=8, eos_token_id=eos)
     chunks = list(engine.stream(prompt, target_prefix=prefix, num_beams=2, max_new_tokens=8, eos_token_id=eos))
     assert chunks[-1].result.hypotheses[0].tokens == res.hypotheses[0].tokens
-    states = list(engine.generate_step(prompt, target_prefix=prefix, num_beams=2, max_new_tokens=8, eos_token_id=eos))
+    states = list(engine.generate_passes(prompt, target_prefix=prefix, num_beams=2, max_new_tokens=8, eos_token_id=eos))
     assert states[-1][0].hypotheses(1)[0][0] == res.hypotheses[0].tokens[len(prefix):]
 
 

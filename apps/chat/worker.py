@@ -20,7 +20,7 @@ class Answer:
 
 
 class Generation(QThread):
-    """Runs the engine's search for `prompt` one target pass at a time (Engine.generate_step, as Engine.stream
+    """Runs the engine's search for `prompt` one target pass at a time (Engine.generate_passes, as Engine.stream
     does). `progress` carries (final text so far, its draft spans, beam steps so far) after every target pass:
     the text is the prefix every beam agrees on, which with several beams may stay empty for a long time.
     `answered` fires once at the end (finished, stopped or failed) and `answer` then holds the outcome, so a
@@ -46,7 +46,7 @@ class Generation(QThread):
         n_stable = 0
         try:
             gen = self.engine.generation_config(None, **self.kwargs)
-            for state, stats in self.engine.generate_step(self.prompt, gen, self.spec):
+            for state, stats in self.engine.generate_passes(self.prompt, gen, self.spec):
                 prefix = state.stable_prefix()
                 if len(prefix) > n_stable:          # decode only when more tokens became final
                     n_stable = len(prefix)
@@ -102,17 +102,17 @@ class Generation(QThread):
 def best_so_far(state) -> list[int]:
     """Generated tokens of the best hypothesis of a search that has not finished: finished hypotheses and live
     beams compete by length-normalised score, as they do when max_new_tokens is reached. The state is a
-    BeamSearch or a SampleState (what Engine.generate_step yields)."""
-    tree, P = state.tree, state.P
+    BeamSearch or a SampleState (what Engine.generate_passes yields)."""
+    tree, P = state.tree, state.prompt_len
     if hasattr(state, "running"):                      # BeamSearch
-        lp = getattr(state, "lp", 1.0)
+        lp = getattr(state, "length_penalty", 1.0)
         cands = [(float(s), n) for n, s, ok in zip(state.fin_nodes, state.fin_scores, state.fin_done)
                  if ok and n >= 0]
         length = max(1, state.cur_len - P)
         cands += [(float(s) / length ** lp, n) for n, s in zip(state.running, state.scores)]
     else:                                              # SampleState
         nodes = set(state.live) | set(state.finished)
-        cands = [(state.score[n] / max(1, tree.depth(n) + 1 - P), n) for n in nodes]
+        cands = [(state.score[n] / max(1, tree.depths[n] + 1 - P), n) for n in nodes]
     if not cands:
         return list(state.stable_prefix())
     best = max(cands, key=lambda c: c[0])[1]
