@@ -59,3 +59,27 @@ def test_a_real_signal_while_starting_is_one_line(command, args, tmp_path):
         # 0: it finished first; -SIGTERM: a tool without a SIGTERM handler (generate) dies of it, silently
         assert proc.returncode in (status, -sig, 0), (delay, proc.returncode, err)
         assert "Traceback" not in err and len(err.strip().splitlines()) <= 1, (delay, err)
+
+
+def test_the_chat_app_ends_on_a_signal_at_any_moment_of_its_start(tmp_path):
+    """Before: Ctrl-C while the chat app started was ignored (its handler's exit came before the event loop ran),
+    aborted Qt or printed a traceback, depending on the moment. Now: exit 130 at every moment, no traceback."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pytest.importorskip("PySide6")
+    code = ("import sys; from apps.launch import chat; print('launched', file=sys.stderr, flush=True); "
+            f"sys.exit(chat(['--db', {str(tmp_path / 'chat.sqlite')!r}, '--settings', {str(tmp_path / 's.ini')!r}]))")
+    env = {**os.environ, "QT_QPA_PLATFORM": "offscreen"}
+    for delay in (0.0, 0.8, 2.5):
+        proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        assert proc.stderr.readline() == "launched\n"
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 130, (delay, proc.returncode, err)
+        assert "Traceback" not in err, (delay, err)
