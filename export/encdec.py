@@ -27,6 +27,8 @@ from specbeam_edge.contract import (CONFIG_FILE, ENCODER_HIDDEN, FORMAT_VERSION,
 
 from .graph import Builder, _vi, add_topk, stored_weight
 from .hf import ExportError, check_layer_count, checkpoint_names, load_config, quiet_transformers, read_json
+from .safety import file_sha256
+from .save import GEN_KEYS, INT8W, INVARIANT, ExportProgress, save_precision, staged
 
 ARCHITECTURES = {"MarianMTModel": "marian", "M2M100ForConditionalGeneration": "m2m100"}
 F32, I64 = TensorProto.FLOAT, TensorProto.INT64
@@ -342,12 +344,11 @@ def decoder_model(arch: EncDecArch, dw: dict, precision: str, output: str, atten
 def _generation(src: Path, arch: EncDecArch) -> tuple[dict, dict]:
     """(search defaults, decoding facts) from generation_config.json. transformers' max_length counts the decoder
     start token, so it becomes max_new_tokens = max_length - 1 unless max_new_tokens is given."""
-    from .core import _GEN_KEYS
 
     p = src / "generation_config.json"
     # without generation_config.json transformers derives one from config.json (Marian: forced EOS, pad banned)
     gen = read_json(p) if p.is_file() else read_json(src / "config.json")
-    defaults = {k: gen[k] for k in _GEN_KEYS if k in gen}
+    defaults = {k: gen[k] for k in GEN_KEYS if k in gen}
     if "max_new_tokens" not in defaults and isinstance(gen.get("max_length"), int) and gen["max_length"] > 1:
         defaults["max_new_tokens"] = gen["max_length"] - 1
     bad = gen.get("bad_words_ids") or []
@@ -410,8 +411,6 @@ def cross_probe(encoder: Path, layers: int, eos: int, head_dim: int) -> dict:
 def export_encdec(src: Path, dst: Path, family: str, *, precision: str, layout: str, output: str, overwrite: bool,
                   quiet: bool, reduce_range: bool = True, attention: str = "fp32") -> Path:
     """Write the model folder of an encoder-decoder: encoder.onnx + model.onnx (the decoder) + config."""
-    from .safety import file_sha256
-    from .core import INT8W, INVARIANT, ExportProgress, save_precision, staged
 
     if layout != "whole":
         raise ExportError("encoder-decoder models export with layout 'whole' (static cross K/V inputs need it)")

@@ -144,51 +144,6 @@ def check_layer_count(weights: dict, layers: int, where: str, prefix: str = "mod
                           f"under {prefix}*; fix config.json (or the checkpoint) so that they agree")
 
 
-def read_arch(folder: Path) -> Arch:
-    from .families import family_for
-
-    cfg = load_config(folder)
-    archs = list(getattr(cfg, "architectures", None) or [])
-    fam = family_for(archs)
-    if fam is None:
-        from .families import supported
-
-        raise ExportError(f"{folder}: architecture {archs or cfg.model_type} is not supported "
-                          f"(supported: {', '.join(supported())})")
-    gen = read_json(folder / "generation_config.json", {})
-    _check_sizes(cfg, folder)
-    name, feats = fam.features(cfg)
-    heads = int(cfg.num_attention_heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-    layers = int(cfg.num_hidden_layers)
-    types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * layers)
-    window = getattr(cfg, "sliding_window", None) if "sliding_attention" in types else None
-    base = dict(
-        family=name, vocab_size=int(cfg.vocab_size), hidden=int(cfg.hidden_size), layers=layers, heads=heads,
-        kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads), head_dim=head_dim,
-        intermediate=int(cfg.intermediate_size), rms_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)),
-        context_length=int(getattr(cfg, "max_position_embeddings", 2048)),
-        qkv_bias=bool(getattr(cfg, "attention_bias", False)), tied=bool(cfg.tie_word_embeddings),
-        bos_token_id=gen.get("bos_token_id", cfg.bos_token_id),
-        eos_token_ids=_eos_list(gen.get("eos_token_id", cfg.eos_token_id)),
-        pad_token_id=gen.get("pad_token_id", cfg.pad_token_id),
-        layer_rope=("global",) * layers,
-        layer_sliding=tuple(t == "sliding_attention" for t in types),
-        sliding_window=int(window) if window else None,
-    )
-    base.update(feats)
-    if "ropes" not in base:     # one rope for all layers, unless the family has kinds (Gemma 3)
-        base["ropes"] = {"global": rope_for(cfg, dict(cfg.rope_parameters), head_dim)}
-    unknown = set(types) - {"full_attention", "sliding_attention"}
-    if unknown:
-        raise ExportError(f"{folder / 'config.json'}: layer types {sorted(unknown)} are not supported")
-    rotary = {r.inv_freq.size * 2 for r in base["ropes"].values()}
-    if len(rotary) != 1:
-        raise ExportError(f"{folder / 'config.json'}: rope kinds with different rotary dims {sorted(rotary)}")
-    base["rotary_dim"] = rotary.pop()
-    return Arch(**base)
-
-
 def _damaged(path: Path, why: str) -> ExportError:
     return ExportError(f"{path}: not a valid safetensors file ({why}); the download is truncated or damaged: "
                        f"fetch the file again")
@@ -284,28 +239,6 @@ def layer_flags(arch: Arch, i: int) -> dict[str, np.ndarray]:
     kinds = arch.rope_kinds + [None]
     return {"rope_select": np.array([float(arch.layer_rope[i] == k) for k in kinds], np.float32),
             "sliding": np.array([float(arch.layer_sliding[i])], np.float32)}
-
-
-def layer_weights(w: dict[str, np.ndarray], arch: Arch, i: int) -> dict[str, np.ndarray]:
-    """fp32 weights of decoder layer i, MatMul-ready ([in, out]); checks every shape against the config."""
-    from .families import family_for_name
-
-    p = f"model.layers.{i}."
-    w = family_for_name(arch.family).layer_tensors(w, arch, p)
-    out = {}
-    for name, shape in expected_layer_shapes(arch).items():
-        if p + name not in w:
-            raise ExportError(f"weight {p + name} is missing from the checkpoint")
-        t = np.asarray(w[p + name], dtype=np.float32)
-        if tuple(t.shape) != shape:
-            raise ExportError(f"weight {p + name} has shape {tuple(t.shape)} but config.json implies {shape}")
-        key = name.replace("self_attn.", "").replace("mlp.", "").replace(".weight", "").replace(".bias", "_bias")
-        if key.endswith("norm") and arch.norm_offset:
-            t = t + np.float32(arch.norm_offset)     # the same fp32 sum transformers forms at run time
-        out[key] = t.T.copy() if t.ndim == 2 else t
-    if arch.heterogeneous:
-        out.update(layer_flags(arch, i))
-    return out
 
 
 # a draft's head may score only some tokens: lm_head.weight [S, hidden] and this int64 [S] tensor of their ids

@@ -16,7 +16,10 @@ from .flags import (DEFAULT_MODELS, PROVIDERS, DefaultsHelp, add_beam_arg,  # no
                     add_decoding_constraint_args, add_length_penalty_arg, add_memory_args, add_speculation_args,
                     check_prompt_format, check_widths, decoding_constraints, engine_from_args, finite_float,
                     guard_std_streams, parse_size, positive_int, speculative_from_args)
-from .shipped import default_draft, resolve_model, shipped
+from . import fetch
+from .fetch import FetchError, default_draft, resolve_model
+from .providers import ProviderError
+from .shipped import shipped
 
 
 def add_search_args(ap: argparse.ArgumentParser) -> None:
@@ -173,8 +176,6 @@ MODEL_HELP = ("target model folder, or the name of a fetched model (specbeam fet
 
 
 def cmd_fetch(args) -> int:
-    from . import fetch
-
     if args.list:
         have = fetch.fetched()
         for name, src in fetch.SOURCES.items():
@@ -227,8 +228,6 @@ def main(argv=None) -> int:
         return 2
     guard_std_streams()
     args = ap.parse_args(argv)
-    from .fetch import FetchError
-    from .providers import ProviderError
     try:
         return {"generate": cmd_generate, "chat": cmd_chat, "fetch": cmd_fetch}[args.cmd](args)
     except KeyboardInterrupt:

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from .config import ModelFolderError
 from .contract import file_sha256
+from .shipped import models_root
 
 ENV = "SPECBEAM_DATA_DIR"
 EXTRA = "pip install 'specbeam-edge[export]'"
@@ -365,8 +366,6 @@ def _fetch_locked(src: Source, dst: Path, quiet: bool, log) -> Path:
 
 def _shipped_draft(src: Source) -> Path | None:
     """The shipped draft weights of `src` (models/<src.draft>), when this installation has the models/ folder."""
-    from .shipped import models_root
-
     path = models_root() / src.draft if src.draft else None
     return path if path is not None and (path / "draft.safetensors").is_file() else None
 
@@ -422,3 +421,22 @@ def _build_draft(src: Source, target: Path, quiet: bool, log) -> Path:
         raise
     log(f"its draft is ready: {dst}")
     return dst
+
+
+# -- what --model NAME means ----------------------------------------------------------------------------------
+def resolve_model(model: str) -> str:
+    """A `--model` value: a folder as it is; the name of a fetchable model (`smollm2`, see specbeam_edge.fetch)
+    its fetched folder, or an error that says how to fetch it. A folder of that name wins over the name."""
+    if Path(model).expanduser().is_dir() or not is_name(model):
+        return model
+    return str(model_path(model))
+
+
+def default_draft(model: str) -> str | None:
+    """The draft that goes with a `--model` value: a fetched model's name gives the draft `specbeam fetch` built
+    beside it when that draft was measured to pay (Source.draft_pays; else None: pass it with --draft to try it);
+    a folder gives None (its draft is named with --draft)."""
+    if Path(model).expanduser().is_dir() or not is_name(model) or not source(model).draft_pays:
+        return None
+    path = draft_path(model)
+    return str(path) if path else None

@@ -120,7 +120,8 @@ def add_memory_args(ap: argparse.ArgumentParser) -> None:
 
 
 def engine_from_args(args, model: str, draft: str | None):
-    """An Engine from the memory flags of add_memory_args plus --threads."""
+    """An Engine from the memory flags of add_memory_args plus --threads. (The engine's module loads here, not with
+    the flags: parsing them, and --help, need no onnxruntime.)"""
     from .generate import Engine
 
     placement = args.placement.split(",") if args.placement else None

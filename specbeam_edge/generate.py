@@ -16,6 +16,7 @@ import numpy as np
 
 from . import invariance
 from .adaptive import ChoosersByLoad, PassChooser, auto_budget, cost_curve
+from .cache import TreeCache
 from .config import GenerationConfig, ModelFolderError, SpeculativeConfig
 from .contract import probe_source
 from .draft import custom_drafter, make_drafter
@@ -26,6 +27,7 @@ from .results import Alternative, Hypothesis, Result, Stats, StreamChunk, peak_r
 from .scheduler import Job, Scheduler
 from .search import ExactSearch, SamplingSearch
 from .tokenizer import PromptText, Tokenizer, check_compatible, check_vocabulary
+from .tree import TokenTree
 
 __all__ = ["Alternative", "Engine", "Hypothesis", "PassChooser", "Result", "Stats", "StreamChunk", "peak_rss_mb"]
 
@@ -578,9 +580,6 @@ class Engine:
                        gen: GenerationConfig, n: int) -> np.ndarray:
         """fp32 log-probs [V] of the token after the prompt (an encoder-decoder's source: its decoder start and
         forced BOS) and the prefix: one target pass over them; the tokens the search bans there are -inf."""
-        from .cache import TreeCache
-        from .tree import TokenTree
-
         ctx, static = self.target.cfg.context_length, None
         if self.encoder is not None:
             static = self.encoder.encode([ids])[0]

@@ -37,25 +37,3 @@ def missing_message(folder: Path) -> str:
     return (f"the shipped model folder {folder} is not in {where}: pass your model folders with --model "
             f"(and --draft), or set {ENV} to the repository's models/ folder (it holds the pairs "
             f"{', '.join(PAIRS)}, each with target/ and draft/)")
-
-
-def resolve_model(model: str) -> str:
-    """A `--model` value: a folder as it is; the name of a fetchable model (`smollm2`, see specbeam_edge.fetch)
-    its fetched folder, or an error that says how to fetch it. A folder of that name wins over the name."""
-    from . import fetch
-
-    if Path(model).expanduser().is_dir() or not fetch.is_name(model):
-        return model
-    return str(fetch.model_path(model))
-
-
-def default_draft(model: str) -> str | None:
-    """The draft that goes with a `--model` value: a fetched model's name gives the draft `specbeam fetch` built
-    beside it when that draft was measured to pay (Source.draft_pays; else None: pass it with --draft to try it);
-    a folder gives None (its draft is named with --draft)."""
-    from . import fetch
-
-    if Path(model).expanduser().is_dir() or not fetch.is_name(model) or not fetch.source(model).draft_pays:
-        return None
-    path = fetch.draft_path(model)
-    return str(path) if path else None

@@ -146,6 +146,7 @@ def test_full_disk_is_one_line_and_leaves_nothing(src, tmp_path, monkeypatch, ca
     def full(model, path):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
     monkeypatch.setattr(core, "_save", full)
+    monkeypatch.setattr("export.save._save", full)
     out = tmp_path / "out"
     assert main(["-i", str(src), "-o", str(out), "-q"]) == 1
     err = capsys.readouterr().err
@@ -181,6 +182,7 @@ def test_ctrl_c_during_the_export_is_one_line(src, tmp_path, monkeypatch, capsys
     def interrupted(*a, **k):
         raise KeyboardInterrupt
     monkeypatch.setattr(core, "_save", interrupted)
+    monkeypatch.setattr("export.save._save", interrupted)
     assert main(["-i", str(src), "-o", str(tmp_path / "out"), "-q"]) == 130
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("specbeam-export: interrupted; no partial export was left")

@@ -204,12 +204,11 @@ def test_large_graph_layout_leaves_only_the_model(tmp_path, monkeypatch, precisi
     """Graphs past protobuf's limit keep their tensors in model.onnx.data (quantized ones too); int8/int4 quantize a
     temporary fp32 graph, whose .data file must not stay in the folder (it did: 1.7 GB of gemma-3-270m's 2.7 GB
     int8 folder). Same logits either way."""
-    from export import core
     from specbeam_edge.model import OnnxCausalLM
 
     make_family_model(tmp_path / "hf", "qwen3")
     small = export(tmp_path / "hf", tmp_path / "small", precision=precision, quiet=True)
-    monkeypatch.setattr(core, "EXTERNAL_DATA_BYTES", 0)          # every graph counts as large
+    monkeypatch.setattr("export.save.EXTERNAL_DATA_BYTES", 0)    # every graph counts as large
     big = export(tmp_path / "hf", tmp_path / "big", precision=precision, quiet=True)
     files = sorted(p.name for p in big.iterdir())
     onnx_files = [f for f in files if f.startswith("model")]

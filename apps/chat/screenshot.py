@@ -94,7 +94,7 @@ def live(out: Path, model: str, question: str, beams: int = 1, timeout_s: float 
     from PySide6.QtCore import QSettings
     from PySide6.QtWidgets import QApplication
 
-    from specbeam_edge.shipped import default_draft, resolve_model
+    from specbeam_edge.fetch import default_draft, resolve_model
 
     from .store import ChatStore
     from .window import ChatWindow
