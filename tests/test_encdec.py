@@ -471,10 +471,9 @@ def test_draft_sharing_another_encoder_is_refused(encdec, tmp_path):
 def test_large_shared_encoder_draft_ships_no_encoder_data(encdec, tmp_path, monkeypatch):
     """A graph past protobuf's limit keeps its tensors in <graph>.data: a draft sharing its target's encoder
     must drop that file with encoder.onnx (it kept it: the whole encoder again)."""
-    from export import core
 
     target, _ = encdec("m2m100")
-    monkeypatch.setattr(core, "EXTERNAL_DATA_BYTES", 0)          # every graph counts as large
+    monkeypatch.setattr("export.save.EXTERNAL_DATA_BYTES", 0)    # every graph counts as large
     draft = _cut_draft(target.parent / "hf", tmp_path / "draft", [1])
     assert sorted(p.name for p in draft.iterdir() if ".onnx" in p.name) == ["model.onnx", "model.onnx.data"]
     assert Engine(target, draft=draft).draft_cross == [1]
