@@ -50,6 +50,27 @@ def save_random(model, folder: Path, *, std: float, eos, vocab: int = VOCAB):
     return model
 
 
+def _hypotheses(x) -> list[tuple[list[int], float]]:
+    """(tokens, score) of each hypothesis of a Result, a list of Hypothesis, a list of Alternative (their best
+    hypotheses) or a list of (tokens, score) pairs (BeamSearch.hypotheses)."""
+    hyps = x.hypotheses if hasattr(x, "hypotheses") else x
+    hyps = [h.hypothesis if hasattr(h, "hypothesis") else h for h in hyps]
+    return [(list(h.tokens), h.score) if hasattr(h, "tokens") else (list(h[0]), h[1]) for h in hyps]
+
+
+def assert_same_hypotheses(a, b, scores: bool = True, atol: float = 1e-5):
+    """a and b (Results, or lists of hypotheses: see _hypotheses) hold the same hypotheses in the same order: the
+    same tokens, and (scores=True) scores equal within atol (atol=0: exactly equal)."""
+    ha, hb = _hypotheses(a), _hypotheses(b)
+    assert [t for t, _ in ha] == [t for t, _ in hb], ([t for t, _ in ha], [t for t, _ in hb])
+    if scores:
+        sa, sb = [s for _, s in ha], [s for _, s in hb]
+        if atol == 0:
+            assert sa == sb, (sa, sb)
+        else:
+            np.testing.assert_allclose(sa, sb, atol=atol)
+
+
 def torch_path_logits(model, paths: list[list[int]]) -> np.ndarray:
     """Reference: the last-position logits of each token path, run causally from scratch (no cache)."""
     import torch

@@ -94,21 +94,34 @@ def test_cli_generate_same_text_with_and_without_draft(exported, capsys):
     cap = capsys.readouterr()
     assert cap.out == plain
     stats = json.loads(cap.err.strip().splitlines()[-1])
-    assert stats["beam_steps_per_pass"] >= 1 and stats["target_passes"] >= 1
+    assert stats["target_passes"] >= 1 and stats["beam_steps"] >= 12
+    # the target as its own draft, trees on every pass: the draft is used (its levels are accepted, several beam
+    # steps per pass) and the text is still plain search's
+    assert cli_main(["generate", "the lazy dog", "--model", str(t), "--draft", str(t), "--num_beams", "4",
+                     "--max_new_tokens", "12", "--always_speculate", "--stats"]) == 0
+    cap = capsys.readouterr()
+    assert cap.out == plain
+    stats = json.loads(cap.err.strip().splitlines()[-1])
+    assert stats["plain_passes"] == 0 and stats["draft_tokens_proposed"] > 0 and stats["steps_from_draft"] > 0
+    assert stats["beam_steps_per_pass"] > 1.5, stats
     assert cli_main(["generate", "x", "--model", str(t) + "_nope"]) == 2
 
 
-def test_cli_speculation_is_adaptive_unless_asked():
-    import argparse
-
-    from specbeam_edge.cli import add_search_args, configs
-
-    ap = argparse.ArgumentParser()
-    add_search_args(ap)
-    _, spec = configs(ap.parse_args(["--draft", "d"]))
-    assert spec.adaptive
-    _, spec = configs(ap.parse_args(["--draft", "d", "--always_speculate"]))
-    assert not spec.adaptive
+def test_cli_speculation_is_adaptive_unless_asked(exported, capsys):
+    """With a draft, `generate` speculates adaptively (the chooser measures plain passes first, so some passes
+    draft nothing); --always_speculate drafts on every pass."""
+    t = exported("llama", std=0.3, seed=3)
+    base = ["generate", "the lazy dog", "--model", str(t), "--draft", str(t), "--num_beams", "2",
+            "--max_new_tokens", "16", "--stats"]
+    runs = {}
+    for extra in ([], ["--always_speculate"]):
+        assert cli_main(base + extra) == 0
+        cap = capsys.readouterr()
+        runs[bool(extra)] = (cap.out, json.loads(cap.err.strip().splitlines()[-1]))
+    (adaptive_out, adaptive), (always_out, always) = runs[False], runs[True]
+    assert adaptive_out == always_out
+    assert adaptive["plain_passes"] > 0, adaptive
+    assert always["plain_passes"] == 0 and always["draft_passes"] > 0, always
 
 
 def test_chat_prompt_leaves_the_earliest_messages_out_to_fit(engine):

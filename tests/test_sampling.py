@@ -6,6 +6,7 @@ with an expected count below 5 are pooled. The correct rule must give p > 1e-3 (
 CI); a deliberately broken rule (no residual update) must give p < 1e-3 on the same test.
 """
 import collections
+import dataclasses
 import itertools
 
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 
 import specbeam_edge.sampling as sampling
 from fake_lm import FakeLM
+from helpers import assert_same_hypotheses
 from specbeam_edge import Engine, SpeculativeConfig
 from specbeam_edge.sampling import acceptance_count_dist, choose_width, residual, verify_level
 
@@ -130,18 +132,42 @@ def test_dynamic_width_and_memory_saving(fake):
     single = SpeculativeConfig(adaptive=False, drafter="sample", max_depth=3, draft_width=3, single_sequence=True)
     from specbeam_edge.config import GenerationConfig
     gen = GenerationConfig(num_beams=3, do_sample=True, max_new_tokens=8, seed=5)
-    for st, _ in fake.generate_passes([1, 2], gen, single):
+    for st, stats in fake.generate_passes([1, 2], gen, single):
         assert len(st.live) <= 1
-    a = fake.generate([1, 2], generation=gen, speculative=single)[0].hypotheses[0].tokens
-    b = fake.generate([1, 2], generation=gen, speculative=single)[0].hypotheses[0].tokens
-    assert a == b
+    [a] = fake.generate([1, 2], generation=gen, speculative=single)
+    [b] = fake.generate([1, 2], generation=gen, speculative=single)
+    assert_same_hypotheses(a, b)                                        # the seed decides the draws
+    # the same seeded run, streamed pass by pass: the final state holds generate's hypotheses and statistics
+    assert_same_hypotheses(a, st.hypotheses(1))
+    assert (stats.target_passes, stats.draft_tokens_accepted) == (a.stats.target_passes, a.stats.draft_tokens_accepted)
+    # the draft's samples are used (some accepted), and another seed draws other samples
+    assert a.stats.draft_passes > 0 and a.stats.draft_tokens_accepted > 0, a.stats
+    others = {tuple(fake.generate([1, 2], generation=dataclasses.replace(gen, seed=s), speculative=single)[0]
+                    .hypotheses[0].tokens) for s in range(6)}
+    assert len(others) > 1, others
 
 
 def test_sampling_on_onnx_models(exported):
     t = exported("llama", std=0.3, seed=3)
     eng = Engine(t, draft=exported("llama", std=0.3, seed=11, layers=1))
     spec = SpeculativeConfig(adaptive=False, drafter="sample", max_depth=4, draft_width=4)
-    a = eng.generate("the quick fox", num_beams=2, do_sample=True, seed=7, max_new_tokens=12, speculative=spec)[0]
-    b = eng.generate("the quick fox", num_beams=2, do_sample=True, seed=7, max_new_tokens=12, speculative=spec)[0]
-    assert a.hypotheses[0].tokens == b.hypotheses[0].tokens and len(a.hypotheses[0].tokens) >= 1
+    kw = dict(num_beams=2, do_sample=True, max_new_tokens=12, speculative=spec)
+    a = eng.generate("the quick fox", seed=7, **kw)[0]
+    b = eng.generate("the quick fox", seed=7, **kw)[0]
+    assert_same_hypotheses(a, b)
+    assert len(a.hypotheses[0].tokens) >= 1
     assert a.stats.target_passes >= 1 and a.stats.beam_steps >= a.stats.target_passes
+    # batched with other prompts (each request draws from its own seeded generator): the draws it gets alone
+    together = eng.generate(["the quick fox", "hello world", "the quick fox"], seed=7, **kw)
+    assert max(together[0].stats.batch_sizes) > 1
+    assert_same_hypotheses(together[0], a)
+    assert_same_hypotheses(together[2], a)
+    # other seeds draw other samples
+    seeds = {tuple(eng.generate("the quick fox", seed=s, **kw)[0].hypotheses[0].tokens) for s in range(4)}
+    assert len(seeds) > 1, seeds
+    # the draft's samples are verified and kept: some levels come from the draft, and with the target as its own
+    # draft (p = q at the first level of every pass) most of each pass's levels are kept
+    assert a.stats.draft_passes > 0 and a.stats.draft_tokens_accepted > 0 and any(a.stats.from_draft), a.stats
+    own = Engine(t, draft=t).generate("the quick fox", seed=7, **kw)[0]
+    assert own.stats.beam_steps_per_pass > a.stats.beam_steps_per_pass, (own.stats, a.stats)
+    assert own.stats.from_draft.count(True) >= 2 * own.stats.target_passes, own.stats

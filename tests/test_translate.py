@@ -155,6 +155,16 @@ def test_eval_and_stdout(pair, tmp_path, capsys):
     ref.write_text("\n".join(lines) + "\n")
     assert run(pair, inp, None, "--eval", str(ref)) == 0
     assert "chrF 100.00" in capsys.readouterr().err
+    # against other references: the scores sacrebleu gives the outputs, line by line (a tool scoring its
+    # output against itself, or lines out of order, prints other numbers)
+    import sacrebleu
+
+    other = [lines[0], *src[1:3], lines[3][: len(lines[3]) // 2]]
+    ref.write_text("\n".join(other) + "\n")
+    assert run(pair, inp, None, "--eval", str(ref)) == 0
+    bleu, chrf = sacrebleu.corpus_bleu(lines, [other]).score, sacrebleu.corpus_chrf(lines, [other]).score
+    assert f"BLEU {bleu:.2f}  chrF {chrf:.2f}" in capsys.readouterr().err
+    assert 0 < chrf < 100
 
 
 def test_bad_model_folder(tmp_path, capsys):
