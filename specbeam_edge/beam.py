@@ -240,6 +240,11 @@ class BeamSearch:
         self.done = not (self.improvable and open_beam and not bool(hit.all()))
         return self.running
 
+    def proposals(self) -> list[int]:
+        """Tree nodes the search itself expects to need (added to a speculative pass's tree beside the drafter's):
+        none for plain beam search (ConstrainedBeamSearch proposes its constraint phrases)."""
+        return []
+
     def _greedy_step(self, tok: int, logprob) -> list[int]:
         node = self.tree.add(self.running[0], tok)
         self.scores[0] += logprob

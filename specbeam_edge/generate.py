@@ -17,6 +17,7 @@ import numpy as np
 from . import invariance
 from .adaptive import ChoosersByLoad, PassChooser, auto_budget, cost_curve
 from .cache import TreeCache
+from . import constraints as lexical
 from .config import GenerationConfig, ModelFolderError, SpeculativeConfig
 from .contract import probe_source
 from .draft import custom_drafter, make_drafter
@@ -297,6 +298,25 @@ class Engine:
                 raise type(e)(f"prompt {i}: {e}") from None
         return out
 
+    @staticmethod
+    def _per_prompt(values, n: int, name: str, convert) -> list:
+        """One value per prompt (None: None for each), converted; an error names the prompt."""
+        if values is None:
+            return [None] * n
+        if isinstance(values, (str, bytes, bytearray, dict)) or not hasattr(values, "__len__"):
+            raise TypeError(f"{name} must be a list with one entry per prompt, got {type(values).__name__}")
+        if len(values) != n:
+            raise ValueError(f"{name} has {len(values)} entries for {n} prompts (one per prompt; None for none)")
+        out = []
+        for i, v in enumerate(values):
+            try:
+                out.append(convert(v))
+            except (TypeError, ValueError) as e:
+                if n == 1:
+                    raise
+                raise type(e)(f"prompt {i}: {e}") from None
+        return out
+
     def _lead(self, prefix: list[int], forced_bos: int | None) -> list[int]:
         """The tokens a hypothesis starts with that its search counts as prompt: with a target prefix, the
         forced BOS (encoder-decoder models) and the prefix; none without one (a forced BOS then counts as
@@ -306,7 +326,8 @@ class Engine:
         return (self.encoder.decoder_prompt(forced_bos)[1:] if self.encoder is not None else []) + prefix
 
     def _new_search(self, ids: list[int], gen: GenerationConfig, spec: SpeculativeConfig | None, drafter=None,
-                    static=None, forced_bos: int | None = None, prefix: list[int] | None = None):
+                    static=None, forced_bos: int | None = None, prefix: list[int] | None = None,
+                    constraints: lexical.Constraints | None = None):
         """Validate one request and build its search object (search.py). `drafter` overrides the policy named
         in spec (any callable with the Drafter signature; see draft.py). Encoder-decoder models: ids are the
         source; static(with_draft) gives the request's encoder outputs when it starts (see _statics).
@@ -348,6 +369,9 @@ class Engine:
             prompt_len = len(ids) if prefix else 1
             extra = dict(prompt_len=prompt_len, static=static, process=logits_processor(
                 self.encoder.suppressed, self.encoder.forced_eos, prompt_len + max_new))
+        if constraints is not None and gen.do_sample:
+            raise ValueError("constraints are for beam search (do_sample=False): a sample cannot be steered to "
+                             "contain them without changing its distribution")
         if gen.do_sample:
             topk = [str(m.folder) for m in (self.target, self.draft if use_draft else None)
                     if m is not None and m.cfg.output == "topk"]
@@ -382,17 +406,19 @@ class Engine:
         # then reads [beams, k], never a vocabulary-sized row (beam.BeamRows)
         n_banned = len(self.encoder.suppressed) if source is not None else 0
         history = bool(gen.no_repeat_ngram_size) or gen.repetition_penalty != 1.0
-        beam_head = self.target.cfg.output in ("topk", "both") and not history
-        if history and self.target.cfg.output == "topk":
-            raise ValueError(f"{self.target.folder}: no_repeat_ngram_size / repetition_penalty move tokens a top-k "
-                             "head may need beyond its k; export with --output_kind both (or logits) to use them")
+        dense = history or constraints is not None
+        beam_head = self.target.cfg.output in ("topk", "both") and not dense
+        if dense and self.target.cfg.output == "topk":
+            what = "constraints need the log-probs of their tokens" if constraints is not None else \
+                "no_repeat_ngram_size / repetition_penalty move tokens a top-k head may need beyond its k"
+            raise ValueError(f"{self.target.folder}: {what}; export with --output_kind both (or logits) to use them")
         topk = 2 * gen.num_beams + len(eos) + 1 + n_banned if beam_head else None
         return ExactSearch(ids, self.target, self.draft, num_beams=gen.num_beams, max_new_tokens=max_new, eos=eos,
                            length_penalty=gen.length_penalty, early_stopping=gen.early_stopping,
                            min_new_tokens=gen.min_new_tokens, no_repeat_ngram_size=gen.no_repeat_ngram_size,
                            repetition_penalty=gen.repetition_penalty,
                            grow=grow, chooser=chooser, topk=topk,
-                           budget_for=budget_for, **extra)
+                           budget_for=budget_for, constraints=constraints, **extra)
 
     def _statics(self, sources: list[list[int]], batch: int) -> list:
         """Per request, static(with_draft) -> (target's, draft's) encoder outputs, or None for decoder-only
@@ -414,18 +440,20 @@ class Engine:
     # -- public API: generate_passes -> stream (one request); generate_iter -> generate (batches) -------------
     def generate_passes(self, prompt: str | list[int], generation: GenerationConfig | None = None,
                         speculative: SpeculativeConfig | None = None, *, drafter=None, src_lang: str | None = None,
-                        tgt_lang: str | None = None, raw: bool = False, target_prefix=None, **overrides):
+                        tgt_lang: str | None = None, raw: bool = False, target_prefix=None, constraints=None,
+                        **overrides):
         """One request alone (a batch of one): yields (search state, live stats) after every target pass; the
         state is a BeamSearch (`running`, `scores`, `hypotheses(n)`, `stable_prefix()`) or, when sampling, a
         SampleState. drafter: a custom tree-growth callable (exact beam search only). target_prefix: see
-        generate (the state's hypotheses and stable prefix then start after it)."""
+        generate (the state's hypotheses and stable prefix then start after it); constraints: this request's
+        (see generate_iter)."""
         gen = self.generation_config(generation, **overrides)
         speculative = self._speculative(speculative)
         forced_bos = self._forced_bos(tgt_lang)
         ids = self.encode(prompt, src_lang, raw)
         prefix = self._prefix_ids(target_prefix)
         job = Job(0, len(ids), self._new_search(ids, gen, speculative, drafter, self._statics([ids], 1)[0],
-                                                forced_bos, prefix))
+                                                forced_bos, prefix, lexical.parse(constraints, self._prefix_ids)))
         for _, progress, finished in Scheduler(self.target, max_batch_size=1).run([job]):
             if not finished:
                 yield progress.state, progress.stats
@@ -464,13 +492,15 @@ class Engine:
     def generate(self, prompts, generation: GenerationConfig | None = None,
                  speculative: SpeculativeConfig | None = None, drafter=None, *, max_batch_size: int = 32,
                  max_batch_tokens: int | None = None, src_lang: str | None = None, tgt_lang: str | None = None,
-                 raw: bool = False, target_prefix=None, **overrides) -> list[Result]:
+                 raw: bool = False, target_prefix=None, constraints=None, **overrides) -> list[Result]:
         """Generate for one prompt (str or token ids) or a list of them; returns one Result per prompt, in order.
         A list is decoded in batches (continuous batching; see generate_iter). A text is put into the model
         folder's prompt format unless raw=True (see encode). drafter: a custom tree-growth callable (exact beam
         search only). target_prefix: the start of the output, forced (CTranslate2's target_prefix): one prefix
         (a text or token ids) for one prompt, a list of them (None or '' for none) for a list of prompts; see
-        generate_iter."""
+        generate_iter. constraints: terminology that must appear in the output (lexically constrained beam
+        search): for one prompt a list of constraints, for a list of prompts one such list (or None) per prompt;
+        see generate_iter."""
         if prompts is None or isinstance(prompts, (bytes, bytearray, memoryview, dict, int, np.integer)):
             raise TypeError(f"prompts must be a string, a list of token ids, or a list of those; got "
                             f"{type(prompts).__name__}")
@@ -482,18 +512,21 @@ class Engine:
                 batch, one = [batch], True    # one token-id prompt
         if one and target_prefix is not None:
             target_prefix = [target_prefix]
+        if one and constraints is not None:
+            constraints = [constraints]
         out: list[Result | None] = [None] * len(batch)
         for i, result in self.generate_iter(batch, generation, speculative, drafter=drafter,
                                             max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens,
                                             src_lang=src_lang, tgt_lang=tgt_lang, raw=raw,
-                                            target_prefix=target_prefix, **overrides):
+                                            target_prefix=target_prefix, constraints=constraints, **overrides):
             out[i] = result
         return out
 
     def generate_iter(self, prompts, generation: GenerationConfig | None = None,
                       speculative: SpeculativeConfig | None = None, drafter=None, *, max_batch_size: int = 32,
                       max_batch_tokens: int | None = None, src_lang: str | None = None, tgt_lang: str | None = None,
-                      raw: bool = False, target_prefix=None, **overrides) -> Iterator[tuple[int, Result]]:
+                      raw: bool = False, target_prefix=None, constraints=None,
+                      **overrides) -> Iterator[tuple[int, Result]]:
         """Yield (index into prompts, Result) in completion order. Up to max_batch_size requests (and
         max_batch_tokens prompt tokens) share every target pass and every draft level's pass; a finished
         request leaves at once and the next one joins. Each request's output is the one it gets alone.
@@ -504,7 +537,14 @@ class Engine:
         generate(input_ids=prompt + prefix) (decoder-only) or generate(decoder_input_ids=[decoder start, forced
         BOS] + prefix) (encoder-decoder): the prefix counts as prompt for the length penalty, min_new_tokens and
         max_new_tokens. Each hypothesis includes the prefix (its tokens and text; its score is of the tokens
-        after it), as CTranslate2 returns it."""
+        after it), as CTranslate2 returns it.
+        constraints: None, or one list of constraints (or None) per prompt. A constraint is a text, token ids, or
+        a tuple/list of alternatives (texts or token ids), any one of which satisfies it; a text is encoded as
+        target-side text, alone and after a space. Beam search (num_beams >= 2) then allocates its beams over
+        the number of constraint tokens met (dynamic beam allocation, Post & Vilar 2018) and a hypothesis may end
+        only when it contains every constraint (tokens after the target prefix); each hypothesis says whether it
+        does (Hypothesis.constraints_met: False only when the length limit came first). Exact and speculative
+        search give the same output, as without constraints."""
         gen = self.generation_config(generation, **overrides)
         speculative = self._speculative(speculative)
         forced_bos = self._forced_bos(tgt_lang)
@@ -522,9 +562,11 @@ class Engine:
                     raise
                 raise type(e)(f"prompt {i}: {e}") from None
         prefixes = self._prefixes(target_prefix, len(prompts))
+        lexicon = self._per_prompt(constraints, len(prompts), "constraints",
+                                   lambda c: lexical.parse(c, self._prefix_ids))
         statics = self._statics(sources, max_batch_size)
         jobs = [Job(i, len(ids), self._new_search(ids, gen, speculative, drafter, statics[i], forced_bos,
-                                                  prefixes[i]))
+                                                  prefixes[i], lexicon[i]))
                 for i, ids in enumerate(sources)]
         sched = Scheduler(self.target, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens)
         for i, progress, finished in sched.run(jobs):
@@ -620,4 +662,7 @@ class Engine:
         decode = self.tokenizer.decode if self.tokenizer else (lambda ids: "")
         hyps = [Hypothesis(decode([t for t in toks if t not in eos]), toks, score)
                 for toks, score in ((list(lead) + t, s) for t, s in bs.hypotheses(gen.num_return_sequences))]
+        if hasattr(bs, "constraints_met"):
+            for h, met in zip(hyps, bs.constraints_met(len(hyps))):
+                h.constraints_met = met
         return Result(prompt, hyps, stats)

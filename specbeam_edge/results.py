@@ -81,6 +81,7 @@ class Hypothesis:
     text: str
     tokens: list[int]
     score: float
+    constraints_met: bool | None = None   # with constraints: whether it contains every one (None: none given)
 
 
 @dataclass

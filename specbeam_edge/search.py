@@ -16,6 +16,7 @@ import numpy as np
 from .beam import BeamRows, BeamSearch
 from .batch import ScoreCall
 from .cache import TreeCache
+from .constraints import ConstrainedBeamSearch, Constraints
 from .results import Stats, peak_rss_mb
 from .sampling import SampleState, choose_width, draw, verify_level
 from .tree import TokenTree
@@ -59,20 +60,22 @@ class ExactSearch:
     the first `prompt_len` tokens are the prompt (the rest count as generated, with log-prob 0, as transformers'
     forced-BOS processor makes them); `static(with_draft)` returns the target's and the draft's static inputs
     (cross K/V, source mask; the draft's None unless asked), called when the request starts; `process(logp, cur_len)`
-    applies extra logits processors (banned pad, forced EOS) to the beams' log-probs."""
+    applies extra logits processors (banned pad, forced EOS) to the beams' log-probs. constraints (terminology,
+    constraints.Constraints): the search is a ConstrainedBeamSearch, grown, scored and replayed the same way."""
 
     def __init__(self, ids: list[int], target_lm, draft_lm, *, num_beams: int, max_new_tokens: int, eos,
                  length_penalty: float, early_stopping, min_new_tokens: int, no_repeat_ngram_size: int = 0,
                  repetition_penalty: float = 1.0, grow=None, chooser=None,
                  topk: int | None = None, prompt_len: int | None = None, static=None, process=None,
-                 budget_for=None):
+                 budget_for=None, constraints: Constraints | None = None):
         self.tree = TokenTree()
         self.chain_len = len(ids)
-        self.bs = BeamSearch(self.tree, self.tree.add_chain(ids)[-1], num_beams=num_beams,
-                             prompt_len=self.chain_len if prompt_len is None else prompt_len,
-                             max_new_tokens=max_new_tokens, eos_token_ids=eos, length_penalty=length_penalty,
-                             early_stopping=early_stopping, min_new_tokens=min_new_tokens,
-                             no_repeat_ngram_size=no_repeat_ngram_size, repetition_penalty=repetition_penalty)
+        kind, extra = (BeamSearch, {}) if constraints is None else (ConstrainedBeamSearch, {"constraints": constraints})
+        self.bs = kind(self.tree, self.tree.add_chain(ids)[-1], num_beams=num_beams,
+                       prompt_len=self.chain_len if prompt_len is None else prompt_len,
+                       max_new_tokens=max_new_tokens, eos_token_ids=eos, length_penalty=length_penalty,
+                       early_stopping=early_stopping, min_new_tokens=min_new_tokens,
+                       no_repeat_ngram_size=no_repeat_ngram_size, repetition_penalty=repetition_penalty, **extra)
         self.target = TreeCache(target_lm, self.tree)
         self.draft = TreeCache(draft_lm, self.tree) if grow is not None else None
         self.grow, self.chooser, self.topk = grow, chooser, topk
@@ -126,6 +129,7 @@ class ExactSearch:
     def _grow(self, budget: int):
         stats, td, d0 = self.stats, time.perf_counter(), self.draft.passes
         drafted = yield from self.grow(self.draft, self.bs.running, list(self.bs.scores), budget)
+        drafted = list(dict.fromkeys(drafted + self.bs.proposals()))      # constraint phrases, if any
         stats.draft_passes += self.draft.passes - d0
         stats.draft_tokens_proposed += len(drafted)
         stats.draft_seconds += time.perf_counter() - td

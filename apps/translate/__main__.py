@@ -15,6 +15,9 @@ second process off the same output. A UTF-8 BOM is dropped; LF, CRLF and CR all 
 --target_prefix FILE forces the start of each line's translation (one prefix a line, an empty line for none; the
 output includes it); --alternatives N writes JSON lines instead of text: per input line the N most probable
 tokens at the position after the prefix (or at the start), with their log-probs and each one's best translation.
+--glossary TSV makes terminology appear: a line whose source contains a glossary term is translated with
+lexically constrained beam search, so that one of the term's target forms appears (a line where it could not
+fit is reported on stderr, never silently left out).
 --engine ray spreads the same work over a Ray cluster, one engine per actor, with the same output and resume
 guarantee per shard (ray_engine.py).
 Exit codes: 0 done, 1 failed (--on_error fail, I/O error while running), 2 usage or unusable input/model,
@@ -78,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--target_prefix", default=None, metavar="FILE",
                     help="the start of each translation, forced (CTranslate2's target_prefix): one prefix a line, "
                          "line k for input line k, an empty line for none; the output line includes it")
+    ap.add_argument("--glossary", default=None, metavar="TSV",
+                    help="terminology that must appear: 'source term<TAB>target term[<TAB>another form...]' a line; "
+                         "a line whose source contains a source term (as a whole word) is translated with "
+                         "constrained beam search so that one of its target forms appears (beam size >= 2)")
+    ap.add_argument("--glossary_case", choices=("insensitive", "sensitive"), default="insensitive",
+                    help="how source terms are matched in the source lines")
     ap.add_argument("--alternatives", type=positive_int, default=None, metavar="N",
                     help="write JSON lines, one object per input line: the N most probable tokens after the target "
                          "prefix (or at the start), each with its text, log-prob and best translation")
@@ -110,8 +119,12 @@ def parse_args(argv):
         ap.error("--engine ray needs -i (a file, a folder or a glob) and -o (where the shards and outputs go)")
     if args.engine == "ray" and args.eval:
         ap.error("--eval reads one output; with --engine ray run it on the local engine, or score the output apart")
-    if args.engine == "ray" and (args.target_prefix or args.alternatives):
-        ap.error("--target_prefix and --alternatives run on the local engine (--engine local)")
+    if args.engine == "ray" and (args.target_prefix or args.alternatives or args.glossary):
+        ap.error("--target_prefix, --glossary and --alternatives run on the local engine (--engine local)")
+    if args.glossary and args.num_beams < 2:
+        ap.error("--glossary needs beam search: --beam_size 2 or more (4 or more is better)")
+    if args.glossary and args.alternatives:
+        ap.error("--alternatives ranks the model's own next tokens; --glossary is for translations")
     if args.alternatives:
         for flag, used in (("--n_best", args.n_best > 1), ("--with_score", args.with_score), ("--eval", args.eval)):
             if used:
@@ -127,7 +140,8 @@ def run(args, writer: InOrder | None) -> int:
         return run_ray(args, s)
     check_output(args.output, args.input)
     lines = split_lines(read_input(args.input))
-    s = s.with_prefixes(*read_prefixes(args.target_prefix, len(lines)))
+    s = s.with_prefixes(*read_prefixes(args.target_prefix, len(lines))).with_glossary(
+        args.glossary, args.glossary_case, lines)
     with OutputLock(Path(args.output)) if args.output else contextlib.nullcontext():
         if args.resume and finished(Path(args.output), len(lines) * args.n_best):
             return 0

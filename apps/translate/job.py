@@ -9,6 +9,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -61,12 +62,23 @@ class Settings:
     alternatives: int | None = None
     prefixes: tuple[str, ...] | None = None     # per input line ('' for none), from --target_prefix
     prefix_sha256: str | None = None            # of the prefix file's lines, for the journal
+    constraints: tuple | None = None            # per input line: its glossary terms' target forms (None: none)
+    glossary_sha256: str | None = None          # of the glossary file and its case setting, for the journal
 
     def with_prefixes(self, lines: list[bytes] | None, texts: list[str] | None) -> Settings:
         if lines is None:
             return self
         return dataclasses.replace(self, prefixes=tuple(texts),
                                    prefix_sha256=hashlib.sha256(b"\n".join(lines)).hexdigest())
+
+    def with_glossary(self, path: str | None, case: str, lines: list[bytes]) -> Settings:
+        """--glossary FILE: each input line's constraints (the target forms of every term its source contains)."""
+        if not path:
+            return self
+        raw, terms = read_glossary(path)
+        texts = [b.decode("utf-8", "replace") for b in lines]
+        return dataclasses.replace(self, constraints=tuple(glossary_constraints(terms, texts, case)),
+                                   glossary_sha256=hashlib.sha256(case.encode() + b"\0" + raw).hexdigest())
 
 
 def generation_overrides(args) -> dict:
@@ -120,6 +132,7 @@ def journal_settings(s: Settings, generation) -> dict:
             **({"languages": [s.src_lang, s.tgt_lang]} if s.src_lang or s.tgt_lang else {}),
             # the prefix file by its lines' SHA-256 (as the input): a changed prefix is a changed setting
             **({"target_prefix": s.prefix_sha256} if s.prefix_sha256 is not None else {}),
+            **({"glossary": s.glossary_sha256} if s.glossary_sha256 is not None else {}),
             **({"alternatives": s.alternatives} if s.alternatives else {})}
 
 
@@ -128,7 +141,8 @@ LABELS = {"generation.num_beams": "beam_size", "generation.num_return_sequences"
           "generation.max_new_tokens": "max_decoding_length", "generation.length_penalty": "length_penalty",
           "generation.min_new_tokens": "min_decoding_length", "generation.no_repeat_ngram_size": "no_repeat_ngram_size",
           "generation.repetition_penalty": "repetition_penalty",
-          "languages": "src_lang/tgt_lang", "target_prefix": "target_prefix (the file's contents)"}
+          "languages": "src_lang/tgt_lang", "target_prefix": "target_prefix (the file's contents)",
+          "glossary": "glossary (the file's contents or --glossary_case)"}
 
 
 # -- input and output ------------------------------------------------------------------------------------------
@@ -179,6 +193,40 @@ def read_prefixes(path: str | None, n: int) -> tuple[list[bytes] | None, list[st
     if None in texts:
         raise UsageError(f"--target_prefix {path}: line {texts.index(None) + 1} is not valid UTF-8")
     return raw, texts
+
+
+def read_glossary(path: str) -> tuple[bytes, list[tuple[str, tuple[str, ...]]]]:
+    """--glossary FILE (UTF-8, tab-separated): `source term<TAB>target term[<TAB>another target form ...]` a line;
+    empty lines and lines starting with '#' are skipped. Returns (the file's bytes, [(source, targets)])."""
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as e:
+        raise UsageError(f"cannot read --glossary {path}: {e.strerror or e}") from None
+    terms = []
+    for k, line in enumerate(split_lines(raw), 1):
+        text = _utf8(line)
+        if text is None:
+            raise UsageError(f"--glossary {path}: line {k} is not valid UTF-8")
+        if not text.strip() or text.lstrip().startswith("#"):
+            continue
+        cells = [c.strip() for c in text.split("\t")]
+        if len(cells) < 2 or not cells[0] or not all(cells[1:]):
+            raise UsageError(f"--glossary {path}: line {k} is not 'source term<TAB>target term' (tab-separated, "
+                             f"no empty cell): {text[:60]!r}")
+        terms.append((cells[0], tuple(dict.fromkeys(cells[1:]))))
+    return raw, terms
+
+
+def glossary_constraints(terms, sources: list[str], case: str) -> list[list[tuple[str, ...]] | None]:
+    """Per source line, the target forms of every glossary term it contains as a whole word (not inside a longer
+    word; case-insensitive unless case == 'sensitive'): each term one constraint, its target forms alternatives."""
+    flags = 0 if case == "sensitive" else re.IGNORECASE
+    found = [(re.compile(r"(?<!\w)" + re.escape(src) + r"(?!\w)", flags), targets) for src, targets in terms]
+    out = []
+    for text in sources:
+        hits = list(dict.fromkeys(targets for rx, targets in found if rx.search(text)))
+        out.append([tuple(t) for t in hits] or None)
+    return out
 
 
 def _utf8(b: bytes) -> str | None:
@@ -298,6 +346,7 @@ def translate(s: Settings, engine, todo, on_line, progress, first: int = 0, repo
     total = Stats()
     by_tokens = s.batch_type == "tokens"
     prefix = [s.prefixes[first + i] or None for i, _ in todo] if s.prefixes is not None else None
+    terms = [s.constraints[first + i] for i, _ in todo] if s.constraints is not None else None
     if s.alternatives:           # one line at a time: its N continuations are the batch
         for k, (i, ids) in enumerate(todo):
             alts = engine.alternatives(ids, prefix[k] if prefix else None, s.alternatives,
@@ -310,7 +359,7 @@ def translate(s: Settings, engine, todo, on_line, progress, first: int = 0, repo
     results = engine.generate_iter([ids for _, ids in todo], speculative=s.speculative, tgt_lang=s.tgt_lang,
                                    max_batch_size=s.batch_size if not by_tokens else max(1, len(todo)),
                                    max_batch_tokens=s.batch_size if by_tokens else None,
-                                   target_prefix=prefix, **s.generation)
+                                   target_prefix=prefix, constraints=terms, **s.generation)
     limit = s.generation["max_new_tokens"]
     for k, res in results:
         room = ctx - len(todo[k][1])
@@ -318,6 +367,10 @@ def translate(s: Settings, engine, todo, on_line, progress, first: int = 0, repo
             report(first + todo[k][0] + 1, f"the translation reached the model's context ({ctx} tokens) after "
                                            f"{room} tokens and may be cut; shorten the line or pass a smaller "
                                            f"--max_input_length")
+        if any(h.constraints_met is False for h in res.hypotheses):
+            report(first + todo[k][0] + 1, f"glossary terms {' / '.join(t[0] for t in terms[k])} did not all fit "
+                                           f"in --max_decoding_length {limit}: the translation is the best found "
+                                           f"without them")
         hyps = [f"{h.score:.4f} ||| {h.text}" if s.with_score else h.text for h in res.hypotheses]
         on_line(todo[k][0], [one_line(h) for h in hyps])
         total.add(res.stats)

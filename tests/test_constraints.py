@@ -1,0 +1,193 @@
+"""Terminology constraints (lexically constrained beam search, dynamic beam allocation): every finished hypothesis
+contains each constraint; scores are the hypotheses' own log-probs; speculative == plain (the constraint state
+is a function of the tokens, so the replay computes plain search's); batched == alone; bad input is refused."""
+import itertools
+
+import numpy as np
+import pytest
+
+from helpers import assert_same_hypotheses
+from specbeam_edge import Engine, SpeculativeConfig
+from specbeam_edge.constraints import ConstrainedBeamSearch, Constraints, State, parse
+from specbeam_edge.tree import TokenTree
+from test_encdec import SOURCES, encdec  # noqa: F401 (fixture)
+
+V = 12
+
+
+def contains(seq, phrase) -> bool:
+    n = len(phrase)
+    return any(tuple(seq[i:i + n]) == tuple(phrase) for i in range(len(seq) - n + 1))
+
+
+def test_state_follows_the_tokens():
+    """The incremental state equals what the sequence says: a constraint is met iff one of its alternatives
+    occurs in it; the partial matches are exactly the phrase prefixes the sequence ends with."""
+    c = Constraints([[[3, 4, 3]], [[5], [6, 7]], [[3, 3, 4]]])
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        seq = rng.integers(2, 8, size=rng.integers(1, 14)).tolist()
+        s = State()
+        for t in seq:
+            s = c.advance(s, t)
+        for ci, alts in enumerate(c.phrases):
+            assert bool(s.met >> ci & 1) == any(contains(seq, a) for a in alts), (seq, ci, s)
+        want = {(ci, ai, k) for ci, alts in enumerate(c.phrases) if not s.met >> ci & 1
+                for ai, a in enumerate(alts) for k in range(1, len(a)) if tuple(seq[-k:]) == a[:k]}
+        assert set(s.partial) == want, (seq, s)
+    # banks count constraint tokens: units are the shortest alternative's length
+    assert c.units == [3, 1, 3] and c.total_units == 7
+    s = State()
+    for t in [3, 4]:
+        s = c.advance(s, t)
+    assert c.bank(s) == 2                       # [3, 4] of [3, 4, 3]; [3] of [3, 3, 4] counts less
+    assert set(c.next_tokens(s)) == {3, 5, 6}   # extend [3, 4, 3]; start [5], [6, 7] or [3, 3, 4]
+
+
+def bigram_table(seed):
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(0, 2.0, size=(V, V)).astype(np.float32)
+    return logits - np.log(np.exp(logits).sum(1, keepdims=True)).astype(np.float32)
+
+
+def run_search(table, constraints, K=4, max_new=10, **kw):
+    tree = TokenTree()
+    start = tree.add_chain([1])[-1]
+    bs = ConstrainedBeamSearch(tree, start, num_beams=K, prompt_len=1, max_new_tokens=max_new, eos_token_ids=[0],
+                               constraints=Constraints(constraints), **kw)
+    while not bs.done:
+        bs.step(np.stack([table[tree.tokens[n]] for n in bs.running]))
+    return bs
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("lp", [1.0, 0.0])
+def test_every_hypothesis_meets_its_constraints_and_is_scored_as_it_reads(seed, lp):
+    table = bigram_table(seed)
+    rng = np.random.default_rng(100 + seed)
+    constraints = [[rng.integers(2, V, size=rng.integers(1, 3)).tolist()] for _ in range(rng.integers(1, 3))]
+    bs = run_search(table, constraints, length_penalty=lp)
+    hyps = bs.hypotheses(4)
+    assert hyps and bs.constraints_met(4) == [True] * len(hyps), (constraints, hyps)
+    for toks, score in hyps:
+        assert all(contains(toks, c[0]) for c in constraints), (constraints, toks)
+        assert toks[-1] == 0 or len(toks) == 10
+        path = [1] + toks
+        logp = sum(table[a][b] for a, b in zip(path, path[1:]))
+        assert score == pytest.approx(logp / len(toks) ** lp, abs=1e-4)
+    scores = [s for _, s in hyps]
+    assert scores == sorted(scores, reverse=True)
+
+
+def test_alternatives_and_the_length_limit():
+    table = bigram_table(3)
+    bs = run_search(table, [[[7, 8], [9]]])
+    assert all(contains(t, [7, 8]) or contains(t, [9]) for t, _ in bs.hypotheses(4))
+    # a constraint longer than the room left: the hypotheses end at the limit, said to miss it, not dropped
+    bs = run_search(table, [[[2, 3, 4, 5, 6]]], max_new=3)
+    assert bs.hypotheses(4) and bs.constraints_met(4) == [False] * len(bs.hypotheses(4))
+
+
+def test_parse_refuses_what_is_not_a_constraint():
+    ids = lambda x: list(x) if not isinstance(x, str) else [ord(ch) % V for ch in x]   # noqa: E731
+    c = parse([[3, 4], "ab", ([5], "c")], ids)
+    assert c.phrases[0] == [(3, 4)] and len(c.phrases[1]) == 2 and (5,) in c.phrases[2]
+    assert parse(None, ids) is None and parse([], ids) is None
+    with pytest.raises(TypeError, match="constraints must be a list"):
+        parse("ab", ids)
+    with pytest.raises(TypeError, match="constraint 0"):
+        parse([3.5], ids)
+    with pytest.raises(ValueError, match="no tokens"):
+        parse([[[]]], ids)
+
+
+PROMPTS = [[3, 17, 33, 8, 99, 41, 7], [250, 12, 9, 77], [5, 6, 7, 5, 6]]
+
+
+@pytest.fixture(scope="module")
+def engines(exported):
+    t = exported("llama", std=0.3, seed=3)
+    return {"plain": Engine(t), "self": Engine(t, draft=t),
+            "other": Engine(t, draft=exported("llama", std=0.3, seed=11, layers=1))}
+
+
+def _constraints_for(eng, prompt, n=2):
+    """Tokens plain search does not produce early: the 6th-best token after the prompt, and a two-token phrase."""
+    [plain] = eng.generate(prompt, num_beams=4, max_new_tokens=16)
+    seen = set(plain.hypotheses[0].tokens)
+    fresh = [t for t in range(20, 200) if t not in seen]
+    return [[fresh[0]], [fresh[1], fresh[2]]][:n]
+
+
+@pytest.mark.parametrize("K", [2, 4])
+def test_engine_constraints_met_speculative_equals_plain(engines, K):
+    kw = dict(num_beams=K, max_new_tokens=16, num_return_sequences=K)
+    for prompt in PROMPTS:
+        cons = _constraints_for(engines["plain"], prompt)
+        [plain] = engines["plain"].generate(prompt, constraints=cons, **kw)
+        assert all(h.constraints_met for h in plain.hypotheses), plain.hypotheses
+        for h in plain.hypotheses:
+            assert all(contains(h.tokens, c) for c in cons), (cons, h.tokens)
+        [unconstrained] = engines["plain"].generate(prompt, **kw)
+        assert unconstrained.hypotheses[0].tokens != plain.hypotheses[0].tokens
+        assert unconstrained.hypotheses[0].constraints_met is None
+        for name, spec in itertools.product(("self", "other"), (
+                SpeculativeConfig(adaptive=False, drafter="beam", budget=24, max_depth=4),
+                SpeculativeConfig(adaptive=False, drafter="best_first", budget=24, max_depth=4))):
+            [fast] = engines[name].generate(prompt, constraints=cons, speculative=spec, **kw)
+            assert_same_hypotheses(fast, plain)
+            assert [h.constraints_met for h in fast.hypotheses] == [h.constraints_met for h in plain.hypotheses]
+        [fast] = engines["self"].generate(prompt, constraints=cons, speculative=SpeculativeConfig(
+            adaptive=False, drafter="beam", budget=24, max_depth=4), **kw)
+        if K == 2:     # the tree (the draft's and the constraint phrases) covers several constrained steps a pass
+            assert fast.stats.beam_steps_per_pass > 1.2, fast.stats
+
+
+def test_engine_constraints_batched_equal_alone(engines):
+    eng = engines["other"]
+    cons = [_constraints_for(engines["plain"], p) for p in PROMPTS]
+    cons[1] = None                                                    # a request without constraints
+    spec = SpeculativeConfig(adaptive=False, drafter="beam", budget=24, max_depth=4)
+    for s in (None, spec):
+        kw = dict(num_beams=3, max_new_tokens=14, speculative=s)
+        together = eng.generate(PROMPTS, constraints=cons, max_batch_size=3, **kw)
+        assert max(max(r.stats.batch_sizes) for r in together) > 1
+        for p, c, r in zip(PROMPTS, cons, together):
+            assert_same_hypotheses(r, eng.generate(p, constraints=c, **kw)[0])
+        assert together[1].hypotheses[0].constraints_met is None
+
+
+def test_text_constraints_and_bad_input(engines, exported):
+    eng = engines["plain"]
+    [r] = eng.generate("the quick fox", num_beams=4, max_new_tokens=16, constraints=["lazy", ("dog", "cat")])
+    assert r.hypotheses[0].constraints_met
+    text = r.hypotheses[0].text
+    assert "lazy" in text and ("dog" in text or "cat" in text), text
+    with pytest.raises(ValueError, match="num_beams >= 2"):
+        eng.generate([3, 4], num_beams=1, constraints=[[5]])
+    with pytest.raises(ValueError, match="beam search"):
+        eng.generate([3, 4], num_beams=2, do_sample=True, constraints=[[5]])
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        eng.generate([3, 4], num_beams=2, constraints=[[10 ** 6]])
+    with pytest.raises(ValueError, match="prompt 1"):
+        eng.generate([[3, 4], [5, 6]], num_beams=2, constraints=[None, [[10 ** 6]]])
+    with pytest.raises(ValueError, match="2 entries for 3 prompts"):
+        eng.generate([[3, 4], [5, 6], [7]], num_beams=2, constraints=[None, None])
+    topk = Engine(exported("llama", std=0.3, seed=3, output="topk"))
+    with pytest.raises(ValueError, match="constraints need the log-probs"):
+        topk.generate([3, 4], num_beams=2, constraints=[[5]])
+
+
+def test_encoder_decoder_constraints(encdec):  # noqa: F811
+    target, _ = encdec("m2m100")
+    other, _ = encdec("m2m100", seed=11, decoder_layers=1, encoder_layers=1)
+    plain_eng, fast_eng = Engine(target), Engine(target, draft=other)
+    spec = SpeculativeConfig(adaptive=False, drafter="beam", budget=16, max_depth=3)
+    for src in SOURCES["m2m100"]:
+        kw = dict(num_beams=4, max_new_tokens=10, num_return_sequences=2)
+        cons = [[[31, 32]], [[40], [41]]]
+        [plain] = plain_eng.generate(src, constraints=cons, **kw)
+        for h in plain.hypotheses:
+            assert h.constraints_met and contains(h.tokens, [31, 32]) and (40 in h.tokens or 41 in h.tokens)
+        [fast] = fast_eng.generate(src, constraints=cons, speculative=spec, **kw)
+        assert_same_hypotheses(fast, plain)

@@ -1,0 +1,112 @@
+"""specbeam-translate --glossary: a line whose source contains a glossary term gets one of the term's target forms
+(lexically constrained beam search); other lines are translated as without it; a term that cannot fit is
+reported; a changed glossary is a changed setting on --resume; bad glossaries are one-line errors."""
+from pathlib import Path
+
+import pytest
+
+from apps.translate.job import glossary_constraints, read_glossary
+from apps.translate.__main__ import main
+from helpers import interrupt_after, translate_args
+
+PAIR = Path(__file__).resolve().parents[1] / "models" / "ende"
+LINES = ["the quick brown fox", "hello world", "this is a lazy dog", "a tiny test of the fox"]
+
+
+def run(pair, inp, out=None, *extra, max_len=10):
+    return main(translate_args(pair, inp, out, *extra, "--beam_size", "4", max_len=max_len))
+
+
+@pytest.fixture
+def files(tmp_path):
+    inp = tmp_path / "in.txt"
+    inp.write_text("\n".join(LINES) + "\n")
+    gloss = tmp_path / "terms.tsv"
+    gloss.write_text("# source\ttarget\nfox\tworld\tworlds\nLazy Dog\ttiny test\n")
+    return inp, gloss
+
+
+def test_matching_is_by_whole_word_and_case_option(tmp_path):
+    g = tmp_path / "g.tsv"
+    g.write_text("fox\tFuchs\n\n# a comment\nnew york\tNew York\tNY\n")
+    _, terms = read_glossary(g)
+    assert terms == [("fox", ("Fuchs",)), ("new york", ("New York", "NY"))]
+    got = glossary_constraints(terms, ["The Fox in New York", "foxes", "firefox", "new  york", ""], "insensitive")
+    assert got == [[("Fuchs",), ("New York", "NY")], None, None, None, None]
+    assert glossary_constraints(terms, ["The Fox"], "sensitive") == [None]
+    for bad in ("fox\n", "fox\t\n", "\tFuchs\n"):
+        g.write_text(bad)
+        with pytest.raises(ValueError, match="line 1 is not 'source term<TAB>target term'"):
+            read_glossary(g)
+
+
+def test_terms_appear_and_other_lines_do_not_change(pair, files, tmp_path, capsys):
+    inp, gloss = files
+    plain, constrained = tmp_path / "plain.txt", tmp_path / "constrained.txt"
+    assert run(pair, inp, plain) == 0
+    assert run(pair, inp, constrained, "--glossary", str(gloss)) == 0
+    a, b = plain.read_text().splitlines(), constrained.read_text().splitlines()
+    assert b[0].count("world") >= 1 and "tiny test" in b[2] and "world" in b[3], b      # fox; Lazy Dog; fox
+    assert a[1] == b[1]                                    # no term in "hello world": the plain translation
+    assert a[0] != b[0]
+    # a term that cannot fit in the length limit: the line is reported, the output is still one line per line
+    capsys.readouterr()
+    assert run(pair, inp, tmp_path / "short.txt", "--glossary", str(gloss), max_len=1) == 0
+    err = capsys.readouterr().err
+    assert "line 3: glossary terms tiny test did not all fit" in err, err
+    assert len((tmp_path / "short.txt").read_text().splitlines()) == 4
+
+
+def test_a_changed_glossary_is_a_changed_setting(pair, files, tmp_path, monkeypatch, capsys):
+    inp, gloss = files
+    out = tmp_path / "out.txt"
+    interrupt_after(monkeypatch, 1)
+    assert run(pair, inp, out, "--glossary", str(gloss)) == 130
+    monkeypatch.undo()
+    gloss.write_text("fox\tdog\n")
+    capsys.readouterr()
+    assert run(pair, inp, out, "--glossary", str(gloss), "--resume") == 2
+    assert "glossary (the file's contents or --glossary_case)" in capsys.readouterr().err
+    gloss.write_text("# source\ttarget\nfox\tworld\tworlds\nLazy Dog\ttiny test\n")
+    assert run(pair, inp, out, "--glossary", str(gloss), "--resume") == 0
+    assert run(pair, inp, tmp_path / "whole.txt", "--glossary", str(gloss)) == 0
+    assert out.read_bytes() == (tmp_path / "whole.txt").read_bytes()
+
+
+def test_bad_uses_are_one_line_errors(pair, files, tmp_path, capsys):
+    inp, gloss = files
+    for extra, msg in ((["--glossary", str(tmp_path / "none.tsv")], "cannot read --glossary"),
+                       (["--glossary", str(gloss), "--beam_size", "1"], "--glossary needs beam search"),
+                       (["--glossary", str(gloss), "--alternatives", "3"], "--glossary is for translations")):
+        capsys.readouterr()
+        try:
+            code = main(translate_args(pair, inp, None, *extra))
+        except SystemExit as e:
+            code = e.code
+        assert code == 2
+        err = capsys.readouterr().err
+        assert msg in err and "Traceback" not in err, err
+
+
+@pytest.mark.skipif(not (PAIR / "target" / "model.onnx").exists(), reason="the shipped pair is not in this checkout")
+def test_shipped_pair_uses_the_term(tmp_path):
+    inp = tmp_path / "in.txt"
+    inp.write_text("Click the button to open the file.\n")
+    gloss = tmp_path / "g.tsv"
+    gloss.write_text("button\tSchaltfläche\n")
+    out = tmp_path / "out.txt"
+    assert main(["-i", str(inp), "-o", str(out), "--glossary", str(gloss), "--beam_size", "4", "-q"]) == 0
+    assert "Schaltfläche" in out.read_text()
+
+
+@pytest.mark.skipif(not (PAIR / "target" / "model.onnx").exists(), reason="the shipped pair is not in this checkout")
+def test_glossary_bench_reports_terms_and_exactness(tmp_path):
+    import json
+
+    from bench import glossary
+
+    assert glossary.main(["--lines", "2", "--max_new_tokens", "40", "--out", str(tmp_path)]) == 0
+    rep = json.loads((tmp_path / "glossary.json").read_text())
+    assert rep["lines"] == 2 and rep["arms"]["glossary"]["every_term"] == 1.0
+    assert rep["plain_spec_identical"] == rep["glossary_spec_identical"] == 2
+    assert (tmp_path / "glossary.png").stat().st_size > 0
