@@ -17,60 +17,128 @@ from .beam import NEG, BeamRows, BeamSearch, _top
 
 @dataclass(frozen=True)
 class State:
-    """met: a bit per constraint that appeared; partial: (constraint, alternative, tokens matched) for every
-    phrase prefix the hypothesis's last tokens form (of constraints not met yet)."""
+    """counts: how often each constraint appeared; met: a bit per constraint that appeared as often as it must;
+    partial: (constraint, alternative, tokens matched) for every phrase prefix the hypothesis's last tokens form
+    (of constraints not met yet, and of met ones that must not appear again)."""
+    counts: tuple = ()
     met: int = 0
     partial: tuple = ()
+    tokens: tuple = ()           # the generated tokens, kept only when a constraint is matched on the text
+    progress: tuple = ()         # per text constraint: the characters of it the text ends with (0: none)
 
 
 class Constraints:
-    """One request's constraints: each a list of alternative phrases (token-id lists), met by any one of them."""
+    """One request's constraints: each a list of alternative phrases (token-id lists), met by any one of them.
 
-    def __init__(self, constraints: list[list[list[int]]]):
+    need[c]: how many times constraint c must appear (1 unless the source holds a span several times); exact[c]:
+    it may not appear more often (a copied span: once per occurrence in the source); after[c]: another
+    constraint it may not appear more often than (a closing tag after its opening tag): a candidate that breaks
+    one of these is not taken, a function of its state like everything else. text[c]: match constraint c on the
+    decoded output text instead of on tokens (a copied span such as '<b>' may be written with tokens that also
+    hold a neighbouring character, e.g. '>%'); its phrases are then the token forms the search proposes, and
+    decode(token ids) -> text is needed."""
+
+    def __init__(self, constraints: list[list[list[int]]], need=None, exact=None, after=None, text=None,
+                 decode=None, encode=None):
         self.phrases = [[tuple(int(t) for t in alt) for alt in c] for c in constraints]
         if not self.phrases or any(not c or any(not alt for alt in c) for c in self.phrases):
             raise ValueError("a constraint needs at least one non-empty phrase")
-        self.all_met = (1 << len(self.phrases)) - 1
+        n = len(self.phrases)
+        self.need = list(need) if need is not None else [1] * n
+        self.exact = list(exact) if exact is not None else [False] * n
+        self.after = list(after) if after is not None else [None] * n
+        self.text = list(text) if text is not None else [None] * n
+        self.decode, self.encode = decode, encode
+        self._rests: dict[tuple[int, int], tuple[int, ...]] = {}
+        if decode is None and any(t is not None for t in self.text):
+            raise TypeError("constraints on the text need a tokenizer (decode)")
+        self.on_text = [ci for ci, t in enumerate(self.text) if t is not None]
+        self.all_met = (1 << n) - 1
         # a constraint's weight in the banks: its shortest alternative's length (the tokens it takes at least)
         self.units = [min(len(alt) for alt in c) for c in self.phrases]
-        self.total_units = sum(self.units)
+        self.total_units = sum(u * k for u, k in zip(self.units, self.need))
         self.starts: dict[int, list[tuple[int, int]]] = {}    # first token -> (constraint, alternative)
         for ci, c in enumerate(self.phrases):
-            for ai, alt in enumerate(c):
-                self.starts.setdefault(alt[0], []).append((ci, ai))
+            if self.text[ci] is None:
+                for ai, alt in enumerate(c):
+                    self.starts.setdefault(alt[0], []).append((ci, ai))
+        self.start = State(counts=(0,) * n)
+
+    def _tracked(self, ci: int, counts) -> bool:
+        return counts[ci] < self.need[ci] or self.exact[ci]
 
     def advance(self, s: State, tok: int) -> State:
-        met, partial = s.met, []
+        counts, partial, done = list(s.counts), [], set()
         for ci, ai, k in s.partial:
-            if not met >> ci & 1 and self.phrases[ci][ai][k] == tok:
+            if self.phrases[ci][ai][k] == tok:
                 if k + 1 == len(self.phrases[ci][ai]):
-                    met |= 1 << ci
+                    done.add(ci)
                 else:
                     partial.append((ci, ai, k + 1))
         for ci, ai in self.starts.get(tok, ()):
-            if not met >> ci & 1:
+            if self._tracked(ci, counts):
                 if len(self.phrases[ci][ai]) == 1:
-                    met |= 1 << ci
+                    done.add(ci)
                 else:
                     partial.append((ci, ai, 1))
-        return State(met, tuple(sorted(p for p in set(partial) if not met >> p[0] & 1)))
+        for ci in done:                       # one occurrence per token, whichever alternatives completed
+            counts[ci] += 1
+        tokens, progress = (), ()
+        if self.on_text:                      # occurrences in the decoded text (spans do not overlap themselves)
+            tokens = s.tokens + (tok,)
+            text = self.decode(list(tokens))
+            for ci in self.on_text:
+                counts[ci] = text.count(self.text[ci])
+            progress = tuple(next((k for k in range(len(self.text[ci]) - 1, 0, -1)
+                                   if text.endswith(self.text[ci][:k])), 0) for ci in self.on_text)
+        met = sum(1 << ci for ci, c in enumerate(counts) if c >= self.need[ci])
+        return State(tuple(counts), met, tuple(sorted(p for p in set(partial) if self._tracked(p[0], counts))),
+                     tokens, progress)
+
+    def text_rests(self, s: State) -> list[tuple[int, ...]]:
+        """Token forms of what is left of each unmet text constraint the output has begun (its characters after
+        the progress), for the search's candidates and proposals."""
+        out = []
+        for j, ci in enumerate(self.on_text):
+            k = s.progress[j] if s.progress else 0
+            if k and self.open(s, ci) and self.encode is not None:
+                if (ci, k) not in self._rests:
+                    self._rests[(ci, k)] = tuple(self.encode(self.text[ci][k:]))
+                if self._rests[(ci, k)]:
+                    out.append(self._rests[(ci, k)])
+        return out
+
+    def open(self, s: State, ci: int) -> bool:
+        """Constraint ci still has to appear and may appear now (its prerequisite appeared more often)."""
+        return s.counts[ci] < self.need[ci] and (self.after[ci] is None or s.counts[ci] < s.counts[self.after[ci]])
+
+    def violates(self, s: State) -> bool:
+        """A constraint appeared more often than it may (exact), or more often than its prerequisite."""
+        return any((self.exact[ci] and c > self.need[ci]) or
+                   (self.after[ci] is not None and c > s.counts[self.after[ci]]) for ci, c in enumerate(s.counts))
 
     def bank(self, s: State) -> int:
-        """Constraint tokens produced: a met constraint counts its units, a phrase in progress its matched
-        tokens (at most units - 1)."""
+        """Constraint tokens produced: each required appearance counts its units, a phrase in progress its
+        matched tokens (at most units - 1)."""
         progress = [0] * len(self.phrases)
         for ci, _, k in s.partial:
-            progress[ci] = max(progress[ci], min(k, self.units[ci] - 1))
-        return sum(u if s.met >> ci & 1 else progress[ci] for ci, u in enumerate(self.units))
+            if self.open(s, ci):
+                progress[ci] = max(progress[ci], min(k, self.units[ci] - 1))
+        for j, ci in enumerate(self.on_text):        # a text one: its share of characters, in its units
+            if s.progress and self.open(s, ci):
+                progress[ci] = min(self.units[ci] - 1, s.progress[j] * self.units[ci] // len(self.text[ci]))
+        return sum(min(c, k) * u + p for c, k, u, p in zip(s.counts, self.need, self.units, progress))
 
     def next_tokens(self, s: State) -> list[int]:
-        """Tokens that extend a phrase in progress or start an unmet constraint, in a fixed order."""
-        out = [self.phrases[ci][ai][k] for ci, ai, k in s.partial]
-        out += [alt[0] for ci, c in enumerate(self.phrases) if not s.met >> ci & 1 for alt in c]
+        """Tokens that extend a phrase in progress or start an unmet constraint (a text one: its token forms), in
+        a fixed order."""
+        out = [self.phrases[ci][ai][k] for ci, ai, k in s.partial if self.open(s, ci)]
+        out += [alt[0] for ci in self.unmet(s) if self.open(s, ci) for alt in self.phrases[ci]]
+        out += [rest[0] for rest in self.text_rests(s)]
         return list(dict.fromkeys(out))
 
     def unmet(self, s: State) -> list[int]:
-        return [ci for ci in range(len(self.phrases)) if not s.met >> ci & 1]
+        return [ci for ci in range(len(self.phrases)) if s.counts[ci] < self.need[ci]]
 
 
 class ConstrainedBeamSearch(BeamSearch):
@@ -90,7 +158,7 @@ class ConstrainedBeamSearch(BeamSearch):
             raise ValueError("constraints need beam search: num_beams >= 2 (4 or more is better: the beam is "
                              "shared by the banks of constraint progress)")
         self.constraints = constraints
-        self.states = {self.running[0]: State()}
+        self.states = {self.running[0]: constraints.start}
         self.fin_met = np.zeros(self.num_beams, bool)
 
     def state_of(self, node: int) -> State:
@@ -103,8 +171,9 @@ class ConstrainedBeamSearch(BeamSearch):
         C, room, out = self.constraints, self.max_length - self.cur_len, []
         for n in dict.fromkeys(self.running):
             s = self.states[n]
-            rests = [C.phrases[ci][ai][k:] for ci, ai, k in s.partial]
-            rests += [alt for ci in C.unmet(s) for alt in C.phrases[ci]]
+            unmet = [ci for ci in C.unmet(s) if C.open(s, ci)]
+            rests = [C.phrases[ci][ai][k:] for ci, ai, k in s.partial if ci in unmet]
+            rests += [alt for ci in unmet for alt in C.phrases[ci]] + C.text_rests(s)
             for rest in rests:
                 node = n
                 for t in rest[:room]:
@@ -127,23 +196,11 @@ class ConstrainedBeamSearch(BeamSearch):
         total = self.scores[:, None] + logp
         at_limit = self.cur_len + 1 >= self.max_length
         states = [self.states[n] for n in self.running]
-        if len(self.eos) and not at_limit:
-            for b, s in enumerate(states):
-                if s.met != C.all_met:
-                    total[b, self.eos] = -np.inf
-        flat = total.reshape(-1)
-        cands = [int(i) for i in _top(flat, self.n_candidates)]
-        for b in range(K):
-            if self.scores[b] > NEG / 2 and self.running[b] not in self.running[:b]:    # live, not a duplicate
-                cands += [b * V + t for t in C.next_tokens(states[b])] + [b * V + int(np.argmax(total[b]))]
-        cands = np.array(list(dict.fromkeys(cands)), np.int64)
-        vals = flat[cands]
-        keep = np.isfinite(vals)
-        cands, vals = cands[keep], vals[keep]
-        order = np.lexsort((cands, -vals))                       # by value, then flat index (as _top)
-        cands, vals = cands[order], vals[order]
+        for b, s in enumerate(states):
+            if len(self.eos) and not at_limit and s.met != C.all_met:
+                total[b, self.eos] = -np.inf
+        cands, vals, kid = self._candidates(total, states, at_limit)
         beam, tok = (cands // V).tolist(), (cands % V).tolist()
-        kid = [self.constraints.advance(states[b], t) for b, t in zip(beam, tok)]
         hit = [t in self.eos or at_limit for t in tok]
         # the banks in turn (most constraint tokens first, each bank's best first); -inf-like scores last
         banks: dict[int, list[int]] = {}
@@ -164,6 +221,34 @@ class ConstrainedBeamSearch(BeamSearch):
         self.cur_len += 1
         self._update_done(not nxt)
         return self.running
+
+    def _candidates(self, total: np.ndarray, states: list[State], at_limit: bool):
+        """The step's candidates (flat indices beam * V + token, best first by value then index), their values
+        and states: the best n_candidates continuations, each live beam's constraint tokens and its own best
+        token; those that would break an `exact` or `after` rule are left out, and the best list is widened
+        until K candidates that do not stop remain (or none is left)."""
+        C, K, V = self.constraints, self.num_beams, total.shape[1]
+        flat = total.reshape(-1)
+        extra = []
+        for b in range(K):
+            if self.scores[b] > NEG / 2 and self.running[b] not in self.running[:b]:    # live, not a duplicate
+                extra += [b * V + t for t in C.next_tokens(states[b])] + [b * V + int(np.argmax(total[b]))]
+        finite, M = int(np.isfinite(flat).sum()), self.n_candidates
+        while True:
+            cands = np.array(list(dict.fromkeys([int(i) for i in _top(flat, M)] + extra)), np.int64)
+            vals = flat[cands]
+            keep = np.isfinite(vals)
+            cands, vals = cands[keep], vals[keep]
+            order = np.lexsort((cands, -vals))                   # by value, then flat index (as _top)
+            cands, vals = cands[order], vals[order]
+            kid = [C.advance(states[c // V], c % V) for c in cands.tolist()]
+            ok = [not C.violates(k) for k in kid]
+            going = sum(o and (c % V) not in self.eos for o, c in zip(ok, cands.tolist()))
+            if at_limit or going >= K or M >= finite:
+                break
+            M *= 2
+        pick = np.flatnonzero(ok)
+        return cands[pick], vals[pick], [kid[j] for j in pick]
 
     def _finish(self, nodes: list[int], scores: np.ndarray, met: list[bool]) -> None:
         """Add stopped hypotheses (normalised by generated length ** length_penalty) to the K best finished:
@@ -205,19 +290,39 @@ class ConstrainedBeamSearch(BeamSearch):
         return [bool(m) for node, m in zip(self.fin_nodes, self.fin_met) if node >= 0][:n]
 
 
-def parse(constraints, phrase) -> Constraints | None:
+def parse(constraints, phrase, decode=None) -> Constraints | None:
     """One request's constraints from the API: None or [] -> none; otherwise a list whose items are each one
-    constraint: a text, a list of token ids, or a tuple/list of alternatives (texts or token-id lists) of which
-    any one satisfies it. phrase(x): a text or token ids -> validated token ids (Engine._prefix_ids: texts are
-    encoded as plain target-side text). A text also gets its form after a space (" " + text) as an alternative,
-    as a word inside a sentence is often tokenized differently from the word alone."""
+    constraint: a text, a list of token ids, a tuple/list of alternatives (texts or token-id lists) of which any
+    one satisfies it, or a dict {"phrase": any of those, or "text": a string matched in the decoded output
+    text, however it is tokenized; "count": times it must appear (1), "exact": it may not appear more often
+    (False), "after": the index of a constraint it may not appear more often than} (markup.py builds text ones
+    for copied spans). phrase(x): a text or token ids -> validated token ids (Engine._prefix_ids: texts are
+    encoded as plain target-side text); decode(ids) -> text, for "text" constraints. A text phrase also gets its
+    form after a space (" " + text) as an alternative, as a word inside a sentence is often tokenized
+    differently from the word alone."""
     if constraints is None:
         return None
     if isinstance(constraints, (str, bytes, bytearray, dict)) or not hasattr(constraints, "__iter__"):
-        raise TypeError(f"constraints must be a list (each item a text, token ids, or a list of alternatives), "
-                        f"got {type(constraints).__name__}")
-    out = []
+        raise TypeError(f"constraints must be a list (each item a text, token ids, a list of alternatives or a "
+                        f"dict), got {type(constraints).__name__}")
+    constraints = list(constraints)
+    out, need, exact, after, text = [], [], [], [], []
     for i, c in enumerate(constraints):
+        opts = {}
+        if isinstance(c, dict):
+            unknown = set(c) - {"phrase", "text", "count", "exact", "after"}
+            if unknown or ("phrase" in c) == ("text" in c):
+                raise TypeError(f"constraint {i}: a dict takes 'phrase' or 'text', and optionally 'count', 'exact', "
+                                f"'after'; got {sorted(c)}")
+            if "text" in c and (not isinstance(c["text"], str) or not c["text"]):
+                raise TypeError(f"constraint {i}: 'text' must be a non-empty string, got {c['text']!r}")
+            opts, c = c, c.get("phrase", c.get("text"))
+            count, prior = opts.get("count", 1), opts.get("after")
+            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+                raise ValueError(f"constraint {i}: count must be an int >= 1, got {count!r}")
+            if prior is not None and (isinstance(prior, bool) or not isinstance(prior, int) or
+                                      not 0 <= prior < len(constraints) or prior == i):
+                raise ValueError(f"constraint {i}: after must be the index of another constraint, got {prior!r}")
         if isinstance(c, str) or isinstance(c, (list, tuple)) and c and all(isinstance(t, (int, np.integer))
                                                                           for t in c):
             c = [c]
@@ -232,4 +337,8 @@ def parse(constraints, phrase) -> Constraints | None:
                     raise ValueError(f"constraint {i}: {a!r} has no tokens")
                 alts.append(tuple(ids))
         out.append(list(dict.fromkeys(alts)))
-    return Constraints(out) if out else None
+        text.append(opts.get("text"))
+        need.append(opts.get("count", 1))
+        exact.append(bool(opts.get("exact", False)))
+        after.append(opts.get("after"))
+    return Constraints(out, need, exact, after, text, decode, phrase) if out else None

@@ -298,6 +298,11 @@ class Engine:
                 raise type(e)(f"prompt {i}: {e}") from None
         return out
 
+    @property
+    def _decode(self):
+        """Token ids -> output text (text constraints match on it); None without a tokenizer."""
+        return self.tokenizer.decode if self.tokenizer is not None else None
+
     @staticmethod
     def _per_prompt(values, n: int, name: str, convert) -> list:
         """One value per prompt (None: None for each), converted; an error names the prompt."""
@@ -453,7 +458,7 @@ class Engine:
         ids = self.encode(prompt, src_lang, raw)
         prefix = self._prefix_ids(target_prefix)
         job = Job(0, len(ids), self._new_search(ids, gen, speculative, drafter, self._statics([ids], 1)[0],
-                                                forced_bos, prefix, lexical.parse(constraints, self._prefix_ids)))
+                                                forced_bos, prefix, lexical.parse(constraints, self._prefix_ids, self._decode)))
         for _, progress, finished in Scheduler(self.target, max_batch_size=1).run([job]):
             if not finished:
                 yield progress.state, progress.stats
@@ -563,7 +568,7 @@ class Engine:
                 raise type(e)(f"prompt {i}: {e}") from None
         prefixes = self._prefixes(target_prefix, len(prompts))
         lexicon = self._per_prompt(constraints, len(prompts), "constraints",
-                                   lambda c: lexical.parse(c, self._prefix_ids))
+                                   lambda c: lexical.parse(c, self._prefix_ids, self._decode))
         statics = self._statics(sources, max_batch_size)
         jobs = [Job(i, len(ids), self._new_search(ids, gen, speculative, drafter, statics[i], forced_bos,
                                                   prefixes[i], lexicon[i]))

@@ -8,7 +8,7 @@ import pytest
 
 from helpers import assert_same_hypotheses
 from specbeam_edge import Engine, SpeculativeConfig
-from specbeam_edge.constraints import ConstrainedBeamSearch, Constraints, State, parse
+from specbeam_edge.constraints import ConstrainedBeamSearch, Constraints, parse
 from specbeam_edge.tree import TokenTree
 from test_encdec import SOURCES, encdec  # noqa: F401 (fixture)
 
@@ -27,7 +27,7 @@ def test_state_follows_the_tokens():
     rng = np.random.default_rng(0)
     for _ in range(300):
         seq = rng.integers(2, 8, size=rng.integers(1, 14)).tolist()
-        s = State()
+        s = c.start
         for t in seq:
             s = c.advance(s, t)
         for ci, alts in enumerate(c.phrases):
@@ -37,11 +37,35 @@ def test_state_follows_the_tokens():
         assert set(s.partial) == want, (seq, s)
     # banks count constraint tokens: units are the shortest alternative's length
     assert c.units == [3, 1, 3] and c.total_units == 7
-    s = State()
+    s = c.start
     for t in [3, 4]:
         s = c.advance(s, t)
     assert c.bank(s) == 2                       # [3, 4] of [3, 4, 3]; [3] of [3, 3, 4] counts less
     assert set(c.next_tokens(s)) == {3, 5, 6}   # extend [3, 4, 3]; start [5], [6, 7] or [3, 3, 4]
+
+
+def ends(seq, alts) -> int:
+    """Positions where one of the alternatives ends (an occurrence, however many alternatives end there)."""
+    return sum(any(tuple(seq[max(0, i + 1 - len(a)):i + 1]) == a for a in alts) for i in range(len(seq)))
+
+
+def test_counts_and_the_rules_a_candidate_may_not_break():
+    """Counted constraints: `exact` ones count every occurrence, others stop counting once met; a state breaks
+    the rules when an exact one appeared more often than needed, or one appeared more often than its
+    prerequisite (`after`); a constraint is open (proposed, its progress counted) only while it may appear."""
+    c = Constraints([[[3, 4]], [[5]], [[6, 7], [7]]], need=[2, 1, 1], exact=[True, True, False], after=[None, 0, None])
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        seq = rng.integers(2, 9, size=rng.integers(1, 16)).tolist()
+        s = c.start
+        for t in seq:
+            s = c.advance(s, t)
+        full = [ends(seq, alts) for alts in c.phrases]
+        assert s.counts == (full[0], full[1], min(full[2], 1)), (seq, s)
+        assert s.met == sum(1 << i for i in range(3) if s.counts[i] >= c.need[i])
+        assert c.violates(s) == (full[0] > 2 or full[1] > 1 or full[1] > full[0]), (seq, s)
+        assert c.open(s, 1) == (full[1] < 1 and full[1] < full[0])
+        assert (5 in c.next_tokens(s)) == c.open(s, 1)
 
 
 def bigram_table(seed):
@@ -77,6 +101,25 @@ def test_every_hypothesis_meets_its_constraints_and_is_scored_as_it_reads(seed, 
         assert score == pytest.approx(logp / len(toks) ** lp, abs=1e-4)
     scores = [s for _, s in hyps]
     assert scores == sorted(scores, reverse=True)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_exact_and_ordered_spans_in_every_hypothesis(seed):
+    """Spans copied from a source: [2, 3] twice and exactly twice, [4] exactly once and only after [2, 3] has
+    appeared more often than it (a closing tag after its opening one)."""
+    table = bigram_table(seed)
+    tree = TokenTree()
+    start = tree.add_chain([1])[-1]
+    c = Constraints([[[2, 3]], [[4]]], need=[2, 1], exact=[True, True], after=[None, 0])
+    bs = ConstrainedBeamSearch(tree, start, num_beams=4, prompt_len=1, max_new_tokens=12, eos_token_ids=[0],
+                               constraints=c)
+    while not bs.done:
+        bs.step(np.stack([table[tree.tokens[n]] for n in bs.running]))
+    hyps = bs.hypotheses(4)
+    assert hyps and all(bs.constraints_met(4))
+    for toks, _ in hyps:
+        assert ends(toks, [(2, 3)]) == 2 and toks.count(4) == 1, toks
+        assert ends(toks[:toks.index(4)], [(2, 3)]) >= 1, toks
 
 
 def test_alternatives_and_the_length_limit():

@@ -30,6 +30,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -87,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "constrained beam search so that one of its target forms appears (beam size >= 2)")
     ap.add_argument("--glossary_case", choices=("insensitive", "sensitive"), default="insensitive",
                     help="how source terms are matched in the source lines")
+    ap.add_argument("--keep_markup", action=argparse.BooleanOptionalAction, default=None,
+                    help="copy placeholders (%%s, {0}), tags, URLs, e-mail addresses, `code` and & accelerators "
+                         "verbatim: each as often as in the source, a closing tag after its opening tag (default: "
+                         "on with --beam_size 2 or more; a line where one could not be kept is reported)")
+    ap.add_argument("--markup_pattern", action="append", default=None, metavar="REGEX",
+                    help="another kind of span to copy verbatim (a regular expression; may be repeated)")
     ap.add_argument("--alternatives", type=positive_int, default=None, metavar="N",
                     help="write JSON lines, one object per input line: the N most probable tokens after the target "
                          "prefix (or at the start), each with its text, log-prob and best translation")
@@ -119,12 +126,20 @@ def parse_args(argv):
         ap.error("--engine ray needs -i (a file, a folder or a glob) and -o (where the shards and outputs go)")
     if args.engine == "ray" and args.eval:
         ap.error("--eval reads one output; with --engine ray run it on the local engine, or score the output apart")
-    if args.engine == "ray" and (args.target_prefix or args.alternatives or args.glossary):
-        ap.error("--target_prefix, --glossary and --alternatives run on the local engine (--engine local)")
+    if args.engine == "ray" and (args.target_prefix or args.alternatives):
+        ap.error("--target_prefix and --alternatives run on the local engine (--engine local)")
     if args.glossary and args.num_beams < 2:
         ap.error("--glossary needs beam search: --beam_size 2 or more (4 or more is better)")
-    if args.glossary and args.alternatives:
-        ap.error("--alternatives ranks the model's own next tokens; --glossary is for translations")
+    if args.keep_markup and args.num_beams < 2:
+        ap.error("--keep_markup needs beam search: --beam_size 2 or more (or --no-keep_markup)")
+    if (args.glossary or args.keep_markup) and args.alternatives:
+        ap.error("--alternatives ranks the model's own next tokens; --glossary and --keep_markup are for "
+                 "translations")
+    for rx in args.markup_pattern or ():
+        try:
+            re.compile(rx)
+        except re.error as e:
+            ap.error(f"--markup_pattern {rx!r} is not a regular expression ({e})")
     if args.alternatives:
         for flag, used in (("--n_best", args.n_best > 1), ("--with_score", args.with_score), ("--eval", args.eval)):
             if used:
@@ -140,8 +155,7 @@ def run(args, writer: InOrder | None) -> int:
         return run_ray(args, s)
     check_output(args.output, args.input)
     lines = split_lines(read_input(args.input))
-    s = s.with_prefixes(*read_prefixes(args.target_prefix, len(lines))).with_glossary(
-        args.glossary, args.glossary_case, lines)
+    s = s.with_prefixes(*read_prefixes(args.target_prefix, len(lines)))
     with OutputLock(Path(args.output)) if args.output else contextlib.nullcontext():
         if args.resume and finished(Path(args.output), len(lines) * args.n_best):
             return 0
@@ -200,7 +214,7 @@ def run_locked(args, s: Settings, lines: list[bytes], writer: InOrder | None) ->
                     disable=True if args.quiet or (writer is not None and sys.stdout.isatty()) else None,
                     dynamic_ncols=True)
     try:
-        stats = translate(s, engine, todo, on_line, progress)
+        stats = translate(s, engine, todo, on_line, progress, lines=lines)
     finally:
         progress.close()
     stats.seconds = time.time() - t0

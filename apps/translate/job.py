@@ -17,6 +17,7 @@ from pathlib import Path
 from specbeam_edge.config import SpeculativeConfig
 from specbeam_edge.flags import (check_prompt_format, check_widths, decoding_constraints, engine_from_args,
                                  speculative_from_args)
+from specbeam_edge.markup import find_spans, markup_constraints, survives
 from specbeam_edge.results import Stats
 from specbeam_edge.shipped import shipped
 
@@ -62,8 +63,11 @@ class Settings:
     alternatives: int | None = None
     prefixes: tuple[str, ...] | None = None     # per input line ('' for none), from --target_prefix
     prefix_sha256: str | None = None            # of the prefix file's lines, for the journal
-    constraints: tuple | None = None            # per input line: its glossary terms' target forms (None: none)
+    glossary: tuple = ()                        # (source term, target forms) from --glossary
+    glossary_case: str = "insensitive"
     glossary_sha256: str | None = None          # of the glossary file and its case setting, for the journal
+    keep_markup: bool = False                   # copied spans (placeholders, tags, URLs...) as constraints
+    markup_patterns: tuple[str, ...] = ()       # --markup_pattern: more kinds of span
 
     def with_prefixes(self, lines: list[bytes] | None, texts: list[str] | None) -> Settings:
         if lines is None:
@@ -71,14 +75,27 @@ class Settings:
         return dataclasses.replace(self, prefixes=tuple(texts),
                                    prefix_sha256=hashlib.sha256(b"\n".join(lines)).hexdigest())
 
-    def with_glossary(self, path: str | None, case: str, lines: list[bytes]) -> Settings:
-        """--glossary FILE: each input line's constraints (the target forms of every term its source contains)."""
+    def with_glossary(self, path: str | None, case: str) -> Settings:
+        """--glossary FILE, read once: its terms, and its SHA-256 (with the case setting) for the journal."""
         if not path:
             return self
         raw, terms = read_glossary(path)
-        texts = [b.decode("utf-8", "replace") for b in lines]
-        return dataclasses.replace(self, constraints=tuple(glossary_constraints(terms, texts, case)),
+        return dataclasses.replace(self, glossary=tuple(terms), glossary_case=case,
                                    glossary_sha256=hashlib.sha256(case.encode() + b"\0" + raw).hexdigest())
+
+    @property
+    def constrained(self) -> bool:
+        return bool(self.glossary) or self.keep_markup
+
+
+def line_constraints(s: Settings, lines: list[bytes]) -> tuple[list, list]:
+    """Per line: its constraints for Engine.generate (the spans to copy, then the glossary terms; None for none)
+    and its spans (for the check of the output)."""
+    texts = [b.decode("utf-8", "replace") for b in lines]
+    terms = glossary_constraints(s.glossary, texts, s.glossary_case) if s.glossary else [None] * len(texts)
+    spans = [find_spans(t, s.markup_patterns) if s.keep_markup else [] for t in texts]
+    out = [(markup_constraints(sp) + list(g or [])) or None for sp, g in zip(spans, terms)]
+    return out, spans
 
 
 def generation_overrides(args) -> dict:
@@ -104,7 +121,16 @@ def resolve(args) -> Settings:
                     speculative=speculative_from_args(args, draft=draft),
                     n_best=args.n_best, with_score=args.with_score, max_input_length=args.max_input_length,
                     on_error=args.on_error, batch_size=args.batch_size, batch_type=args.batch_type,
-                    src_lang=args.src_lang, tgt_lang=args.tgt_lang, alternatives=args.alternatives)
+                    src_lang=args.src_lang, tgt_lang=args.tgt_lang, alternatives=args.alternatives,
+                    keep_markup=keep_markup(args), markup_patterns=tuple(args.markup_pattern or ())
+                    ).with_glossary(args.glossary, args.glossary_case)
+
+
+def keep_markup(args) -> bool:
+    """--keep_markup: on by default for beam search (the constraints need beams), off with --alternatives."""
+    if args.keep_markup is None:
+        return args.num_beams >= 2 and not args.alternatives
+    return args.keep_markup
 
 
 def open_engine(args, s: Settings):
@@ -133,6 +159,7 @@ def journal_settings(s: Settings, generation) -> dict:
             # the prefix file by its lines' SHA-256 (as the input): a changed prefix is a changed setting
             **({"target_prefix": s.prefix_sha256} if s.prefix_sha256 is not None else {}),
             **({"glossary": s.glossary_sha256} if s.glossary_sha256 is not None else {}),
+            **({"keep_markup": list(s.markup_patterns)} if s.keep_markup else {}),
             **({"alternatives": s.alternatives} if s.alternatives else {})}
 
 
@@ -142,7 +169,8 @@ LABELS = {"generation.num_beams": "beam_size", "generation.num_return_sequences"
           "generation.min_new_tokens": "min_decoding_length", "generation.no_repeat_ngram_size": "no_repeat_ngram_size",
           "generation.repetition_penalty": "repetition_penalty",
           "languages": "src_lang/tgt_lang", "target_prefix": "target_prefix (the file's contents)",
-          "glossary": "glossary (the file's contents or --glossary_case)"}
+          "glossary": "glossary (the file's contents or --glossary_case)",
+          "keep_markup": "keep_markup (--keep_markup / --markup_pattern)"}
 
 
 # -- input and output ------------------------------------------------------------------------------------------
@@ -339,14 +367,17 @@ def alternatives_line(alts) -> str:
 NO_ALTERNATIVES = json.dumps({"alternatives": []})      # an empty or bad input line in --alternatives mode
 
 
-def translate(s: Settings, engine, todo, on_line, progress, first: int = 0, report=report_line) -> Stats:
+def translate(s: Settings, engine, todo, on_line, progress, first: int = 0, report=report_line,
+              lines: list[bytes] | None = None) -> Stats:
     """Decode `todo` [(index, ids)] in batches; on_line(index, outputs) as each line completes. A translation
-    that ran into the model's context (not --max_decoding_length) is reported: report(line number, why)."""
+    that ran into the model's context (not --max_decoding_length) is reported: report(line number, why).
+    lines: the source lines `todo` indexes (for glossary terms and spans to copy). A line whose constraints did
+    not all fit is translated again without them and reported; a copied span that did not survive is reported."""
     ctx = engine.target.cfg.context_length
     total = Stats()
     by_tokens = s.batch_type == "tokens"
     prefix = [s.prefixes[first + i] or None for i, _ in todo] if s.prefixes is not None else None
-    terms = [s.constraints[first + i] for i, _ in todo] if s.constraints is not None else None
+    terms, spans = line_constraints(s, lines) if s.constrained and lines is not None else (None, None)
     if s.alternatives:           # one line at a time: its N continuations are the batch
         for k, (i, ids) in enumerate(todo):
             alts = engine.alternatives(ids, prefix[k] if prefix else None, s.alternatives,
@@ -356,26 +387,46 @@ def translate(s: Settings, engine, todo, on_line, progress, first: int = 0, repo
             on_line(i, [alternatives_line(alts)])
             progress.update(1)
         return total
-    results = engine.generate_iter([ids for _, ids in todo], speculative=s.speculative, tgt_lang=s.tgt_lang,
-                                   max_batch_size=s.batch_size if not by_tokens else max(1, len(todo)),
-                                   max_batch_tokens=s.batch_size if by_tokens else None,
-                                   target_prefix=prefix, constraints=terms, **s.generation)
-    limit = s.generation["max_new_tokens"]
-    for k, res in results:
-        room = ctx - len(todo[k][1])
+
+    def run(items, prefixes, constraints):
+        return engine.generate_iter([ids for _, ids in items], speculative=s.speculative, tgt_lang=s.tgt_lang,
+                                    max_batch_size=s.batch_size if not by_tokens else max(1, len(items)),
+                                    max_batch_tokens=s.batch_size if by_tokens else None,
+                                    target_prefix=prefixes, constraints=constraints, **s.generation)
+
+    def done(items, k, res):
+        i = items[k][0]
+        room = ctx - len(items[k][1])
         if engine.encoder is None and room < limit and any(len(h.tokens) >= room for h in res.hypotheses):
-            report(first + todo[k][0] + 1, f"the translation reached the model's context ({ctx} tokens) after "
-                                           f"{room} tokens and may be cut; shorten the line or pass a smaller "
-                                           f"--max_input_length")
-        if any(h.constraints_met is False for h in res.hypotheses):
-            report(first + todo[k][0] + 1, f"glossary terms {' / '.join(t[0] for t in terms[k])} did not all fit "
-                                           f"in --max_decoding_length {limit}: the translation is the best found "
-                                           f"without them")
+            report(first + i + 1, f"the translation reached the model's context ({ctx} tokens) after "
+                                  f"{room} tokens and may be cut; shorten the line or pass a smaller "
+                                  f"--max_input_length")
+        if spans and spans[i] and res.hypotheses[0].constraints_met is not False:
+            problems = survives(spans[i], res.hypotheses[0].text, s.markup_patterns)
+            if problems:
+                report(first + i + 1, "markup not kept: " + "; ".join(problems))
         hyps = [f"{h.score:.4f} ||| {h.text}" if s.with_score else h.text for h in res.hypotheses]
-        on_line(todo[k][0], [one_line(h) for h in hyps])
+        on_line(i, [one_line(h) for h in hyps])
         total.add(res.stats)
         progress.update(1)
         progress.set_postfix_str(f"{total.generated_tokens} tok", refresh=False)
+
+    limit = s.generation["max_new_tokens"]
+    retry = []
+    for k, res in run(todo, prefix, [terms[i] for i, _ in todo] if terms else None):
+        if res.hypotheses[0].constraints_met is False:
+            i = todo[k][0]
+            what = [c["text"] if isinstance(c, dict) else c[0] for c in terms[i]]
+            report(first + i + 1, f"{' / '.join(map(repr, what))} did not all fit in --max_decoding_length "
+                                  f"{limit}: translated without the glossary and markup constraints")
+            total.add(res.stats)
+            retry.append(k)
+            continue
+        done(todo, k, res)
+    if retry:                    # the best translation without constraints (never a broken one, never none)
+        items = [todo[k] for k in retry]
+        for j, res in run(items, [prefix[k] for k in retry] if prefix else None, None):
+            done(items, j, res)
     return total
 
 

@@ -268,7 +268,7 @@ class ShardWorker:
             return ShardResult(None, bad, None)
         outputs = dict(fixed)
         stats = translate(self.settings, self.engine, items, outputs.__setitem__, tqdm(disable=True), first,
-                          report)
+                          report, lines=lines)
         return ShardResult(output_lines(outputs, 0, len(lines)), bad, stats)
 
 

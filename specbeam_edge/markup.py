@@ -1,0 +1,85 @@
+"""Spans a translation must copy verbatim (placeholders, markup, URLs, code), found in a source text, and the
+constraints that make them survive: each span appears in the output as often as in the source, never more, and a
+closing tag never before its opening tag (DESIGN "Placeholders and markup").
+
+    spans = find_spans('Delete %s from <b>%d</b> files?')       # ['%s', '<b>', '%d', '</b>']
+    engine.generate(src, constraints=markup_constraints(spans))
+
+The default kinds are listed in PATTERNS (in the order they are tried at a position); `extra` patterns (regular
+expressions) add kinds of one's own.
+"""
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+# kind -> regular expression; tried in this order at each position (a URL before an e-mail address, a tag
+# before an entity); a span is the whole match
+PATTERNS: dict[str, str] = {
+    "url": r"\b(?:https?|ftp)://[^\s<>\"'`]*[^\s<>\"'`.,;:!?)\]}]",
+    "email": r"\b[\w.+-]+@[\w-]+(?:\.[\w-]+)+\b",
+    "tag": r"</?[A-Za-z][\w:.-]*(?:\s+[^<>]*?)?/?>",
+    "code": r"`[^`\n]+`",
+    "printf": r"%(?:\d+\$)?[-+#0']*(?:\d+|\*)?(?:\.(?:\d+|\*))?(?:hh|h|ll|l|L|q|j|z|t)?[diouxXeEfFgGaAcsp]",
+    "positional": r"%\d+\b",                        # Qt / Windows: %1
+    "brace": r"\{[\w.:!\[\]-]*\}",                 # {0}, {name}, {}, {0:d}
+    "entity": r"&(?:[A-Za-z]+|#\d+|#x[0-9A-Fa-f]+);",
+    "accelerator": r"&(?=\w)",                     # the & of a keyboard accelerator (&File)
+}
+
+
+def _compile(extra=()) -> re.Pattern:
+    kinds = list(PATTERNS.values()) + list(extra)
+    return re.compile("|".join(f"(?:{p})" for p in kinds))
+
+
+def find_spans(text: str, extra=()) -> list[str]:
+    """The spans of `text` to copy verbatim, in order (non-overlapping, leftmost first; at one position the
+    first kind of PATTERNS that matches, then the extra patterns)."""
+    return [m.group(0) for m in _compile(extra).finditer(text) if m.group(0)]
+
+
+def _tag_name(span: str) -> tuple[str, bool] | None:
+    """(name, closing) of an opening or closing tag; None for anything else (a self-closing tag included)."""
+    m = re.fullmatch(r"<(/?)([A-Za-z][\w:.-]*)(?:\s+[^<>]*?)?(/?)>", span)
+    if not m or m.group(3):
+        return None
+    return m.group(2), bool(m.group(1))
+
+
+def markup_constraints(spans: list[str]) -> list[dict]:
+    """The spans as constraint specs for Engine.generate(constraints=): one per distinct span, matched on the
+    output text, needed as often as it occurs and exactly that often, a closing tag never more often than its
+    opening tag (the first opening tag of that name in the spans) so far."""
+    counts = Counter(spans)
+    order = list(counts)
+    out = []
+    for span in order:
+        spec = {"text": span, "count": counts[span], "exact": True}
+        tag = _tag_name(span)
+        if tag and tag[1]:
+            opening = next((o for o in order if (_tag_name(o) or (None,))[0] == tag[0] and not _tag_name(o)[1]),
+                           None)
+            if opening is not None:
+                spec["after"] = order.index(opening)
+        out.append(spec)
+    return out
+
+
+def survives(source_spans: list[str], output: str, extra=()) -> list[str]:
+    """What is wrong with the output's copy of the source's spans (empty: every span appears as often as in the
+    source, no other span appears, and each closing tag comes after an opening tag of its name): one message per
+    problem."""
+    got = Counter(find_spans(output, extra))
+    want = Counter(source_spans)
+    problems = [f"{s!r} {got[s]} time{'s' * (got[s] != 1)} instead of {n}" for s, n in want.items() if got[s] != n]
+    problems += [f"{s!r} is not in the source" for s in got if s not in want]
+    depth: Counter = Counter()
+    for s in find_spans(output, extra):
+        tag = _tag_name(s)
+        if tag and s in want:
+            depth[tag[0]] += -1 if tag[1] else 1
+            if depth[tag[0]] < 0:
+                problems.append(f"{s!r} before its opening tag")
+                depth[tag[0]] = 0
+    return problems

@@ -1,0 +1,115 @@
+"""Placeholders and markup that must survive: the spans found in a source, the constraints they become (matched
+on the output text, exactly as often as in the source, a closing tag after its opening tag), the check of an
+output, the engine's exactness with them, and the translate tool's --keep_markup."""
+import numpy as np
+import pytest
+
+from helpers import assert_same_hypotheses, translate_args
+from specbeam_edge import Engine, SpeculativeConfig
+from specbeam_edge.markup import find_spans, markup_constraints, survives
+
+
+@pytest.mark.parametrize("text, spans", [
+    ("Delete %s from <b>%d</b> files?", ["%s", "<b>", "%d", "</b>"]),
+    ("%1$s of %2$d, %-5.2f and %lu", ["%1$s", "%2$d", "%-5.2f", "%lu"]),
+    ("Copy %1 to %2", ["%1", "%2"]),
+    ("Open {0} or {name} or {}", ["{0}", "{name}", "{}"]),
+    ('Press <item type="keycode">Enter</item>.', ['<item type="keycode">', "</item>"]),
+    ("See https://example.org/a?b=1. Or mail me@example.com.", ["https://example.org/a?b=1", "me@example.com"]),
+    ("Run `make test` now", ["`make test`"]),
+    ("&File and Tom &amp; Jerry", ["&", "&amp;"]),
+    ("100% sure, a & b, x<y, {not a placeholder}", []),
+])
+def test_spans_found(text, spans):
+    assert find_spans(text) == spans
+
+
+def test_extra_patterns_and_constraints():
+    assert find_spans("Use $HOME and ${PATH}", [r"\$\{?\w+\}?"]) == ["$HOME", "${PATH}"]
+    c = markup_constraints(["<b>", "%s", "</b>", "%s", "<br/>"])
+    assert c == [{"text": "<b>", "count": 1, "exact": True}, {"text": "%s", "count": 2, "exact": True},
+                 {"text": "</b>", "count": 1, "exact": True, "after": 0}, {"text": "<br/>", "count": 1, "exact": True}]
+
+
+def test_survives_names_every_problem():
+    spans = ["<b>", "%s", "</b>"]
+    assert survives(spans, "Die <b>%s</b> Datei") == []
+    assert survives(spans, "Die <b>%s Datei") == ["'</b>' 0 times instead of 1"]
+    assert survives(spans, "Die <b>%s %s</b>") == ["'%s' 2 times instead of 1"]
+    assert survives(spans, "Die </b>%s<b>") == ["'</b>' before its opening tag"]
+    assert survives(spans, "Die <b>%s</b> %d") == ["'%d' is not in the source"]
+
+
+@pytest.fixture(scope="module")
+def engines(exported):
+    t = exported("llama", std=0.3, seed=3)
+    return Engine(t), Engine(t, draft=exported("llama", std=0.3, seed=11, layers=1)), Engine(t, draft=t)
+
+
+PROMPTS = ["the quick fox", "hello world", "a lazy dog"]
+SPANS = [["<b>", "%s", "</b>"], ["{0}", "{0}"], ["%d"]]
+
+
+def test_text_constraints_are_met_exactly_and_in_order(engines):
+    plain = engines[0]
+    for prompt, spans in zip(PROMPTS, SPANS):
+        [r] = plain.generate(prompt, num_beams=4, max_new_tokens=24, num_return_sequences=4,
+                             constraints=markup_constraints(spans))
+        for h in r.hypotheses:
+            assert h.constraints_met and survives(spans, h.text) == [], (spans, h.text)
+
+
+def test_text_constraints_speculative_and_batched_equal_plain(engines):
+    plain, other, own = engines
+    cons = [markup_constraints(s) for s in SPANS]
+    kw = dict(num_beams=3, max_new_tokens=20, num_return_sequences=2)
+    ref = [plain.generate(p, constraints=c, **kw)[0] for p, c in zip(PROMPTS, cons)]
+    for eng in (other, own):
+        for drafter in ("beam", "best_first"):
+            spec = SpeculativeConfig(adaptive=False, drafter=drafter, budget=24, max_depth=4)
+            got = eng.generate(PROMPTS, constraints=cons, speculative=spec, max_batch_size=3, **kw)
+            assert max(max(r.stats.batch_sizes) for r in got) > 1
+            for a, b in zip(got, ref):
+                assert_same_hypotheses(a, b)
+    spec = SpeculativeConfig(adaptive=False, drafter="lookup", budget=16, max_depth=4)
+    for p, c, r in zip(PROMPTS, cons, ref):                 # prompt lookup needs no draft model
+        assert_same_hypotheses(plain.generate(p, constraints=c, speculative=spec, **kw)[0], r)
+
+
+def test_bad_text_constraints_are_refused(engines):
+    eng = engines[0]
+    for bad, err, msg in (([{"text": ""}], TypeError, "non-empty string"),
+                          ([{"text": "a", "phrase": "a"}], TypeError, "'phrase' or 'text'"),
+                          ([{"text": "a", "count": 0}], ValueError, "count must be"),
+                          ([{"text": "a", "after": 0}], ValueError, "after must be"),
+                          ([{"text": "a", "colour": 1}], TypeError, "colour")):
+        with pytest.raises(err, match=msg):
+            eng.generate("x", num_beams=2, constraints=bad)
+
+
+def test_translate_keeps_markup_by_default(pair, tmp_path, capsys):
+    from apps.translate.__main__ import main
+
+    inp = tmp_path / "in.txt"
+    inp.write_text("the <b>quick</b> fox %s\nhello world\nsee {0} and {0}\n")
+    out, off = tmp_path / "out.txt", tmp_path / "off.txt"
+    assert main(translate_args(pair, inp, out, "--beam_size", "4", max_len=16)) == 0
+    assert main(translate_args(pair, inp, off, "--beam_size", "4", "--no-keep_markup", max_len=16)) == 0
+    got, plain = out.read_text().splitlines(), off.read_text().splitlines()
+    err = capsys.readouterr().err
+    for k, spans in ((0, ["<b>", "</b>", "%s"]), (2, ["{0}", "{0}"])):
+        assert survives(spans, got[k]) == [] or f"line {k + 1}:" in err, (got[k], err)
+    assert got[1] == plain[1]                                # no span: the same translation
+    assert np.mean([survives(s, g) == [] for s, g in ((["<b>", "</b>", "%s"], got[0]), (["{0}", "{0}"], got[2]))]) \
+        >= np.mean([survives(s, g) == [] for s, g in ((["<b>", "</b>", "%s"], plain[0]), (["{0}", "{0}"], plain[2]))])
+    # a span that cannot fit: the line is reported and translated without constraints (never dropped)
+    assert main(translate_args(pair, inp, tmp_path / "short.txt", "--beam_size", "4", max_len=2)) == 0
+    err = capsys.readouterr().err
+    assert "line 1: '<b>' / '</b>' / '%s' did not all fit" in err and "translated without" in err, err
+    assert (tmp_path / "short.txt").read_text().count("\n") == 3
+    # flags
+    with pytest.raises(SystemExit):
+        main(translate_args(pair, inp, None, "--beam_size", "1", "--keep_markup"))
+    with pytest.raises(SystemExit):
+        main(translate_args(pair, inp, None, "--markup_pattern", "(unclosed"))
+    assert "is not a regular expression" in capsys.readouterr().err
