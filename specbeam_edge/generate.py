@@ -423,7 +423,8 @@ class Engine:
                            min_new_tokens=gen.min_new_tokens, no_repeat_ngram_size=gen.no_repeat_ngram_size,
                            repetition_penalty=gen.repetition_penalty,
                            grow=grow, chooser=chooser, topk=topk,
-                           budget_for=budget_for, constraints=constraints, **extra)
+                           budget_for=budget_for, constraints=constraints,
+                           min_finished=gen.num_return_sequences, **extra)
 
     def _statics(self, sources: list[list[int]], batch: int) -> list:
         """Per request, static(with_draft) -> (target's, draft's) encoder outputs, or None for decoder-only

@@ -47,10 +47,11 @@ def _tag_name(span: str) -> tuple[str, bool] | None:
     return m.group(2), bool(m.group(1))
 
 
-def markup_constraints(spans: list[str]) -> list[dict]:
+def markup_constraints(spans: list[str], extra=()) -> list[dict]:
     """The spans as constraint specs for Engine.generate(constraints=): one per distinct span, matched on the
     output text, needed as often as it occurs and exactly that often, a closing tag never more often than its
-    opening tag (the first opening tag of that name in the spans) so far."""
+    opening tag (the first opening tag of that name in the spans) so far; and no other span (of PATTERNS and
+    `extra`) in the output: a model that learned to translate metavariables writes `<Datei>` for `<file>`."""
     counts = Counter(spans)
     order = list(counts)
     out = []
@@ -63,7 +64,7 @@ def markup_constraints(spans: list[str]) -> list[dict]:
             if opening is not None:
                 spec["after"] = order.index(opening)
         out.append(spec)
-    return out
+    return out + [{"no_other_spans": list(extra)}]
 
 
 def survives(source_spans: list[str], output: str, extra=()) -> list[str]:

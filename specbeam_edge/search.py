@@ -67,10 +67,11 @@ class ExactSearch:
                  length_penalty: float, early_stopping, min_new_tokens: int, no_repeat_ngram_size: int = 0,
                  repetition_penalty: float = 1.0, grow=None, chooser=None,
                  topk: int | None = None, prompt_len: int | None = None, static=None, process=None,
-                 budget_for=None, constraints: Constraints | None = None):
+                 budget_for=None, constraints: Constraints | None = None, min_finished: int = 1):
         self.tree = TokenTree()
         self.chain_len = len(ids)
-        kind, extra = (BeamSearch, {}) if constraints is None else (ConstrainedBeamSearch, {"constraints": constraints})
+        kind, extra = (BeamSearch, {}) if constraints is None else \
+            (ConstrainedBeamSearch, {"constraints": constraints, "min_finished": min_finished})
         self.bs = kind(self.tree, self.tree.add_chain(ids)[-1], num_beams=num_beams,
                        prompt_len=self.chain_len if prompt_len is None else prompt_len,
                        max_new_tokens=max_new_tokens, eos_token_ids=eos, length_penalty=length_penalty,

@@ -91,15 +91,15 @@ def test_every_hypothesis_meets_its_constraints_and_is_scored_as_it_reads(seed, 
     rng = np.random.default_rng(100 + seed)
     constraints = [[rng.integers(2, V, size=rng.integers(1, 3)).tolist()] for _ in range(rng.integers(1, 3))]
     bs = run_search(table, constraints, length_penalty=lp)
-    hyps = bs.hypotheses(4)
-    assert hyps and bs.constraints_met(4) == [True] * len(hyps), (constraints, hyps)
-    for toks, score in hyps:
-        assert all(contains(toks, c[0]) for c in constraints), (constraints, toks)
-        assert toks[-1] == 0 or len(toks) == 10
+    hyps, met = bs.hypotheses(4), bs.constraints_met(4)
+    assert hyps and met[0] and met == sorted(met, reverse=True), (constraints, hyps, met)   # those that met first
+    for (toks, score), ok in zip(hyps, met):
+        assert ok == all(contains(toks, c[0]) for c in constraints), (constraints, toks)
+        assert toks[-1] == 0 if ok and len(toks) < 10 else len(toks) == 10
         path = [1] + toks
         logp = sum(table[a][b] for a, b in zip(path, path[1:]))
         assert score == pytest.approx(logp / len(toks) ** lp, abs=1e-4)
-    scores = [s for _, s in hyps]
+    scores = [s for (_, s), ok in zip(hyps, met) if ok]
     assert scores == sorted(scores, reverse=True)
 
 
@@ -115,20 +115,34 @@ def test_exact_and_ordered_spans_in_every_hypothesis(seed):
                                constraints=c)
     while not bs.done:
         bs.step(np.stack([table[tree.tokens[n]] for n in bs.running]))
-    hyps = bs.hypotheses(4)
-    assert hyps and all(bs.constraints_met(4))
-    for toks, _ in hyps:
-        assert ends(toks, [(2, 3)]) == 2 and toks.count(4) == 1, toks
-        assert ends(toks[:toks.index(4)], [(2, 3)]) >= 1, toks
+    hyps, met = bs.hypotheses(4), bs.constraints_met(4)
+    assert hyps and met[0]
+    for (toks, _), ok in zip(hyps, met):
+        # never more often than in the source, never out of order; all of it in every one that met them
+        assert ends(toks, [(2, 3)]) <= 2 and toks.count(4) <= 1, toks
+        assert 4 not in toks or ends(toks[:toks.index(4)], [(2, 3)]) >= 1, toks
+        assert ok == (ends(toks, [(2, 3)]) == 2 and toks.count(4) == 1), toks
 
 
 def test_alternatives_and_the_length_limit():
     table = bigram_table(3)
     bs = run_search(table, [[[7, 8], [9]]])
-    assert all(contains(t, [7, 8]) or contains(t, [9]) for t, _ in bs.hypotheses(4))
+    met = bs.constraints_met(4)
+    assert met[0] and [contains(t, [7, 8]) or contains(t, [9]) for t, _ in bs.hypotheses(4)] == met
     # a constraint longer than the room left: the hypotheses end at the limit, said to miss it, not dropped
     bs = run_search(table, [[[2, 3, 4, 5, 6]]], max_new=3)
     assert bs.hypotheses(4) and bs.constraints_met(4) == [False] * len(bs.hypotheses(4))
+
+
+def test_allocation_follows_the_kind_of_constraint():
+    """Terms get dynamic beam allocation; copied spans alone (text constraints), which the model mostly writes
+    anyway, get one reserved place and plain beam search's order for the rest."""
+    ids = lambda x: list(x) if not isinstance(x, str) else [ord(ch) % V for ch in x]   # noqa: E731
+    decode = lambda t: "".join(map(chr, t))                                          # noqa: E731
+    assert parse([[3, 4], {"text": "ab"}], ids, decode).allocation == "banks"
+    assert parse([{"text": "ab"}, {"text": "c", "count": 2}], ids, decode).allocation == "reserve"
+    with pytest.raises(TypeError, match="need a tokenizer"):
+        parse([{"text": "ab"}], ids)
 
 
 def test_parse_refuses_what_is_not_a_constraint():
@@ -168,9 +182,11 @@ def test_engine_constraints_met_speculative_equals_plain(engines, K):
     for prompt in PROMPTS:
         cons = _constraints_for(engines["plain"], prompt)
         [plain] = engines["plain"].generate(prompt, constraints=cons, **kw)
-        assert all(h.constraints_met for h in plain.hypotheses), plain.hypotheses
+        assert len(plain.hypotheses) == K                 # n_best hypotheses, those that met all first
+        met = [h.constraints_met for h in plain.hypotheses]
+        assert met[0] and met == sorted(met, reverse=True), plain.hypotheses
         for h in plain.hypotheses:
-            assert all(contains(h.tokens, c) for c in cons), (cons, h.tokens)
+            assert h.constraints_met == all(contains(h.tokens, c) for c in cons), (cons, h.tokens)
         [unconstrained] = engines["plain"].generate(prompt, **kw)
         assert unconstrained.hypotheses[0].tokens != plain.hypotheses[0].tokens
         assert unconstrained.hypotheses[0].constraints_met is None
@@ -230,7 +246,8 @@ def test_encoder_decoder_constraints(encdec):  # noqa: F811
         kw = dict(num_beams=4, max_new_tokens=10, num_return_sequences=2)
         cons = [[[31, 32]], [[40], [41]]]
         [plain] = plain_eng.generate(src, constraints=cons, **kw)
+        assert plain.hypotheses[0].constraints_met
         for h in plain.hypotheses:
-            assert h.constraints_met and contains(h.tokens, [31, 32]) and (40 in h.tokens or 41 in h.tokens)
+            assert h.constraints_met == (contains(h.tokens, [31, 32]) and (40 in h.tokens or 41 in h.tokens))
         [fast] = fast_eng.generate(src, constraints=cons, speculative=spec, **kw)
         assert_same_hypotheses(fast, plain)

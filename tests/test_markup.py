@@ -28,7 +28,8 @@ def test_extra_patterns_and_constraints():
     assert find_spans("Use $HOME and ${PATH}", [r"\$\{?\w+\}?"]) == ["$HOME", "${PATH}"]
     c = markup_constraints(["<b>", "%s", "</b>", "%s", "<br/>"])
     assert c == [{"text": "<b>", "count": 1, "exact": True}, {"text": "%s", "count": 2, "exact": True},
-                 {"text": "</b>", "count": 1, "exact": True, "after": 0}, {"text": "<br/>", "count": 1, "exact": True}]
+                 {"text": "</b>", "count": 1, "exact": True, "after": 0}, {"text": "<br/>", "count": 1, "exact": True},
+                 {"no_other_spans": []}]
 
 
 def test_survives_names_every_problem():
@@ -55,8 +56,9 @@ def test_text_constraints_are_met_exactly_and_in_order(engines):
     for prompt, spans in zip(PROMPTS, SPANS):
         [r] = plain.generate(prompt, num_beams=4, max_new_tokens=24, num_return_sequences=4,
                              constraints=markup_constraints(spans))
-        for h in r.hypotheses:
-            assert h.constraints_met and survives(spans, h.text) == [], (spans, h.text)
+        assert r.hypotheses[0].constraints_met and len(r.hypotheses) == 4
+        for h in r.hypotheses:              # those that met all first; any other ran into the length limit
+            assert h.constraints_met == (survives(spans, h.text) == []), (spans, h.text)
 
 
 def test_text_constraints_speculative_and_batched_equal_plain(engines):
@@ -113,3 +115,23 @@ def test_translate_keeps_markup_by_default(pair, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(translate_args(pair, inp, None, "--markup_pattern", "(unclosed"))
     assert "is not a regular expression" in capsys.readouterr().err
+
+
+def test_no_other_spans_is_a_rule_on_the_text():
+    """{"no_other_spans": [...]} (markup_constraints adds it): a candidate whose text holds a span that is none of
+    the request's text constraints breaks the rules (the shipped pair wrote `<Spalten>` beside `<columns>`)."""
+    from specbeam_edge.constraints import parse
+
+    vocab = "<b>Spalten %sx"
+    decode = lambda ids: "".join(vocab[i] for i in ids)                 # noqa: E731
+    phrase = lambda x: [vocab.index(ch) for ch in x] if isinstance(x, str) else list(x)   # noqa: E731
+    c = parse(markup_constraints(["<b>"]), phrase, decode)
+    assert c.forbid("die <b> Datei") is False and c.forbid("die <b> <Spalten>") is True
+    s = c.start
+    for ch in "<b>x<Spalten":
+        s = c.advance(s, vocab.index(ch))
+        assert not c.violates(s)
+    s = c.advance(s, vocab.index(">"))
+    assert s.invented and c.violates(s)
+    with pytest.raises(TypeError, match="no_other_spans"):
+        parse([{"no_other_spans": "x"}], phrase, decode)

@@ -94,7 +94,8 @@ def line_constraints(s: Settings, lines: list[bytes]) -> tuple[list, list]:
     texts = [b.decode("utf-8", "replace") for b in lines]
     terms = glossary_constraints(s.glossary, texts, s.glossary_case) if s.glossary else [None] * len(texts)
     spans = [find_spans(t, s.markup_patterns) if s.keep_markup else [] for t in texts]
-    out = [(markup_constraints(sp) + list(g or [])) or None for sp, g in zip(spans, terms)]
+    out = [((markup_constraints(sp, s.markup_patterns) if sp else []) + list(g or [])) or None
+           for sp, g in zip(spans, terms)]
     return out, spans
 
 
@@ -401,6 +402,10 @@ def translate(s: Settings, engine, todo, on_line, progress, first: int = 0, repo
             report(first + i + 1, f"the translation reached the model's context ({ctx} tokens) after "
                                   f"{room} tokens and may be cut; shorten the line or pass a smaller "
                                   f"--max_input_length")
+        short = [str(n + 1) for n, h in enumerate(res.hypotheses) if h.constraints_met is False]
+        if short:                                   # the best met them all, these n-best did not
+            report(first + i + 1, f"n-best hypotheses {', '.join(short)} do not hold every glossary term and span "
+                                  f"(the length limit came first)")
         if spans and spans[i] and res.hypotheses[0].constraints_met is not False:
             problems = survives(spans[i], res.hypotheses[0].text, s.markup_patterns)
             if problems:
@@ -416,7 +421,8 @@ def translate(s: Settings, engine, todo, on_line, progress, first: int = 0, repo
     for k, res in run(todo, prefix, [terms[i] for i, _ in todo] if terms else None):
         if res.hypotheses[0].constraints_met is False:
             i = todo[k][0]
-            what = [c["text"] if isinstance(c, dict) else c[0] for c in terms[i]]
+            what = [c["text"] if isinstance(c, dict) else c[0] for c in terms[i] if not isinstance(c, dict) or
+                    "text" in c]
             report(first + i + 1, f"{' / '.join(map(repr, what))} did not all fit in --max_decoding_length "
                                   f"{limit}: translated without the glossary and markup constraints")
             total.add(res.stats)
