@@ -30,8 +30,6 @@ ARMS = ("plain", "glossary", "plain_spec", "glossary_spec")
 
 
 def run(lines: int, beams: int, max_new: int, forced: bool = False) -> dict:
-    import sacrebleu
-
     src = (ROOT / "models" / "ende" / "test_sample.en").read_text(encoding="utf-8").splitlines()
     ref = (ROOT / "models" / "ende" / "test_sample.de").read_text(encoding="utf-8").splitlines()
     _, terms = read_glossary(GLOSSARY)
@@ -65,12 +63,7 @@ def run(lines: int, beams: int, max_new: int, forced: bool = False) -> dict:
     for a in ARMS:
         o = out[a]
         hit = sum(all(any(f in text for f in t) for t in c) for text, (*_, c) in zip(o["texts"], rows))
-        secs = sum(o["seconds"])
-        report["arms"][a] = {"every_term": round(hit / len(rows), 3),
-                             "bleu": round(sacrebleu.corpus_bleu(o["texts"], [refs]).score, 2),
-                             "chrf": round(sacrebleu.corpus_chrf(o["texts"], [refs]).score, 2),
-                             "seconds": round(secs, 2), "tok_s": round(sum(o["steps"]) / secs, 1),
-                             "steps_per_pass": round(sum(o["steps"]) / sum(o["passes"]), 3)}
+        report["arms"][a] = {"every_term": round(hit / len(rows), 3), **common.text_scores(o, refs)}
     arms = report["arms"]
     report["glossary_over_plain_speed"] = round(arms["plain"]["seconds"] / arms["glossary"]["seconds"], 3)
     report["glossary_spec_over_glossary_speed"] = round(arms["glossary"]["seconds"] / arms["glossary_spec"]["seconds"], 3)
@@ -78,24 +71,6 @@ def run(lines: int, beams: int, max_new: int, forced: bool = False) -> dict:
     for a in ("plain", "glossary"):
         report[f"{a}_spec_identical"] = sum(x == y for x, y in zip(out[a]["tokens"], out[a + "_spec"]["tokens"]))
     return report
-
-
-def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    arms = report["arms"]
-    fig, ax = plt.subplots(1, 2, figsize=(9, 3.4))
-    ax[0].bar(list(arms), [arms[a]["every_term"] * 100 for a in arms], color="#4a7")
-    ax[0].set_ylabel("lines with every term (%)")
-    ax[1].bar(list(arms), [arms[a]["tok_s"] for a in arms], color="#47a")
-    ax[1].set_ylabel("beam steps / s")
-    for a in ax:
-        a.tick_params(axis="x", rotation=20)
-    fig.suptitle(f"glossary, shipped en->de, K={report['beams']}, {report['lines']} lines")
-    common.save_figure(fig, path)
 
 
 def main(argv=None) -> int:
@@ -108,12 +83,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     report = run(args.lines, args.beams, args.max_new_tokens, args.forced)
     name = "glossary_forced" if args.forced else "glossary"
-    path = common.write(args.out, name, report)
-    plot(report, args.out / f"{name}.png")
-    rows = [{"arm": a, **v} for a, v in report["arms"].items()]
-    print(common.table(rows, ["arm", "every_term", "bleu", "chrf", "seconds", "tok_s", "steps_per_pass"]))
-    print({k: v for k, v in report.items() if k not in ("arms", "machine")})
-    print(f"wrote {path}")
+    common.report_arms(report, args.out, name, ["every_term", "bleu", "chrf", "seconds", "tok_s", "steps_per_pass"])
+    common.arm_bars(report, "every_term", "lines with every term (%)",
+                    f"glossary, shipped en->de, K={report['beams']}, {report['lines']} lines", args.out / f"{name}.png")
     return 0
 
 

@@ -47,8 +47,6 @@ def catalog_lines(mo: Path, n: int) -> list[tuple[str, str]]:
 
 
 def run(mo: Path, lines: int, beams: int, max_new: int) -> dict:
-    import sacrebleu
-
     rows = catalog_lines(mo, lines)
     eng = Engine(shipped("ende", "target"))
     lookup = SpeculativeConfig(adaptive=False, drafter="lookup", budget=16, max_depth=6)
@@ -81,12 +79,8 @@ def run(mo: Path, lines: int, beams: int, max_new: int) -> dict:
     for a in ARMS:
         o = out[a]
         kept = sum(survives(find_spans(s), t) == [] for (s, _), t in zip(rows, o["texts"]))
-        secs = sum(o["seconds"])
         report["arms"][a] = {"every_span_kept": round(kept / len(rows), 3), "fallback_lines": o["fallback"],
-                             "bleu": round(sacrebleu.corpus_bleu(o["texts"], [refs]).score, 2),
-                             "chrf": round(sacrebleu.corpus_chrf(o["texts"], [refs]).score, 2),
-                             "seconds": round(secs, 2), "tok_s": round(sum(o["steps"]) / secs, 1),
-                             "steps_per_pass": round(sum(o["steps"]) / sum(o["passes"]), 3)}
+                             **common.text_scores(o, refs)}
     arms = report["arms"]
     report["keep_markup_over_plain_speed"] = round(arms["plain"]["seconds"] / arms["keep_markup"]["seconds"], 3)
     report["lookup_over_keep_markup_speed"] = round(arms["keep_markup"]["seconds"] /
@@ -99,24 +93,6 @@ def run(mo: Path, lines: int, beams: int, max_new: int) -> dict:
     return report
 
 
-def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    arms = report["arms"]
-    fig, ax = plt.subplots(1, 2, figsize=(9, 3.4))
-    ax[0].bar(list(arms), [arms[a]["every_span_kept"] * 100 for a in arms], color="#4a7")
-    ax[0].set_ylabel("lines keeping every span (%)")
-    ax[1].bar(list(arms), [arms[a]["tok_s"] for a in arms], color="#47a")
-    ax[1].set_ylabel("beam steps / s")
-    for a in ax:
-        a.tick_params(axis="x", rotation=15)
-    fig.suptitle(f"markup, shipped en->de, {report['catalog']}, K={report['beams']}, {report['lines']} lines")
-    common.save_figure(fig, path)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mo", type=Path, required=True, help="a German gettext catalog (.mo)")
@@ -126,13 +102,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "results")
     args = ap.parse_args(argv)
     report = run(args.mo, args.lines, args.beams, args.max_new_tokens)
-    path = common.write(args.out, "markup", report)
-    plot(report, args.out / "markup.png")
-    rows = [{"arm": a, **v} for a, v in report["arms"].items()]
-    print(common.table(rows, ["arm", "every_span_kept", "fallback_lines", "bleu", "chrf", "seconds", "tok_s",
-                              "steps_per_pass"]))
-    print({k: v for k, v in report.items() if k not in ("arms", "machine", "examples")})
-    print(f"wrote {path}")
+    common.report_arms(report, args.out, "markup", ["every_span_kept", "fallback_lines", "bleu", "chrf", "seconds",
+                                                    "tok_s", "steps_per_pass"], skip=("arms", "machine", "examples"))
+    common.arm_bars(report, "every_span_kept", "lines keeping every span (%)",
+                    f"markup, shipped en->de, {report['catalog']}, K={report['beams']}, {report['lines']} lines",
+                    args.out / "markup.png")
     return 0
 
 

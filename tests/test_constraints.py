@@ -20,16 +20,22 @@ def contains(seq, phrase) -> bool:
     return any(tuple(seq[i:i + n]) == tuple(phrase) for i in range(len(seq) - n + 1))
 
 
+def random_runs(c: Constraints, seed: int, high: int, longest: int, n: int = 300):
+    """n random token sequences (tokens 2..high-1) and the state each one ends in."""
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
+        seq = rng.integers(2, high, size=rng.integers(1, longest)).tolist()
+        s = c.start
+        for t in seq:
+            s = c.advance(s, t)
+        yield seq, s
+
+
 def test_state_follows_the_tokens():
     """The incremental state equals what the sequence says: a constraint is met iff one of its alternatives
     occurs in it; the partial matches are exactly the phrase prefixes the sequence ends with."""
     c = Constraints([[[3, 4, 3]], [[5], [6, 7]], [[3, 3, 4]]])
-    rng = np.random.default_rng(0)
-    for _ in range(300):
-        seq = rng.integers(2, 8, size=rng.integers(1, 14)).tolist()
-        s = c.start
-        for t in seq:
-            s = c.advance(s, t)
+    for seq, s in random_runs(c, seed=0, high=8, longest=14):
         for ci, alts in enumerate(c.phrases):
             assert bool(s.met >> ci & 1) == any(contains(seq, a) for a in alts), (seq, ci, s)
         want = {(ci, ai, k) for ci, alts in enumerate(c.phrases) if not s.met >> ci & 1
@@ -54,12 +60,7 @@ def test_counts_and_the_rules_a_candidate_may_not_break():
     the rules when an exact one appeared more often than needed, or one appeared more often than its
     prerequisite (`after`); a constraint is open (proposed, its progress counted) only while it may appear."""
     c = Constraints([[[3, 4]], [[5]], [[6, 7], [7]]], need=[2, 1, 1], exact=[True, True, False], after=[None, 0, None])
-    rng = np.random.default_rng(1)
-    for _ in range(300):
-        seq = rng.integers(2, 9, size=rng.integers(1, 16)).tolist()
-        s = c.start
-        for t in seq:
-            s = c.advance(s, t)
+    for seq, s in random_runs(c, seed=1, high=9, longest=16):
         full = [ends(seq, alts) for alts in c.phrases]
         assert s.counts == (full[0], full[1], min(full[2], 1)), (seq, s)
         assert s.met == sum(1 << i for i in range(3) if s.counts[i] >= c.need[i])
