@@ -1,5 +1,6 @@
 """Ctrl-C while a command is still importing its modules: one line and exit status 130, not a traceback."""
 import importlib
+import sys
 
 import pytest
 
@@ -83,3 +84,31 @@ def test_the_chat_app_ends_on_a_signal_at_any_moment_of_its_start(tmp_path):
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 130, (delay, proc.returncode, err)
         assert "Traceback" not in err, (delay, err)
+
+
+def test_a_signal_inside_a_finalizer_is_sent_again_not_lost(monkeypatch):
+    """A KeyboardInterrupt raised inside __del__ (tqdm's, as a bar was collected) was printed as 'Exception
+    ignored' with a traceback and dropped: the run went on. The tool's handler sends the signal again instead."""
+    import signal
+
+    from apps.translate import journal
+
+    sent = []
+
+    class FakeTimer:
+        def __init__(self, delay, fn, args):
+            sent.append((delay, fn, args))
+
+        def start(self):
+            pass
+    monkeypatch.setattr(journal.threading, "Timer", FakeTimer)
+
+    class Collected:
+        def __del__(self):
+            journal.raise_terminated(signal.SIGINT, sys._getframe())
+    Collected()                                      # no exception escapes the finalizer
+    assert len(sent) == 1 and sent[0][2][1] == signal.SIGINT
+    with pytest.raises(KeyboardInterrupt):
+        journal.raise_terminated(signal.SIGINT, sys._getframe())
+    with pytest.raises(journal.Terminated):
+        journal.raise_terminated(signal.SIGTERM, sys._getframe())

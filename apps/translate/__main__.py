@@ -268,7 +268,7 @@ def main(argv=None) -> int:
     guard_std_streams()
     args = parse_args(argv)
     writer = None if args.output or args.engine == "ray" else InOrder(sys.stdout.buffer)
-    old = signal.signal(signal.SIGTERM, raise_terminated)
+    old = {sig: signal.signal(sig, raise_terminated) for sig in (signal.SIGTERM, signal.SIGINT)}
     done_hint = "; finished lines are kept: rerun with --resume to continue" if args.output else ""
     try:
         return run(args, writer)
@@ -289,7 +289,8 @@ def main(argv=None) -> int:
         print(f"{PROG}: error: {e.strerror or e}{where}", file=sys.stderr)
         return 1
     finally:
-        signal.signal(signal.SIGTERM, old)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":
