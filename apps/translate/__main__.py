@@ -15,6 +15,7 @@ second process off the same output. A UTF-8 BOM is dropped; LF, CRLF and CR all 
 --target_prefix FILE forces the start of each line's translation (one prefix a line, an empty line for none; the
 output includes it); --alternatives N writes JSON lines instead of text: per input line the N most probable
 tokens at the position after the prefix (or at the start), with their log-probs and each one's best translation.
+--jsonl reads and writes JSON objects, a line each, with per-line prefix, terms and id (README "Batch translation").
 --glossary TSV makes terminology appear: a line whose source contains a glossary term is translated with
 lexically constrained beam search, so that one of the term's target forms appears (a line where it could not
 fit is reported on stderr, never silently left out).
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -44,7 +46,8 @@ from specbeam_edge.flags import (DefaultsHelp, add_beam_arg, add_decoding_constr
 from specbeam_edge.providers import ProviderError
 
 from .job import (LABELS, NO_ALTERNATIVES, PROG, InOrder, Settings, UsageError, check_output, journal_settings,
-                  open_engine, prepare, read_input, read_prefixes, resolve, split_lines, summary, translate)
+                  jsonl_line, open_engine, prepare, read_input, read_jsonl, read_prefixes, report_line, resolve,
+                  split_lines, summary, translate)
 from .journal import Journal, JournalError, OutputLock, Terminated, raise_terminated
 from .ray_engine import add_ray_args, run_ray
 
@@ -94,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "on with --beam_size 2 or more; a line where one could not be kept is reported)")
     ap.add_argument("--markup_pattern", action="append", default=None, metavar="REGEX",
                     help="another kind of span to copy verbatim (a regular expression; may be repeated)")
+    ap.add_argument("--jsonl", action="store_true",
+                    help='JSON lines in and out: each input line {"text": ..., "target_prefix": ..., "terms": [...], '
+                         '"id": ...} (only text required), each output line {"id", "translations": [{"text", '
+                         '"score", "constraints_met"}, ... n_best], "problems": [...]}')
     ap.add_argument("--alternatives", type=positive_int, default=None, metavar="N",
                     help="write JSON lines, one object per input line: the N most probable tokens after the target "
                          "prefix (or at the start), each with its text, log-prob and best translation")
@@ -140,6 +147,12 @@ def parse_args(argv):
             re.compile(rx)
         except re.error as e:
             ap.error(f"--markup_pattern {rx!r} is not a regular expression ({e})")
+    if args.jsonl:
+        for flag, used in (("--target_prefix", args.target_prefix), ("--with_score", args.with_score),
+                           ("--alternatives", args.alternatives), ("--eval", args.eval),
+                           ("--engine ray", args.engine == "ray")):
+            if used:
+                ap.error(f"--jsonl carries prefixes and scores in its lines; {flag} is for text input and output")
     if args.alternatives:
         for flag, used in (("--n_best", args.n_best > 1), ("--with_score", args.with_score), ("--eval", args.eval)):
             if used:
@@ -156,10 +169,14 @@ def run(args, writer: InOrder | None) -> int:
     check_output(args.output, args.input)
     lines = split_lines(read_input(args.input))
     s = s.with_prefixes(*read_prefixes(args.target_prefix, len(lines)))
+    sources, known_bad = lines, None
+    if args.jsonl:                  # the sources, prefixes, terms and ids come from the lines
+        sources, known_bad, prefixes, terms, ids = read_jsonl(lines)
+        s = dataclasses.replace(s, jsonl=True, prefixes=tuple(prefixes), line_terms=tuple(terms), line_ids=tuple(ids))
     with OutputLock(Path(args.output)) if args.output else contextlib.nullcontext():
-        if args.resume and finished(Path(args.output), len(lines) * args.n_best):
+        if args.resume and finished(Path(args.output), len(lines) * (1 if args.jsonl else args.n_best)):
             return 0
-        return run_locked(args, s, lines, writer)
+        return run_locked(args, s, lines, writer, sources, known_bad)
 
 
 def finished(output: Path, n_out: int) -> bool:
@@ -177,14 +194,25 @@ def finished(output: Path, n_out: int) -> bool:
     return True
 
 
-def run_locked(args, s: Settings, lines: list[bytes], writer: InOrder | None) -> int:
+def run_locked(args, s: Settings, lines: list[bytes], writer: InOrder | None, sources: list[bytes] | None = None,
+               known_bad: dict | None = None) -> int:
+    """lines: the input (its hash keys the journal); sources: what is translated (the texts of --jsonl lines)."""
     engine = open_engine(args, s)
-    items, fixed, bad = prepare(s, engine, lines)
+    sources = lines if sources is None else sources
+    why: dict[int, list[str]] = {}
+
+    def report(n, reason):
+        why.setdefault(n - 1, []).append(reason)
+        report_line(n, reason)
+    items, fixed, bad = prepare(s, engine, sources, report=report, known_bad=known_bad)
     if items is None:
         print(f"{PROG}: stopping (--on_error fail)", file=sys.stderr)
         return 1
     if args.alternatives:           # JSON lines: an empty or bad line has no alternatives
         fixed = {i: [NO_ALTERNATIVES] for i in fixed}
+    if s.jsonl:                     # an empty line: no translation; a bad one: its copy (--on_error copy) or none
+        fixed = {i: [jsonl_line(s, i, [{"text": t} for t in out[:1] if t], why.get(i, []))]
+                 for i, out in fixed.items()}
     journal = None
     if args.output:
         journal = Journal(Path(args.output), hashlib.sha256(b"\n".join(lines)).hexdigest(),
@@ -214,7 +242,7 @@ def run_locked(args, s: Settings, lines: list[bytes], writer: InOrder | None) ->
                     disable=True if args.quiet or (writer is not None and sys.stdout.isatty()) else None,
                     dynamic_ncols=True)
     try:
-        stats = translate(s, engine, todo, on_line, progress, lines=lines)
+        stats = translate(s, engine, todo, on_line, progress, lines=sources)
     finally:
         progress.close()
     stats.seconds = time.time() - t0

@@ -68,6 +68,9 @@ class Settings:
     glossary_sha256: str | None = None          # of the glossary file and its case setting, for the journal
     keep_markup: bool = False                   # copied spans (placeholders, tags, URLs...) as constraints
     markup_patterns: tuple[str, ...] = ()       # --markup_pattern: more kinds of span
+    jsonl: bool = False                         # --jsonl: JSON objects in and out, a line each
+    line_terms: tuple | None = None             # per input line: its own constraints ("terms" in --jsonl input)
+    line_ids: tuple | None = None               # per input line: its "id" (--jsonl), given back with its output
 
     def with_prefixes(self, lines: list[bytes] | None, texts: list[str] | None) -> Settings:
         if lines is None:
@@ -93,10 +96,67 @@ def line_constraints(s: Settings, lines: list[bytes]) -> tuple[list, list]:
     and its spans (for the check of the output)."""
     texts = [b.decode("utf-8", "replace") for b in lines]
     terms = glossary_constraints(s.glossary, texts, s.glossary_case) if s.glossary else [None] * len(texts)
+    own = s.line_terms if s.line_terms is not None else [None] * len(texts)
     spans = [find_spans(t, s.markup_patterns) if s.keep_markup else [] for t in texts]
-    out = [((markup_constraints(sp, s.markup_patterns) if sp else []) + list(g or [])) or None
-           for sp, g in zip(spans, terms)]
+    out = [((markup_constraints(sp, s.markup_patterns) if sp else []) + list(g or []) + list(o or [])) or None
+           for sp, g, o in zip(spans, terms, own)]
     return out, spans
+
+
+# -- --jsonl: one JSON object a line in and out ------------------------------------------------------------------
+JSONL_KEYS = {"text", "target_prefix", "terms", "id"}
+
+
+def read_jsonl(lines: list[bytes]) -> tuple[list[bytes], dict[int, str], list, list, list]:
+    """--jsonl input, one object a line: {"text": the source, "target_prefix": the start of its translation,
+    "terms": [a term, or a list of alternative forms, ...] that must appear, "id": anything, given back}; only
+    "text" is required, an empty line is an empty source. Returns the sources (UTF-8, b"" for a bad line), the
+    bad lines {index: why}, and per line its prefix ('' for none), terms (None) and id (None)."""
+    texts, bad, prefixes, terms, ids = [], {}, [], [], []
+    for i, b in enumerate(lines):
+        obj, why = {}, None
+        if b.strip():
+            try:
+                obj = json.loads(b)
+                why = _jsonl_problem(obj)
+            except (UnicodeDecodeError, ValueError) as e:
+                why = f"not a JSON object ({e})"
+            if why:
+                obj = {}
+        if why:
+            bad[i] = why
+        texts.append(obj.get("text", "").encode("utf-8"))
+        prefixes.append(obj.get("target_prefix") or "")
+        terms.append([tuple(t) if isinstance(t, list) else t for t in obj["terms"]] if obj.get("terms") else None)
+        ids.append(obj.get("id"))
+    return texts, bad, prefixes, terms, ids
+
+
+def _jsonl_problem(obj) -> str | None:
+    if not isinstance(obj, dict):
+        return f"a line must be a JSON object, not {type(obj).__name__}"
+    unknown = set(obj) - JSONL_KEYS
+    if unknown:
+        return f"unknown key(s) {', '.join(sorted(unknown))} (known: {', '.join(sorted(JSONL_KEYS))})"
+    if not isinstance(obj.get("text"), str):
+        return "'text' (a string) is required"
+    if not isinstance(obj.get("target_prefix", ""), str):
+        return "'target_prefix' must be a string"
+    terms = obj.get("terms", [])
+    if not isinstance(terms, list) or not all(isinstance(t, str) and t or isinstance(t, list) and t and all(
+            isinstance(a, str) and a for a in t) for t in terms):
+        return "'terms' must be a list of non-empty strings or lists of them (alternatives)"
+    return None
+
+
+def jsonl_line(s: Settings, i: int, translations: list[dict], problems: list[str] = ()) -> str:
+    """One output line of --jsonl: {"id" (if given), "translations": [{"text", "score", "constraints_met"}],
+    "problems": [...] (if any)}."""
+    obj = {"id": s.line_ids[i]} if s.line_ids is not None and s.line_ids[i] is not None else {}
+    obj["translations"] = translations
+    if problems:
+        obj["problems"] = list(problems)
+    return json.dumps(obj, ensure_ascii=False)
 
 
 def generation_overrides(args) -> dict:
@@ -161,6 +221,7 @@ def journal_settings(s: Settings, generation) -> dict:
             **({"target_prefix": s.prefix_sha256} if s.prefix_sha256 is not None else {}),
             **({"glossary": s.glossary_sha256} if s.glossary_sha256 is not None else {}),
             **({"keep_markup": list(s.markup_patterns)} if s.keep_markup else {}),
+            **({"jsonl": True} if s.jsonl else {}),
             **({"alternatives": s.alternatives} if s.alternatives else {})}
 
 
@@ -323,15 +384,17 @@ def truncated(tok, text: str, src: list[int], n: int) -> str:
     return cut
 
 
-def prepare(s: Settings, engine, lines: list[bytes], first: int = 0, report=report_line):
+def prepare(s: Settings, engine, lines: list[bytes], first: int = 0, report=report_line, known_bad=None):
     """Validate every line first: returns (items to translate [(index, ids)], fixed outputs {index: lines},
     number of bad lines); bad lines are reported, report(line number, why), and handled by --on_error;
     truncated lines are reported the same way (and translated). `first` is the input line index of lines[0]
-    (a shard of a larger input)."""
+    (a shard of a larger input). known_bad: {index: why} of lines found bad before (--jsonl)."""
     tok, ctx = engine.tokenizer, engine.target.cfg.context_length
     items, fixed, bad = [], {}, 0
     for i, b in enumerate(lines):
         try:
+            if known_bad and i in known_bad:
+                raise LineError(known_bad[i])
             text = b.decode("utf-8")
             if not text.strip():
                 fixed[i] = [""] * s.n_best
@@ -395,23 +458,34 @@ def translate(s: Settings, engine, todo, on_line, progress, first: int = 0, repo
                                     max_batch_tokens=s.batch_size if by_tokens else None,
                                     target_prefix=prefixes, constraints=constraints, **s.generation)
 
+    said: dict[int, list[str]] = {}
+
+    def say(i, why):            # a line's problem: on stderr, and in its --jsonl output
+        said.setdefault(i, []).append(why)
+        report(first + i + 1, why)
+
     def done(items, k, res):
         i = items[k][0]
         room = ctx - len(items[k][1])
         if engine.encoder is None and room < limit and any(len(h.tokens) >= room for h in res.hypotheses):
-            report(first + i + 1, f"the translation reached the model's context ({ctx} tokens) after "
-                                  f"{room} tokens and may be cut; shorten the line or pass a smaller "
-                                  f"--max_input_length")
+            say(i, f"the translation reached the model's context ({ctx} tokens) after {room} tokens and may be "
+                   f"cut; shorten the line or pass a smaller --max_input_length")
         short = [str(n + 1) for n, h in enumerate(res.hypotheses) if h.constraints_met is False]
         if short:                                   # the best met them all, these n-best did not
-            report(first + i + 1, f"n-best hypotheses {', '.join(short)} do not hold every glossary term and span "
-                                  f"(the length limit came first)")
+            say(i, f"n-best hypotheses {', '.join(short)} do not hold every glossary term and span (the length "
+                   f"limit came first)")
         if spans and spans[i] and res.hypotheses[0].constraints_met is not False:
             problems = survives(spans[i], res.hypotheses[0].text, s.markup_patterns)
             if problems:
-                report(first + i + 1, "markup not kept: " + "; ".join(problems))
-        hyps = [f"{h.score:.4f} ||| {h.text}" if s.with_score else h.text for h in res.hypotheses]
-        on_line(i, [one_line(h) for h in hyps])
+                say(i, "markup not kept: " + "; ".join(problems))
+        if s.jsonl:
+            on_line(i, [jsonl_line(s, first + i, [
+                {"text": h.text, "score": round(h.score, 6),
+                 **({"constraints_met": h.constraints_met} if h.constraints_met is not None else {})}
+                for h in res.hypotheses], said.get(i, []))])
+        else:
+            hyps = [f"{h.score:.4f} ||| {h.text}" if s.with_score else h.text for h in res.hypotheses]
+            on_line(i, [one_line(h) for h in hyps])
         total.add(res.stats)
         progress.update(1)
         progress.set_postfix_str(f"{total.generated_tokens} tok", refresh=False)
@@ -421,10 +495,10 @@ def translate(s: Settings, engine, todo, on_line, progress, first: int = 0, repo
     for k, res in run(todo, prefix, [terms[i] for i, _ in todo] if terms else None):
         if res.hypotheses[0].constraints_met is False:
             i = todo[k][0]
-            what = [c["text"] if isinstance(c, dict) else c[0] for c in terms[i] if not isinstance(c, dict) or
-                    "text" in c]
-            report(first + i + 1, f"{' / '.join(map(repr, what))} did not all fit in --max_decoding_length "
-                                  f"{limit}: translated without the glossary and markup constraints")
+            what = [c["text"] if isinstance(c, dict) else c if isinstance(c, str) else c[0] for c in terms[i]
+                    if not isinstance(c, dict) or "text" in c]
+            say(i, f"{' / '.join(map(repr, what))} did not all fit in --max_decoding_length {limit}: translated "
+                   f"without the glossary and markup constraints")
             total.add(res.stats)
             retry.append(k)
             continue
