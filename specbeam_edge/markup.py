@@ -10,6 +10,7 @@ expressions) add kinds of one's own.
 """
 from __future__ import annotations
 
+import functools
 import re
 from collections import Counter
 
@@ -28,15 +29,17 @@ PATTERNS: dict[str, str] = {
 }
 
 
-def _compile(extra=()) -> re.Pattern:
+@functools.lru_cache(maxsize=32)
+def _compile(extra: tuple[str, ...] = ()) -> re.Pattern:
     kinds = list(PATTERNS.values()) + list(extra)
     return re.compile("|".join(f"(?:{p})" for p in kinds))
 
 
 def find_spans(text: str, extra=()) -> list[str]:
     """The spans of `text` to copy verbatim, in order (non-overlapping, leftmost first; at one position the
-    first kind of PATTERNS that matches, then the extra patterns)."""
-    return [m.group(0) for m in _compile(extra).finditer(text) if m.group(0)]
+    first kind of PATTERNS that matches, then the extra patterns). Called for every candidate of a constrained
+    step (the no-other-spans rule): the joined pattern is compiled once per set of extra patterns."""
+    return [m.group(0) for m in _compile(tuple(extra)).finditer(text) if m.group(0)]
 
 
 def _tag_name(span: str) -> tuple[str, bool] | None:
