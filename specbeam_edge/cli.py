@@ -112,6 +112,10 @@ def cmd_generate(args) -> int:
     engine = open_engine(args, spec)
     # --raw: the text is the model's input as written, special tokens included (the engine parses them only then)
     raw = {"raw": True} if args.raw else {}
+    if args.constraint:
+        if any(not alt for c in args.constraint for alt in c.split("|")):
+            raise ValueError("--constraint: empty text (alternatives are separated by '|', e.g. 'Haus|Gebäude')")
+        raw["constraints"] = [tuple(c.split("|")) for c in args.constraint]
     for prompt in prompts:
         text = prompt if args.raw else model_prompt(engine.tokenizer, prompt)
         if args.stream:
@@ -202,6 +206,9 @@ def main(argv=None) -> int:
                         "template as one user message, else tokenizer_config.json's prompt_format)")
     g.add_argument("--format", action="store_true", help=argparse.SUPPRESS)   # the default now; kept for old scripts
     g.add_argument("--stream", action="store_true", help="print text as soon as it is final")
+    g.add_argument("--constraint", action="append", default=None, metavar="TEXT",
+                   help="text the output must contain (constrained beam search, --num_beams 2 or more); alternatives "
+                        "separated by '|'; may be repeated")
     add_search_args(g)
     c = sub.add_parser("chat", help="terminal chat that streams the answer", formatter_class=DefaultsHelp)
     c.add_argument("--model", default=None, help=MODEL_HELP)

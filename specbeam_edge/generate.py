@@ -469,21 +469,22 @@ class Engine:
 
     def stream(self, prompt: str | list[int], generation: GenerationConfig | None = None,
                speculative: SpeculativeConfig | None = None, *, src_lang: str | None = None,
-               tgt_lang: str | None = None, raw: bool = False, target_prefix=None,
+               tgt_lang: str | None = None, raw: bool = False, target_prefix=None, constraints=None,
                **overrides) -> Iterator[StreamChunk]:
         """Yield text as soon as it is final (the prefix shared by all live and finished beams), one chunk per
         target pass; the last chunk carries the Result. A chunk's text is empty when that pass made nothing new
         final (with beams > 1 the beams often still disagree): such chunks are kept on purpose, as the live
         progress of a search (their stats count passes and tokens) and the points where a caller can stop it;
         skip them with `if chunk.text`. src_lang/tgt_lang: NLLB/M2M100 language codes (see generate_iter); raw:
-        see encode; target_prefix: see generate (the first chunk with text starts with the prefix's)."""
+        see encode; target_prefix: see generate (the first chunk with text starts with the prefix's); constraints:
+        this prompt's (see generate_iter)."""
         gen = self.generation_config(generation, **overrides)
         forced = self._prefix_ids(target_prefix)
         lead = self._lead(forced, self._forced_bos(tgt_lang))
         shown, n_stable = "", 0
         bs = stats = None
         for bs, stats in self.generate_passes(prompt, gen, speculative, src_lang=src_lang, tgt_lang=tgt_lang,
-                                            raw=raw, target_prefix=forced):
+                                            raw=raw, target_prefix=forced, constraints=constraints):
             prefix, delta = lead + bs.stable_prefix(), ""
             if len(prefix) > n_stable:        # decode only when more tokens became final
                 n_stable = len(prefix)

@@ -110,3 +110,22 @@ def test_glossary_bench_reports_terms_and_exactness(tmp_path):
     assert rep["lines"] == 2 and rep["arms"]["glossary"]["every_term"] == 1.0
     assert rep["plain_spec_identical"] == rep["glossary_spec_identical"] == 2
     assert (tmp_path / "glossary.png").stat().st_size > 0
+
+
+@pytest.mark.skipif(not (PAIR / "target" / "model.onnx").exists(), reason="the shipped pair is not in this checkout")
+def test_generate_takes_constraints_on_the_command_line(capsys):
+    """`specbeam generate --constraint 'A|B'` (repeatable) is generate(constraints=[("A", "B")]), streamed too."""
+    from specbeam_edge import Engine
+    from specbeam_edge.cli import main as cli_main
+
+    args = ["generate", "Open the file.", "--model", str(PAIR / "target"), "--no_draft", "--num_beams", "4",
+            "--constraint", "Dokument|Dokuments"]
+    eng = Engine(PAIR / "target")
+    [want] = eng.generate("Open the file.", num_beams=4, constraints=[("Dokument", "Dokuments")])
+    [plain] = eng.generate("Open the file.", num_beams=4)
+    assert "Dokument" in want.text and "Dokument" not in plain.text
+    for extra in ([], ["--stream"]):
+        assert cli_main(args + extra) == 0
+        assert capsys.readouterr().out.strip() == want.text
+    assert cli_main(args + ["--constraint", "a||b"]) == 2
+    assert "--constraint: empty text" in capsys.readouterr().err
