@@ -6,9 +6,10 @@ cost, and that speculative constrained search gives plain constrained search's o
 Held-out lines (models/ende/test_sample.en) that contain a term of bench/data/glossary_ende.tsv (57 help-domain
 terms, LibreOffice's German), one request at a time, K beams. Four arms, alternated line by line (the order
 rotates): plain beam search, constrained (the terms of the line), and each with the shipped draft (adaptive
-speculation, the default; --forced: a tree every pass). Reports per arm the share of lines whose every term appears (one of its target
-forms, in the output text), BLEU/chrF against the reference, tokens/s, and the ratio of constrained to
-unconstrained time; the speculative arms' outputs are compared with their plain arms'. JSON and a plot.
+speculation, the default; --forced: a tree every pass). Reports per arm the share of lines whose every term
+appears (one of its target forms, in the output text), BLEU/chrF against the reference, tokens/s, and the ratio
+of constrained to unconstrained time; the speculative arms' outputs are compared with their plain arms'. JSON and
+a plot.
 """
 from __future__ import annotations
 
@@ -66,7 +67,8 @@ def run(lines: int, beams: int, max_new: int, forced: bool = False) -> dict:
         report["arms"][a] = {"every_term": round(hit / len(rows), 3), **common.text_scores(o, refs)}
     arms = report["arms"]
     report["glossary_over_plain_speed"] = round(arms["plain"]["seconds"] / arms["glossary"]["seconds"], 3)
-    report["glossary_spec_over_glossary_speed"] = round(arms["glossary"]["seconds"] / arms["glossary_spec"]["seconds"], 3)
+    report["glossary_spec_over_glossary_speed"] = round(arms["glossary"]["seconds"] /
+                                                        arms["glossary_spec"]["seconds"], 3)
     report["glossary_spec_over_plain_speed"] = round(arms["plain"]["seconds"] / arms["glossary_spec"]["seconds"], 3)
     for a in ("plain", "glossary"):
         report[f"{a}_spec_identical"] = sum(x == y for x, y in zip(out[a]["tokens"], out[a + "_spec"]["tokens"]))

@@ -267,9 +267,9 @@ class ConstrainedBeamSearch(BeamSearch):
     def _finish(self, nodes: list[int], scores: np.ndarray, met: list[bool]) -> None:
         """Add stopped hypotheses (normalised by generated length ** length_penalty) to the K best finished:
         those that met every constraint by score, then the others (they stop only at the length limit: the search
-        returns num_return_sequences hypotheses, those flagged constraints_met=False last); none once the search cannot improve (as
-        transformers: every slot holds a hypothesis that met all, and early_stopping=True or no beam can beat
-        the worst)."""
+        returns num_return_sequences hypotheses, those flagged constraints_met=False last); none once the search
+        cannot improve (as transformers: every slot holds a hypothesis that met all, and early_stopping=True or no
+        beam can beat the worst)."""
         full = bool((self.fin_done & self.fin_met).all())
         if not nodes or (full and self.early is True) or not self.improvable:
             return

@@ -459,7 +459,8 @@ class Engine:
         ids = self.encode(prompt, src_lang, raw)
         prefix = self._prefix_ids(target_prefix)
         job = Job(0, len(ids), self._new_search(ids, gen, speculative, drafter, self._statics([ids], 1)[0],
-                                                forced_bos, prefix, lexical.parse(constraints, self._prefix_ids, self._decode)))
+                                                forced_bos, prefix,
+                                                lexical.parse(constraints, self._prefix_ids, self._decode)))
         for _, progress, finished in Scheduler(self.target, max_batch_size=1).run([job]):
             if not finished:
                 yield progress.state, progress.stats

@@ -77,7 +77,8 @@ def test_bad_uses_are_one_line_errors(pair, files, tmp_path, capsys):
     inp, gloss = files
     for extra, msg in ((["--glossary", str(tmp_path / "none.tsv")], "cannot read --glossary"),
                        (["--glossary", str(gloss), "--beam_size", "1"], "--glossary needs beam search"),
-                       (["--glossary", str(gloss), "--alternatives", "3"], "--glossary and --keep_markup are for translations")):
+                       (["--glossary", str(gloss), "--alternatives", "3"],
+                        "--glossary and --keep_markup are for translations")):
         capsys.readouterr()
         try:
             code = main(translate_args(pair, inp, None, *extra))
