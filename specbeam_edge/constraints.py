@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .beam import NEG, BeamRows, BeamSearch, _top
+from .markup import find_spans
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class Constraints:
     decode(token ids) -> text is needed."""
 
     def __init__(self, constraints: list[list[list[int]]], need=None, exact=None, after=None, text=None,
-                 decode=None, encode=None, allocation: str | None = None, forbid=None):
+                 decode=None, encode=None, forbid=None):
         self.phrases = [[tuple(int(t) for t in alt) for alt in c] for c in constraints]
         if (not self.phrases and forbid is None) or any(not c or any(not alt for alt in c) for c in self.phrases):
             raise ValueError("a constraint needs at least one non-empty phrase")
@@ -58,7 +59,7 @@ class Constraints:
         # how the beam is shared: "banks" (dynamic beam allocation) when a constraint is a term the model may not
         # write unasked; "reserve" (one place for the most advanced candidate, the rest as plain beam search)
         # when all are copied spans, which the model mostly writes anyway (measured: DESIGN)
-        self.allocation = allocation or ("reserve" if len(self.on_text) == n else "banks")
+        self.allocation = "reserve" if len(self.on_text) == n else "banks"
         self.all_met = (1 << n) - 1
         # a constraint's weight in the banks: its shortest alternative's length (the tokens it takes at least)
         self.units = [min(len(alt) for alt in c) for c in self.phrases]
@@ -157,8 +158,9 @@ class ConstrainedBeamSearch(BeamSearch):
     single best token. EOS is banned on a beam until it has met every constraint (at the length limit a
     hypothesis finishes whatever it met, ranked after every one that met all). The next K beams are taken from
     the banks in turn (most constraint tokens first, each bank's best first), so hypotheses that made progress on
-    the constraints keep places in the beam although their score is lower. A candidate that stops finishes when
-    it ranks among the K best candidates by score and has met every constraint, as transformers' finishing rule."""
+    the constraints keep places in the beam although their score is lower (`allocation` "reserve": only the most
+    advanced candidate goes first, then plain beam search's order). A candidate that stops finishes when it ranks
+    among the first K of that order and has met every constraint (transformers' finishing rule, ranked so)."""
 
     def __init__(self, *args, constraints: Constraints, min_finished: int = 1, **kw):
         super().__init__(*args, **kw)
@@ -169,9 +171,6 @@ class ConstrainedBeamSearch(BeamSearch):
         self.constraints = constraints
         self.states = {self.running[0]: constraints.start}
         self.fin_met = np.zeros(self.num_beams, bool)
-
-    def state_of(self, node: int) -> State:
-        return self.states[node]
 
     def proposals(self) -> list[int]:
         """Below each running beam, the rest of every phrase in progress and every unmet constraint's phrases, as
@@ -186,13 +185,15 @@ class ConstrainedBeamSearch(BeamSearch):
             for rest in rests:
                 node = n
                 for t in rest[:room]:
-                    node = self._add(node, t, C.advance(self.states[node], t))
+                    node = self._add(node, t)
                     out.append(node)
         return list(dict.fromkeys(out))
 
-    def _add(self, node: int, tok: int, state: State) -> int:
+    def _add(self, node: int, tok: int, state: State | None = None) -> int:
+        """The tree's child of node for tok, with its constraint state (given, or computed once)."""
         child = self.tree.add(node, tok)
-        self.states.setdefault(child, state)
+        if child not in self.states:
+            self.states[child] = state if state is not None else self.constraints.advance(self.states[node], tok)
         return child
 
     def step(self, rows: BeamRows | np.ndarray) -> list[int]:
@@ -248,6 +249,7 @@ class ConstrainedBeamSearch(BeamSearch):
             if self.scores[b] > NEG / 2 and self.running[b] not in self.running[:b]:    # live, not a duplicate
                 extra += [b * V + t for t in C.next_tokens(states[b])] + [b * V + int(np.argmax(total[b]))]
         finite, M = int(np.isfinite(flat).sum()), self.n_candidates
+        states_of: dict[int, State] = {}        # per candidate, across widenings of the list
         while True:
             cands = np.array(list(dict.fromkeys([int(i) for i in _top(flat, M)] + extra)), np.int64)
             vals = flat[cands]
@@ -255,7 +257,8 @@ class ConstrainedBeamSearch(BeamSearch):
             cands, vals = cands[keep], vals[keep]
             order = np.lexsort((cands, -vals))                   # by value, then flat index (as _top)
             cands, vals = cands[order], vals[order]
-            kid = [C.advance(states[c // V], c % V) for c in cands.tolist()]
+            kid = [states_of[c] if c in states_of else states_of.setdefault(c, C.advance(states[c // V], c % V))
+                   for c in cands.tolist()]
             ok = [not C.violates(k) for k in kid]
             going = sum(o and (c % V) not in self.eos for o, c in zip(ok, cands.tolist()))
             if at_limit or going >= K or M >= finite:
@@ -292,10 +295,10 @@ class ConstrainedBeamSearch(BeamSearch):
             L = self.max_length - self.prompt_len
         else:
             L = self.cur_len - self.prompt_len
-        full = bool((self.fin_done & self.fin_met).all())
+        met = self.fin_done & self.fin_met
+        full = bool(met.all())
         best = self.scores.max() / np.float32(L ** self.length_penalty)
         self.improvable = self.improvable and not (full and best <= self.fin_scores.min())
-        met = self.fin_done & self.fin_met
         if met.sum() >= self.min_finished:    # enough hypotheses that met all, and none running does better
             self.improvable = self.improvable and not (best <= self.fin_scores[met].max())
         self.done = all_stopped or not self.improvable or (full and self.early is True) \
@@ -368,8 +371,6 @@ def parse(constraints, phrase, decode=None) -> Constraints | None:
 def _forbid_other_spans(item: dict, i: int, constraints: list):
     """{"no_other_spans": [extra patterns]}: the output may hold no span (markup.find_spans with those patterns)
     that is not one of the request's text constraints (a model that translates `<file>` into `<Datei>` beside it)."""
-    from .markup import find_spans
-
     extra = item["no_other_spans"]
     if set(item) != {"no_other_spans"} or not isinstance(extra, (list, tuple)) or \
             not all(isinstance(x, str) for x in extra):

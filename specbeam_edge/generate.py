@@ -15,9 +15,9 @@ from typing import Iterator
 import numpy as np
 
 from . import invariance
+from . import constraints as lexical
 from .adaptive import ChoosersByLoad, PassChooser, auto_budget, cost_curve
 from .cache import TreeCache
-from . import constraints as lexical
 from .config import GenerationConfig, ModelFolderError, SpeculativeConfig
 from .contract import probe_source
 from .draft import custom_drafter, make_drafter
@@ -278,40 +278,22 @@ class Engine:
                                  f"(0-{vocab - 1})")
         return [int(t) for t in items]
 
-    def _prefixes(self, target_prefix, n: int) -> list[list[int]]:
-        """generate_iter's target_prefix (None, or one prefix per prompt) -> token ids per prompt."""
-        if target_prefix is None:
-            return [[] for _ in range(n)]
-        if isinstance(target_prefix, (str, bytes, bytearray, dict)) or not hasattr(target_prefix, "__len__"):
-            raise TypeError(f"target_prefix must be a list with one prefix (a string, token ids or None) per "
-                            f"prompt, got {type(target_prefix).__name__}")
-        if len(target_prefix) != n:
-            raise ValueError(f"target_prefix has {len(target_prefix)} entries for {n} prompts (one per prompt; "
-                             f"None or '' for none)")
-        out = []
-        for i, p in enumerate(target_prefix):
-            try:
-                out.append(self._prefix_ids(p))
-            except (TypeError, ValueError) as e:
-                if n == 1:
-                    raise
-                raise type(e)(f"prompt {i}: {e}") from None
-        return out
-
     @property
     def _decode(self):
         """Token ids -> output text (text constraints match on it); None without a tokenizer."""
         return self.tokenizer.decode if self.tokenizer is not None else None
 
     @staticmethod
-    def _per_prompt(values, n: int, name: str, convert) -> list:
-        """One value per prompt (None: None for each), converted; an error names the prompt."""
+    def _per_prompt(values, n: int, name: str, entry: str, convert) -> list:
+        """generate_iter's per-prompt arguments (target_prefix, constraints): None (convert(None) for every
+        prompt) or one entry per prompt, each converted; an error names the prompt. entry: what an entry is,
+        for the messages."""
         if values is None:
-            return [None] * n
-        if isinstance(values, (str, bytes, bytearray, dict)) or not hasattr(values, "__len__"):
-            raise TypeError(f"{name} must be a list with one entry per prompt, got {type(values).__name__}")
+            values = [None] * n
+        elif isinstance(values, (str, bytes, bytearray, dict)) or not hasattr(values, "__len__"):
+            raise TypeError(f"{name} must be a list with one {entry} per prompt, got {type(values).__name__}")
         if len(values) != n:
-            raise ValueError(f"{name} has {len(values)} entries for {n} prompts (one per prompt; None for none)")
+            raise ValueError(f"{name} has {len(values)} entries for {n} prompts (one {entry} per prompt)")
         out = []
         for i, v in enumerate(values):
             try:
@@ -465,7 +447,6 @@ class Engine:
             if not finished:
                 yield progress.state, progress.stats
 
-
     generate_step = generate_passes     # its name before it said what it yields: one item per target pass
 
     def stream(self, prompt: str | list[int], generation: GenerationConfig | None = None,
@@ -569,8 +550,9 @@ class Engine:
                 if len(prompts) == 1:
                     raise
                 raise type(e)(f"prompt {i}: {e}") from None
-        prefixes = self._prefixes(target_prefix, len(prompts))
-        lexicon = self._per_prompt(constraints, len(prompts), "constraints",
+        prefixes = self._per_prompt(target_prefix, len(prompts), "target_prefix",
+                                    "prefix (a string, token ids, None or '')", self._prefix_ids)
+        lexicon = self._per_prompt(constraints, len(prompts), "constraints", "list of constraints (or None)",
                                    lambda c: lexical.parse(c, self._prefix_ids, self._decode))
         statics = self._statics(sources, max_batch_size)
         jobs = [Job(i, len(ids), self._new_search(ids, gen, speculative, drafter, statics[i], forced_bos,

@@ -57,15 +57,16 @@ def markup_constraints(spans: list[str], extra=()) -> list[dict]:
     `extra`) in the output: a model that learned to translate metavariables writes `<Datei>` for `<file>`."""
     counts = Counter(spans)
     order = list(counts)
+    tags = [_tag_name(span) for span in order]
+    opening = {}                                  # tag name -> index of its first opening tag
+    for j, tag in enumerate(tags):
+        if tag and not tag[1]:
+            opening.setdefault(tag[0], j)
     out = []
-    for span in order:
+    for span, tag in zip(order, tags):
         spec = {"text": span, "count": counts[span], "exact": True}
-        tag = _tag_name(span)
-        if tag and tag[1]:
-            opening = next((o for o in order if (_tag_name(o) or (None,))[0] == tag[0] and not _tag_name(o)[1]),
-                           None)
-            if opening is not None:
-                spec["after"] = order.index(opening)
+        if tag and tag[1] and tag[0] in opening:
+            spec["after"] = opening[tag[0]]
         out.append(spec)
     return out + [{"no_other_spans": list(extra)}]
 
@@ -74,12 +75,13 @@ def survives(source_spans: list[str], output: str, extra=()) -> list[str]:
     """What is wrong with the output's copy of the source's spans (empty: every span appears as often as in the
     source, no other span appears, and each closing tag comes after an opening tag of its name): one message per
     problem."""
-    got = Counter(find_spans(output, extra))
+    found = find_spans(output, extra)
+    got = Counter(found)
     want = Counter(source_spans)
     problems = [f"{s!r} {got[s]} time{'s' * (got[s] != 1)} instead of {n}" for s, n in want.items() if got[s] != n]
     problems += [f"{s!r} is not in the source" for s in got if s not in want]
     depth: Counter = Counter()
-    for s in find_spans(output, extra):
+    for s in found:
         tag = _tag_name(s)
         if tag and s in want:
             depth[tag[0]] += -1 if tag[1] else 1

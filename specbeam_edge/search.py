@@ -130,7 +130,9 @@ class ExactSearch:
     def _grow(self, budget: int):
         stats, td, d0 = self.stats, time.perf_counter(), self.draft.passes
         drafted = yield from self.grow(self.draft, self.bs.running, list(self.bs.scores), budget)
-        drafted = list(dict.fromkeys(drafted + self.bs.proposals()))      # constraint phrases, if any
+        own = self.bs.proposals()                  # constraint phrases (none for plain beam search)
+        if own:
+            drafted = list(dict.fromkeys(drafted + own))
         stats.draft_passes += self.draft.passes - d0
         stats.draft_tokens_proposed += len(drafted)
         stats.draft_seconds += time.perf_counter() - td
