@@ -21,3 +21,18 @@ def test_export_sizes_default_out_is_ignored_too():
     from bench.export_sizes import parser
 
     assert Path(parser().parse_args([]).out) == ROOT / "bench" / "out" / "results"
+
+
+def test_beam_work_shares_add_up_and_leave_the_methods_as_they_were(tmp_path):
+    """bench.beam_work times parts that nest (the replay holds the rows' extraction and the step, the step holds
+    the ranking) and restores the methods it wraps."""
+    import json
+
+    from bench import beam_work
+    from specbeam_edge import beam, search
+
+    before = search.ExactSearch._replay, beam.BeamSearch.step
+    assert beam_work.main(["--lines", "4", "--batches", "1,4", "--max_new_tokens", "8", "--out", str(tmp_path)]) == 0
+    assert (search.ExactSearch._replay, beam.BeamSearch.step) == before
+    for row in json.loads((tmp_path / "beam_work.json").read_text())["rows"]:
+        assert 0 < row["ranking_s"] <= row["step_s"] and row["rows_s"] + row["step_s"] <= row["replay_s"] <= row["wall_s"]
