@@ -35,4 +35,6 @@ def test_beam_work_shares_add_up_and_leave_the_methods_as_they_were(tmp_path):
     assert beam_work.main(["--lines", "4", "--batches", "1,4", "--max_new_tokens", "8", "--out", str(tmp_path)]) == 0
     assert (search.ExactSearch._replay, beam.BeamSearch.step) == before
     for row in json.loads((tmp_path / "beam_work.json").read_text())["rows"]:
-        assert 0 < row["ranking_s"] <= row["step_s"] and row["rows_s"] + row["step_s"] <= row["replay_s"] <= row["wall_s"]
+        slack = 2e-3                                                 # the JSON rounds to milliseconds
+        assert 0 < row["ranking_s"] <= row["step_s"] + slack
+        assert row["rows_s"] + row["step_s"] <= row["replay_s"] + slack and row["replay_s"] <= row["wall_s"]
