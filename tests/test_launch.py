@@ -88,7 +88,8 @@ def test_the_chat_app_ends_on_a_signal_at_any_moment_of_its_start(tmp_path):
 
 def test_a_signal_inside_a_finalizer_is_sent_again_not_lost(monkeypatch):
     """A KeyboardInterrupt raised inside __del__ (tqdm's, as a bar was collected) was printed as 'Exception
-    ignored' with a traceback and dropped: the run went on. The tool's handler sends the signal again instead."""
+    ignored' with a traceback and dropped: the run went on. The launcher's delivery (every command's SIGINT, and
+    the translate tool's handler) sends the signal again instead."""
     import signal
 
     from apps.translate import journal
@@ -101,7 +102,7 @@ def test_a_signal_inside_a_finalizer_is_sent_again_not_lost(monkeypatch):
 
         def start(self):
             pass
-    monkeypatch.setattr(journal.threading, "Timer", FakeTimer)
+    monkeypatch.setattr(launch.threading, "Timer", FakeTimer)
 
     class Collected:
         def __del__(self):
@@ -112,3 +113,31 @@ def test_a_signal_inside_a_finalizer_is_sent_again_not_lost(monkeypatch):
         journal.raise_terminated(signal.SIGINT, sys._getframe())
     with pytest.raises(journal.Terminated):
         journal.raise_terminated(signal.SIGTERM, sys._getframe())
+
+
+def test_the_launcher_delivers_sigint_while_a_command_runs_and_restores_the_handler(capsys, monkeypatch):
+    """Every command runs with the launcher's SIGINT delivery (the finalizer-safe one), and the caller's handler
+    comes back afterwards (an in-process caller such as a test keeps its own)."""
+    import signal
+
+    seen = []
+    real = launch.importlib.import_module
+
+    def spy(name):
+        module = real(name)
+        if name.endswith("translate.__main__"):
+            main = module.main
+
+            class Wrapped:                      # the command's main, seeing the handler it runs under
+                def main(self, argv):
+                    seen.append(signal.getsignal(signal.SIGINT))
+                    return main(argv)
+            return Wrapped()
+        return module
+    before = signal.getsignal(signal.SIGINT)
+    monkeypatch.setattr(launch.importlib, "import_module", spy)
+    with pytest.raises(SystemExit):
+        launch.translate(["--help"])
+    monkeypatch.undo()
+    assert seen == [launch._interrupt] and signal.getsignal(signal.SIGINT) is before
+    capsys.readouterr()

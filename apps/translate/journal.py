@@ -21,10 +21,11 @@ import os
 import signal
 import stat
 import tempfile
-import threading
 import time
 import zlib
 from pathlib import Path
+
+from ..launch import deliver
 
 VERSION = 1
 
@@ -39,16 +40,8 @@ class Terminated(BaseException):
 
 def raise_terminated(signum, frame):
     """The tool's SIGTERM and SIGINT handler (the local run and the Ray driver install it): Terminated or
-    KeyboardInterrupt. Raised inside a finalizer (`__del__`, e.g. tqdm's, as a bar is collected), an exception is
-    printed as 'Exception ignored' and dropped, and the run went on; there the signal is sent again 20 ms later
-    instead, so that it lands outside (measured: a real SIGINT 0.5 s into a run hit tqdm.__del__ now and then)."""
-    f = frame
-    while f is not None:
-        if f.f_code.co_name == "__del__":
-            threading.Timer(0.02, os.kill, (os.getpid(), signum)).start()
-            return
-        f = f.f_back
-    raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated()
+    KeyboardInterrupt, delivered as the launcher delivers every command's signals (never lost in a finalizer)."""
+    deliver(signum, frame, KeyboardInterrupt() if signum == signal.SIGINT else Terminated())
 
 
 def _line(obj) -> bytes:
