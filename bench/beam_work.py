@@ -1,11 +1,13 @@
-"""How much of a batched run is per-request beam work (issue 35 part 4: would one array step over all requests of
-a pass pay?): timers around the search's replay, the rows' extraction from the pass output, the beam step and
-its candidate ranking, for plain beam search on the shipped pair at several batch sizes.
+"""Beam steps over a batched pass (issue 35 part 4): the requests' beam steps taken together, as one array
+computation per pass (beam.step_many, the default), against each search stepping alone, side by side; and how
+much of the run per-request beam work still is (the rows' extraction from the pass output, the steps, their
+candidate ranking), for plain beam search on the shipped pair at several batch sizes.
 
-    python -m bench.beam_work [--lines 48] [--beams 4] [--batches 1,16,48]
+    python -m bench.beam_work [--lines 48] [--beams 4] [--batches 1,16,48] [--repeats 3]
 
-Prints per batch size the wall time, each part's seconds and share of the wall, and microseconds per request and
-beam step; writes JSON. Shares, not speeds: still, run it with nothing else on the machine.
+Arms alternate within every repetition (the machine is shared); medians of the repetitions. Prints per batch size
+each arm's wall time, the ratio, each part's share of the wall in the default arm and microseconds per request
+and beam step; checks that both arms give the same tokens and scores; writes JSON and a plot.
 """
 from __future__ import annotations
 
@@ -23,46 +25,96 @@ from specbeam_edge import Engine  # noqa: E402
 from specbeam_edge import beam, search  # noqa: E402
 from specbeam_edge.shipped import shipped  # noqa: E402
 
-PARTS = {"replay": (search.ExactSearch, "_replay"), "rows": (search.ExactSearch, "_beam_logprobs"),
-         "step": (beam.BeamSearch, "step"), "ranking": (beam.BeamRows, "top")}
+PARTS = {"rows": (search.ExactSearch, "_beam_logprobs"), "step": (beam, "step_many"),
+         "ranking": (beam.BeamRows, "top")}
+
+
+def _one_by_one(states, rows):
+    """The other arm: every search takes its own step (what the scheduler did before step_many)."""
+    for bs, r in zip(states, rows):
+        bs.step(r)
+
+
+@contextlib.contextmanager
+def patched(owner, name, value):
+    saved = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)
 
 
 @contextlib.contextmanager
 def timed(acc: dict):
-    """While inside: each part's method adds its seconds to acc[part] (the methods are restored after)."""
-    saved = {part: getattr(cls, name) for part, (cls, name) in PARTS.items()}
-    for part, (cls, name) in PARTS.items():
-        def wrapper(*a, _real=saved[part], _part=part, **kw):
-            t = time.perf_counter()
-            try:
-                return _real(*a, **kw)
-            finally:
-                acc[_part] += time.perf_counter() - t
-        setattr(cls, name, wrapper)
-    try:
+    """While inside: each part's function adds its seconds to acc[part] (the functions are restored after)."""
+    with contextlib.ExitStack() as stack:
+        for part, (owner, name) in PARTS.items():
+            def wrapper(*a, _real=getattr(owner, name), _part=part, **kw):
+                t = time.perf_counter()
+                try:
+                    return _real(*a, **kw)
+                finally:
+                    acc[_part] += time.perf_counter() - t
+            stack.enter_context(patched(owner, name, wrapper))
         yield acc
-    finally:
-        for part, (cls, name) in PARTS.items():
-            setattr(cls, name, saved[part])
 
 
-def run(lines: int, beams: int, batches: list[int], max_new: int) -> dict:
+def _run(eng, prompts, beams, max_new, size, arm):
+    with contextlib.ExitStack() as stack:
+        if arm == "alone":
+            stack.enter_context(patched(beam, "step_many", _one_by_one))
+        acc = stack.enter_context(timed(dict.fromkeys(PARTS, 0.0)))
+        t0 = time.perf_counter()
+        res = eng.generate(prompts, num_beams=beams, max_new_tokens=max_new, max_batch_size=size)
+        wall = time.perf_counter() - t0
+    out = [[(h.tokens, h.score) for h in r.hypotheses] for r in res]
+    return wall, acc, sum(r.stats.beam_steps for r in res), out
+
+
+def run(lines: int, beams: int, batches: list[int], max_new: int, repeats: int) -> dict:
     src = (ROOT / "models" / "ende" / "test_sample.en").read_text(encoding="utf-8").splitlines()[:lines]
     eng = Engine(shipped("ende", "target"))
     prompts = [eng.tokenizer.format_prompt(s) for s in src]
     eng.generate(prompts[:4], num_beams=beams, max_new_tokens=16)              # warm-up
-    report = {"machine": common.machine(), "lines": len(src), "beams": beams, "max_new_tokens": max_new, "rows": []}
+    report = {"machine": common.machine(), "lines": len(src), "beams": beams, "max_new_tokens": max_new,
+              "repeats": repeats, "rows": []}
     for size in batches:
-        with timed(dict.fromkeys(PARTS, 0.0)) as acc:
-            t0 = time.perf_counter()
-            res = eng.generate(prompts, num_beams=beams, max_new_tokens=max_new, max_batch_size=size)
-            wall = time.perf_counter() - t0
-        steps = sum(r.stats.beam_steps for r in res)
-        report["rows"].append({"batch": size, "wall_s": round(wall, 3),
-                               **{f"{p}_s": round(v, 3) for p, v in acc.items()},
-                               **{f"{p}_share": round(v / wall, 3) for p, v in acc.items()},
-                               "replay_us_per_request_step": round(acc["replay"] / steps * 1e6, 1)})
+        walls = {"together": [], "alone": []}
+        parts, same = [], True
+        for rep in range(repeats):
+            outs = {}
+            for arm in (("together", "alone") if rep % 2 == 0 else ("alone", "together")):
+                wall, acc, steps, outs[arm] = _run(eng, prompts, beams, max_new, size, arm)
+                walls[arm].append(wall)
+                if arm == "together":
+                    parts.append((wall, acc, steps))
+            same &= outs["together"] == outs["alone"]
+        wall, acc, steps = sorted(parts, key=lambda p: p[0])[len(parts) // 2]
+        together, alone = common.median(walls["together"]), common.median(walls["alone"])
+        report["rows"].append({
+            "batch": size, "together_s": round(together, 3), "alone_s": round(alone, 3),
+            "alone_over_together": round(alone / together, 3), "identical": same,
+            **{f"{p}_share": round(v / wall, 3) for p, v in acc.items()},
+            "beam_us_per_request_step": round((acc["rows"] + acc["step"]) / steps * 1e6, 1)})
     return report
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["rows"]
+    fig, ax = plt.subplots(figsize=(5.5, 3.4))
+    x = range(len(rows))
+    ax.bar([i - 0.2 for i in x], [r["alone_s"] for r in rows], 0.4, label="each search steps alone")
+    ax.bar([i + 0.2 for i in x], [r["together_s"] for r in rows], 0.4, label="steps together (step_many)")
+    ax.set_xticks(list(x), [f"batch {r['batch']}" for r in rows])
+    ax.set_ylabel("seconds (median)")
+    ax.set_title(f"plain K={report['beams']}, {report['lines']} lines x {report['max_new_tokens']} tokens")
+    ax.legend(fontsize=8)
+    common.save_figure(fig, path)
 
 
 def main(argv=None) -> int:
@@ -71,12 +123,15 @@ def main(argv=None) -> int:
     ap.add_argument("--beams", type=int, default=4)
     ap.add_argument("--batches", default="1,16,48")
     ap.add_argument("--max_new_tokens", type=int, default=96)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "results")
     args = ap.parse_args(argv)
-    report = run(args.lines, args.beams, [int(b) for b in args.batches.split(",")], args.max_new_tokens)
+    report = run(args.lines, args.beams, [int(b) for b in args.batches.split(",")], args.max_new_tokens,
+                 args.repeats)
     path = common.write(args.out, "beam_work", report)
-    print(common.table(report["rows"], ["batch", "wall_s", *(f"{p}_share" for p in PARTS),
-                                        "replay_us_per_request_step"]))
+    plot(report, args.out / "beam_work.png")
+    print(common.table(report["rows"], ["batch", "alone_s", "together_s", "alone_over_together", "identical",
+                                        *(f"{p}_share" for p in PARTS), "beam_us_per_request_step"]))
     print(f"wrote {path}")
     return 0
 

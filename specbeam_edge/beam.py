@@ -35,6 +35,12 @@ def _top(values: np.ndarray, k: int) -> np.ndarray:
     return part[np.lexsort((part, -values[part]))][:k]
 
 
+def _order(values: np.ndarray, k: int) -> np.ndarray:
+    """Per row of [R, n], the indices of its k largest values, sorted descending, ties by lower index: what
+    `_top` gives each row (a stable sort of the negated values orders equal values by index)."""
+    return np.argsort(-values, axis=1, kind="stable")[:, :k]
+
+
 def repeated_ngram_ends(seq: list[int], n: int) -> np.ndarray:
     """The tokens that would complete an n-gram already in `seq` (transformers' _get_generated_ngrams over the
     whole sequence, prompt included): the token after each earlier occurrence of seq's last n - 1 tokens."""
@@ -218,14 +224,7 @@ class BeamSearch:
         cand = cand + (~just).astype(np.float32) * NEG
         merged = np.concatenate([self.fin_scores, cand.astype(np.float32)])
         keep = _top(merged, K)
-        cand_nodes = [None] * len(idx)
-        for j in np.flatnonzero(just):
-            cand_nodes[j] = self.tree.add(self.running[beam[j]], tok[j])
-        nodes = self.fin_nodes + cand_nodes
-        done_flags = np.concatenate([self.fin_done, just])
-        self.fin_scores, self.fin_done = merged[keep], done_flags[keep]
-        self.fin_nodes = [nodes[i] if nodes[i] is not None else -1 for i in keep]
-        self.running = [self.tree.add(self.running[beam[j]], tok[j]) for j in nxt]
+        self._advance(beam, tok, just, keep, merged, np.concatenate([self.fin_done, just]), nxt)
         self.scores = run_scores[nxt].astype(np.float32)
         self.cur_len += 1
         # early-stop heuristic (sticky)
@@ -238,6 +237,18 @@ class BeamSearch:
         self.improvable = self.improvable and bool((best > worst).any())
         open_beam = not (bool(self.fin_done.all()) and self.early is True)
         self.done = not (self.improvable and open_beam and not bool(hit.all()))
+        return self.running
+
+    def _advance(self, beam: np.ndarray, tok: np.ndarray, just: np.ndarray, keep: np.ndarray, merged: np.ndarray,
+                 done_flags: np.ndarray, nxt: np.ndarray) -> list[int]:
+        """The tree side of a step (step and step_many): new finished hypotheses, then the next running beams."""
+        cand_nodes = [None] * len(tok)
+        for j in np.flatnonzero(just):
+            cand_nodes[j] = self.tree.add(self.running[beam[j]], tok[j])
+        nodes = self.fin_nodes + cand_nodes
+        self.fin_scores, self.fin_done = merged[keep], done_flags[keep]
+        self.fin_nodes = [nodes[i] if nodes[i] is not None else -1 for i in keep]
+        self.running = [self.tree.add(self.running[beam[j]], tok[j]) for j in nxt]
         return self.running
 
     def proposals(self) -> list[int]:
@@ -279,3 +290,84 @@ class BeamSearch:
             if any(p[i] != t for p in paths[1:]):
                 return paths[0][:i]
         return paths[0][:n]
+
+
+def steppable_together(bs: BeamSearch) -> bool:
+    """Whether `step_many` takes this search's step into its array computation (plain beam search, K > 1);
+    others (greedy, constrained search) take their own step there."""
+    return type(bs) is BeamSearch and bs.num_beams > 1 and not bs.done
+
+
+def step_many(states: list[BeamSearch], rows: list[BeamRows | np.ndarray]) -> None:
+    """One beam step of each of several searches (the requests of one batched pass, docs/DESIGN.md "Beam steps
+    over a batched pass"): the same as `[bs.step(r) for bs, r in zip(states, rows)]`, bit for bit.
+
+    Each search processes its rows and ranks its candidates itself (per-request arrays stay in cache: one
+    log-softmax or ranking over every request's rows at once measured slower), then the bookkeeping over the
+    ranked candidates (what stopped, the next beams, the finished hypotheses, the early-stop rule), about twenty
+    small array operations a step, runs once over an [R, candidates] array for all searches with the same
+    num_beams and n_candidates; only the tree's new nodes are added per search."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, bs in enumerate(states):
+        if steppable_together(bs):
+            groups.setdefault((bs.num_beams, bs.n_candidates), []).append(i)
+        else:
+            bs.step(rows[i])
+    for (K, M), members in groups.items():
+        if len(members) == 1:
+            states[members[0]].step(rows[members[0]])
+            continue
+        _step_group([states[i] for i in members], [rows[i] for i in members], K, M)
+
+
+def _step_group(states: list[BeamSearch], rows: list, K: int, M: int) -> None:
+    """BeamSearch.step over R searches at once (same K and M); every line mirrors one of step's."""
+    R = len(states)
+    topv = np.empty((R, M), np.float32)
+    idx = np.empty((R, M), np.int64)
+    vocab = np.empty((R, 1), np.int64)
+    for r, (bs, x) in enumerate(zip(states, rows)):
+        if bs.done:
+            raise RuntimeError("beam search already finished")
+        x = bs.process(x if isinstance(x, BeamRows) else BeamRows(x))
+        topv[r], idx[r] = x.top(bs.scores, M)
+        vocab[r] = x.vocab
+    beam, tok = idx // vocab, idx % vocab
+    n_eos = max(len(bs.eos) for bs in states)
+    eos = np.full((R, max(n_eos, 1)), -1, np.int64)
+    for r, bs in enumerate(states):
+        eos[r, :len(bs.eos)] = bs.eos
+    cur = np.array([bs.cur_len for bs in states], np.int64)
+    ends = (cur + 1 >= np.array([bs.max_length for bs in states], np.int64))[:, None]
+    hit = (tok[:, :, None] == eos[:, None, :]).any(axis=2) | ends
+    run_scores = topv + hit.astype(np.float32) * NEG
+    nxt = _order(run_scores, K)
+    norm = np.array([[(bs.cur_len + 1 - bs.prompt_len) ** bs.length_penalty] for bs in states], np.float32)
+    cand = topv / norm
+    fin_scores = np.stack([bs.fin_scores for bs in states])
+    fin_done = np.stack([bs.fin_done for bs in states])
+    early_true = np.array([bs.early is True for bs in states])
+    full = fin_done.all(axis=1) & early_true
+    stuck = np.array([not bs.improvable for bs in states])
+    cand = cand + (full.astype(np.float32) * NEG)[:, None] + (stuck.astype(np.float32) * NEG)[:, None]
+    just = hit & (np.arange(M) < K)
+    cand = cand + (~just).astype(np.float32) * NEG
+    merged = np.concatenate([fin_scores, cand.astype(np.float32)], axis=1)
+    keep = _order(merged, K)
+    done_flags = np.concatenate([fin_done, just], axis=1)
+    rows_r = np.arange(R)[:, None]
+    scores = run_scores[rows_r, nxt]
+    new_fin_scores, new_fin_done = merged[rows_r, keep], done_flags[rows_r, keep]
+    # early-stop heuristic (sticky), as in step
+    denom = np.array([((bs.max_length - bs.prompt_len) if bs.early == "never" and bs.length_penalty > 0.0
+                       else (bs.cur_len + 1 - bs.prompt_len)) ** bs.length_penalty for bs in states], np.float32)
+    best = scores[:, 0] / denom
+    worst = np.where(new_fin_done, new_fin_scores.min(axis=1, keepdims=True), NEG)
+    improvable = ~stuck & (best[:, None] > worst).any(axis=1)
+    open_beam = ~(new_fin_done.all(axis=1) & early_true)
+    done = ~(improvable & open_beam & ~hit.all(axis=1))
+    for r, bs in enumerate(states):
+        bs._advance(beam[r], tok[r], just[r], keep[r], merged[r], done_flags[r], nxt[r])
+        bs.scores = scores[r].astype(np.float32)
+        bs.cur_len += 1
+        bs.improvable, bs.done = bool(improvable[r]), bool(done[r])

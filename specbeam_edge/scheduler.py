@@ -2,7 +2,9 @@
 
 Each running search waits on one `ScoreCall`. Per round the scheduler runs ONE batched pass of one model over
 all calls waiting on it: draft models first (so every request's draft level k is one pass), then the target
-(one pass scores the trees of all requests). A finished request leaves at once and the next queued one joins,
+(one pass scores the trees of all requests); after a target pass the beam steps the searches then ask for
+(`BeamStep`) are taken together, one array computation for all of them (beam.step_many), until every search
+waits on its next pass again. A finished request leaves at once and the next queued one joins,
 its prefill sharing the next target pass.
 """
 from __future__ import annotations
@@ -10,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
+from . import beam
 from .batch import ScoreCall, score_batch
-from .search import PassContext, Progress
+from .search import BeamStep, PassContext, Progress
 
 
 @dataclass
@@ -25,7 +28,7 @@ class Job:
 class _Running:
     job: Job
     coro: object
-    call: ScoreCall | None = None
+    call: ScoreCall | BeamStep | None = None
 
 
 class Scheduler:
@@ -73,6 +76,11 @@ class Scheduler:
                 upcoming = PassContext((id(self), self.target_passes), len(running))
             for r, out in zip(group, outs):
                 yield from self._advance(r, out, running, upcoming)
+            # the beam steps of every request that scored in this pass, as one array computation
+            while stepping := [r for r in running if isinstance(r.call, BeamStep)]:
+                beam.step_many([r.call.state for r in stepping], [r.call.rows for r in stepping])
+                for r in stepping:
+                    yield from self._advance(r, None, running, upcoming)
 
     def _advance(self, r: _Running, value, running: list[_Running], ctx: PassContext):
         """Send a pass's output into a search and run it to its next ScoreCall, reporting Progress on the way (a

@@ -2,7 +2,8 @@
 
 Each search is a coroutine with the same phases per target pass: grow a draft tree -> score (one target pass
 over every unscored node) -> replay/verify -> commit. It never runs a model itself: it yields a `ScoreCall`
-for every pass it needs and receives the pass's output, and yields a `Progress` after every target pass. The
+for every pass it needs and receives the pass's output, a `BeamStep` for every exact beam step (taken with
+the other requests' steps), and a `Progress` after every target pass. The
 scheduler (scheduler.py) packs the calls of many requests into one batched pass per model; a request alone is
 the batch of one, so there is one code path.
 """
@@ -27,6 +28,15 @@ class Progress:
     """After a target pass: the request's search state (BeamSearch or SampleState) and its live statistics."""
     state: object
     stats: Stats
+
+
+@dataclass
+class BeamStep:
+    """A beam step a search asks for: its BeamSearch and the running beams' rows. The scheduler takes the steps
+    of every search waiting on one at once (beam.step_many, one array computation over the requests of a
+    pass) and sends None back once the state has moved."""
+    state: BeamSearch
+    rows: BeamRows
 
 
 @dataclass(frozen=True)
@@ -107,7 +117,7 @@ class ExactSearch:
             drafted = (yield from self._grow(self.budget_for(ctx.load))) if speculate else []
             yield from self._score(drafted)
             stats.plain_passes += self.grow is not None and not speculate
-            self._replay(set(drafted))
+            yield from self._replay(set(drafted))
             self._commit(speculate)
             if chooser is not None and stats.target_passes > 1:   # the first pass carries the prefill
                 levels = max((self.tree.depths[n] - depth0 for n in drafted), default=0)
@@ -148,11 +158,11 @@ class ExactSearch:
         self.stats.target_passes += 1
         self.stats.target_tokens_scored += len(new)
 
-    # 3. replay beam search while every kept beam is a scored node
+    # 3. replay beam search while every kept beam is a scored node (each step taken with the other requests')
     def _replay(self, in_tree: set[int]):
         bs, stats, first = self.bs, self.stats, True
         while not bs.done and all(n in self.rows for n in bs.running):
-            bs.step(self._beam_logprobs(bs.running))
+            yield BeamStep(bs, self._beam_logprobs(bs.running))
             stats.beam_steps += 1
             stats.from_draft.append(not first)
             first = False

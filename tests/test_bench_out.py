@@ -23,18 +23,20 @@ def test_export_sizes_default_out_is_ignored_too():
     assert Path(parser().parse_args([]).out) == ROOT / "bench" / "out" / "results"
 
 
-def test_beam_work_shares_add_up_and_leave_the_methods_as_they_were(tmp_path):
-    """bench.beam_work times parts that nest (the replay holds the rows' extraction and the step, the step holds
-    the ranking) and restores the methods it wraps."""
+def test_beam_work_compares_the_arms_and_leaves_the_functions_as_they_were(tmp_path):
+    """bench.beam_work runs both arms (steps together, each search alone) with the same output, times parts that
+    nest (a step holds its ranking) and restores what it wraps."""
     import json
 
     from bench import beam_work
     from specbeam_edge import beam, search
 
-    before = search.ExactSearch._replay, beam.BeamSearch.step
-    assert beam_work.main(["--lines", "4", "--batches", "1,4", "--max_new_tokens", "8", "--out", str(tmp_path)]) == 0
-    assert (search.ExactSearch._replay, beam.BeamSearch.step) == before
+    before = search.ExactSearch._beam_logprobs, beam.step_many, beam.BeamRows.top
+    assert beam_work.main(["--lines", "4", "--batches", "1,4", "--max_new_tokens", "8", "--repeats", "2",
+                           "--out", str(tmp_path)]) == 0
+    assert (search.ExactSearch._beam_logprobs, beam.step_many, beam.BeamRows.top) == before
+    assert (tmp_path / "beam_work.png").stat().st_size > 0
     for row in json.loads((tmp_path / "beam_work.json").read_text())["rows"]:
-        slack = 2e-3                                                 # the JSON rounds to milliseconds
-        assert 0 < row["ranking_s"] <= row["step_s"] + slack
-        assert row["rows_s"] + row["step_s"] <= row["replay_s"] + slack and row["replay_s"] <= row["wall_s"]
+        assert row["identical"] is True
+        assert 0 < row["ranking_share"] <= row["step_share"] + 1e-3 <= 1
+        assert row["alone_s"] > 0 and row["together_s"] > 0
