@@ -36,6 +36,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--quick", action="store_true", help="fewer prompts and settings (a smoke run)")
     ap.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")
     ap.add_argument("--provider", choices=("cpu", "cuda"), default="cpu", help="execution provider (offload)")
+    ap.add_argument("--parts", default=None,
+                    help="quant: which parts, comma-separated (default all: exactness,quality,speed,speed_360m,"
+                         "opus_mt,beam_step)")
     return ap
 
 
@@ -141,6 +144,10 @@ def main(argv=None) -> int:
             from . import quant
 
             parts = ("exactness", "quality", "speed", "beam_step") if args.quick else quant.PARTS
+            if args.parts:
+                parts = tuple(args.parts.split(","))
+                if unknown := set(parts) - set(quant.PARTS):
+                    ap.error(f"unknown quant part(s) {sorted(unknown)}: choose from {','.join(quant.PARTS)}")
             data = quant.bench(pair, ROOT / "bench" / "out" / "quant", parts=parts, threads=args.threads or 2,
                                n_exact=8 if args.quick else 48, n_quality=24 if args.quick else 200,
                                n_speed=4 if args.quick else 8, reps=1 if args.quick else 3)

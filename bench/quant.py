@@ -109,7 +109,7 @@ def speed(folders: dict, prompts_of, *, Ks=(1, 4), reps=3, max_new=64, threads=2
     return rows
 
 
-def opus_mt(work: Path, *, K=4, n=16, length=48, batches=(1, 4, 16), reps=2, threads=2) -> dict:
+def opus_mt(work: Path, *, K=4, n=32, length=48, batches=(1, 4, 16, 32), reps=2, threads=2) -> dict:
     """Beam search (K) on a random Marian at Opus-MT base shapes (58,101 tokens): specbeam's per-row int8 with
     a logits head and with the beam head (`output="both"`), fp32, against CTranslate2 int8, every system at
     every batch size, alternated within each repetition; plus speculative (the int8 target drafting for itself)
