@@ -118,9 +118,9 @@ def divergence(engine, ids, ours_full, theirs_full, at: int) -> dict | None:
 
 
 # -- the engines --------------------------------------------------------------------------------------------------
-def _ours(engine, ids, max_new, eos):
+def _ours(engine, ids, max_new, eos, speculative=None):
     t0 = time.perf_counter()
-    [r] = engine.generate(ids, num_beams=1, do_sample=False, max_new_tokens=max_new)
+    [r] = engine.generate(ids, num_beams=1, do_sample=False, max_new_tokens=max_new, speculative=speculative)
     dt = time.perf_counter() - t0
     full = list(r.hypotheses[0].tokens)
     return full, generated(full, eos)[1] / dt
@@ -150,12 +150,15 @@ def export_for(gguf: Path, precision: str, cache: Path, quiet: bool = True) -> P
 
 
 def bench(gguf: Path, folders: dict[str, Path], *, n_prompts: int = 12, max_new: int = 128, threads: int = 2,
-          out=sys.stderr) -> dict:
-    """specbeam (each export in `folders`, by name) and llama.cpp, greedy, alternated prompt by prompt."""
+          lookup: int = 0, out=sys.stderr) -> dict:
+    """specbeam (each export in `folders`, by name) and llama.cpp, greedy, alternated prompt by prompt.
+    lookup > 0: two more arms, both engines with prompt-lookup speculation (llama.cpp's LlamaPromptLookupDecoding
+    proposing `lookup` tokens, specbeam's lookup drafter forced on the first export), each checked against its
+    own plain greedy output."""
     import llama_cpp
     from llama_cpp import Llama
 
-    from specbeam_edge import Engine
+    from specbeam_edge import Engine, SpeculativeConfig
 
     engines = {f"specbeam {k}": Engine(p, threads=threads) for k, p in folders.items()}
     first = next(iter(engines.values()))
@@ -166,6 +169,16 @@ def bench(gguf: Path, folders: dict[str, Path], *, n_prompts: int = 12, max_new:
                 n_threads_batch=threads, n_batch=512, seed=0, verbose=False)
     runs = {"llama.cpp": lambda x, m=max_new: _llama(llm, x, m, eos)}
     runs.update({k: (lambda x, m=max_new, e=e: _ours(e, x, m, eos)) for k, e in engines.items()})
+    if lookup:
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        llm_lookup = Llama(model_path=str(gguf), n_ctx=max(len(i) for i in ids) + max_new + 8, n_threads=threads,
+                           n_threads_batch=threads, n_batch=512, seed=0, verbose=False,
+                           draft_model=LlamaPromptLookupDecoding(num_pred_tokens=lookup))
+        spec = SpeculativeConfig(drafter="lookup", adaptive=False)
+        first_name = next(iter(engines))
+        runs["llama.cpp lookup"] = lambda x, m=max_new: _llama(llm_lookup, x, m, eos)
+        runs[first_name + " lookup"] = lambda x, m=max_new: _ours(first, x, m, eos, spec)
     for run in runs.values():                      # warm-up: first-call costs out of the timings
         run(ids[0], 8)
     speed = {k: [] for k in runs}
@@ -187,7 +200,12 @@ def bench(gguf: Path, folders: dict[str, Path], *, n_prompts: int = 12, max_new:
             **summarize(speed, "llama.cpp"),
             "greedy_agreement_with_llama_cpp": {k: agreement(tokens[k], tokens["llama.cpp"])
                                                 for k in runs if k != "llama.cpp"}}
-    names = [k for k in runs if k != "llama.cpp"]
+    if lookup:
+        mine = next(iter(engines))
+        data["lookup_equals_own_plain"] = {"llama.cpp": agreement(tokens["llama.cpp lookup"], tokens["llama.cpp"]),
+                                           mine: agreement(tokens[mine + " lookup"], tokens[mine])}
+        data["lookup_num_pred_tokens"] = lookup
+    names = [k for k in engines]
     if len(names) > 1:
         data["greedy_agreement_between_exports"] = {f"{a} vs {b}": agreement(tokens[a], tokens[b])
                                                     for i, a in enumerate(names) for b in names[i + 1:]}
@@ -250,9 +268,11 @@ def run_parser(prog: str, doc: str, prompts: int):
 def main(argv=None) -> int:
     ap = run_parser("python -m bench.llamacpp", __doc__, prompts=12)
     ap.add_argument("--precisions", default="int8,fp32", help="our exports of the same GGUF (comma list)")
+    ap.add_argument("--lookup", type=int, default=0, metavar="N",
+                    help="also both engines with prompt-lookup speculation (llama.cpp proposing N tokens)")
     a = ap.parse_args(argv)
     gguf, folders = default_inputs(tuple(a.precisions.split(",")))
-    data = bench(gguf, folders, n_prompts=a.prompts, max_new=a.max_new, threads=a.threads)
+    data = bench(gguf, folders, n_prompts=a.prompts, max_new=a.max_new, threads=a.threads, lookup=a.lookup)
     data["machine"] = common.machine()
     out = Path(a.out)
     common.write(out, "llamacpp", data)

@@ -326,9 +326,7 @@ def _step_group(states: list[BeamSearch], rows: list, K: int, M: int) -> None:
     topv = np.empty((R, M), np.float32)
     idx = np.empty((R, M), np.int64)
     vocab = np.empty((R, 1), np.int64)
-    for r, (bs, x) in enumerate(zip(states, rows)):
-        if bs.done:
-            raise RuntimeError("beam search already finished")
+    for r, (bs, x) in enumerate(zip(states, rows)):         # none is done: steppable_together
         x = bs.process(x if isinstance(x, BeamRows) else BeamRows(x))
         topv[r], idx[r] = x.top(bs.scores, M)
         vocab[r] = x.vocab
