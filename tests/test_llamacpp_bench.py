@@ -96,11 +96,15 @@ def test_both_engines_on_a_tiny_gguf(tmp_path):
     write_gguf(src, model, path, "llama", qtype=gg.GGMLQuantizationType.F32)
     sb = tmp_path / "sb"
     export(path, sb, precision="fp32", output="both", quiet=True)
-    data = llamacpp.bench(path, {"fp32": sb}, n_prompts=3, max_new=8, threads=1)
-    assert set(data["tokens_per_second"]) == {"llama.cpp", "specbeam fp32"}
+    data = llamacpp.bench(path, {"fp32": sb}, n_prompts=3, max_new=8, threads=1, lookup=4)
+    assert set(data["tokens_per_second"]) == {"llama.cpp", "specbeam fp32", "llama.cpp lookup",
+                                              "specbeam fp32 lookup"}
     assert all(n > 0 for v in data["generated_tokens"].values() for n in v)
     agree = data["greedy_agreement_with_llama_cpp"]["specbeam fp32"]
     assert agree["of"] == 3 and agree["identical"] >= 2
+    # prompt-lookup speculation: ours gives its plain output; llama.cpp's is reported, whatever it is
+    assert data["lookup_equals_own_plain"]["specbeam fp32"]["identical"] == 3
+    assert data["lookup_equals_own_plain"]["llama.cpp"]["of"] == 3
     llamacpp.plot(data, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 0
 
