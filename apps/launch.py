@@ -12,6 +12,7 @@ import sys
 import threading
 
 _STOPS = {signal.SIGINT: 130, signal.SIGTERM: 143}
+_resent: list[threading.Timer] = []     # signals `deliver` sends again, until the command that got them ends
 
 
 def _import_held(module: str, preload: tuple[str, ...]):
@@ -42,7 +43,10 @@ def deliver(signum: int, frame, exc: BaseException) -> None:
     f = frame
     while f is not None:
         if f.f_code.co_name == "__del__":
-            threading.Timer(0.02, os.kill, (os.getpid(), signum)).start()
+            timer = threading.Timer(0.02, os.kill, (os.getpid(), signum))
+            timer.daemon = True         # never a thread the interpreter's exit waits for
+            _resent.append(timer)
+            timer.start()
             return
         f = f.f_back
     raise exc
@@ -67,7 +71,27 @@ def _run(module: str, prog: str, argv, preload: tuple[str, ...] = ()) -> int:
         print(f"\n{prog}: interrupted", file=sys.stderr)
         return 130
     finally:
-        signal.signal(signal.SIGINT, old)
+        _settle(old)
+
+
+def _settle(old_sigint) -> None:
+    """After a command: a signal `deliver` was about to send again belongs to the command that ended; it is
+    dropped, not raised at the caller or in the interpreter's exit (a SIGINT 0.5 s into a short translate landed
+    in a finalizer, its re-send fired while exit waited for the timer's thread, and Python printed a traceback
+    there). SIGINT and SIGTERM are ignored while the timers are cancelled and joined, then SIGINT gets the
+    caller's handler back and SIGTERM its own."""
+    term = signal.getsignal(signal.SIGTERM)
+    term = signal.SIG_DFL if term is None else term      # None: a handler not set from Python
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        while _resent:
+            timer = _resent.pop()
+            timer.cancel()
+            timer.join()
+    finally:
+        signal.signal(signal.SIGTERM, term)
+        signal.signal(signal.SIGINT, old_sigint)
 
 
 def specbeam(argv=None) -> int:

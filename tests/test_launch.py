@@ -103,6 +103,7 @@ def test_a_signal_inside_a_finalizer_is_sent_again_not_lost(monkeypatch):
         def start(self):
             pass
     monkeypatch.setattr(launch.threading, "Timer", FakeTimer)
+    monkeypatch.setattr(launch, "_resent", [])       # the fake re-sends stay out of later commands' clean-up
 
     class Collected:
         def __del__(self):
@@ -113,6 +114,34 @@ def test_a_signal_inside_a_finalizer_is_sent_again_not_lost(monkeypatch):
         journal.raise_terminated(signal.SIGINT, sys._getframe())
     with pytest.raises(journal.Terminated):
         journal.raise_terminated(signal.SIGTERM, sys._getframe())
+
+
+def test_a_signal_sent_again_after_its_command_ended_is_dropped():
+    """Before: a SIGINT that landed in a finalizer near a command's end was sent again 20 ms later by a timer thread
+    that the interpreter's exit waited for; it fired under the restored default handler and Python printed a
+    KeyboardInterrupt traceback (the real-signal launch test caught it once in CI). Now the launcher drops a
+    re-send still pending when the command ends. A real signal, raised inside a finalizer of a command that
+    returns at once."""
+    import subprocess
+
+    code = """
+import signal, sys, time, types
+tool = types.ModuleType("finalizer_tool")
+def main(argv):
+    class Collected:
+        def __del__(self):
+            signal.raise_signal(signal.SIGINT)
+    Collected()
+    return 0
+tool.main = main
+sys.modules["finalizer_tool"] = tool
+from apps import launch
+rc = launch._run("finalizer_tool", "tool", [])
+time.sleep(0.3)
+print("returned", rc, "alive", len(launch._resent))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "returned 0 alive 0\n", "")
 
 
 def test_the_launcher_delivers_sigint_while_a_command_runs_and_restores_the_handler(capsys, monkeypatch):
