@@ -35,10 +35,14 @@ class BatchKV:
 
 @dataclass
 class ScoreCall:
-    """A request's demand for one model pass: score `nodes` (parents before children) in `cache`."""
+    """A request's demand for one model pass: score `nodes` (parents before children) in `cache`. replayed: the
+    caller keeps the rows and reads rows of several passes together (exact beam search's target), so a 'both'
+    head answers it in one kind in every pass (its top-k, even over one row: mixing kinds broke beam steps, and
+    a one-row pass's log-softmax in Python rounds differently from the graph's)."""
     cache: TreeCache
     nodes: list[int]
     topk: int | None = None
+    replayed: bool = False
 
 
 def score_batch(calls: list[ScoreCall]) -> list:
@@ -53,10 +57,10 @@ def score_batch(calls: list[ScoreCall]) -> list:
     outs: list[list] = [[] for _ in calls]
     todo = [(i, list(c.nodes)) for i, c in enumerate(calls) if c.nodes]
     # a 'both' head answers with its top-k when every call of the pass takes one (a sampling draft beside exact
-    # ones gets full rows, which answer top() as well) and the pass has two rows or more: over one row Python's
-    # top-k of the logits is the cheaper (DESIGN section 11, "Head outputs")
-    use_topk = model.cfg.output != "both" or (all(calls[i].topk is not None for i, _ in todo)
-                                              and sum(len(n) for _, n in todo) >= 2)
+    # ones gets full rows, which answer top() as well) and the pass has two rows or more (over one row Python's
+    # top-k of the logits is the cheaper) or a call's rows are replayed (DESIGN section 11, "Head outputs")
+    use_topk = model.cfg.output != "both" or (all(calls[i].topk is not None for i, _ in todo) and (
+        sum(len(n) for _, n in todo) >= 2 or any(calls[i].replayed for i, _ in todo)))
     while todo:
         chunk = [(i, nodes[:limit]) for i, nodes in todo]
         for group in _buckets([(len(calls[i].cache), len(part)) for i, part in chunk]):

@@ -151,7 +151,7 @@ class ExactSearch:
     # 2. one target pass over every node that is not scored yet (pending beams and the tree)
     def _score(self, drafted: list[int]):
         new = self.target.missing_ancestors(list(self.bs.running) + drafted)
-        out = yield ScoreCall(self.target, new, self.topk)
+        out = yield ScoreCall(self.target, new, self.topk, replayed=True)
         for j, n in enumerate(new):
             if self.tree.depths[n] >= self.chain_len - 1:
                 self.rows[n] = (out, j)

@@ -106,6 +106,31 @@ def test_both_head_answers_with_logits_or_topk(both, layout):
 
 
 @pytest.mark.parametrize("K", [1, 4])
+def test_a_both_head_target_answers_exact_search_in_one_kind(both, K):
+    """Before: a 'both' target answered a one-row pass with logits and larger passes with its top-k, so exact
+    search mixed the two kinds in one step (an AttributeError in speculative K = 4: the streaming example on the
+    shipped pair once its target had both heads) and plain greedy's scores came from Python's log-softmax while
+    speculative greedy's came from the graph's. Now every pass of exact search reads the top-k: speculative ==
+    plain in tokens and scores, and a one-row target pass is a top-k one."""
+    from specbeam_edge.batch import ScoreCall, score_batch
+    from specbeam_edge.cache import TreeCache
+    from specbeam_edge.heads import TopKOutput
+    from specbeam_edge.tree import TokenTree
+
+    target = both["both"]
+    ref, fast = Engine(target), Engine(target, draft=both["logits"])
+    spec = SpeculativeConfig(drafter="beam", budget=24, max_depth=4, adaptive=False)
+    for prompt in PROMPTS:
+        [plain] = ref.generate(prompt, num_beams=K, max_new_tokens=14)
+        [spec_out] = fast.generate(prompt, num_beams=K, max_new_tokens=14, speculative=spec)
+        assert [(h.tokens, h.score) for h in spec_out.hypotheses] == [(h.tokens, h.score) for h in plain.hypotheses]
+    tree = TokenTree()
+    cache = TreeCache(ref.target, tree)
+    [out] = score_batch([ScoreCall(cache, tree.add_chain([3]), topk=5, replayed=True)])
+    assert isinstance(out, TopKOutput)
+
+
+@pytest.mark.parametrize("K", [1, 4])
 def test_both_head_draft_feeds_exact_search_its_topk_and_sampling_its_logits(folders, both, top_calls, K):
     """A 'both' draft: exact speculative search equals plain and drafts from the top-k outputs (no full-vocabulary
     work in Python per draft level of two rows or more); speculative beam sampling reads its logits and matches
