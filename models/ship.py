@@ -63,9 +63,9 @@ def main(argv=None) -> int:
     if hf_draft != hf / "draft":              # (a decoder-only pair's, shipped here before)
         shutil.rmtree(hf / "draft", ignore_errors=True)
     # the en->de target with both heads: exact beam search reads each row's best entries from the graph's TopK (no
-    # Python log-softmax and ranking over 8,192-token rows; K = 4, 24-48 lines, medians of 3 alternated runs:
-    # plain 1.03x / 1.04x at batch 1 / 16, with the draft 1.13x / 1.12x, same tokens; DESIGN "Beam rows from a
-    # beam head"), sampling the logits; the text pair's target predates this
+    # Python log-softmax and ranking over 8,192-token rows; K = 4, 24-48 lines, medians of 3 alternated runs, two
+    # sessions: plain 1.03-1.05x / 1.04-1.08x at batch 1 / 16, with the draft 1.09-1.13x / 1.05-1.12x, same
+    # tokens; DESIGN "Beam rows from a beam head"), sampling the logits; the text pair's target predates this
     head = "both" if args.kind == "ende" and not encdec else "logits"
     export(hf / "target", out / "target", precision="int8w" if encdec else "fp16", output=head, overwrite=True)
     # both heads: speculative beam sampling (DSBD) verifies with the draft's whole distribution q (its logits),
