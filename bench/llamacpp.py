@@ -205,7 +205,7 @@ def bench(gguf: Path, folders: dict[str, Path], *, n_prompts: int = 12, max_new:
         data["lookup_equals_own_plain"] = {"llama.cpp": agreement(tokens["llama.cpp lookup"], tokens["llama.cpp"]),
                                            mine: agreement(tokens[mine + " lookup"], tokens[mine])}
         data["lookup_num_pred_tokens"] = lookup
-    names = [k for k in engines]
+    names = list(engines)
     if len(names) > 1:
         data["greedy_agreement_between_exports"] = {f"{a} vs {b}": agreement(tokens[a], tokens[b])
                                                     for i, a in enumerate(names) for b in names[i + 1:]}

@@ -14,12 +14,11 @@ real difference).
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 from . import common
-from .llamacpp import (PROMPTS, agreement, export_for, first_difference, generated, prompt_ids, run_parser,
-                       top_tokens)
+from .llamacpp import (PROMPTS, _ours, agreement, export_for, first_difference, generated, prompt_ids,
+                       run_parser, top_tokens)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,7 +42,7 @@ def _hf_greedy(model, ids: list[int], max_new: int, eos: list[int]) -> list[int]
     return out[0, len(ids):].tolist()
 
 
-def _hf_logprobs(model, ids: list[int]) -> "np.ndarray":
+def _hf_logprobs(model, ids: list[int]):
     import torch
 
     with torch.no_grad():
@@ -60,23 +59,17 @@ def run(n_prompts: int, max_new: int, threads: int) -> dict:
                "int8": fetch.model_path("smollm2")}
     engines = {k: Engine(v, threads=threads) for k, v in folders.items()}
     tok = engines["fp32"].tokenizer
-    eos = list(engines["fp32"].target.cfg.eos_token_ids)
+    eos = engines["fp32"].eos
     model = _transformers(gguf, threads)
     prompts = [prompt_ids(tok, p) for p in PROMPTS[:n_prompts]]
     outs: dict[str, list[list[int]]] = {"transformers": [], **{k: [] for k in engines}}
-    seconds = dict.fromkeys(outs, 0.0)
     for ids in prompts:
-        t = time.perf_counter()
         outs["transformers"].append(generated(_hf_greedy(model, ids, max_new, eos), eos)[0])
-        seconds["transformers"] += time.perf_counter() - t
         for k, eng in engines.items():
-            t = time.perf_counter()
-            [r] = eng.generate(ids, num_beams=1, do_sample=False, max_new_tokens=max_new)
-            seconds[k] += time.perf_counter() - t
-            outs[k].append(generated(list(r.hypotheses[0].tokens), eos)[0])
+            outs[k].append(generated(_ours(eng, ids, max_new, eos)[0], eos)[0])
     report = {"gguf": gguf.name, "prompts": len(prompts), "max_new_tokens": max_new, "threads": threads,
               "agreement_with_transformers": {k: agreement(outs[k], outs["transformers"]) for k in engines},
-              "seconds": {k: round(v, 2) for k, v in seconds.items()}, "partings": []}
+              "partings": []}
     for k in engines:
         for i, (a, b) in enumerate(zip(outs[k], outs["transformers"])):
             at = first_difference(a, b)
