@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-SYSTEM_PACKAGES = {"python3.11-doc": "deb"}
+SYSTEM_PACKAGES = {"python3.11-doc": "deb", "wordnet-base": "deb"}
 TASKS_DOC = ["Summarize the following paragraph in one or two sentences.\n\n{p}",
              "Explain the following text in simple words.\n\n{p}",
              "What is the main idea of this paragraph?\n\n{p}"]
@@ -45,9 +45,48 @@ TASKS_TERM = ["What is {t} in Python?", "Explain {t} in Python with a short exam
               "Define the term \"{t}\"."]
 TASKS_CODE = ["What does this Python code do?\n\n{c}", "Explain this code line by line.\n\n{c}"]
 TASKS_SENT = ["Rewrite this sentence in simpler words: \"{s}\"", "Make this sentence more formal: \"{s}\""]
+# everyday chat over common English nouns (WordNet 3.0, by lexicographer file); {a} is "a"/"an" + the noun
+TASKS_ANY = ["Tell me three interesting facts about {x}.", "Explain {x} in simple terms.",
+             "Write a short paragraph about {x}.", "Write a four-line poem about {x}.",
+             "What are the pros and cons of {x}?", "Give a one-sentence definition of {x}.",
+             "How would you explain {x} to a child?", "Write a tweet about {x}.",
+             "Write a very short story that involves {a}.", "Why is {x} important?"]
+TASKS_BY_KIND = {
+    "food": ["What can I cook with {x}?", "Is {x} good for you? Answer briefly.", "Suggest a dish that uses {x}.",
+             "How should {x} be stored?"],
+    "animal": ["Where does {a} live and what does it eat?", "Write a short children's story about {a}.",
+               "What makes {a} a good or bad pet?"],
+    "artifact": ["What is {a} used for?", "How does {a} work?", "Write a short product description for {a}.",
+                 "How do I clean {a}?"],
+    "person": ["What does {a} do at work?", "Write a job advertisement for {a}.", "What skills does {a} need?"],
+    "act": ["How do people get better at {x}?", "Give me advice about {x}.", "What is the history of {x}?"],
+    "location": ["Describe {a} in a few sentences.", "What would I find in {a}?"],
+    "plant": ["How do I take care of {a}?", "Where does {a} grow best?"],
+    "feeling": ["How can someone deal with {x}?", "Write a short message to a friend who feels {x}."],
+    "state": ["How can someone deal with {x}?", "What causes {x}?"],
+    "phenomenon": ["What causes {x}?", "Explain {x} to a high-school student."],
+    "substance": ["What is {x} made of?", "Where is {x} used in everyday life?"],
+    "object": ["Describe {x} to someone who cannot see.", "What would happen without {x}?"],
+    "possession": ["How can I save money on {x}?", "Explain {x} in one paragraph."],
+}
+LEX_KINDS = {4: "act", 5: "animal", 6: "artifact", 9: "cognition", 10: "communication", 12: "feeling", 13: "food",
+             15: "location", 17: "object", 18: "person", 19: "phenomenon", 20: "plant", 21: "possession",
+             26: "state", 27: "substance"}
+TASKS_PAIR = ["Compare {x} and {y}.", "What is the difference between {x} and {y}?",
+              "Write an email to a colleague about {x} and {y}."]
+CODE_TASKS = ["reverse a string", "count the vowels in a sentence", "check whether a word is a palindrome",
+              "compute the factorial of a number", "return the n-th Fibonacci number", "remove duplicates from a list",
+              "sort a list of words by length", "find the second largest number in a list",
+              "count how often each word occurs in a text", "check whether a number is prime",
+              "convert Celsius to Fahrenheit", "merge two sorted lists", "flatten a nested list",
+              "read a text file and print its lines", "sum the digits of an integer", "find common items of two lists",
+              "capitalize every word in a sentence", "compute the average of a list of numbers",
+              "check whether two words are anagrams", "split a list into chunks of size n"]
+TASKS_CODE_GEN = ["Write a Python function to {t}.", "Show me how to {t} in Python.", "How can I {t} in Python?"]
+ITEMS = ["notebooks", "apples", "tickets", "pencils", "shirts", "cups of coffee", "books", "plants"]
 
 
-def _download(work: Path) -> tuple[Path, Path]:
+def _download(work: Path) -> tuple[Path, Path, Path]:
     """The two source packages, downloaded once into work/src (pip and apt, the user's own settings)."""
     src = work / "src"
     src.mkdir(parents=True, exist_ok=True)
@@ -61,7 +100,12 @@ def _download(work: Path) -> tuple[Path, Path]:
         subprocess.run(["apt-get", "download", "python3.11-doc"], cwd=src, check=True)
         [deb] = src.glob("python3.11-doc_*.deb")
         subprocess.run(["dpkg", "-x", str(deb), str(docs)], check=True)
-    return wheels[0], docs
+    wordnet = src / "wordnet"
+    if not wordnet.exists():
+        subprocess.run(["apt-get", "download", "wordnet-base"], cwd=src, check=True)
+        [deb] = src.glob("wordnet-base_*.deb")
+        subprocess.run(["dpkg", "-x", str(deb), str(wordnet)], check=True)
+    return wheels[0], docs, wordnet
 
 
 def chatterbot_questions(wheel: Path) -> list[str]:
@@ -112,13 +156,51 @@ def doc_prompts(docs: Path, rng: random.Random) -> list[str]:
     return out
 
 
+def _article(word: str) -> str:
+    return ("an " if word[0] in "aeiou" else "a ") + word
+
+
+def general_prompts(wordnet: Path, rng: random.Random, per_kind: int = 220) -> list[str]:
+    """Everyday chat requests: templates over common nouns of WordNet 3.0 (a sense tagged at least 3 times in its
+    semantic concordance, cntlist.rev; once for food, animals and plants), pairs of them, small coding tasks and
+    word problems. None is one of the held-out benchmark prompts (checked in build_prompts)."""
+    by_kind: dict[str, set] = {}
+    lines = next(wordnet.rglob("cntlist.rev")).read_text("utf-8").splitlines()
+    for line in lines:
+        key, _, count = line.split()
+        lemma, sense = key.split("%")
+        ss, lex = sense.split(":")[:2]
+        kind = LEX_KINDS.get(int(lex))
+        word = lemma.replace("_", " ")
+        if (ss == "1" and kind and word.replace(" ", "").isalpha() and word == word.lower()
+                and int(count) >= (1 if kind in ("food", "animal", "plant") else 3)):
+            by_kind.setdefault(kind, set()).add(word)
+    out = []
+    for kind in sorted(by_kind):
+        words = sorted(by_kind[kind])
+        for x in rng.sample(words, min(per_kind, len(words))):
+            tasks = TASKS_ANY + TASKS_BY_KIND.get(kind, []) * 2      # kind-specific requests twice as often
+            out.append(rng.choice(tasks).format(x=x, a=_article(x)))
+        for _ in range(per_kind // 6):
+            x, y = rng.sample(words, 2)
+            out.append(rng.choice(TASKS_PAIR).format(x=x, y=y))
+    out += [t.format(t=c) for c in CODE_TASKS for t in TASKS_CODE_GEN]
+    for _ in range(150):
+        n, k, p = rng.randint(2, 12), rng.randint(3, 40), rng.randint(2, 30)
+        item = rng.choice(ITEMS)
+        out.append(rng.choice([f"One of the {item} costs {p} dollars. How much do {k} of them cost?",
+                               f"I have {k} {item} and give away {min(n, k)}. How many are left? Explain.",
+                               f"If {n} people share {k * n} {item} equally, how many does each get?"]))
+    return out
+
+
 def build_prompts(args) -> None:
     from bench.llamacpp import PROMPTS as HELD_OUT
 
     work = Path(args.work)
-    wheel, docs = _download(work)
+    wheel, docs, wordnet = _download(work)
     rng = random.Random(0)
-    prompts = chatterbot_questions(wheel) + doc_prompts(docs, rng)
+    prompts = chatterbot_questions(wheel) + doc_prompts(docs, rng) + general_prompts(wordnet, rng)
     held = {p.lower() for p in HELD_OUT}
     seen, out = set(), []
     for p in prompts:
@@ -272,13 +354,29 @@ class Draft:
         return {"model": self.model.state_dict(), "head": self.head.state_dict()}
 
     def load(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
+        missing = set(self.model.load_state_dict(state["model"], strict=False).missing_keys)
+        if missing - {"model.embed_tokens.weight", "lm_head.weight"}:     # a saved draft has no embedding
+            raise KeyError(f"draft weights missing: {sorted(missing)}")
         self.head.load_state_dict(state["head"])
 
     def logits(self, x, attention_mask, rows):
         """Head logits [N, S] of the selected flat positions `rows`."""
         hidden = self.model.model(input_ids=x, attention_mask=attention_mask).last_hidden_state
         return self.head(hidden.flatten(0, 1)[rows])
+
+
+def _saved_draft(folder: Path) -> dict:
+    """A draft written by `save` (e.g. the shipped one) as a starting point: its layers, final norm, head and head
+    token ids; the embedding is the target's (frozen, not stored), taken from the target as always."""
+    from safetensors.torch import load_file
+
+    w = load_file(str(folder / "draft.safetensors"))
+    log = json.loads((folder / "train_log.json").read_text())
+    token_ids = w.pop("lm_head.token_ids").tolist()
+    head = {"weight": w.pop("lm_head.weight").float()}
+    model = {k: v.float() for k, v in w.items()}
+    return {"draft": {"model": model, "head": head}, "token_ids": token_ids,
+            "layers": ",".join(str(i) for i in log["layers_from_target"])}
 
 
 def _batches(items, budget: int, rng: random.Random):
@@ -369,8 +467,12 @@ def train(args) -> None:
     eos = [tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
     ckpt = work / "ckpt.pt"
     state = torch.load(ckpt, weights_only=False) if ckpt.exists() else None
-    token_ids = state["token_ids"] if state else head_tokens(work, args.head, eos)
-    draft = Draft(target, [int(i) for i in args.layers.split(",")], token_ids)
+    init = _saved_draft(Path(args.init)) if args.init and not state else None
+    token_ids = state["token_ids"] if state else init["token_ids"] if init else head_tokens(work, args.head, eos)
+    layers = [int(i) for i in (state or init or {}).get("layers", args.layers).split(",")]
+    draft = Draft(target, layers, token_ids)
+    if init:
+        draft.load(init["draft"])
     held = {i for i in range(0, 100000, 20)}                   # every 20th prompt: validation
     items, val = _load_items(work, held)
     batches = [_batches(items, args.batch_tokens, random.Random(e)) for e in range(args.epochs)]
@@ -387,7 +489,7 @@ def train(args) -> None:
     def save():
         tmp = ckpt.with_suffix(".tmp")
         torch.save({"draft": draft.state(), "opt": opt.state_dict(), "step": step, "token_ids": token_ids,
-                    "layers": args.layers}, tmp)
+                    "layers": ",".join(map(str, layers))}, tmp)
         os.replace(tmp, ckpt)
 
     def evaluate() -> dict:
@@ -434,22 +536,30 @@ def train(args) -> None:
     print(f"done: {ckpt}")
 
 
-def save(args) -> None:
-    """The shipped draft from the checkpoint: config.json (a 2-layer Llama of the target's shape) and
-    draft.safetensors (fp16: its layers, final norm, the subset head and its token ids; NOT the embedding, which is
-    the target's and is taken from the fetched target when `specbeam fetch smollm2` builds the draft)."""
+def write_weights(state: dict, out: Path) -> dict:
+    """out/draft.safetensors from a checkpoint's state (fp16; no embedding); returns the arrays written."""
     import numpy as np
     import torch
     from safetensors.numpy import save_file
 
-    work, out = Path(args.work), Path(args.out)
-    state = torch.load(work / "ckpt.pt", weights_only=False)
     out.mkdir(parents=True, exist_ok=True)
     weights = {k: v.to(torch.float16).numpy() for k, v in state["draft"]["model"].items()
                if k != "model.embed_tokens.weight" and v.is_floating_point()}
     weights["lm_head.weight"] = state["draft"]["head"]["weight"].to(torch.float16).numpy()
     weights["lm_head.token_ids"] = np.asarray(state["token_ids"], np.int64)
     save_file(weights, str(out / "draft.safetensors"), metadata={"embedding": "the target's (not stored)"})
+    return weights
+
+
+def save(args) -> None:
+    """The shipped draft from the checkpoint: config.json (a 2-layer Llama of the target's shape) and
+    draft.safetensors (fp16: its layers, final norm, the subset head and its token ids; NOT the embedding, which is
+    the target's and is taken from the fetched target when `specbeam fetch smollm2` builds the draft)."""
+    import torch
+
+    work, out = Path(args.work), Path(args.out)
+    state = torch.load(work / "ckpt.pt", weights_only=False)
+    weights = write_weights(state, out)
     from export.gguf_input import _load
     from specbeam_edge import fetch
 
@@ -488,6 +598,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--work", required=True)
     r.add_argument("--threads", type=int, default=2)
     r.add_argument("--layers", default="0,1", help="target layers the draft starts from")
+    r.add_argument("--init", default=None, help="start from a saved draft folder (its layers, head and head tokens) "
+                   "instead of the target's layers, e.g. models/smollm2/draft")
     r.add_argument("--head", type=int, default=8192, help="tokens in the draft's output head")
     r.add_argument("--epochs", type=int, default=3)
     r.add_argument("--batch_tokens", type=int, default=4096)
