@@ -287,7 +287,9 @@ def fetch(name: str, *, force: bool = False, quiet: bool = False, log=None) -> P
     src = source(name)
     log = log or (lambda msg: None if quiet else print(f"specbeam fetch: {msg}", file=sys.stderr, flush=True))
     dst = folder(src.name)
-    if is_complete(dst) and not force and (draft_path(src.name) or not _shipped_draft(src)):
+    shipped = _shipped_draft(src)
+    draft_ok = not shipped or draft_is_current(src.name)
+    if is_complete(dst) and not force and draft_ok:
         log(f"{src.name} is already fetched: {dst} (--force exports it again)")
         return dst
     missing = missing_export_modules()
@@ -304,7 +306,9 @@ def fetch(name: str, *, force: bool = False, quiet: bool = False, log=None) -> P
             _fetch_locked(src, dst, quiet, log)
         else:
             log(f"{src.name} is ready: {dst}")
-        if _shipped_draft(src) and (force or not draft_path(src.name)):
+        if shipped and (force or not draft_is_current(src.name)):
+            if draft_path(src.name) and not force:
+                log("the shipped draft weights changed since its draft was built; building the draft again")
             _build_draft(src, dst, quiet, log)
         return dst
 
@@ -370,6 +374,28 @@ def _shipped_draft(src: Source) -> Path | None:
     return path if path is not None and (path / "draft.safetensors").is_file() else None
 
 
+def draft_digest(shipped: Path) -> str:
+    """One SHA-256 over the shipped draft's files (config and weights), recorded in the built draft."""
+    h = hashlib.sha256()
+    for name in ("config.json", "draft.safetensors"):
+        h.update(f"{name}:{file_sha256(shipped / name)}\n".encode())
+    return h.hexdigest()
+
+
+def draft_is_current(name: str) -> bool:
+    """The built draft of `name` exists and was built from the shipped weights this installation has (a
+    draft built from older weights, or by a version that recorded none, is rebuilt by `specbeam fetch`; it
+    still works meanwhile: speculation is exact whatever the draft)."""
+    path, shipped = draft_path(name), _shipped_draft(source(name))
+    if path is None or shipped is None:
+        return path is not None
+    try:
+        built = json.loads((path / MARKER).read_text()).get("weights_sha256")
+    except (OSError, ValueError):
+        return False
+    return built == draft_digest(shipped)
+
+
 DRAFT_COPIES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
@@ -409,7 +435,8 @@ def _build_draft(src: Source, target: Path, quiet: bool, log) -> Path:
             draft_source(shipped, target, hf)
             run_export(hf, staged, src.precision, src.output, quiet)
             (staged / MARKER).write_text(json.dumps({
-                "name": f"{src.name} draft", "weights": str(src.draft), "embedding": "the target's",
+                "name": f"{src.name} draft", "weights": str(src.draft), "weights_sha256": draft_digest(shipped),
+                "embedding": "the target's",
                 "precision": src.precision, "output_kind": src.output,
                 "built": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}, indent=1) + "\n")
             _replace(staged, dst)

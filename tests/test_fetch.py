@@ -410,6 +410,29 @@ def test_a_fetched_target_without_its_draft_gets_only_the_draft(with_draft, data
     assert data["export"] == exports + 1                                        # both complete: nothing to do
 
 
+def test_new_shipped_draft_weights_rebuild_only_the_draft(with_draft, data, tmp_path):
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    run()
+    assert fetch.draft_is_current("smollm2")
+    downloads, exports = data["download"], data["export"]
+    shipped = tmp_path / "models" / "smollm2" / "draft"
+    save_file({"lm_head.weight": np.full((3, 4), 2, np.float16), "lm_head.token_ids": np.array([0, 2, 5])},
+              str(shipped / "draft.safetensors"))                  # a newer draft (e.g. after `git pull`)
+    assert not fetch.draft_is_current("smollm2") and fetch.draft_path("smollm2") is not None  # still usable
+    run()
+    assert data["download"] == downloads and data["export"] == exports + 1      # the draft alone, again
+    assert (with_draft["seen"][-1][1]["lm_head.weight"] == 2).all() and fetch.draft_is_current("smollm2")
+    run()
+    assert data["export"] == exports + 1                                        # current: nothing to do
+    marker = fetch.draft_folder("smollm2") / fetch.MARKER
+    marker.write_text(json.dumps({k: v for k, v in json.loads(marker.read_text()).items()
+                                  if k != "weights_sha256"}))                   # built by a version before this
+    run()
+    assert data["export"] == exports + 2 and fetch.draft_is_current("smollm2")
+
+
 def test_the_fetched_name_brings_its_draft_to_generate_once_it_pays(with_draft, monkeypatch):
     from specbeam_edge.fetch import default_draft
 
