@@ -74,3 +74,22 @@ def test_a_saved_draft_is_read_back_as_it_was_written(tmp_path):
     rows = torch.arange(4)
     with torch.no_grad():
         assert torch.allclose(first.logits(x, am, rows), second.logits(x, am, rows), atol=2e-2)
+
+
+def test_a_grown_head_keeps_the_saved_rows_and_takes_new_ones_from_the_embedding(tmp_path):
+    torch = pytest.importorskip("torch")
+    from tests.helpers import make_hf_model
+
+    model = make_hf_model(tmp_path / "t", layers=2, hidden=64, vocab=320, tied=True, seed=4)
+    saved = recipe.Draft(model, [1], [3, 7, 11])
+    with torch.no_grad():
+        saved.head.weight.mul_(-2.0)
+    grown = recipe.Draft(make_hf_model(tmp_path / "u", layers=2, hidden=64, vocab=320, tied=True, seed=4),
+                         [1], [3, 5, 7, 11, 200])
+    grown.load(saved.state(), head_tokens=[3, 7, 11])
+    emb = grown.model.model.embed_tokens.weight
+    for j, t in enumerate([3, 5, 7, 11, 200]):
+        want = saved.head.weight[[3, 7, 11].index(t)] if t in (3, 7, 11) else emb[t]
+        assert torch.equal(grown.head.weight[j], want), t
+    with pytest.raises(KeyError):
+        grown.load(saved.state(), head_tokens=[3, 7, 12])
