@@ -106,6 +106,18 @@ def test_interrupt_while_replacing_keeps_the_old_export(src, tmp_path, monkeypat
 
 
 def test_ctrl_c_during_the_swap_waits_until_the_new_export_is_in(src, tmp_path, monkeypatch):
+    # a Ctrl-C as a user's process gets it: SIGINT unblocked in the main thread, Python's default handler (in the
+    # full suite an earlier test leaves one of them changed: this test then saw no KeyboardInterrupt at all)
+    old_mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    old_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _swap_with_ctrl_c(src, tmp_path, monkeypatch)
+    finally:
+        signal.signal(signal.SIGINT, old_handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
+def _swap_with_ctrl_c(src, tmp_path, monkeypatch):
     out = tmp_path / "out"
     export(src, out, quiet=True)
     (out / "marker").write_text("old")
