@@ -10,8 +10,8 @@ Each step is resumable (its output is appended or checkpointed; running the same
 
 Prompts (no model or dataset hub: packages only): the English questions of `chatterbot-corpus` (BSD; the first
 turn of each conversation), and tasks over the Python 3.11 documentation's reST sources (`python3.11-doc`, PSF
-licence): explain a glossary term, summarise a paragraph, say what a code example does, rewrite a sentence simply.
-The 24 prompts of bench/llamacpp.py are held out (none is in the set; checked). The target is the fetched int8
+licence): explain a glossary term, summarise a paragraph, say what a code example does, rewrite a sentence simply;
+and everyday requests over common nouns of WordNet 3.0 (`wordnet-base`; general_prompts). The 24 prompts of bench/llamacpp.py are held out (none is in the set; checked). The target is the fetched int8
 export (`specbeam fetch smollm2`): the answers and the teacher's top-k come from the graph the draft will serve,
 so the draft learns what this target says, rounding included.
 
@@ -87,7 +87,7 @@ ITEMS = ["notebooks", "apples", "tickets", "pencils", "shirts", "cups of coffee"
 
 
 def _download(work: Path) -> tuple[Path, Path, Path]:
-    """The two source packages, downloaded once into work/src (pip and apt, the user's own settings)."""
+    """The three source packages, downloaded once into work/src (pip and apt, the user's own settings)."""
     src = work / "src"
     src.mkdir(parents=True, exist_ok=True)
     wheels = list(src.glob("chatterbot_corpus-*.whl"))
