@@ -31,12 +31,16 @@ ROOT = Path(__file__).resolve().parents[1]
 PLAIN = {"greedy": "greedy plain", "beam4": "beam4 plain", "sample4": "sample4 plain"}
 
 
-def arms(target, draft, gguf, threads: int, max_new: int, ids_max: int, with_llama: bool = True):
-    """name -> run(ids) -> (tokens, seconds, stats or None)."""
+def arms(target, draft, gguf, threads: int, max_new: int, ids_max: int, with_llama: bool = True,
+         plain_target=None, only=None):
+    """name -> run(ids) -> (tokens, seconds, stats or None). plain_target: the target without its lookahead head
+    for the plain arms (what a user without the head runs; the head costs every pass, plain ones too). only:
+    substrings of the arms to keep (the plain arms of the kinds kept always run)."""
     from specbeam_edge import Engine, SpeculativeConfig
 
-    plain = Engine(target, threads=threads)
+    plain = Engine(plain_target or target, threads=threads)
     spec = Engine(target, draft=draft, threads=threads)
+    head = spec.target.ahead is not None
     forced = SpeculativeConfig(adaptive=False)
     chain = SpeculativeConfig(adaptive=False, budget=6, max_depth=6, max_branch_width=1, draft_width=1)
     sample_tree = SpeculativeConfig(adaptive=False, drafter="sample")
@@ -74,17 +78,29 @@ def arms(target, draft, gguf, threads: int, max_new: int, ids_max: int, with_lla
         "sample4 plain": ours(plain, None, **sample4),
         "sample4 draft": ours(spec, sample_tree, **sample4),
     })
+    if head:     # the target's own lookahead head (no draft model): adaptive, and forced with 1 and 2 guesses
+        out.update({
+            "greedy ahead adaptive": ours(spec, SpeculativeConfig(drafter="ahead"), **greedy),
+            "greedy ahead forced": ours(spec, SpeculativeConfig(drafter="ahead", adaptive=False), **greedy),
+            "greedy ahead forced1": ours(spec, SpeculativeConfig(drafter="ahead", adaptive=False,
+                                                                 max_branch_width=1), **greedy),
+            "beam4 ahead adaptive": ours(spec, SpeculativeConfig(drafter="ahead"), **beam4),
+        })
+    if only:
+        out = {k: v for k, v in out.items() if k in PLAIN.values() and any(k.startswith(o.split()[0]) for o in only)
+               or "llama.cpp" in k or any(o in k for o in only)}
     return out, plain
 
 
 def bench(target, draft, gguf, *, n_prompts: int = 24, max_new: int = 128, threads: int = 2, with_llama=True,
-          out=sys.stderr) -> dict:
+          out=sys.stderr, plain_target=None, only=None) -> dict:
     from specbeam_edge.tokenizer import Tokenizer
 
     tok = Tokenizer(target)                        # the prompts' ids, without loading the model a second time
     prompts = PROMPTS[:n_prompts]
     ids = [prompt_ids(tok, p) for p in prompts]
-    runs, plain = arms(target, draft, gguf, threads, max_new, max(len(i) for i in ids), with_llama)
+    runs, plain = arms(target, draft, gguf, threads, max_new, max(len(i) for i in ids), with_llama,
+                       plain_target=plain_target, only=only)
     eos = set(plain.eos)
     for run in runs.values():                      # warm-up: first-call costs (and the invariance check) untimed
         run(ids[0], 8)
@@ -172,7 +188,8 @@ def plot(data: dict, path: Path):
     names = list(data["median_tokens_per_second"])
     fig, ax = plt.subplots(figsize=(8, 3.8))
     vals = [data["median_tokens_per_second"][k] for k in names]
-    colors = ["#999" if "llama" in k else "#4a7" if "draft" in k else "#47a" for k in names]
+    colors = ["#999" if "llama" in k else "#4a7" if "draft" in k else "#c73" if "ahead" in k else "#47a"
+              for k in names]
     ax.barh(names[::-1], vals[::-1], color=colors[::-1])
     for i, (k, v) in enumerate(zip(names[::-1], vals[::-1])):
         r = data["median_ratio_to_plain"].get(k)
@@ -181,6 +198,34 @@ def plot(data: dict, path: Path):
            title=f"SmolLM2-135M int8, {data['prompts']} prompts x {data['max_new_tokens']} tokens, "
                  f"{data['threads']} threads")
     save_figure(fig, path)
+
+
+def headless_copy(target, dst: Path):
+    """The fetched target without its lookahead head (export.ahead.strip_head), for the plain arms; None when the
+    target has no head. Made once (the graph's digest recorded beside it)."""
+    import onnx
+
+    from export import ahead
+    from specbeam_edge.contract import file_sha256
+
+    target = Path(target)
+    cfg = json.loads((target / "specbeam_config.json").read_text())
+    if not cfg.get("ahead"):
+        return None
+    digest = file_sha256(target / "model.onnx")
+    if (dst / "source.sha256").is_file() and (dst / "source.sha256").read_text() == digest:
+        return dst
+    import shutil
+
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(target, dst, ignore=shutil.ignore_patterns("model.onnx"))
+    model = onnx.load(str(target / "model.onnx"))
+    ahead.strip_head(model)
+    onnx.save(model, str(dst / "model.onnx"))
+    cfg.pop("ahead")
+    (dst / "specbeam_config.json").write_text(json.dumps(cfg, indent=1))
+    (dst / "source.sha256").write_text(digest)
+    return dst
 
 
 def default_inputs():
@@ -196,13 +241,21 @@ def default_inputs():
 def main(argv=None) -> int:
     ap = run_parser("python -m bench.smollm2", __doc__, prompts=24)
     ap.add_argument("--no_llama", action="store_true", help="leave llama.cpp out (no llamacpp extra)")
+    ap.add_argument("--arms", default=None,
+                    help="comma-separated substrings of the arms to run, e.g. 'greedy ahead,greedy draft' (each "
+                         "kind's plain arm and llama.cpp always run)")
+    ap.add_argument("--plain_target", default=None,
+                    help="the target without its lookahead head for the plain arms (default: a head-less copy "
+                         "of the fetched graph, made once into --out)")
     a = ap.parse_args(argv)
     target, draft, gguf = default_inputs()
+    out = Path(a.out)
+    plain_target = a.plain_target or headless_copy(target, out / "models" / "smollm2-headless")
     data = bench(target, draft, gguf, n_prompts=a.prompts, max_new=a.max_new, threads=a.threads,
-                 with_llama=not a.no_llama)
+                 with_llama=not a.no_llama, plain_target=plain_target,
+                 only=[x.strip() for x in a.arms.split(",")] if a.arms else None)
     data["pass_costs"] = pass_costs(target, draft, a.threads)
     data["machine"] = common.machine()
-    out = Path(a.out)
     common.write(out, "smollm2", data)
     plot(data, out / "smollm2.png")
     print(json.dumps({k: data[k] for k in data if k != "rows"}, indent=1))

@@ -225,7 +225,7 @@ class GenerationConfig:
         return cls(**base)
 
 
-DRAFTERS = ("beam", "best_first", "sample", "lookup")
+DRAFTERS = ("beam", "best_first", "sample", "lookup", "ahead")
 # Draft nodes per target pass by default. 80, not 48: at K = 4 the default width is 16 nodes a level, so 48 nodes
 # gave three levels (at most 4 steps per pass) and the shipped pair 2.37 steps; 80 gives five levels and 2.61
 # (100 held-out lines, identical output). K = 1 and 2 are bound by max_depth, not by the budget, below 80
@@ -242,7 +242,9 @@ class SpeculativeConfig:
     as in SpecExec and EAGLE-2; 0: every level up to max_depth); `drafter`: 'beam' (draft beam search, AtSpeed),
     'best_first' (cumulative draft log-prob with per-depth decay, SpecExec), 'sample' (draft beam
     sampling, the only drafter whose trees may be verified with the p/q rule of do_sample=True), or
-    'lookup' (prompt lookup: n-gram continuations from the prompt and the beam itself; no draft model);
+    'lookup' (prompt lookup: n-gram continuations from the prompt and the beam itself; no draft model), or
+    'ahead' (the target's own lookahead head, export/ahead.py: up to max_branch_width guesses of the token after
+    each beam's next one, verified in the next pass; no draft model);
     `with_lookup`: 'beam' and 'best_first' also put prompt-lookup spans into the same tree, the budget split
     between the two by their measured acceptance (draft.MergedDrafter).
     `draft_width`: nodes per level of the 'beam' drafter (default max(K, max_branch_width, min(4K, budget // 2)):

@@ -40,6 +40,9 @@ OUTPUT_KINDS = ("logits", "topk", "both")
 LOGITS = "logits"
 TOPK_INPUT = "topk"
 TOPK_OUTPUTS = ["topk_logprobs", "topk_ids"]
+# a lookahead head (export/ahead.py, config `ahead`): per node, its guesses of the token after the node's best next
+# token (log-probs, ids [batch, n_new, guesses]); read with the top-k outputs
+AHEAD_OUTPUTS = ["ahead_logprobs", "ahead_ids"]
 
 
 def past_names(i: int | str) -> tuple[str, str]:

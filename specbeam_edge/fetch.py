@@ -64,6 +64,9 @@ class Source:
     draft: str | None = None  # the draft trained here: its folder under the shipped models/ (weights without
                               # the embedding, which is the target's); built beside the target by fetch
     draft_pays: bool = False  # measured faster than plain search: `--model NAME` then uses the draft by default
+    ahead: str | None = None  # the lookahead head trained here (export/ahead.py): its folder under models/,
+                              # attached to the fetched target's graph by fetch
+    ahead_pays: bool = False  # measured faster than plain search: `--model NAME` then speculates with it
 
 
 SOURCES = {
@@ -73,7 +76,7 @@ SOURCES = {
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         license="Apache-2.0", precision="int8", output="both", download_mb=93, need_mb=700,
         description="SmolLM2-135M-Instruct (HuggingFaceTB), Q4_1 GGUF: 30 layers x 576, vocabulary 49,152, "
-                    "ChatML chat template", draft="smollm2/draft"),
+                    "ChatML chat template", draft="smollm2/draft", ahead="smollm2/ahead"),
 }
 # the model folder's name is accepted wherever the short name is
 _ALIASES = {s.folder: s.name for s in SOURCES.values()}
@@ -289,7 +292,9 @@ def fetch(name: str, *, force: bool = False, quiet: bool = False, log=None) -> P
     dst = folder(src.name)
     shipped = _shipped_draft(src)
     draft_ok = not shipped or draft_is_current(src.name)
-    if is_complete(dst) and not force and draft_ok:
+    head = _shipped_ahead(src)
+    head_ok = head is None or ahead_is_current(src.name)
+    if is_complete(dst) and not force and draft_ok and head_ok:
         log(f"{src.name} is already fetched: {dst} (--force exports it again)")
         return dst
     missing = missing_export_modules()
@@ -310,6 +315,8 @@ def fetch(name: str, *, force: bool = False, quiet: bool = False, log=None) -> P
             if draft_path(src.name) and not force:
                 log("the shipped draft weights changed since its draft was built; building the draft again")
             _build_draft(src, dst, quiet, log)
+        if head is not None and (force or not ahead_is_current(src.name)):
+            _attach_ahead(src, dst, log)
         return dst
 
 
@@ -394,6 +401,54 @@ def draft_is_current(name: str) -> bool:
     except (OSError, ValueError):
         return False
     return built == draft_digest(shipped)
+
+
+def _shipped_ahead(src: Source) -> Path | None:
+    """The shipped lookahead head of `src` (models/<src.ahead>), when this installation has the models/ folder."""
+    path = models_root() / src.ahead if src.ahead else None
+    return path if path is not None and (path / "ahead.safetensors").is_file() else None
+
+
+def ahead_digest(shipped: Path) -> str:
+    """One SHA-256 over the shipped head's files, recorded in the target's config when it is attached."""
+    h = hashlib.sha256()
+    for name in ("card.json", "ahead.safetensors"):
+        h.update(f"{name}:{file_sha256(shipped / name)}\n".encode())
+    return h.hexdigest()
+
+
+def ahead_is_current(name: str) -> bool:
+    """The fetched target of `name` carries the lookahead head this installation ships (none shipped: True)."""
+    shipped = _shipped_ahead(source(name))
+    if shipped is None:
+        return True
+    try:
+        cfg = json.loads((folder(name) / "specbeam_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (cfg.get("ahead") or {}).get("digest") == ahead_digest(shipped)
+
+
+def _attach_ahead(src: Source, target: Path, log) -> None:
+    """Attach (or replace) the shipped lookahead head on the fetched target's graph (a few seconds)."""
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    try:
+        ahead = importlib.import_module("specbeam_export.ahead")
+    except ModuleNotFoundError:
+        ahead = importlib.import_module("export.ahead")
+    shipped = _shipped_ahead(src)
+    log(f"attaching the lookahead head from {shipped}")
+    w = {k: v.astype(np.float32) if v.dtype == np.float16 else v
+         for k, v in load_file(str(shipped / "ahead.safetensors")).items()}
+    card = json.loads((shipped / "card.json").read_text())
+    try:
+        ahead.attach(target, w, w.pop("token_ids"), guesses=int(card["guesses"]), digest=ahead_digest(shipped),
+                     replace=True)
+    except OSError as e:
+        raise FetchError(_os_message(e, data_dir())) from None
+    log(f"{src.name} has its lookahead head: {target}")
 
 
 DRAFT_COPIES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")

@@ -164,12 +164,14 @@ def add_speculation_args(ap: argparse.ArgumentParser, *, draft_help: str, sampli
     s.add_argument("--no_draft", action="store_true",
                    help="no draft model: plain search even where a default draft exists (with --drafter lookup: "
                         "prompt lookup alone)")
-    drafters = ("beam", "best_first", "sample", "lookup") if sampling else ("beam", "best_first", "lookup")
+    drafters = ("beam", "best_first", "sample", "lookup", "ahead") if sampling else \
+        ("beam", "best_first", "lookup", "ahead")
     s.add_argument("--drafter", choices=drafters, default=None,
                    help="tree growth: draft beam search (AtSpeed; the default), best-first by draft log-prob "
                         "(SpecExec), " + ("draft beam sampling (the only one for --do_sample; the default then), "
                                           if sampling else "") +
-                        "or prompt lookup (n-gram continuations; needs no draft model)")
+                        "prompt lookup (n-gram continuations; needs no draft model), or the target's own "
+                        "lookahead head (`ahead`: a model that has one, e.g. a fetched smollm2; no draft model)")
     s.add_argument("--budget", type=budget_arg, default=DEFAULT_BUDGET,
                    help="draft tree nodes per target pass, or 'auto' (chosen from the measured pass-cost curve)")
     s.add_argument("--max_depth", type=positive_int, default=6, help="tree levels below each beam")
@@ -193,8 +195,9 @@ def add_speculation_args(ap: argparse.ArgumentParser, *, draft_help: str, sampli
 
 def speculative_from_args(args, *, draft: str | None, sample: bool = False) -> SpeculativeConfig | None:
     """The flags of add_speculation_args -> SpeculativeConfig, or None (plain search) without a draft model
-    (`draft`, as the tool resolved it) unless --drafter lookup, or with --no_draft and another drafter."""
-    if args.drafter != "lookup" and (args.no_draft or draft is None):
+    (`draft`, as the tool resolved it) unless --drafter lookup or ahead (no draft model), or with --no_draft and
+    another drafter."""
+    if args.drafter not in ("lookup", "ahead") and (args.no_draft or draft is None):
         return None
     return speculative_config(drafter=args.drafter or ("sample" if sample else "beam"), budget=args.budget,
                               max_depth=args.max_depth, max_branch_width=args.max_branch_width,

@@ -341,7 +341,10 @@ class Engine:
         if outside:
             raise ValueError(f"eos_token_id {outside[0]} is outside the model's vocabulary "
                              f"(0-{self.target.cfg.vocab_size - 1}): generation could never stop on it")
-        use_draft = spec is not None and (self.draft is not None or spec.drafter == "lookup")
+        use_draft = spec is not None and (self.draft is not None or spec.drafter in ("lookup", "ahead"))
+        if use_draft and spec.drafter == "ahead" and not self.target.ahead:
+            raise ValueError(f"drafter='ahead' needs a target with a lookahead head; {self.target.folder} has none "
+                             f"(attach one with export.ahead.attach, as `specbeam fetch smollm2` does)")
         if use_draft:
             spec.check_against(gen.num_beams)
             if gen.do_sample != (spec.drafter == "sample"):
@@ -372,7 +375,14 @@ class Engine:
                                   temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p, seed=gen.seed,
                                   spec=spec if use_draft else None, **extra)
         grow = chooser = budget_for = None
-        if use_draft:
+        ahead = 0
+        if use_draft and spec.drafter == "ahead":
+            # the target's own lookahead head guesses the token after each beam's next one: no draft model,
+            # max_branch_width guesses per beam (at most the head's own number)
+            ahead = min(spec.max_branch_width, int(self.target.ahead["guesses"]))
+            budget_for = lambda load, total=spec.budget: max(gen.num_beams, total // load)   # noqa: E731
+            chooser = self._chooser(gen, spec) if spec.adaptive and drafter is None else None
+        elif use_draft:
             # the budget is per target pass, shared by the requests in it: a lone request drafts a big tree, a busy
             # batch small ones (a batch of 32 with 48 nodes each made 1,500-node passes, and adaptive speculation's
             # probes of them cost 40% of a 64-line job); "auto" takes the largest pass the measured cost curve
@@ -406,7 +416,7 @@ class Engine:
                            repetition_penalty=gen.repetition_penalty,
                            grow=grow, chooser=chooser, topk=topk,
                            budget_for=budget_for, constraints=constraints,
-                           min_finished=gen.num_return_sequences, **extra)
+                           min_finished=gen.num_return_sequences, ahead=ahead, **extra)
 
     def _statics(self, sources: list[list[int]], batch: int) -> list:
         """Per request, static(with_draft) -> (target's, draft's) encoder outputs, or None for decoder-only

@@ -72,17 +72,26 @@ def _top_ids(x: np.ndarray, w: int) -> np.ndarray:
 
 
 class TopKOutput:
-    """A top-k head's log-probs [Q, k] (sorted, best first) and token ids [Q, k] of Q scored nodes."""
+    """A top-k head's log-probs [Q, k] (sorted, best first) and token ids [Q, k] of Q scored nodes; with a
+    lookahead head (export/ahead.py) also each node's guesses of the token after its best next token
+    (`ahead_ids`, `ahead_logprobs` [Q, guesses], best first)."""
 
-    def __init__(self, logprobs: np.ndarray, ids: np.ndarray):
+    def __init__(self, logprobs: np.ndarray, ids: np.ndarray, ahead_logprobs: np.ndarray | None = None,
+                 ahead_ids: np.ndarray | None = None):
         self.logprobs, self.ids = logprobs, ids
+        self.ahead_logprobs, self.ahead_ids = ahead_logprobs, ahead_ids
+
+    def _ahead(self, rows) -> tuple:
+        return (None, None) if self.ahead_ids is None else (self.ahead_logprobs[rows], self.ahead_ids[rows])
 
     def take(self, rows) -> "TopKOutput":
-        return TopKOutput(self.logprobs[rows], self.ids[rows])
+        return TopKOutput(self.logprobs[rows], self.ids[rows], *self._ahead(rows))
 
     def limit(self, k: int | None) -> "TopKOutput":
         """The first k entries of each row (a batched pass runs with the largest k its requests asked for)."""
-        return self if k is None else TopKOutput(self.logprobs[:, :k], self.ids[:, :k])
+        if k is None:
+            return self
+        return TopKOutput(self.logprobs[:, :k], self.ids[:, :k], self.ahead_logprobs, self.ahead_ids)
 
     def log_probs(self) -> np.ndarray:
         raise ValueError("a top-k head has no full distribution (sampling needs a logits head)")
@@ -100,14 +109,17 @@ class TopKOutput:
     def join(parts: list["TopKOutput"]) -> "TopKOutput":
         if len(parts) == 1:
             return parts[0]
-        return TopKOutput(np.concatenate([p.logprobs for p in parts]), np.concatenate([p.ids for p in parts]))
+        ahead = (None, None) if any(p.ahead_ids is None for p in parts) else \
+            (np.concatenate([p.ahead_logprobs for p in parts]), np.concatenate([p.ahead_ids for p in parts]))
+        return TopKOutput(np.concatenate([p.logprobs for p in parts]), np.concatenate([p.ids for p in parts]), *ahead)
 
 
 def wrap(raw) -> list:
     """A batched model.forward head output (logits [B, n_new, V], or a top-k head's (logprobs, ids) pair of
-    [B, n_new, k]) -> one object per batch row."""
+    [B, n_new, k], followed by a lookahead head's (logprobs, ids) [B, n_new, guesses]) -> one object per batch
+    row."""
     if isinstance(raw, tuple):
-        return [TopKOutput(logp, ids) for logp, ids in zip(*raw)]
+        return [TopKOutput(*row) for row in zip(*raw)]
     return [DenseOutput(x) for x in raw]
 
 

@@ -11,7 +11,7 @@ import onnxruntime as ort
 
 from .config import ModelConfig, ModelFolderError
 from .contract import (HIDDEN, KEY_POSITIONS, LAYER_HIDDEN_OUT, LAYER_PAST, LAYER_PRESENT, LOGITS, TOKEN_INPUTS,
-                       TOPK_INPUT, TOPK_OUTPUTS, head_io, past_names, present_names)
+                       TOPK_INPUT, TOPK_OUTPUTS, AHEAD_OUTPUTS, head_io, past_names, present_names)
 from .offload import LayerStore, layer_nbytes, plan
 from .providers import CUDA, ProviderError, cuda_session, default_providers, wants_cuda
 
@@ -98,6 +98,12 @@ class OnnxCausalLM:
         # their top-k outputs and any other with their logits; onnxruntime returns only the outputs asked for
         head_inputs, all_heads = head_io(cfg.output)
         self.has_topk = bool(head_inputs)
+        # a lookahead head (export/ahead.py): its guesses come back beside the top-k outputs of every run
+        self.ahead = cfg.raw.get("ahead")
+        self.ahead_outputs = list(AHEAD_OUTPUTS) if self.ahead else []
+        if self.ahead and (cfg.layout != "whole" or not self.has_topk):
+            raise ModelFolderError(f"{self.folder}: a lookahead head needs the whole layout and a top-k head; "
+                                   f"export again with --output_kind both")
         # per-request inputs fixed for the whole request (e.g. cross-attention K/V of an encoder-decoder)
         self.static_inputs = list(cfg.raw.get("static_inputs", []))
         if self.static_inputs and cfg.layout != "whole":
@@ -110,7 +116,8 @@ class OnnxCausalLM:
             self.needs_key_positions = _declares(self.sess, KEY_POSITIONS)
             want_in = {*TOKEN_INPUTS, *[n for p in self.past_names for n in p],
                        *([KEY_POSITIONS] if self.needs_key_positions else []), *self.static_inputs}
-            self._check_io(self.sess, want_in | set(head_inputs), {*all_heads, *self.present_flat}, cfg.files["model"])
+            self._check_io(self.sess, want_in | set(head_inputs), {*all_heads, *self.present_flat, *self.ahead_outputs},
+                           cfg.files["model"])
         else:
             self.embed = _session(self.folder / cfg.files["embed"], threads, providers, spin)
             self.layer = _session(self.folder / cfg.files["layer"], threads, providers, spin)
@@ -146,7 +153,7 @@ class OnnxCausalLM:
         """The head outputs a run returns: a top-k head's (log-probs, ids), a logits head's logits, and a 'both'
         head's top-k when the run gives a k, else its logits."""
         if self.cfg.output == "topk" or (self.cfg.output == "both" and topk):
-            return TOPK_OUTPUTS
+            return TOPK_OUTPUTS + self.ahead_outputs
         return [LOGITS]
 
     @staticmethod

@@ -77,7 +77,7 @@ class ExactSearch:
                  length_penalty: float, early_stopping, min_new_tokens: int, no_repeat_ngram_size: int = 0,
                  repetition_penalty: float = 1.0, grow=None, chooser=None,
                  topk: int | None = None, prompt_len: int | None = None, static=None, process=None,
-                 budget_for=None, constraints: Constraints | None = None, min_finished: int = 1):
+                 budget_for=None, constraints: Constraints | None = None, min_finished: int = 1, ahead: int = 0):
         self.tree = TokenTree()
         self.chain_len = len(ids)
         kind, extra = (BeamSearch, {}) if constraints is None else \
@@ -90,6 +90,9 @@ class ExactSearch:
         self.target = TreeCache(target_lm, self.tree)
         self.draft = TreeCache(draft_lm, self.tree) if grow is not None else None
         self.grow, self.chooser, self.topk = grow, chooser, topk
+        # ahead: guesses per beam from the target's own lookahead head (export/ahead.py), instead of a drafter
+        self.ahead = ahead
+        self.speculative = grow is not None or ahead > 0
         self.static, self.process = static, process
         self.rows: dict[int, tuple[object, int]] = {}     # scored node -> (pass output, row)
         self.stats = Stats(prompt_tokens=self.chain_len)
@@ -112,11 +115,11 @@ class ExactSearch:
         while not bs.done:
             tp = time.perf_counter()
             chooser = self.chooser.at(ctx.load) if self.chooser is not None else None
-            speculate = self.grow is not None and (chooser is None or chooser.choose(ctx.pass_id))
+            speculate = self.speculative and (chooser is None or chooser.choose(ctx.pass_id))
             steps0, depth0 = stats.beam_steps, self.tree.depths[self.bs.running[0]]
             drafted = (yield from self._grow(self.budget_for(ctx.load))) if speculate else []
             yield from self._score(drafted)
-            stats.plain_passes += self.grow is not None and not speculate
+            stats.plain_passes += self.speculative and not speculate
             yield from self._replay(set(drafted))
             self._commit(speculate)
             if chooser is not None and stats.target_passes > 1:   # the first pass carries the prefill
@@ -138,6 +141,10 @@ class ExactSearch:
 
     # 1. grow a draft tree below every running beam
     def _grow(self, budget: int):
+        if self.ahead:
+            drafted = self._guesses(budget)
+            self.stats.draft_tokens_proposed += len(drafted)
+            return drafted
         stats, td, d0 = self.stats, time.perf_counter(), self.draft.passes
         drafted = yield from self.grow(self.draft, self.bs.running, list(self.bs.scores), budget)
         own = self.bs.proposals()                  # constraint phrases (none for plain beam search)
@@ -147,6 +154,24 @@ class ExactSearch:
         stats.draft_tokens_proposed += len(drafted)
         stats.draft_seconds += time.perf_counter() - td
         return drafted
+
+    def _guesses(self, budget: int) -> list[int]:
+        """The lookahead head's tree: below each running beam that is its scored parent's best next token, the
+        head's guesses (from the parent's row) of the token after it, at most `budget` nodes. A beam that is not
+        its parent's best token gets none: the head guessed for the best one."""
+        out = []
+        for n in dict.fromkeys(self.bs.running):
+            row = self.rows.get(self.tree.parents[n])
+            if row is None:
+                continue
+            head, j = row
+            if head.ahead_ids is None or int(head.ids[j, 0]) != self.tree.tokens[n]:
+                continue
+            for t in head.ahead_ids[j, :self.ahead].tolist():
+                if len(out) >= budget:
+                    return out
+                out.append(self.tree.add(n, int(t)))
+        return list(dict.fromkeys(out))
 
     # 2. one target pass over every node that is not scored yet (pending beams and the tree)
     def _score(self, drafted: list[int]):
@@ -178,9 +203,11 @@ class ExactSearch:
     def _commit(self, speculated: bool):
         if self.target.compact(self.bs.running):
             self.rows = {n: r for n, r in self.rows.items() if n in self.target}
-        if speculated and self.draft.model is not None:   # a draft that sat a pass out catches up when next used
+        if self.draft is None or self.draft.model is None:
+            return
+        if speculated:   # a draft that sat a pass out catches up when next used
             self.draft.compact(self.bs.running)
-        elif self.draft is not None and self.draft.model is not None:
+        else:
             self.draft.drop_padding()     # sitting out: hold its own slots, not the rows of a batch that moved on
 
 

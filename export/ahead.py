@@ -1,0 +1,213 @@
+"""The lookahead head: a small network inside the target graph that guesses the token after the target's own next
+token, so greedy search can verify two tokens per target pass with no draft model (DESIGN "Lookahead head").
+
+For every scored node (row t) the target computes its final hidden state h_t (`final_h`, the input of lm_head)
+and its best next token a_t (`topk_ids[..., 0]`). The head reads both, EAGLE-style, and predicts what the target
+will say after a_t:
+
+    z = [h_t, E[a_t]]                               # E: the target's own embedding table (the Gather of input_ids)
+    u = silu(z @ W1 + b1)                           # [2H] -> [H]
+    y = rmsnorm(h_t + u @ W2 + b2) * g              # a guess of the next row's final hidden state
+    s = log_softmax(y @ E_sub^T)                    # over S frequent tokens (E_sub: rows of E, the tied head)
+    ahead_logprobs, ahead_ids = top-m of s          # m guesses, as token ids of the whole vocabulary
+
+The head is a side branch: nothing the target's logits, top-k or KV cache depend on changes (tests/test_ahead.py
+checks them bit for bit), so exact search stays exact whatever the head guesses; the guesses only decide which
+nodes the next pass scores. Its MatMuls run in fp32, or in the target's per-row int8 for int8 targets (about 5 M
+multiply-adds a row at SmolLM2-135M's size with S = 8,192, 4% of the target's).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto
+from onnx import helper as oh
+from onnx import numpy_helper as onh
+
+AHEAD_OUTPUTS = ["ahead_logprobs", "ahead_ids"]
+FINAL_HIDDEN = "final_h"
+WEIGHTS = ("w1", "b1", "w2", "b2", "norm")
+
+
+def _embedding_table(g: onnx.GraphProto) -> str:
+    """The tensor the graph's token embedding Gathers rows from (an initializer, or the output of its Cast or
+    DequantizeLinear for fp16 / int8w storage)."""
+    for n in g.node:
+        if n.op_type == "Gather" and len(n.input) == 2 and n.input[1] == "input_ids":
+            return n.input[0]
+    raise ValueError("no token embedding (a Gather of input_ids) in the graph: a whole-layout decoder-only "
+                     "export is needed")
+
+
+def check_graph(model: onnx.ModelProto) -> None:
+    g = model.graph
+    names = {o for n in g.node for o in n.output}
+    outs = {o.name for o in g.output}
+    if FINAL_HIDDEN not in names or "topk_ids" not in outs:
+        raise ValueError("the lookahead head needs a whole-layout decoder-only graph with a top-k head "
+                         "(export with --output_kind both or topk)")
+    if any(o in outs for o in AHEAD_OUTPUTS):
+        raise ValueError("the graph already has a lookahead head")
+
+
+def add_head(model: onnx.ModelProto, weights: dict[str, np.ndarray], token_ids: np.ndarray, guesses: int,
+             eps: float, int8: bool = False, reduce_range: bool = True) -> None:
+    """Add the lookahead head to `model` in place (see the module docstring). weights: w1 [2H, H], b1 [H],
+    w2 [H, H], b2 [H], norm [H] (fp32); token_ids: the S vocabulary ids of the head's output rows. int8: its
+    three MatMuls in the target's per-row int8 (export/quant.py; for int8 targets: onnxruntime runs the head in
+    every pass, plain ones included, and its weights then stream 4x fewer bytes, 6 MB instead of 23 MB at
+    SmolLM2-135M's size)."""
+    check_graph(model)
+    g = model.graph
+    emb = _embedding_table(g)
+    table = {t.name: t for t in g.initializer}.get(emb)
+    if table is None:
+        raise ValueError(f"the embedding {emb} is not an initializer; export with -p fp32 or int8")
+    E = onh.to_array(table).astype(np.float32)
+    token_ids = np.asarray(token_ids, np.int64)
+    if token_ids.ndim != 1 or len(token_ids) < guesses or token_ids.min() < 0 or token_ids.max() >= E.shape[0]:
+        raise ValueError(f"the head's token ids must be {guesses} or more ids of the vocabulary (0-{E.shape[0] - 1})")
+    H = E.shape[1]
+    shapes = {"w1": (2 * H, H), "b1": (H,), "w2": (H, H), "b2": (H,), "norm": (H,)}
+    for k, shape in shapes.items():
+        if tuple(weights[k].shape) != shape:
+            raise ValueError(f"lookahead weight {k} has shape {tuple(weights[k].shape)}, the graph needs {shape}")
+    p = "ahead."
+    inits = [onh.from_array(np.asarray(weights[k], np.float32), p + k) for k in WEIGHTS]
+    inits += [onh.from_array(np.ascontiguousarray(E[token_ids].T), p + "head"),     # [H, S]
+              onh.from_array(token_ids, p + "token_ids"),
+              onh.from_array(np.array(0, np.int64), p + "zero"),
+              onh.from_array(np.array([guesses], np.int64), p + "m")]
+    nodes = [
+        oh.make_node("Gather", ["topk_ids", p + "zero"], [p + "next"], axis=-1),      # [B, n]: the target's best
+        oh.make_node("Gather", [emb, p + "next"], [p + "e"], axis=0),                  # [B, n, H]
+        oh.make_node("Concat", [FINAL_HIDDEN, p + "e"], [p + "z"], axis=-1),
+        oh.make_node("MatMul", [p + "z", p + "w1"], [p + "u0"]),
+        oh.make_node("Add", [p + "u0", p + "b1"], [p + "u1"]),
+        oh.make_node("Sigmoid", [p + "u1"], [p + "sig"]),
+        oh.make_node("Mul", [p + "u1", p + "sig"], [p + "u"]),
+        oh.make_node("MatMul", [p + "u", p + "w2"], [p + "v0"]),
+        oh.make_node("Add", [p + "v0", p + "b2"], [p + "v1"]),
+        oh.make_node("Add", [p + "v1", FINAL_HIDDEN], [p + "y0"]),
+        oh.make_node("RMSNormalization", [p + "y0", p + "norm"], [p + "y"], axis=-1, epsilon=eps),
+        oh.make_node("MatMul", [p + "y", p + "head"], [p + "s"]),
+        oh.make_node("LogSoftmax", [p + "s"], [p + "lp"], axis=-1),
+        oh.make_node("TopK", [p + "lp", p + "m"], [AHEAD_OUTPUTS[0], p + "idx"], axis=-1),
+        oh.make_node("Gather", [p + "token_ids", p + "idx"], [AHEAD_OUTPUTS[1]], axis=0),
+    ]
+    if int8:
+        nodes, inits = _rowwise(nodes, inits, [FINAL_HIDDEN, "topk_ids", emb], reduce_range)
+        have = {t.name for t in g.initializer}
+        inits = [t for t in inits if t.name not in have]     # quant.py's shared constants, already in an int8 graph
+    for i, n in enumerate(nodes):
+        n.name = f"{p}{i}.{n.op_type}"
+    g.node.extend(nodes)
+    g.initializer.extend(inits)
+    g.output.extend([oh.make_tensor_value_info(AHEAD_OUTPUTS[0], TensorProto.FLOAT, ["batch", "n_new", guesses]),
+                     oh.make_tensor_value_info(AHEAD_OUTPUTS[1], TensorProto.INT64, ["batch", "n_new", guesses])])
+
+
+def _rowwise(nodes, inits, inputs: list[str], reduce_range: bool):
+    """The head's nodes and weights with its MatMuls in per-row int8 (quant.rowwise_int8 over the head alone)."""
+    from .quant import rowwise_int8
+
+    sub = oh.make_model(oh.make_graph(nodes, "ahead", [oh.make_tensor_value_info(n, TensorProto.FLOAT, None)
+                                                       for n in inputs],
+                                      [oh.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in AHEAD_OUTPUTS],
+                                      inits))
+    rowwise_int8(sub, reduce_range=reduce_range)
+    return list(sub.graph.node), list(sub.graph.initializer)
+
+
+def strip_head(model: onnx.ModelProto) -> bool:
+    """Remove a lookahead head from `model` in place (its nodes, weights and outputs); whether it had one."""
+    g = model.graph
+    had = any(o.name in AHEAD_OUTPUTS for o in g.output)
+    keep_nodes = [n for n in g.node if not any(o.startswith("ahead.") or o in AHEAD_OUTPUTS for o in n.output)]
+    keep_inits = [t for t in g.initializer if not t.name.startswith("ahead.")]
+    keep_outs = [o for o in g.output if o.name not in AHEAD_OUTPUTS]
+    for field, items in ((g.node, keep_nodes), (g.initializer, keep_inits), (g.output, keep_outs)):
+        kept = [type(x)() for x in items]
+        for k, x in zip(kept, items):
+            k.CopyFrom(x)
+        del field[:]
+        field.extend(kept)
+    return had
+
+
+def with_hidden_output(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of `model` that also returns `final_h` [batch, n_new, H] (the lookahead recipe's features)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    if FINAL_HIDDEN not in {o.name for o in out.graph.output}:
+        out.graph.output.append(oh.make_tensor_value_info(FINAL_HIDDEN, TensorProto.FLOAT, ["batch", "n_new", None]))
+    return out
+
+
+def attach(folder: str | Path, weights: dict[str, np.ndarray], token_ids, *, guesses: int = 2,
+           digest: str | None = None, replace: bool = False) -> dict:
+    """Add the lookahead head to an exported folder's model.onnx and record it in specbeam_config.json
+    (`ahead`). Each file is written beside the old one and renamed in: the graph first, then the config, so a
+    killed attach leaves a graph whose head the config does not name yet (the runtime then ignores it, and the
+    next attach replaces it). digest: what the head was built from (fetch.py attaches it again when the shipped
+    weights change); replace: swap an existing head. Returns the config entry."""
+    folder = Path(folder)
+    cfg_path = folder / "specbeam_config.json"
+    cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    if cfg.get("layout") != "whole" or cfg.get("output") not in ("both", "topk") or cfg.get("encoder_decoder"):
+        raise ValueError(f"{folder}: the lookahead head needs a whole-layout decoder-only export with "
+                         f"--output_kind both or topk")
+    path = folder / cfg["files"]["model"]
+    model = onnx.load(str(path))
+    if "ahead" in cfg and not replace:
+        raise ValueError(f"{folder} already has a lookahead head (replace=True swaps it)")
+    strip_head(model)          # also a head whose config entry a killed attach did not write
+    quant = cfg.get("quantization") or {}
+    add_head(model, weights, np.asarray(token_ids), guesses, _rms_eps(model), int8=cfg.get("precision") == "int8",
+             reduce_range=bool(quant.get("reduce_range", True)))
+    tmp = path.with_name(path.name + ".ahead.tmp")
+    onnx.save(model, str(tmp))
+    entry = {"outputs": AHEAD_OUTPUTS, "guesses": guesses, "tokens": int(len(token_ids)), "digest": digest}
+    cfg["ahead"] = entry
+    cfg_tmp = cfg_path.with_name(cfg_path.name + ".tmp")
+    cfg_tmp.write_text(json.dumps(cfg, indent=1), encoding="utf-8")
+    tmp.replace(path)
+    cfg_tmp.replace(cfg_path)
+    return entry
+
+
+def _rms_eps(model: onnx.ModelProto) -> float:
+    """The epsilon of the graph's final RMSNormalization (the head normalises as the target does)."""
+    for n in model.graph.node:
+        if FINAL_HIDDEN in n.output:
+            for a in n.attribute:
+                if a.name == "epsilon":
+                    return a.f
+    return 1e-5
+
+
+def random_weights(hidden: int, seed: int = 0, scale: float = 0.02) -> dict[str, np.ndarray]:
+    """Untrained head weights (tests): a head that guesses, still a valid one."""
+    rng = np.random.default_rng(seed)
+    return {"w1": (rng.standard_normal((2 * hidden, hidden)) * scale).astype(np.float32),
+            "b1": np.zeros(hidden, np.float32),
+            "w2": (rng.standard_normal((hidden, hidden)) * scale).astype(np.float32),
+            "b2": np.zeros(hidden, np.float32), "norm": np.ones(hidden, np.float32)}
+
+
+def reference(h: np.ndarray, next_ids: np.ndarray, E: np.ndarray, weights: dict, token_ids, guesses: int,
+              eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """The head in numpy (tests, and the recipe's check of a trained head): (log-probs, ids) [..., guesses]."""
+    z = np.concatenate([h, E[next_ids]], axis=-1)
+    u = z @ weights["w1"] + weights["b1"]
+    u = u / (1 + np.exp(-u))
+    y = h + u @ weights["w2"] + weights["b2"]
+    y = y / np.sqrt((y * y).mean(-1, keepdims=True) + eps) * weights["norm"]
+    s = y @ E[np.asarray(token_ids)].T
+    s = s - s.max(-1, keepdims=True)
+    lp = s - np.log(np.exp(s).sum(-1, keepdims=True))
+    idx = np.argsort(-lp, axis=-1, kind="stable")[..., :guesses]
+    return np.take_along_axis(lp, idx, -1), np.asarray(token_ids)[idx]

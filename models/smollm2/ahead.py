@@ -1,0 +1,284 @@
+"""The SmolLM2-135M-Instruct lookahead head, trained here (export/ahead.py; DESIGN "Lookahead head").
+
+The head guesses the token after the target's own next token from the target's final hidden state and that
+next token's embedding. It trains on the target's greedy answers (models/smollm2/draft.py `prompts` and
+`answers`, run first with the same --work), so on these sequences the token after row t is the target's own
+choice at t and the label is its choice at t + 1. Each step is resumable:
+
+    python models/smollm2/ahead.py features --work $W      # the fetched int8 target's final_h and top-8 per answer row
+    python models/smollm2/ahead.py train    --work $W      # the head (checkpointed: work/ahead_ckpt.pt)
+    python models/smollm2/ahead.py save     --work $W      # models/smollm2/ahead/ (shipped; fetch attaches it)
+
+Objective: cross-entropy on the target's next-next token plus KL to the target's top-8 at that row (renormalised
+over the head's tokens), AdamW with a cosine schedule. The output rows are the target's tied embedding for the
+`--head` most frequent answer tokens, frozen: the head only learns to move h_t towards the next row's hidden
+state.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from models.smollm2.draft import _sequences, head_tokens, target_folder  # noqa: E402
+
+OUT = ROOT / "models" / "smollm2" / "ahead"
+
+
+def _target_session(threads: int):
+    """The fetched target's graph with final_h as an extra output; its embedding table; its rms epsilon."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    from onnx import numpy_helper as onh
+
+    from export import ahead
+    from specbeam_edge.model import session_options
+
+    folder = target_folder()
+    model = onnx.load(str(folder / "model.onnx"))
+    table = ahead._embedding_table(model.graph)
+    E = next(onh.to_array(t) for t in model.graph.initializer if t.name == table).astype(np.float32)
+    eps = ahead._rms_eps(model)
+    sess = ort.InferenceSession(ahead.with_hidden_output(model).SerializeToString(), session_options(threads),
+                                providers=["CPUExecutionProvider"])
+    return sess, E, eps
+
+
+def _feed(ids, layers: int):
+    import numpy as np
+
+    T = len(ids)
+    mask = np.where(np.tril(np.ones((T, T), bool)), np.float32(0), np.float32(-3.4028234663852886e38))
+    f = {"input_ids": np.array([ids], np.int64), "position_ids": np.arange(T)[None],
+         "attention_mask": mask[None, None].astype(np.float32), "topk": np.array([8], np.int64)}
+    z = np.zeros((1, 3, 0, 64), np.float32)
+    for i in range(layers):
+        f[f"past_key_values.{i}.key"] = f[f"past_key_values.{i}.value"] = z
+    return f
+
+
+def features(args) -> None:
+    """Per greedy answer: final_h (fp16) at the rows that predict answer tokens 1..n-1, the token after each (the
+    answer's own), the label two ahead, and the target's top-8 at the label's row; work/ahead_feats/*.npz."""
+    import numpy as np
+
+    work = Path(args.work)
+    out = work / "ahead_feats"
+    out.mkdir(exist_ok=True)
+    sess, _, _ = _target_session(args.threads)
+    layers = sum(1 for i in sess.get_inputs() if i.name.endswith(".key"))
+    kv_shape = next(i.shape for i in sess.get_inputs() if i.name.endswith(".key"))
+    if kv_shape[1] != 3 or kv_shape[3] != 64:
+        raise SystemExit(f"unexpected KV shape {kv_shape}: this recipe is for SmolLM2-135M")
+    n, t0 = 0, time.time()
+    for rid, kind, prompt, answer in _sequences(work):
+        path = out / f"{rid}_{kind}.npz"
+        if kind != "greedy" or path.exists() or len(answer) < 3:
+            continue
+        ids = prompt + answer
+        lp, top, h = sess.run(["topk_logprobs", "topk_ids", "final_h"], _feed(ids, layers))
+        P = len(prompt)
+        rows = np.arange(P - 1, len(ids) - 2)        # row t: predicts ids[t+1]; the head's label is ids[t+2]
+        tmp = path.with_suffix(".tmp.npz")
+        np.savez(tmp, h=h[0, rows].astype(np.float16), next=np.asarray(ids)[rows + 1].astype(np.int32),
+                 label=np.asarray(ids)[rows + 2].astype(np.int32), top_ids=top[0, rows + 1].astype(np.int32),
+                 top_lp=lp[0, rows + 1].astype(np.float16))
+        os.replace(tmp, path)
+        n += 1
+        if n % 100 == 0:
+            print(f"{n} sequences, {time.time() - t0:.0f} s", flush=True)
+    print(f"{n} sequences; {len(list(out.glob('*.npz')))} in {out}")
+
+
+def _load(work: Path):
+    import numpy as np
+
+    train, val = [], []
+    for path in sorted((work / "ahead_feats").glob("*.npz")):
+        rid = int(path.stem.split("_")[0])
+        d = dict(np.load(path))
+        (val if rid % 20 == 0 else train).append(d)
+    cat = lambda ds: {k: np.concatenate([d[k] for d in ds]) for k in ds[0]}   # noqa: E731
+    return cat(train), cat(val)
+
+
+class Head:
+    """The head in torch, as export/ahead.py builds it in the graph."""
+
+    def __init__(self, E, token_ids, eps: float):
+        import torch
+
+        H = E.shape[1]
+        self.E = torch.from_numpy(E)                                   # frozen: the target's embedding
+        self.out = torch.from_numpy(E[token_ids]).T.contiguous()       # [H, S], frozen tied rows
+        self.eps = eps
+        g = torch.Generator().manual_seed(0)
+        self.w1 = (torch.randn(2 * H, H, generator=g) * (1 / math.sqrt(2 * H))).requires_grad_()
+        self.b1 = torch.zeros(H, requires_grad=True)
+        self.w2 = torch.zeros(H, H, requires_grad=True)                # starts as "the next row is this row"
+        self.b2 = torch.zeros(H, requires_grad=True)
+        self.norm = torch.ones(H, requires_grad=True)
+
+    def params(self):
+        return [self.w1, self.b1, self.w2, self.b2, self.norm]
+
+    def state(self) -> dict:
+        return {k: getattr(self, k).detach().clone() for k in ("w1", "b1", "w2", "b2", "norm")}
+
+    def load(self, state: dict):
+        import torch
+
+        with torch.no_grad():
+            for k, v in state.items():
+                getattr(self, k).copy_(v)
+
+    def logits(self, h, nxt):
+        import torch
+
+        u = torch.nn.functional.silu(torch.cat([h, self.E[nxt]], -1) @ self.w1 + self.b1)
+        y = h + u @ self.w2 + self.b2
+        y = y * torch.rsqrt((y * y).mean(-1, keepdim=True) + self.eps) * self.norm
+        return y @ self.out
+
+
+def train(args) -> None:
+    import numpy as np
+    import torch
+
+    torch.set_num_threads(args.threads)
+    work = Path(args.work)
+    tr, va = _load(work)
+    _, E, eps = _target_session(1)
+    tokens = head_tokens(work, args.head, always=(2,))
+    index = np.full(E.shape[0], -1, np.int64)
+    index[tokens] = np.arange(len(tokens))
+    head = Head(E, np.asarray(tokens), eps)
+    opt = torch.optim.AdamW(head.params(), lr=args.lr, weight_decay=0.0)
+    N = len(tr["label"])
+    steps_per_epoch = max(1, N // args.batch)
+    total = steps_per_epoch * args.epochs
+    ckpt = work / "ahead_ckpt.pt"
+    step = 0
+    if ckpt.exists():
+        st = torch.load(ckpt, weights_only=False)
+        head.load(st["head"])
+        opt.load_state_dict(st["opt"])
+        step = st["step"]
+    T = lambda a, dt=None: torch.from_numpy(np.asarray(a) if dt is None else np.asarray(a, dt))   # noqa: E731
+
+    def batch_tensors(d, rows):
+        h = T(d["h"][rows], np.float32)
+        lab = T(index[d["label"][rows]])
+        tid = index[d["top_ids"][rows]]
+        tlp = np.where(tid >= 0, d["top_lp"][rows].astype(np.float32), -np.inf)
+        return h, T(d["next"][rows].astype(np.int64)), lab, T(np.maximum(tid, 0)), T(tlp)
+
+    def evaluate():
+        with torch.no_grad():
+            hits = hits2 = 0
+            for s in range(0, len(va["label"]), 8192):
+                rows = np.arange(s, min(s + 8192, len(va["label"])))
+                h, nxt, lab, _, _ = batch_tensors(va, rows)
+                top = head.logits(h, nxt).topk(2, -1).indices
+                hits += int((top[:, 0] == lab).sum())
+                hits2 += int(((top == lab[:, None]).any(-1) & (lab >= 0)).sum())
+        n = len(va["label"])
+        return {"top1": round(hits / n, 4), "top2": round(hits2 / n, 4), "positions": n}
+
+    print(f"train {N} positions, val {len(va['label'])}, head {len(tokens)} tokens "
+          f"(covers {np.mean(index[tr['label']] >= 0):.3f} of labels); start {evaluate()}", flush=True)
+    rng = np.random.default_rng(step)
+    last = time.time()
+    log = open(work / "ahead_log.jsonl", "a")
+    while step < total:
+        rows = rng.integers(0, N, args.batch)
+        h, nxt, lab, tid, tlp = batch_tensors(tr, rows)
+        lr = args.lr * min(1.0, (step + 1) / args.warmup) * 0.5 * (1 + math.cos(math.pi * step / total))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        logits = head.logits(h, nxt)
+        logp = torch.log_softmax(logits, -1)
+        ok = lab >= 0
+        ce = -(logp[ok].gather(1, lab[ok, None])).mean()
+        # KL to the target's top-8 at the label's row, renormalised over the entries inside the head
+        q = torch.softmax(tlp, -1)
+        kd = -(q * torch.where(torch.isfinite(tlp), logp.gather(1, tid), torch.zeros(()))).sum(-1).mean()
+        loss = ce + args.kd_weight * kd
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        step += 1
+        if step % 50 == 0 or step == total:
+            rec = {"step": step, "loss": round(float(loss), 4), "ce": round(float(ce), 4), "lr": lr}
+            if step % 200 == 0 or step == total:
+                rec.update(evaluate())
+            print(rec, flush=True)
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+        if time.time() - last > 60 * args.ckpt_minutes or step == total:
+            tmp = ckpt.with_suffix(".tmp")
+            torch.save({"head": head.state(), "opt": opt.state_dict(), "step": step, "token_ids": tokens,
+                        "eps": eps, "val": evaluate()}, tmp)
+            os.replace(tmp, ckpt)
+            last = time.time()
+
+
+def save(args) -> None:
+    """models/smollm2/ahead/: ahead.safetensors (fp16 weights and the head's token ids) and card.json."""
+    import numpy as np
+    import torch
+    from safetensors.numpy import save_file
+
+    work, out = Path(args.work), Path(args.out)
+    st = torch.load(work / "ahead_ckpt.pt", weights_only=False)
+    out.mkdir(parents=True, exist_ok=True)
+    weights = {k: v.to(torch.float16).numpy() for k, v in st["head"].items()}
+    weights["token_ids"] = np.asarray(st["token_ids"], np.int64)
+    save_file(weights, str(out / "ahead.safetensors"), metadata={"embedding": "the target's (not stored)"})
+    log = [json.loads(l) for l in open(work / "ahead_log.jsonl")]
+    card = {"guesses": args.guesses, "eps": st["eps"], "tokens": len(st["token_ids"]), "steps": st["step"],
+            "held_out": st["val"], "log": log}
+    (out / "card.json").write_text(json.dumps(card, indent=1) + "\n")
+    print(f"{out}: {sum(v.nbytes for v in weights.values()) / 1e6:.1f} MB; held out {st['val']}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    f = sub.add_parser("features")
+    f.add_argument("--work", required=True)
+    f.add_argument("--threads", type=int, default=2)
+    t = sub.add_parser("train")
+    t.add_argument("--work", required=True)
+    t.add_argument("--threads", type=int, default=2)
+    t.add_argument("--head", type=int, default=8192, help="tokens in the head's output rows")
+    t.add_argument("--epochs", type=int, default=4)
+    t.add_argument("--batch", type=int, default=1024)
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--warmup", type=int, default=50)
+    t.add_argument("--kd_weight", type=float, default=1.0)
+    t.add_argument("--ckpt_minutes", type=float, default=3)
+    s = sub.add_parser("save")
+    s.add_argument("--work", required=True)
+    s.add_argument("--out", default=str(OUT))
+    s.add_argument("--guesses", type=int, default=2)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    {"features": features, "train": train, "save": save}[args.cmd](args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

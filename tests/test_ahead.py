@@ -1,0 +1,166 @@
+"""The lookahead head (export/ahead.py): a side branch of the target graph that guesses the token after each
+node's best next token. Attaching it leaves every target output bit for bit as it was; its guesses equal the
+numpy reference; speculation with it (drafter='ahead', no draft model) equals plain search, and with guesses
+that are right it scores two tokens a pass."""
+import shutil
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from export import ahead
+from specbeam_edge import Engine, SpeculativeConfig
+from specbeam_edge.model import OnnxCausalLM
+from specbeam_edge.search import ExactSearch
+from helpers import assert_same_hypotheses
+
+PROMPTS = [[3, 17, 33, 8, 99, 41, 7], [250, 12, 9, 77]]
+GUESSES = 2
+
+
+@pytest.fixture(scope="module")
+def folders(exported, tmp_path_factory):
+    """The same tiny target with and without a (random) lookahead head."""
+    plain = exported("llama", output="both", std=0.3, seed=3)
+    with_head = tmp_path_factory.mktemp("ahead") / "target"
+    shutil.copytree(plain, with_head)
+    cfg = OnnxCausalLM(plain).cfg
+    rng = np.random.default_rng(5)
+    tokens = np.sort(rng.choice(cfg.vocab_size, 40, replace=False))
+    weights = ahead.random_weights(cfg.hidden_size, seed=1, scale=0.3)
+    ahead.attach(with_head, weights, tokens, guesses=GUESSES, digest="test")
+    return {"plain": plain, "ahead": str(with_head), "weights": weights, "tokens": tokens}
+
+
+def _tree_inputs(m, n_past=5):
+    """A prompt pass, then a branching tree pass over it (the inputs of the second)."""
+    rng = np.random.default_rng(0)
+    ids = rng.integers(3, m.cfg.vocab_size, (1, n_past))
+    _, past = m.forward(ids, np.arange(n_past)[None], np.tril(np.ones((n_past, n_past), bool))[None, None],
+                        m.empty_past())
+    tree = np.array([[11, 12, 13, 14]])
+    mask = np.ones((1, 1, 4, n_past + 4), bool)
+    mask[0, 0, :, n_past:] = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [0, 0, 0, 1]], bool)
+    return tree, np.array([[n_past, n_past + 1, n_past + 1, n_past]]), mask, past
+
+
+def test_attaching_the_head_leaves_every_target_output_as_it_was(folders):
+    a, b = OnnxCausalLM(folders["plain"]), OnnxCausalLM(folders["ahead"])
+    assert b.ahead["guesses"] == GUESSES and a.ahead is None
+    ids, pos, mask, past = _tree_inputs(a)
+    for topk in (None, 5):
+        ha, pa = a.forward(ids, pos, mask, past, topk=topk)
+        hb, pb = b.forward(ids, pos, mask, past, topk=topk)
+        if topk is None:
+            np.testing.assert_array_equal(ha, hb)
+        else:
+            assert len(hb) == 4                      # top-k log-probs, ids, then the head's guesses
+            np.testing.assert_array_equal(ha[0], hb[0])
+            np.testing.assert_array_equal(ha[1], hb[1])
+            assert hb[2].shape == hb[3].shape == (1, 4, GUESSES)
+        for (ka, va), (kb, vb) in zip(pa, pb):
+            np.testing.assert_array_equal(ka, kb)
+            np.testing.assert_array_equal(va, vb)
+
+
+def test_the_guesses_are_the_heads_arithmetic(folders):
+    """The graph's guesses equal export.ahead.reference over the graph's own final hidden state."""
+    m = OnnxCausalLM(folders["ahead"])
+    model = onnx.load(str(m.folder / "model.onnx"))
+    sess = ort.InferenceSession(ahead.with_hidden_output(model).SerializeToString(),
+                                providers=["CPUExecutionProvider"])
+    ids, pos, mask, past = _tree_inputs(m)
+    feed = {"input_ids": ids, "position_ids": pos, "attention_mask": m.additive_mask(mask),
+            "topk": np.array([3], np.int64)}
+    for (kn, vn), (k, v) in zip(m.past_names, past):
+        feed[kn], feed[vn] = k, v
+    top, lp, gid, h = sess.run(["topk_ids", "ahead_logprobs", "ahead_ids", "final_h"], feed)
+    E = next(onnx.numpy_helper.to_array(t) for t in model.graph.initializer if t.name == "embed.weight")
+    ref_lp, ref_ids = ahead.reference(h, top[..., 0], E, folders["weights"], folders["tokens"], GUESSES,
+                                      ahead._rms_eps(model))
+    np.testing.assert_array_equal(gid, ref_ids)
+    np.testing.assert_allclose(lp, ref_lp, atol=1e-4)
+    assert set(np.unique(gid)) <= set(folders["tokens"].tolist())
+
+
+@pytest.mark.parametrize("K", [1, 2, 4])
+def test_speculation_with_the_head_equals_plain_search(folders, K):
+    ref, fast = Engine(folders["plain"]), Engine(folders["ahead"])
+    spec = SpeculativeConfig(drafter="ahead", adaptive=False, budget=8, max_branch_width=GUESSES)
+    for prompt in PROMPTS:
+        [a] = ref.generate(prompt, num_beams=K, max_new_tokens=14, num_return_sequences=K)
+        [b] = fast.generate(prompt, num_beams=K, max_new_tokens=14, num_return_sequences=K, speculative=spec)
+        # tokens exactly; scores to 1e-5: an fp32 graph's sums round by the rows in a pass in the last bit on
+        # CPUs with AVX-512 (as with a draft model; DESIGN "Per-row int8")
+        assert_same_hypotheses(a, b)
+        if K == 1:
+            assert b.stats.draft_tokens_proposed > 0 and b.stats.draft_passes == 0
+
+
+def test_right_guesses_give_two_tokens_a_pass(folders, monkeypatch):
+    """An oracle in the head's place (each row's guess set to the token plain greedy search says next): every
+    guess is taken, so every pass after the prompt's gives two tokens, and the output is still plain search's. The search's own
+    proposal code runs; only the head's numbers are replaced."""
+    ref, fast = Engine(folders["plain"]), Engine(folders["ahead"])
+    spec = SpeculativeConfig(drafter="ahead", adaptive=False, budget=4, max_branch_width=1)
+    original = ExactSearch._guesses
+    for prompt in PROMPTS:
+        [a] = ref.generate(prompt, num_beams=1, max_new_tokens=16, min_new_tokens=16)
+        seq = list(prompt) + list(a.hypotheses[0].tokens)
+
+        def oracle(self, budget, seq=seq):
+            for n in self.bs.running:
+                p = self.tree.parents[n]
+                if p in self.rows and self.tree.depths[n] + 1 < len(seq):
+                    head, j = self.rows[p]
+                    head.ahead_ids[j, 0] = seq[self.tree.depths[n] + 1]
+            return original(self, budget)
+
+        monkeypatch.setattr(ExactSearch, "_guesses", oracle)
+        [b] = fast.generate(prompt, num_beams=1, max_new_tokens=16, min_new_tokens=16, speculative=spec)
+        monkeypatch.setattr(ExactSearch, "_guesses", original)
+        assert b.hypotheses[0].tokens == a.hypotheses[0].tokens
+        # the prompt's pass gives one token (no guess yet), every later pass two
+        assert b.stats.target_passes == 1 + -(-(16 - 1) // 2)
+
+
+def test_the_head_needs_a_target_that_has_one(folders):
+    eng = Engine(folders["plain"])
+    with pytest.raises(ValueError, match="lookahead head"):
+        eng.generate(PROMPTS[0], num_beams=1, max_new_tokens=4, speculative=SpeculativeConfig(drafter="ahead"))
+    with pytest.raises(ValueError, match="already has a lookahead head"):
+        ahead.attach(folders["ahead"], folders["weights"], folders["tokens"])
+
+
+def test_an_int8_targets_head_runs_in_int8_and_leaves_the_target_as_it_was(exported, tmp_path):
+    """On an int8 target the head's MatMuls are per-row int8 too (onnxruntime runs the head in every pass): the
+    target's outputs stay bit for bit, and the guesses are the fp32 reference's on nearly every row."""
+    src = exported("llama", precision="int8", output="both", std=0.3, seed=3)
+    dst = tmp_path / "int8"
+    shutil.copytree(src, dst)
+    a = OnnxCausalLM(src)
+    rng = np.random.default_rng(2)
+    tokens = np.sort(rng.choice(a.cfg.vocab_size, 40, replace=False))
+    weights = ahead.random_weights(a.cfg.hidden_size, seed=1, scale=0.3)
+    ahead.attach(dst, weights, tokens, guesses=GUESSES)
+    b = OnnxCausalLM(dst)
+    model = onnx.load(str(dst / "model.onnx"))
+    assert sum(n.op_type == "MatMulInteger" and n.output[0].startswith("ahead.") for n in model.graph.node) == 3
+    ids, pos, mask, past = _tree_inputs(a)
+    ha, pa = a.forward(ids, pos, mask, past, topk=5)
+    hb, pb = b.forward(ids, pos, mask, past, topk=5)
+    np.testing.assert_array_equal(ha[0], hb[0])
+    np.testing.assert_array_equal(ha[1], hb[1])
+    for (ka, va), (kb, vb) in zip(pa, pb):
+        np.testing.assert_array_equal(kb, ka)
+    sess = ort.InferenceSession(ahead.with_hidden_output(model).SerializeToString(),
+                                providers=["CPUExecutionProvider"])
+    feed = {"input_ids": ids, "position_ids": pos, "attention_mask": b.additive_mask(mask),
+            "topk": np.array([3], np.int64)}
+    for (kn, vn), (k, v) in zip(b.past_names, past):
+        feed[kn], feed[vn] = k, v
+    top, gid, h = sess.run(["topk_ids", "ahead_ids", "final_h"], feed)
+    E = next(onnx.numpy_helper.to_array(t) for t in model.graph.initializer if t.name == "embed.weight")
+    _, ref_ids = ahead.reference(h, top[..., 0], E, weights, tokens, GUESSES, ahead._rms_eps(model))
+    assert (gid[..., 0] == ref_ids[..., 0]).mean() >= 0.75
