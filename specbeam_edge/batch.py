@@ -43,6 +43,7 @@ class ScoreCall:
     nodes: list[int]
     topk: int | None = None
     replayed: bool = False
+    ahead: bool = False      # a target with a lookahead head also returns its guesses (export/ahead.py)
 
 
 def score_batch(calls: list[ScoreCall]) -> list:
@@ -66,7 +67,8 @@ def score_batch(calls: list[ScoreCall]) -> list:
         for group in _buckets([(len(calls[i].cache), len(part)) for i, part in chunk]):
             sub = [chunk[g] for g in group]
             k = (max((calls[i].topk or 0) for i, _ in sub) or None) if use_topk else None
-            for (i, part), out in zip(sub, _one_pass(model, [(calls[i].cache, part) for i, part in sub], k)):
+            ahead = k is not None and any(calls[i].ahead for i, _ in sub)
+            for (i, part), out in zip(sub, _one_pass(model, [(calls[i].cache, part) for i, part in sub], k, ahead)):
                 outs[i].append(out.limit(calls[i].topk))
         todo = [(i, nodes[limit:]) for i, nodes in todo if len(nodes) > limit]
     return [type(o[0]).join(o) if o else heads.empty(c.cache.model) for o, c in zip(outs, calls)]
@@ -98,7 +100,7 @@ def _buckets(shapes: list[tuple[int, int]], min_split: int = 4) -> list[list[int
     return out
 
 
-def _one_pass(model, work: list[tuple[TreeCache, list[int]]], topk: int | None) -> list:
+def _one_pass(model, work: list[tuple[TreeCache, list[int]]], topk: int | None, ahead: bool = False) -> list:
     """The model forward for a batch; appends every request's new KV; returns per-request head outputs."""
     if len(work) == 1 and len(work[0][1]) >= model.min_rows:   # the batch of one: exactly the unpadded pass
         cache, new = work[0]
@@ -107,7 +109,8 @@ def _one_pass(model, work: list[tuple[TreeCache, list[int]]], topk: int | None) 
         kw = {"key_positions": np.concatenate([cache.positions, pos])[None]} if model.needs_key_positions else {}
         if cache.static:
             kw["static"] = {name: a for name, (a, _) in cache.static.items()}
-        out, presents = model.forward(ids[None], pos[None], mask[None, None], cache.past, topk=topk, **kw)
+        out, presents = model.forward(ids[None], pos[None], mask[None, None], cache.past, topk=topk, ahead=ahead,
+                                      **kw)
         cache.record_pass(new, mask, presents)
         return heads.wrap(out)
     shared = _same_batch([cache for cache, _ in work])
@@ -125,7 +128,7 @@ def _one_pass(model, work: list[tuple[TreeCache, list[int]]], topk: int | None) 
     Qm = max(model.min_rows, max(len(new) for _, new in work))
     Nm = max(len(cache) for cache, _ in work)
     results = _one_pass_rows(model, work, inputs, topk, Nm, Qm, shared.presents if shared is not None else None,
-                             gathers)
+                             gathers, ahead)
     return results if shared is None else [results[i] for i in np.argsort(order)]
 
 
@@ -150,7 +153,7 @@ def _same_batch(caches: list[TreeCache], max_padding: float = 0.10, slack: int =
     return shared if longest + slack >= (1 - max_padding) * T else None
 
 
-def _one_pass_rows(model, work, inputs, topk, Nm, Qm, shared_past, gathers) -> list:
+def _one_pass_rows(model, work, inputs, topk, Nm, Qm, shared_past, gathers, ahead: bool = False) -> list:
     """The batched pass proper; shared_past: the batch arrays to feed as they are (rows in work's order); else
     gathers: per request (its arrays, the slots to take or None for all), packed into new padded arrays."""
     B = len(work)
@@ -169,7 +172,7 @@ def _one_pass_rows(model, work, inputs, topk, Nm, Qm, shared_past, gathers) -> l
     kw = {"key_positions": kpos} if model.needs_key_positions else {}
     if work[0][0].static:
         kw["static"] = _batched_static(model, [cache.static for cache, _ in work])
-    out, presents = model.forward(ids, pos, mask, past, topk=topk, **kw)
+    out, presents = model.forward(ids, pos, mask, past, topk=topk, ahead=ahead, **kw)
     presents = [(host(k), host(v)) for k, v in presents]
     batch = None if model.kv_resident or not BATCH_ROWS else BatchKV(presents, Nm, Qm)
     results = []

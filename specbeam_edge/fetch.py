@@ -411,7 +411,9 @@ def _shipped_ahead(src: Source) -> Path | None:
 
 def ahead_digest(shipped: Path) -> str:
     """One SHA-256 over the shipped head's files, recorded in the target's config when it is attached."""
-    h = hashlib.sha256()
+    from .contract import AHEAD_FORM
+
+    h = hashlib.sha256(f"form:{AHEAD_FORM}\n".encode())    # a new form of the head in the graph is attached again
     for name in ("card.json", "ahead.safetensors"):
         h.update(f"{name}:{file_sha256(shipped / name)}\n".encode())
     return h.hexdigest()

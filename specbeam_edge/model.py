@@ -11,7 +11,7 @@ import onnxruntime as ort
 
 from .config import ModelConfig, ModelFolderError
 from .contract import (HIDDEN, KEY_POSITIONS, LAYER_HIDDEN_OUT, LAYER_PAST, LAYER_PRESENT, LOGITS, TOKEN_INPUTS,
-                       TOPK_INPUT, TOPK_OUTPUTS, AHEAD_OUTPUTS, head_io, past_names, present_names)
+                       TOPK_INPUT, TOPK_OUTPUTS, AHEAD_INPUT, AHEAD_OUTPUTS, head_io, past_names, present_names)
 from .offload import LayerStore, layer_nbytes, plan
 from .providers import CUDA, ProviderError, cuda_session, default_providers, wants_cuda
 
@@ -101,6 +101,7 @@ class OnnxCausalLM:
         # a lookahead head (export/ahead.py): its guesses come back beside the top-k outputs of every run
         self.ahead = cfg.raw.get("ahead")
         self.ahead_outputs = list(AHEAD_OUTPUTS) if self.ahead else []
+        self.ahead_input = False     # whether the graph takes AHEAD_INPUT (set below for the whole layout)
         if self.ahead and (cfg.layout != "whole" or not self.has_topk):
             raise ModelFolderError(f"{self.folder}: a lookahead head needs the whole layout and a top-k head; "
                                    f"export again with --output_kind both")
@@ -114,8 +115,12 @@ class OnnxCausalLM:
         if cfg.layout == "whole":
             self.sess = _session(self.folder / cfg.files["model"], threads, providers, spin)
             self.needs_key_positions = _declares(self.sess, KEY_POSITIONS)
+            # a graph whose head the config does not name (an attach killed between its two renames) runs
+            # with the head off
+            self.ahead_input = bool(self.ahead) or _declares(self.sess, AHEAD_INPUT)
             want_in = {*TOKEN_INPUTS, *[n for p in self.past_names for n in p],
-                       *([KEY_POSITIONS] if self.needs_key_positions else []), *self.static_inputs}
+                       *([KEY_POSITIONS] if self.needs_key_positions else []), *self.static_inputs,
+                       *([AHEAD_INPUT] if self.ahead_input else [])}
             self._check_io(self.sess, want_in | set(head_inputs), {*all_heads, *self.present_flat, *self.ahead_outputs},
                            cfg.files["model"])
         else:
@@ -149,11 +154,11 @@ class OnnxCausalLM:
         # the streamed layers share two buffers: one pass at a time per model (threads sharing an Engine)
         self._lock = threading.Lock()
 
-    def head_names(self, topk: int | None) -> list[str]:
+    def head_names(self, topk: int | None, ahead: bool = False) -> list[str]:
         """The head outputs a run returns: a top-k head's (log-probs, ids), a logits head's logits, and a 'both'
-        head's top-k when the run gives a k, else its logits."""
+        head's top-k when the run gives a k, else its logits; then a lookahead head's guesses when asked for."""
         if self.cfg.output == "topk" or (self.cfg.output == "both" and topk):
-            return TOPK_OUTPUTS + self.ahead_outputs
+            return TOPK_OUTPUTS + (self.ahead_outputs if ahead else [])
         return [LOGITS]
 
     @staticmethod
@@ -191,16 +196,17 @@ class OnnxCausalLM:
 
     def forward(self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray,
                 past: list[tuple[np.ndarray, np.ndarray]], topk: int | None = None,
-                key_positions: np.ndarray | None = None, static: dict | None = None):
+                key_positions: np.ndarray | None = None, static: dict | None = None, ahead: bool = False):
         """Score `n_new` tokens.
 
         input_ids, position_ids: int64 [B, n_new]; tree_mask: bool [B, 1, n_new, n_past + n_new] (True = may
         attend); past: per layer (key, value) [B, kv_heads, n_past, head_dim], numpy or (kv_resident) OrtValues.
-        key_positions: int64 [B, n_past + n_new], the position of every key column; needed (and only accepted)
+        ahead: also return a lookahead head's guesses (a model with one, read with a top-k; its head runs only
+        then). key_positions: int64 [B, n_past + n_new], the position of every key column; needed (and only accepted)
         when the graph declares `key_position_ids` (sliding-window layers). static: the graph's `static_inputs`
         (config), batched like input_ids.
         Returns (logits [B, n_new, V] fp32, or (topk_logprobs, topk_ids) for a top-k head and for a 'both' head
-        given `topk`; presents per layer
+        given `topk`, followed by (ahead_logprobs, ahead_ids) when `ahead`; presents per layer
         [B, kv_heads, n_past + n_new, head_dim], OrtValues on the session's device when kv_resident).
         """
         ids = np.ascontiguousarray(input_ids, dtype=np.int64)
@@ -209,7 +215,9 @@ class OnnxCausalLM:
             raise ValueError(f"position {int(pos.max())} exceeds the model's context length {self.cfg.context_length}")
         mask = self.additive_mask(tree_mask)
         extra = {TOPK_INPUT: np.array([topk or 1], np.int64)} if self.has_topk else {}
-        names = self.head_names(topk)
+        names = self.head_names(topk, ahead)
+        if self.ahead_input:
+            extra[AHEAD_INPUT] = np.array([AHEAD_OUTPUTS[0] in names])
         if self.needs_key_positions != (key_positions is not None):
             raise ValueError(f"{self.folder}: key_positions must be given iff the graph declares {KEY_POSITIONS}")
         kpos = {KEY_POSITIONS: np.ascontiguousarray(key_positions, dtype=np.int64)} if self.needs_key_positions else {}

@@ -118,7 +118,8 @@ class ExactSearch:
             speculate = self.speculative and (chooser is None or chooser.choose(ctx.pass_id))
             steps0, depth0 = stats.beam_steps, self.tree.depths[self.bs.running[0]]
             drafted = (yield from self._grow(self.budget_for(ctx.load))) if speculate else []
-            yield from self._score(drafted)
+            # a lookahead head's guesses feed the next pass: computed when that one may speculate
+            yield from self._score(drafted, ahead=self.ahead > 0 and (chooser is None or chooser.peek()))
             stats.plain_passes += self.speculative and not speculate
             yield from self._replay(set(drafted))
             self._commit(speculate)
@@ -174,9 +175,9 @@ class ExactSearch:
         return list(dict.fromkeys(out))
 
     # 2. one target pass over every node that is not scored yet (pending beams and the tree)
-    def _score(self, drafted: list[int]):
+    def _score(self, drafted: list[int], ahead: bool = False):
         new = self.target.missing_ancestors(list(self.bs.running) + drafted)
-        out = yield ScoreCall(self.target, new, self.topk, replayed=True)
+        out = yield ScoreCall(self.target, new, self.topk, replayed=True, ahead=ahead)
         for j, n in enumerate(new):
             if self.tree.depths[n] >= self.chain_len - 1:
                 self.rows[n] = (out, j)

@@ -51,11 +51,12 @@ def test_attaching_the_head_leaves_every_target_output_as_it_was(folders):
     ids, pos, mask, past = _tree_inputs(a)
     for topk in (None, 5):
         ha, pa = a.forward(ids, pos, mask, past, topk=topk)
-        hb, pb = b.forward(ids, pos, mask, past, topk=topk)
+        hb, pb = b.forward(ids, pos, mask, past, topk=topk, ahead=True)
         if topk is None:
             np.testing.assert_array_equal(ha, hb)
         else:
             assert len(hb) == 4                      # top-k log-probs, ids, then the head's guesses
+            assert len(b.forward(ids, pos, mask, past, topk=topk)[0]) == 2       # a pass without the head
             np.testing.assert_array_equal(ha[0], hb[0])
             np.testing.assert_array_equal(ha[1], hb[1])
             assert hb[2].shape == hb[3].shape == (1, 4, GUESSES)
@@ -72,7 +73,7 @@ def test_the_guesses_are_the_heads_arithmetic(folders):
                                 providers=["CPUExecutionProvider"])
     ids, pos, mask, past = _tree_inputs(m)
     feed = {"input_ids": ids, "position_ids": pos, "attention_mask": m.additive_mask(mask),
-            "topk": np.array([3], np.int64)}
+            "topk": np.array([3], np.int64), "ahead_on": np.array([True])}
     for (kn, vn), (k, v) in zip(m.past_names, past):
         feed[kn], feed[vn] = k, v
     top, lp, gid, h = sess.run(["topk_ids", "ahead_logprobs", "ahead_ids", "final_h"], feed)
@@ -146,7 +147,9 @@ def test_an_int8_targets_head_runs_in_int8_and_leaves_the_target_as_it_was(expor
     ahead.attach(dst, weights, tokens, guesses=GUESSES)
     b = OnnxCausalLM(dst)
     model = onnx.load(str(dst / "model.onnx"))
-    assert sum(n.op_type == "MatMulInteger" and n.output[0].startswith("ahead.") for n in model.graph.node) == 3
+    [cond] = [n for n in model.graph.node if n.op_type == "If"]
+    then = next(a.g for a in cond.attribute if a.name == "then_branch")
+    assert sum(n.op_type == "MatMulInteger" for n in then.node) == 3
     ids, pos, mask, past = _tree_inputs(a)
     ha, pa = a.forward(ids, pos, mask, past, topk=5)
     hb, pb = b.forward(ids, pos, mask, past, topk=5)
@@ -157,7 +160,7 @@ def test_an_int8_targets_head_runs_in_int8_and_leaves_the_target_as_it_was(expor
     sess = ort.InferenceSession(ahead.with_hidden_output(model).SerializeToString(),
                                 providers=["CPUExecutionProvider"])
     feed = {"input_ids": ids, "position_ids": pos, "attention_mask": b.additive_mask(mask),
-            "topk": np.array([3], np.int64)}
+            "topk": np.array([3], np.int64), "ahead_on": np.array([True])}
     for (kn, vn), (k, v) in zip(b.past_names, past):
         feed[kn], feed[vn] = k, v
     top, gid, h = sess.run(["topk_ids", "ahead_ids", "final_h"], feed)

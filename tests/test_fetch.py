@@ -46,6 +46,7 @@ def data(tmp_path, monkeypatch):
     monkeypatch.setattr(fetch, "run_export", export)
     monkeypatch.setattr(fetch, "missing_export_modules", lambda: [])
     monkeypatch.setattr(fetch, "_shipped_draft", lambda src: None)     # the draft's own tests give one
+    monkeypatch.setattr(fetch, "_shipped_ahead", lambda src: None)     # and the lookahead head's
     return calls
 
 
@@ -442,3 +443,55 @@ def test_the_fetched_name_brings_its_draft_to_generate_once_it_pays(with_draft, 
     monkeypatch.setitem(fetch.SOURCES, "smollm2", replace(fetch.SOURCES["smollm2"], draft_pays=True))
     assert default_draft("smollm2") == str(fetch.draft_folder("smollm2"))
     assert default_draft(str(fetch.folder("smollm2"))) is None       # a folder names its draft with --draft
+
+
+@pytest.fixture
+def with_head(data, tmp_path, monkeypatch, exported):
+    """A shipped lookahead head (fp16 weights, token ids, card) and an export that copies a tiny real target."""
+    import numpy as np
+
+    from export import ahead
+
+    target = exported("llama", output="both", std=0.3, seed=3)
+    shipped = tmp_path / "models" / "smollm2" / "ahead"
+
+    def ship(seed):
+        from safetensors.numpy import save_file
+
+        shipped.mkdir(parents=True, exist_ok=True)
+        w = {k: v.astype(np.float16) for k, v in ahead.random_weights(64, seed=seed).items()}
+        save_file({**w, "token_ids": np.arange(3, 43, dtype=np.int64)}, str(shipped / "ahead.safetensors"))
+        (shipped / "card.json").write_text(json.dumps({"guesses": 2, "seed": seed}))
+    ship(0)
+    monkeypatch.setattr(fetch, "_shipped_ahead", lambda src: shipped)
+
+    def export(src, dst, precision, output, quiet):
+        data["export"] += 1
+        shutil.copytree(target, dst)
+    monkeypatch.setattr(fetch, "run_export", export)
+    return ship
+
+
+def test_fetch_attaches_the_shipped_lookahead_head_and_again_when_it_changes(with_head, data):
+    from specbeam_edge.model import OnnxCausalLM
+
+    dst = run()
+    cfg = json.loads((dst / "specbeam_config.json").read_text())
+    assert cfg["ahead"]["guesses"] == 2 and fetch.ahead_is_current("smollm2")
+    assert OnnxCausalLM(dst).ahead is not None
+    exports = data["export"]
+    run()
+    assert data["export"] == exports                            # complete and current: nothing to do
+    with_head(1)                                                # an update ships other head weights
+    assert not fetch.ahead_is_current("smollm2")
+    run()
+    assert data["export"] == exports and fetch.ahead_is_current("smollm2")     # attached again, not exported
+    assert OnnxCausalLM(dst).ahead["digest"] != cfg["ahead"]["digest"]
+    # a killed attach: the graph has a head its config does not name; the next fetch attaches it once more
+    cfg = json.loads((dst / "specbeam_config.json").read_text())
+    cfg.pop("ahead")
+    (dst / "specbeam_config.json").write_text(json.dumps(cfg))
+    assert OnnxCausalLM(dst).ahead is None                      # meanwhile the model runs, with the head off
+    run()
+    assert fetch.ahead_is_current("smollm2") and OnnxCausalLM(dst).ahead is not None
+    assert leftovers() == []

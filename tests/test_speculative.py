@@ -144,6 +144,23 @@ def test_pass_chooser_tries_both_then_keeps_the_faster_and_probes():
     assert ch.choose() is True
 
 
+def test_pass_chooser_rates_a_tree_by_its_seconds_over_its_steps():
+    """A tree pass that costs 1.5 plain passes and gives 1 or 3 steps (2 on average: 0.75 s a step) beats plain
+    search (1 s a step). Averaging each pass's seconds / steps instead (1.5 and 0.5: 1.0) called it a tie and
+    kept plain search on half the passes (found with SmolLM2-135M's lookahead head)."""
+    from specbeam_edge.adaptive import PassChooser
+
+    ch = PassChooser(warmup=2, probe_every=4, max_interval=16, smoothing=0.25)
+    steps = iter([3, 1] * 200)
+    seen = []
+    for _ in range(200):
+        arm = ch.choose()
+        seen.append(arm)
+        ch.update(arm, seconds=1.5 if arm else 1.0, steps=next(steps) if arm else 1)
+    assert ch.rate[True] < ch.rate[False]
+    assert sum(seen[20:]) >= 0.9 * len(seen[20:])
+
+
 def test_pass_chooser_stops_trying_a_tree_that_cannot_pay():
     """A tree pass slower per step than plain search even with every drafted level accepted (its best case) ends
     speculation's warm-up at once and is probed only every hopeless_every passes; a tree that could pay is not
