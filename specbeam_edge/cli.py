@@ -17,7 +17,7 @@ from .flags import (DEFAULT_MODELS, PROVIDERS, DefaultsHelp, add_beam_arg,  # no
                     check_prompt_format, check_widths, decoding_constraints, engine_from_args, finite_float,
                     guard_std_streams, parse_size, positive_int, speculative_from_args)
 from . import fetch
-from .fetch import FetchError, default_draft, resolve_model
+from .fetch import FetchError, default_ahead, default_draft, resolve_model
 from .providers import ProviderError
 from .shipped import shipped
 
@@ -57,6 +57,8 @@ def configs(args) -> tuple[dict, SpeculativeConfig | None]:
                      **decoding_constraints(args))
     if getattr(args, "model", None) and args.draft is None and not args.no_draft:
         args.draft = default_draft(args.model)          # a fetched model's own draft (specbeam fetch builds it)
+        if args.draft is None and args.drafter is None and not sample and default_ahead(args.model):
+            args.drafter = "ahead"                      # else its target's own lookahead head, where that pays
     spec = speculative_from_args(args, draft=args.draft, sample=sample)
     return {k: v for k, v in overrides.items() if v is not None}, spec
 

@@ -431,6 +431,14 @@ def ahead_is_current(name: str) -> bool:
     return (cfg.get("ahead") or {}).get("digest") == ahead_digest(shipped)
 
 
+def has_ahead(name: str) -> bool:
+    """The fetched target of `name` carries a lookahead head (its config names one)."""
+    try:
+        return bool(json.loads((folder(name) / "specbeam_config.json").read_text()).get("ahead"))
+    except (OSError, ValueError):
+        return False
+
+
 def _attach_ahead(src: Source, target: Path, log) -> None:
     """Attach (or replace) the shipped lookahead head on the fetched target's graph (a few seconds)."""
     import numpy as np
@@ -514,6 +522,14 @@ def resolve_model(model: str) -> str:
     if Path(model).expanduser().is_dir() or not is_name(model):
         return model
     return str(model_path(model))
+
+
+def default_ahead(model: str) -> bool:
+    """Whether a `--model` value speculates with its target's lookahead head by default: a fetched model's name
+    whose head was measured to pay (Source.ahead_pays) and is attached; a folder: no (pass --drafter ahead)."""
+    if Path(model).expanduser().is_dir() or not is_name(model) or not source(model).ahead_pays:
+        return False
+    return has_ahead(model) and is_complete(folder(model))
 
 
 def default_draft(model: str) -> str | None:

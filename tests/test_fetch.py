@@ -326,7 +326,7 @@ def test_the_chat_model_picker_offers_the_fetched_model(data, tmp_path, monkeypa
     def factory(model, draft=None):
         loaded.append((model, draft))
         return SimpleNamespace(tokenizer=SimpleNamespace(chat_template="{{ messages }}", prompt_format=None),
-                               draft=None)
+                               draft=None, target=SimpleNamespace(ahead=None))
 
     settings = QSettings(str(tmp_path / "settings.ini"), QSettings.Format.IniFormat)
     win = ChatWindow(ChatStore(tmp_path / "chat.sqlite"), engine_factory=factory, settings=settings)
@@ -495,3 +495,25 @@ def test_fetch_attaches_the_shipped_lookahead_head_and_again_when_it_changes(wit
     run()
     assert fetch.ahead_is_current("smollm2") and OnnxCausalLM(dst).ahead is not None
     assert leftovers() == []
+
+
+def test_a_fetched_model_whose_head_pays_speculates_with_it_by_default(with_head, data, monkeypatch):
+    """`specbeam generate --model smollm2`: with its head attached and measured to pay (Source.ahead_pays) the
+    default search speculates with it; --no_draft, another --drafter or sampling keep their meaning."""
+    import argparse
+
+    from specbeam_edge.cli import add_search_args, configs
+
+    run()
+    src = fetch.SOURCES["smollm2"]
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model")
+    add_search_args(ap)
+    spec_of = lambda *flags: configs(ap.parse_args(["--model", "smollm2", *flags]))[1]  # noqa: E731
+    monkeypatch.setitem(fetch.SOURCES, "smollm2", replace(src, ahead_pays=False))
+    assert spec_of() is None
+    monkeypatch.setitem(fetch.SOURCES, "smollm2", replace(src, ahead_pays=True))
+    assert spec_of().drafter == "ahead" and spec_of().adaptive
+    assert spec_of("--no_draft") is None
+    assert spec_of("--drafter", "lookup").drafter == "lookup"
+    assert spec_of("--do_sample") is None

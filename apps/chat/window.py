@@ -103,7 +103,9 @@ def known_models() -> list[tuple[str, str, str]]:
             if draft and src.draft_pays:
                 found.append((f"{src.folder} (fetched, with its draft)", str(have[name]), str(draft)))
                 continue
-            found.append((f"{src.folder} (fetched{'' if draft else ', no draft'})", str(have[name]), ""))
+            head = " with its lookahead head" if fetch.has_ahead(name) else ""
+            found.append((f"{src.folder} (fetched{head}{'' if draft or head else ', no draft'})", str(have[name]),
+                          ""))
             if draft:        # offered, not the default: measured slower than plain search (models/<name>/README)
                 found.append((f"{src.folder} with its draft (trained here; slower than plain so far)",
                               str(have[name]), str(draft)))
@@ -280,7 +282,7 @@ class ChatWindow(QMainWindow):
         self.kind = QLabel("")                 # wraps: what the model does with a message
         self.kind.setWordWrap(True)
         self.kind.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
-        self.speculate = QCheckBox("Speculate with the draft model")
+        self.speculate = QCheckBox("Speculate (the draft model, or the model's own lookahead head)")
         self.speculate.setToolTip("Off: plain beam search on the target alone (same output, for comparison)")
         self.mode = QComboBox()
         self.mode.addItems(MODES)
@@ -423,7 +425,7 @@ class ChatWindow(QMainWindow):
         self.settings.setValue("draft", draft)
         self.pair.setText(self.engine_name)
         self.kind.setText(model_kind(engine.tokenizer, model))
-        self.speculate.setEnabled(engine.draft is not None)
+        self.speculate.setEnabled(engine.draft is not None or engine.target.ahead is not None)
         self._template_changed()
         self.status.setText(f"ready: {self.engine_name}")
         return True
@@ -628,9 +630,10 @@ class ChatWindow(QMainWindow):
         if sample:
             kwargs.update(temperature=self.temperature.value(), seed=int(time.time()))
         spec = None
-        if self.engine.draft is not None and self.speculate.isChecked():
+        head = self.engine.draft is None and self.engine.target.ahead is not None
+        if (self.engine.draft is not None or (head and not sample)) and self.speculate.isChecked():
             d = SPECULATION_DEFAULTS
-            spec = speculative_config(drafter="sample" if sample else "beam",
+            spec = speculative_config(drafter="ahead" if head else "sample" if sample else "beam",
                                       budget=max(self.budget.value(), self.beams.value()), max_depth=d.max_depth,
                                       max_branch_width=d.max_branch_width, draft_width=None, always_speculate=False)
         self.save_settings()
