@@ -33,7 +33,9 @@ def _import_held(module: str, preload: tuple[str, ...]):
             signal.sigwait({sig})       # consume it, so that unblocking does not deliver it
         return main, got
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        # the command then runs with both deliverable, also when whoever started it had them blocked (a test
+        # blocks them before its "launched" marker, so that a signal right after it waits for this function)
+        signal.pthread_sigmask(signal.SIG_SETMASK, old - held)
 
 
 def deliver(signum: int, frame, exc: BaseException) -> None:
