@@ -8,12 +8,15 @@ Arms, alternated prompt by prompt (the order reversed every other prompt), 2 thr
   beam K=4:      plain; with the draft, adaptive; forced
   beam sampling: K=4, do_sample (seeded); with the draft (the draft-sampling tree, forced): speed only, its output
                  is a sample of the same distribution, not the same sample
+  lookahead head (when the fetched target has one; no draft model): greedy adaptive, forced with all its guesses and
+                 with 1; beam K=4 adaptive. The plain arms run a head-less copy of the same graph.
 Reported per arm: median tokens/s (generated tokens, EOS included, over wall time), the median per-prompt ratio
 to its plain arm (and greedy to llama.cpp), beam steps per target pass, draft tokens accepted, and whether every
 speculative output equals its plain output token for token (greedy, K=4).
 
     python -m bench --scenario smollm2                 # 24 prompts, 128 new tokens
     python -m bench.smollm2 --prompts 6 --max_new 64   # a shorter run
+    python -m bench.smollm2 --arms "greedy ahead,beam4 ahead" --tag smollm2_ahead   # the lookahead head's arms
 """
 from __future__ import annotations
 
@@ -244,6 +247,7 @@ def main(argv=None) -> int:
     ap.add_argument("--arms", default=None,
                     help="comma-separated substrings of the arms to run, e.g. 'greedy ahead,greedy draft' (each "
                          "kind's plain arm and llama.cpp always run)")
+    ap.add_argument("--tag", default="smollm2", help="the results' file names (<out>/<tag>.json, .png)")
     ap.add_argument("--plain_target", default=None,
                     help="the target without its lookahead head for the plain arms (default: a head-less copy "
                          "of the fetched graph, made once into --out)")
@@ -256,8 +260,8 @@ def main(argv=None) -> int:
                  only=[x.strip() for x in a.arms.split(",")] if a.arms else None)
     data["pass_costs"] = pass_costs(target, draft, a.threads)
     data["machine"] = common.machine()
-    common.write(out, "smollm2", data)
-    plot(data, out / "smollm2.png")
+    common.write(out, a.tag, data)
+    plot(data, out / f"{a.tag}.png")
     print(json.dumps({k: data[k] for k in data if k != "rows"}, indent=1))
     return 0
 

@@ -21,9 +21,14 @@ class PassChooser:
     numbers: docs/HISTORY.md "Adaptive speculation")."""
 
     def __init__(self, warmup: int = 3, probe_every: int = 16, max_interval: int = 512, smoothing: float = 0.25,
-                 hopeless_every: int = 4096):
+                 hopeless_every: int = 4096, probe_len: int = 1):
         self.warmup, self.probe_every, self.max_interval, self.smoothing = warmup, probe_every, max_interval, smoothing
         self.hopeless_every = hopeless_every
+        # passes per probe, averaged (1: one pass decides): a lookahead head's pass gives 1 step or 2, so one pass
+        # alone said "plain" half the time on prompts where the head paid
+        self.probe_len = probe_len
+        self._probe: tuple[bool, bool] | None = None     # a probe under way: (arm probed, best choice before it)
+        self._probe_taken = 0
         self.rate: dict[bool, float] = {}      # seconds per beam step of each choice
         self.sums: dict[bool, tuple[float, float]] = {}   # its averages of (seconds, steps) per pass
         self.count = {True: 0, False: 0}
@@ -42,12 +47,24 @@ class PassChooser:
     def best(self) -> bool:
         return self.rate[True] <= self.rate[False]
 
+    def new_request(self, after: int = 2) -> None:
+        """A request starts: new text, on which the choice that lost may win (a lookahead head's guesses are
+        taken on 6-50% of a prompt's passes, depending on the prompt): the other choice is probed `after` passes
+        into it, and the interval starts again from probe_every (a tree that cannot pay keeps its long one)."""
+        if len(self.rate) < 2 or min(self.count.values()) < self.warmup or self.cannot_pay():
+            return
+        self.interval = self.probe_every
+        nxt = self.passes + after
+        self.next_probe = nxt if self.next_probe is None else min(self.next_probe, nxt)
+
     def peek(self) -> bool:
         """Whether the next pass will likely speculate, without deciding it: a lookahead-head search computes its
         head's guesses in this pass only when the next one may use them (during warm-up always; afterwards the
         best choice, or the other one when the next pass is a probe)."""
         if len(self.rate) < 2 or min(self.count.values()) < self.warmup:
             return True
+        if self._probe is not None and self._probe_taken + 1 < self.probe_len:
+            return self._probe[0]
         probing = self.next_probe is not None and self.passes + 1 >= self.next_probe
         return (not self.best()) if probing else self.best()
 
@@ -76,8 +93,13 @@ class PassChooser:
             self.next_probe = self.passes + self.interval
         if self.next_probe is None:
             self.next_probe = self.passes + self.interval
+        if self._probe is not None:                   # a probe of several passes goes on
+            return self._probe[0]
         self.probing = self.passes >= self.next_probe
-        return (not self.best()) if self.probing else self.best()
+        if self.probing:
+            self._probe, self._probe_taken = (not self.best(), self.best()), 0
+            return self._probe[0]
+        return self.best()
 
     def update(self, speculated: bool, seconds: float, steps: int, max_steps: int | None = None) -> None:
         """One pass's measurement; max_steps (tree passes): the beam steps it would have given had every drafted
@@ -85,22 +107,26 @@ class PassChooser:
         if speculated and max_steps and self.after_tree:
             best = seconds / max(max_steps, steps)
             self.best_case = best if self.best_case is None else min(self.best_case, best)
-        before = self.best() if len(self.rate) == 2 else None
         k = max(1, steps)
         old = self.sums.get(speculated)
+        probe = self._probe is not None and speculated == self._probe[0]
+        if probe:
+            self._probe_taken += 1
         # a probe is the first look at its choice in a while: its sample replaces the stale average. The rate is
         # the average seconds over the average steps, not an average of each pass's seconds / steps: a tree's
         # steps vary from pass to pass, and the mean of the ratios overstates its cost (a lookahead head on
         # SmolLM2-135M, 1 or 2 steps a pass: 14.1 ms a step against plain's 13.8, while it ran 1.16x faster)
-        if old is None or self.probing:
+        if old is None or (probe and self._probe_taken == 1):
             sec, n = seconds, float(k)
-        else:
-            sec, n = old[0] + self.smoothing * (seconds - old[0]), old[1] + self.smoothing * (k - old[1])
+        else:       # within a probe: the mean of its passes; otherwise the exponential average
+            w = 1 / self._probe_taken if probe else self.smoothing
+            sec, n = old[0] + w * (seconds - old[0]), old[1] + w * (k - old[1])
         self.sums[speculated] = (sec, n)
         self.rate[speculated] = sec / n
         self.count[speculated] += 1
-        if self.probing:
-            self.probing = False
+        if probe and self._probe_taken >= self.probe_len:
+            before = self._probe[1]
+            self.probing, self._probe = False, None
             same = self.best() == before
             if not same:
                 self.interval = self.probe_every
@@ -118,11 +144,12 @@ class ChoosersByLoad:
     depends on how many requests share the pass (measured at batch 16: a chooser that had learnt at batch 1 and
     4 left adaptive speculation at 0.76x plain batching)."""
 
-    def __init__(self):
+    def __init__(self, **chooser):
         self.by_load: dict[int, PassChooser] = {}
+        self.chooser = chooser          # PassChooser's settings
 
     def at(self, load: int) -> PassChooser:
-        return self.by_load.setdefault(1 << (max(1, load).bit_length() - 1), PassChooser())
+        return self.by_load.setdefault(1 << (max(1, load).bit_length() - 1), PassChooser(**self.chooser))
 
 
 def cost_curve(lm, sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), past: int = 32,

@@ -244,8 +244,10 @@ class Engine:
         """Pass choosers per (beams, tree settings) and batch load, kept across requests: what was learnt on
         earlier prompts carries over (a batch job decides after a few lines)."""
         key = (gen.num_beams, gen.length_penalty, replace(spec, adaptive=False))
+        # a lookahead head's pass gives 1 or 2 steps: its probes average 4 passes (docs/DESIGN "Lookahead head")
+        settings = {"probe_len": 4} if spec.drafter == "ahead" else {}
         with self._lock:
-            return self._choosers.setdefault(key, ChoosersByLoad())
+            return self._choosers.setdefault(key, ChoosersByLoad(**settings))
 
     # -- one request's search ------------------------------------------------------------------------------
     def _forced_bos(self, tgt_lang: str | None) -> int | None:

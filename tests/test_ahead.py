@@ -167,3 +167,24 @@ def test_an_int8_targets_head_runs_in_int8_and_leaves_the_target_as_it_was(expor
     E = next(onnx.numpy_helper.to_array(t) for t in model.graph.initializer if t.name == "embed.weight")
     _, ref_ids = ahead.reference(h, top[..., 0], E, weights, tokens, GUESSES, ahead._rms_eps(model))
     assert (gid[..., 0] == ref_ids[..., 0]).mean() >= 0.75
+
+
+def test_the_recipes_torch_head_is_the_graphs_head():
+    """models/smollm2/ahead.py trains `Head`; the graph computes export.ahead's arithmetic: the two agree, so a
+    trained head guesses in the graph what it guessed in training."""
+    torch = pytest.importorskip("torch")
+    from models.smollm2.ahead import Head
+
+    rng = np.random.default_rng(0)
+    E = rng.standard_normal((50, 16)).astype(np.float32)
+    tokens = np.arange(5, 45)
+    head = Head(E, tokens, 1e-5)
+    w = ahead.random_weights(16, seed=3, scale=0.3)
+    w["b1"], w["b2"], w["norm"] = (rng.standard_normal(16).astype(np.float32) for _ in range(3))
+    head.load({k: torch.from_numpy(v) for k, v in w.items()})
+    h, nxt = rng.standard_normal((7, 16)).astype(np.float32), rng.integers(0, 50, 7)
+    with torch.no_grad():
+        lp = torch.log_softmax(head.logits(torch.from_numpy(h), torch.from_numpy(nxt)), -1).numpy()
+    ref_lp, ref_ids = ahead.reference(h, nxt, E, w, tokens, 3, 1e-5)
+    np.testing.assert_array_equal(tokens[np.argsort(-lp, -1)[:, :3]], ref_ids)
+    np.testing.assert_allclose(np.sort(lp, -1)[:, ::-1][:, :3], ref_lp, atol=1e-5)

@@ -161,6 +161,30 @@ def test_pass_chooser_rates_a_tree_by_its_seconds_over_its_steps():
     assert sum(seen[20:]) >= 0.9 * len(seen[20:])
 
 
+@pytest.mark.parametrize("probe_len", [1, 4])
+def test_pass_chooser_probes_of_several_passes_see_a_tree_whose_steps_vary(probe_len):
+    """A tree pass costs 1.5 plain passes and gives 3 steps or 1, every other pass (0.75 s a step against plain's
+    1): after a stretch where it gave 1 step, a chooser whose probe is one pass can keep landing on the 1-step
+    passes and stay with plain search (it did here: 6% of the last passes speculated); probes of 4 passes average
+    the two kinds and return to the tree (the engine's setting for the lookahead head)."""
+    from specbeam_edge.adaptive import PassChooser
+
+    ch = PassChooser(warmup=2, probe_every=4, max_interval=16, probe_len=probe_len)
+
+    def run(n, steps_of):
+        seen = []
+        for _ in range(n):
+            arm = ch.choose()
+            seen.append(arm)
+            ch.update(arm, seconds=1.5 if arm else 1.0, steps=steps_of(ch.passes) if arm else 1)
+        return seen
+    alternating = lambda p: 3 if p % 2 == 0 else 1       # noqa: E731
+    run(40, alternating)
+    run(30, lambda p: 1)
+    back = sum(run(200, alternating)[-50:]) / 50
+    assert (back >= 0.8) if probe_len == 4 else (back < 0.2)
+
+
 def test_pass_chooser_stops_trying_a_tree_that_cannot_pay():
     """A tree pass slower per step than plain search even with every drafted level accepted (its best case) ends
     speculation's warm-up at once and is probed only every hopeless_every passes; a tree that could pay is not

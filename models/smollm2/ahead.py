@@ -45,6 +45,7 @@ def _target_session(threads: int):
 
     folder = target_folder()
     model = onnx.load(str(folder / "model.onnx"))
+    ahead.strip_head(model)          # a head already attached (fetch attaches the shipped one): the target alone
     table = ahead._embedding_table(model.graph)
     E = next(onh.to_array(t) for t in model.graph.initializer if t.name == table).astype(np.float32)
     eps = ahead._rms_eps(model)
@@ -210,15 +211,17 @@ def train(args) -> None:
         ok = lab >= 0
         ce = -(logp[ok].gather(1, lab[ok, None])).mean()
         # KL to the target's top-8 at the label's row, renormalised over the entries inside the head
-        q = torch.softmax(tlp, -1)
-        kd = -(q * torch.where(torch.isfinite(tlp), logp.gather(1, tid), torch.zeros(()))).sum(-1).mean()
+        inside = torch.isfinite(tlp)
+        has = inside.any(-1)                  # a row none of whose top-8 is in the head has no KD term
+        q = torch.softmax(torch.where(has[:, None], tlp, torch.zeros(())), -1) * inside
+        kd = -(q * torch.where(inside, logp.gather(1, tid), torch.zeros(()))).sum(-1)[has].mean()
         loss = ce + args.kd_weight * kd
         opt.zero_grad()
         loss.backward()
         opt.step()
         step += 1
         if step % 50 == 0 or step == total:
-            rec = {"step": step, "loss": round(float(loss), 4), "ce": round(float(ce), 4), "lr": lr}
+            rec = {"step": step, "loss": round(float(loss.detach()), 4), "ce": round(float(ce.detach()), 4), "lr": lr}
             if step % 200 == 0 or step == total:
                 rec.update(evaluate())
             print(rec, flush=True)
