@@ -56,6 +56,36 @@ PROMPTS = [
 
 
 # -- pure parts (tested without llama-cpp-python) -----------------------------------------------------------------
+def cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " amx_int8" in f.read()
+    except OSError:
+        return False
+
+
+def open_llama(gguf, **kw):
+    """llama_cpp.Llama on `gguf`. On CPUs with AMX, without llama.cpp's extra buffer types (use_extra_bufts):
+    llama-cpp-python 0.3.36 built here with its AMX kernels crashed (SIGSEGV in the first decode) on a virtual
+    machine that reports amx_int8; without them it runs, on its AVX-512 kernels (the machine named in each row)."""
+    from llama_cpp import Llama
+    import llama_cpp.llama_cpp as C
+
+    if not cpu_has_amx():
+        return Llama(model_path=str(gguf), **kw)
+    orig = C.llama_model_default_params
+
+    def params():
+        p = orig()
+        p.use_extra_bufts = False
+        return p
+    C.llama_model_default_params = params
+    try:
+        return Llama(model_path=str(gguf), **kw)
+    finally:
+        C.llama_model_default_params = orig
+
+
 def prompt_ids(tokenizer, text: str) -> list[int]:
     """The ids both engines get: the chat template with one user message and the generation prompt, its
     special tokens as tokens and the user's text as text."""
@@ -156,7 +186,6 @@ def bench(gguf: Path, folders: dict[str, Path], *, n_prompts: int = 12, max_new:
     proposing `lookup` tokens, specbeam's lookup drafter forced on the first export), each checked against its
     own plain greedy output."""
     import llama_cpp
-    from llama_cpp import Llama
 
     from specbeam_edge import Engine, SpeculativeConfig
 
@@ -165,16 +194,16 @@ def bench(gguf: Path, folders: dict[str, Path], *, n_prompts: int = 12, max_new:
     eos = list(first.eos)
     prompts = PROMPTS[:n_prompts]
     ids = [prompt_ids(first.tokenizer, p) for p in prompts]
-    llm = Llama(model_path=str(gguf), n_ctx=max(len(i) for i in ids) + max_new + 8, n_threads=threads,
-                n_threads_batch=threads, n_batch=512, seed=0, verbose=False)
+    llm = open_llama(gguf, n_ctx=max(len(i) for i in ids) + max_new + 8, n_threads=threads,
+                     n_threads_batch=threads, n_batch=512, seed=0, verbose=False)
     runs = {"llama.cpp": lambda x, m=max_new: _llama(llm, x, m, eos)}
     runs.update({k: (lambda x, m=max_new, e=e: _ours(e, x, m, eos)) for k, e in engines.items()})
     if lookup:
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-        llm_lookup = Llama(model_path=str(gguf), n_ctx=max(len(i) for i in ids) + max_new + 8, n_threads=threads,
-                           n_threads_batch=threads, n_batch=512, seed=0, verbose=False,
-                           draft_model=LlamaPromptLookupDecoding(num_pred_tokens=lookup))
+        llm_lookup = open_llama(gguf, n_ctx=max(len(i) for i in ids) + max_new + 8, n_threads=threads,
+                                n_threads_batch=threads, n_batch=512, seed=0, verbose=False,
+                                draft_model=LlamaPromptLookupDecoding(num_pred_tokens=lookup))
         spec = SpeculativeConfig(drafter="lookup", adaptive=False)
         first_name = next(iter(engines))
         runs["llama.cpp lookup"] = lambda x, m=max_new: _llama(llm_lookup, x, m, eos)

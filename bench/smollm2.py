@@ -28,7 +28,7 @@ from pathlib import Path
 
 from . import common
 from .common import save_figure
-from .llamacpp import PROMPTS, _llama, generated, prompt_ids, run_parser
+from .llamacpp import PROMPTS, _llama, generated, open_llama, prompt_ids, run_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAIN = {"greedy": "greedy plain", "beam4": "beam4 plain", "sample4": "sample4 plain"}
@@ -59,10 +59,8 @@ def arms(target, draft, gguf, threads: int, max_new: int, ids_max: int, with_lla
     sample4 = dict(num_beams=4, do_sample=True, seed=0)
     out = {}
     if with_llama:
-        from llama_cpp import Llama
-
-        llm = Llama(model_path=str(gguf), n_ctx=ids_max + max_new + 8, n_threads=threads, n_threads_batch=threads,
-                    n_batch=512, seed=0, verbose=False)
+        llm = open_llama(gguf, n_ctx=ids_max + max_new + 8, n_threads=threads, n_threads_batch=threads,
+                         n_batch=512, seed=0, verbose=False)
         eos = list(plain.eos)
 
         def llama(ids, m=max_new):

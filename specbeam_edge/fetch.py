@@ -76,7 +76,7 @@ SOURCES = {
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         license="Apache-2.0", precision="int8", output="both", download_mb=93, need_mb=700,
         description="SmolLM2-135M-Instruct (HuggingFaceTB), Q4_1 GGUF: 30 layers x 576, vocabulary 49,152, "
-                    "ChatML chat template", draft="smollm2/draft", ahead="smollm2/ahead"),
+                    "ChatML chat template", draft="smollm2/draft", ahead="smollm2/ahead", ahead_pays=True),
 }
 # the model folder's name is accepted wherever the short name is
 _ALIASES = {s.folder: s.name for s in SOURCES.values()}

@@ -511,9 +511,11 @@ def test_a_fetched_model_whose_head_pays_speculates_with_it_by_default(with_head
     add_search_args(ap)
     spec_of = lambda *flags: configs(ap.parse_args(["--model", "smollm2", *flags]))[1]  # noqa: E731
     monkeypatch.setitem(fetch.SOURCES, "smollm2", replace(src, ahead_pays=False))
-    assert spec_of() is None
+    assert spec_of("--num_beams", "1") is None
     monkeypatch.setitem(fetch.SOURCES, "smollm2", replace(src, ahead_pays=True))
-    assert spec_of().drafter == "ahead" and spec_of().adaptive
-    assert spec_of("--no_draft") is None
-    assert spec_of("--drafter", "lookup").drafter == "lookup"
-    assert spec_of("--do_sample") is None
+    spec = spec_of("--num_beams", "1")
+    assert spec.drafter == "ahead" and not spec.adaptive          # greedy: the head on every pass
+    assert spec_of() is None and spec_of("--num_beams", "4") is None   # beam search (the default K = 4): plain
+    assert spec_of("--num_beams", "1", "--no_draft") is None
+    assert spec_of("--num_beams", "1", "--drafter", "lookup").drafter == "lookup"
+    assert spec_of("--num_beams", "1", "--do_sample") is None

@@ -630,12 +630,14 @@ class ChatWindow(QMainWindow):
         if sample:
             kwargs.update(temperature=self.temperature.value(), seed=int(time.time()))
         spec = None
+        # the model's own lookahead head (no draft): greedy search only, on every pass (cli.configs says why)
         head = self.engine.draft is None and self.engine.target.ahead is not None
-        if (self.engine.draft is not None or (head and not sample)) and self.speculate.isChecked():
+        if (self.engine.draft is not None or (head and not sample and self.beams.value() == 1)) \
+                and self.speculate.isChecked():
             d = SPECULATION_DEFAULTS
             spec = speculative_config(drafter="ahead" if head else "sample" if sample else "beam",
                                       budget=max(self.budget.value(), self.beams.value()), max_depth=d.max_depth,
-                                      max_branch_width=d.max_branch_width, draft_width=None, always_speculate=False)
+                                      max_branch_width=d.max_branch_width, draft_width=None, always_speculate=head)
         self.save_settings()
         self.gen_conv, self.partial, self.partial_steps = cid, Answer(), 0
         self.gen = Generation(self.engine, self._prompt(cid), kwargs, spec, self.engine_name)
