@@ -49,7 +49,7 @@ class PassChooser:
 
     def new_request(self, after: int = 2) -> None:
         """A request starts: new text, on which the choice that lost may win (a lookahead head's guesses are
-        taken on 6-50% of a prompt's passes, depending on the prompt): the other choice is probed `after` passes
+        taken on 0-87% of a prompt's passes, by its text): the other choice is probed `after` passes
         into it, and the interval starts again from probe_every (a tree that cannot pay keeps its long one)."""
         if len(self.rate) < 2 or min(self.count.values()) < self.warmup or self.cannot_pay():
             return

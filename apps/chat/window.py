@@ -282,7 +282,7 @@ class ChatWindow(QMainWindow):
         self.kind = QLabel("")                 # wraps: what the model does with a message
         self.kind.setWordWrap(True)
         self.kind.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
-        self.speculate = QCheckBox("Speculate (the draft model, or the model's own lookahead head)")
+        self.speculate = QCheckBox("Speculate (draft or own head)")
         self.speculate.setToolTip("Off: plain beam search on the target alone (same output, for comparison)")
         self.mode = QComboBox()
         self.mode.addItems(MODES)
