@@ -248,11 +248,11 @@ def main(argv=None) -> int:
     ap.add_argument("--tag", default="smollm2", help="the results' file names (<out>/<tag>.json, .png)")
     ap.add_argument("--plain_target", default=None,
                     help="the target without its lookahead head for the plain arms (default: a head-less copy "
-                         "of the fetched graph, made once into --out)")
+                         "of the fetched graph, made once into bench/out/models, which git ignores)")
     a = ap.parse_args(argv)
     target, draft, gguf = default_inputs()
     out = Path(a.out)
-    plain_target = a.plain_target or headless_copy(target, out / "models" / "smollm2-headless")
+    plain_target = a.plain_target or headless_copy(target, ROOT / "bench" / "out" / "models" / "smollm2-headless")
     data = bench(target, draft, gguf, n_prompts=a.prompts, max_new=a.max_new, threads=a.threads,
                  with_llama=not a.no_llama, plain_target=plain_target,
                  only=[x.strip() for x in a.arms.split(",")] if a.arms else None)

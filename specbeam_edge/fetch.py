@@ -381,12 +381,17 @@ def _shipped_draft(src: Source) -> Path | None:
     return path if path is not None and (path / "draft.safetensors").is_file() else None
 
 
+def _files_digest(folder: Path, names: tuple[str, ...], prefix: str = "") -> str:
+    """One SHA-256 over `prefix` and the named files of `folder` (name and SHA-256 of each)."""
+    h = hashlib.sha256(prefix.encode())
+    for name in names:
+        h.update(f"{name}:{file_sha256(folder / name)}\n".encode())
+    return h.hexdigest()
+
+
 def draft_digest(shipped: Path) -> str:
     """One SHA-256 over the shipped draft's files (config and weights), recorded in the built draft."""
-    h = hashlib.sha256()
-    for name in ("config.json", "draft.safetensors"):
-        h.update(f"{name}:{file_sha256(shipped / name)}\n".encode())
-    return h.hexdigest()
+    return _files_digest(shipped, ("config.json", "draft.safetensors"))
 
 
 def draft_is_current(name: str) -> bool:
@@ -413,30 +418,27 @@ def ahead_digest(shipped: Path) -> str:
     """One SHA-256 over the shipped head's files, recorded in the target's config when it is attached."""
     from .contract import AHEAD_FORM
 
-    h = hashlib.sha256(f"form:{AHEAD_FORM}\n".encode())    # a new form of the head in the graph is attached again
-    for name in ("card.json", "ahead.safetensors"):
-        h.update(f"{name}:{file_sha256(shipped / name)}\n".encode())
-    return h.hexdigest()
+    # the graph form too: a new form of the head in the graph is attached again
+    return _files_digest(shipped, ("card.json", "ahead.safetensors"), prefix=f"form:{AHEAD_FORM}\n")
 
 
 def ahead_is_current(name: str) -> bool:
     """The fetched target of `name` carries the lookahead head this installation ships (none shipped: True)."""
     shipped = _shipped_ahead(source(name))
-    if shipped is None:
-        return True
-    try:
-        cfg = json.loads((folder(name) / "specbeam_config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return (cfg.get("ahead") or {}).get("digest") == ahead_digest(shipped)
+    return shipped is None or _fetched_ahead(name).get("digest") == ahead_digest(shipped)
 
 
 def has_ahead(name: str) -> bool:
     """The fetched target of `name` carries a lookahead head (its config names one)."""
+    return bool(_fetched_ahead(name))
+
+
+def _fetched_ahead(name: str) -> dict:
+    """The fetched target's config entry of its lookahead head ({} when none, or no readable config)."""
     try:
-        return bool(json.loads((folder(name) / "specbeam_config.json").read_text()).get("ahead"))
-    except (OSError, ValueError):
-        return False
+        return json.loads((folder(name) / "specbeam_config.json").read_text()).get("ahead") or {}
+    except (OSError, ValueError, AttributeError):
+        return {}
 
 
 def _attach_ahead(src: Source, target: Path, log) -> None:
