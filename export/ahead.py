@@ -11,6 +11,11 @@ will say after a_t:
     s = log_softmax(y @ E_sub^T)                    # over S frequent tokens (E_sub: rows of E, the tied head)
     ahead_logprobs, ahead_ids = top-m of s          # m guesses, as token ids of the whole vocabulary
 
+With depth D > 1 the head runs again on its own prediction (EAGLE's feature-level chain, the same weights):
+level k reads y of level k - 1 in place of h_t and the embedding of level k - 1's best guess, and adds its best
+guess; the outputs' last axis is [m guesses of level 1, the best of level 2, ..., of level D], the chain below the
+first guess (a tree of 1 + m + D - 1 nodes a beam, verified in one pass).
+
 It runs only in passes whose `ahead_on` input is true (an If node; plain passes skip it).
 
 The head is a side branch: nothing the target's logits, top-k or KV cache depend on changes (tests/test_ahead.py
@@ -57,13 +62,16 @@ def check_graph(model: onnx.ModelProto) -> None:
 
 
 def add_head(model: onnx.ModelProto, weights: dict[str, np.ndarray], token_ids: np.ndarray, guesses: int,
-             eps: float, int8: bool = False, reduce_range: bool = True) -> None:
+             eps: float, int8: bool = False, reduce_range: bool = True, depth: int = 1) -> None:
     """Add the lookahead head to `model` in place (see the module docstring). weights: w1 [2H, H], b1 [H],
     w2 [H, H], b2 [H], norm [H] (fp32); token_ids: the S vocabulary ids of the head's output rows. int8: its
     three MatMuls in the target's per-row int8 (export/quant.py; for int8 targets: onnxruntime runs the head in
     every pass, plain ones included, and its weights then stream 4x fewer bytes, 6 MB instead of 23 MB at
-    SmolLM2-135M's size)."""
+    SmolLM2-135M's size). depth: levels of guesses (see the module docstring); the outputs' last axis holds the
+    `guesses` of level 1, then one guess of each deeper level (guesses + depth - 1 columns)."""
     check_graph(model)
+    if depth < 1 or guesses < 1:
+        raise ValueError(f"the head needs guesses >= 1 and depth >= 1, got {guesses} and {depth}")
     g = model.graph
     emb = _embedding_table(g)
     table = {t.name: t for t in g.initializer}.get(emb)
@@ -83,24 +91,39 @@ def add_head(model: onnx.ModelProto, weights: dict[str, np.ndarray], token_ids: 
     inits += [onh.from_array(np.ascontiguousarray(E[token_ids].T), p + "head"),     # [H, S]
               onh.from_array(token_ids, p + "token_ids"),
               onh.from_array(np.array(0, np.int64), p + "zero"),
-              onh.from_array(np.array([guesses], np.int64), p + "m")]
-    nodes = [
-        oh.make_node("Gather", ["topk_ids", p + "zero"], [p + "next"], axis=-1),      # [B, n]: the target's best
-        oh.make_node("Gather", [emb, p + "next"], [p + "e"], axis=0),                  # [B, n, H]
-        oh.make_node("Concat", [FINAL_HIDDEN, p + "e"], [p + "z"], axis=-1),
-        oh.make_node("MatMul", [p + "z", p + "w1"], [p + "u0"]),
-        oh.make_node("Add", [p + "u0", p + "b1"], [p + "u1"]),
-        oh.make_node("Sigmoid", [p + "u1"], [p + "sig"]),
-        oh.make_node("Mul", [p + "u1", p + "sig"], [p + "u"]),
-        oh.make_node("MatMul", [p + "u", p + "w2"], [p + "v0"]),
-        oh.make_node("Add", [p + "v0", p + "b2"], [p + "v1"]),
-        oh.make_node("Add", [p + "v1", FINAL_HIDDEN], [p + "y0"]),
-        oh.make_node("RMSNormalization", [p + "y0", p + "norm"], [p + "y"], axis=-1, epsilon=eps),
-        oh.make_node("MatMul", [p + "y", p + "head"], [p + "s"]),
-        oh.make_node("LogSoftmax", [p + "s"], [p + "lp"], axis=-1),
-        oh.make_node("TopK", [p + "lp", p + "m"], [p + "out_lp", p + "idx"], axis=-1),
-        oh.make_node("Gather", [p + "token_ids", p + "idx"], [p + "out_ids"], axis=0),
-    ]
+              onh.from_array(np.array([guesses], np.int64), p + "m"),
+              onh.from_array(np.array([1], np.int64), p + "one")]
+    nodes = [oh.make_node("Gather", ["topk_ids", p + "zero"], [p + "next"], axis=-1)]  # [B, n]: the target's best
+    h, lps, ids = FINAL_HIDDEN, [], []
+    for level in range(1, depth + 1):
+        # level 1 reads the node's own hidden state and its best next token; level k > 1 the hidden state level
+        # k - 1 predicted and that level's best guess (the chain below the first guess, EAGLE-style)
+        q = f"{p}l{level}."
+        tok = p + "next" if level == 1 else f"{p}l{level - 1}.tok"
+        k = p + "m" if level == 1 else p + "one"
+        nodes += [
+            oh.make_node("Gather", [emb, tok], [q + "e"], axis=0),                    # [B, n, H]
+            oh.make_node("Concat", [h, q + "e"], [q + "z"], axis=-1),
+            oh.make_node("MatMul", [q + "z", p + "w1"], [q + "u0"]),
+            oh.make_node("Add", [q + "u0", p + "b1"], [q + "u1"]),
+            oh.make_node("Sigmoid", [q + "u1"], [q + "sig"]),
+            oh.make_node("Mul", [q + "u1", q + "sig"], [q + "u"]),
+            oh.make_node("MatMul", [q + "u", p + "w2"], [q + "v0"]),
+            oh.make_node("Add", [q + "v0", p + "b2"], [q + "v1"]),
+            oh.make_node("Add", [q + "v1", h], [q + "y0"]),
+            oh.make_node("RMSNormalization", [q + "y0", p + "norm"], [q + "y"], axis=-1, epsilon=eps),
+            oh.make_node("MatMul", [q + "y", p + "head"], [q + "s"]),
+            oh.make_node("LogSoftmax", [q + "s"], [q + "lp"], axis=-1),
+            oh.make_node("TopK", [q + "lp", k], [q + "out_lp", q + "idx"], axis=-1),
+            oh.make_node("Gather", [p + "token_ids", q + "idx"], [q + "out_ids"], axis=0),
+        ]
+        if level < depth:
+            nodes.append(oh.make_node("Gather", [q + "out_ids", p + "zero"], [q + "tok"], axis=-1))
+        h = q + "y"
+        lps.append(q + "out_lp")
+        ids.append(q + "out_ids")
+    nodes += [oh.make_node("Concat", lps, [p + "out_lp"], axis=-1),
+              oh.make_node("Concat", ids, [p + "out_ids"], axis=-1)]
     if int8:
         nodes, inits = _rowwise(nodes, inits, [FINAL_HIDDEN, "topk_ids", emb], reduce_range)
         have = {t.name for t in g.initializer}
@@ -110,15 +133,16 @@ def add_head(model: onnx.ModelProto, weights: dict[str, np.ndarray], token_ids: 
     # the head runs inside an If on the `ahead_on` input: onnxruntime runs every node of a graph whatever outputs
     # a run asks for, and plain passes (plain search, adaptive speculation's plain choice) would pay for it
     # (measured on SmolLM2-135M: greedy 0.93x with the head always on); the else branch gives empty guesses
-    shape = ["batch", "n_new", guesses]
+    cols = guesses + depth - 1
+    shape = ["batch", "n_new", cols]
     then = oh.make_graph(nodes, "ahead_then", [],
                          [oh.make_tensor_value_info(p + "out_lp", TensorProto.FLOAT, shape),
                           oh.make_tensor_value_info(p + "out_ids", TensorProto.INT64, shape)])
-    empty = [oh.make_node("Constant", [], [p + "none_lp"], value=onh.from_array(np.zeros((0, 0, guesses), np.float32))),
-             oh.make_node("Constant", [], [p + "none_ids"], value=onh.from_array(np.zeros((0, 0, guesses), np.int64)))]
+    empty = [oh.make_node("Constant", [], [p + "none_lp"], value=onh.from_array(np.zeros((0, 0, cols), np.float32))),
+             oh.make_node("Constant", [], [p + "none_ids"], value=onh.from_array(np.zeros((0, 0, cols), np.int64)))]
     other = oh.make_graph(empty, "ahead_else", [],
-                          [oh.make_tensor_value_info(p + "none_lp", TensorProto.FLOAT, [0, 0, guesses]),
-                           oh.make_tensor_value_info(p + "none_ids", TensorProto.INT64, [0, 0, guesses])])
+                          [oh.make_tensor_value_info(p + "none_lp", TensorProto.FLOAT, [0, 0, cols]),
+                           oh.make_tensor_value_info(p + "none_ids", TensorProto.INT64, [0, 0, cols])])
     g.node.append(oh.make_node("If", [AHEAD_INPUT], AHEAD_OUTPUTS, name=p + "if", then_branch=then,
                                else_branch=other))
     g.initializer.extend(inits)
@@ -166,7 +190,7 @@ def with_hidden_output(model: onnx.ModelProto) -> onnx.ModelProto:
     return out
 
 
-def attach(folder: str | Path, weights: dict[str, np.ndarray], token_ids, *, guesses: int = 2,
+def attach(folder: str | Path, weights: dict[str, np.ndarray], token_ids, *, guesses: int = 2, depth: int = 1,
            digest: str | None = None, replace: bool = False) -> dict:
     """Add the lookahead head to an exported folder's model.onnx and record it in specbeam_config.json
     (`ahead`). Each file is written beside the old one and renamed in: the graph first, then the config, so a
@@ -186,11 +210,11 @@ def attach(folder: str | Path, weights: dict[str, np.ndarray], token_ids, *, gue
     strip_head(model)          # also a head whose config entry a killed attach did not write
     quant = cfg.get("quantization") or {}
     add_head(model, weights, np.asarray(token_ids), guesses, _rms_eps(model), int8=cfg.get("precision") == "int8",
-             reduce_range=bool(quant.get("reduce_range", True)))
+             reduce_range=bool(quant.get("reduce_range", True)), depth=depth)
     tmp = path.with_name(path.name + ".ahead.tmp")
     onnx.save(model, str(tmp))
-    entry = {"input": AHEAD_INPUT, "outputs": AHEAD_OUTPUTS, "guesses": guesses, "tokens": int(len(token_ids)),
-             "form": FORM, "digest": digest}
+    entry = {"input": AHEAD_INPUT, "outputs": AHEAD_OUTPUTS, "guesses": guesses, "depth": depth,
+             "tokens": int(len(token_ids)), "form": FORM, "digest": digest}
     cfg["ahead"] = entry
     cfg_tmp = cfg_path.with_name(cfg_path.name + ".tmp")
     cfg_tmp.write_text(json.dumps(cfg, indent=1), encoding="utf-8")
@@ -219,15 +243,22 @@ def random_weights(hidden: int, seed: int = 0, scale: float = 0.02) -> dict[str,
 
 
 def reference(h: np.ndarray, next_ids: np.ndarray, E: np.ndarray, weights: dict, token_ids, guesses: int,
-              eps: float) -> tuple[np.ndarray, np.ndarray]:
-    """The head in numpy (tests, and the recipe's check of a trained head): (log-probs, ids) [..., guesses]."""
-    z = np.concatenate([h, E[next_ids]], axis=-1)
-    u = z @ weights["w1"] + weights["b1"]
-    u = u / (1 + np.exp(-u))
-    y = h + u @ weights["w2"] + weights["b2"]
-    y = y / np.sqrt((y * y).mean(-1, keepdims=True) + eps) * weights["norm"]
-    s = y @ E[np.asarray(token_ids)].T
-    s = s - s.max(-1, keepdims=True)
-    lp = s - np.log(np.exp(s).sum(-1, keepdims=True))
-    idx = np.argsort(-lp, axis=-1, kind="stable")[..., :guesses]
-    return np.take_along_axis(lp, idx, -1), np.asarray(token_ids)[idx]
+              eps: float, depth: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """The head in numpy (tests, and the recipe's check of a trained head): (log-probs, ids) [..., guesses +
+    depth - 1]: level 1's `guesses`, then the chain below its first guess, one a level."""
+    token_ids = np.asarray(token_ids)
+    lps, ids, nxt = [], [], next_ids
+    for level in range(depth):
+        z = np.concatenate([h, E[nxt]], axis=-1)
+        u = z @ weights["w1"] + weights["b1"]
+        u = u / (1 + np.exp(-u))
+        y = h + u @ weights["w2"] + weights["b2"]
+        h = y / np.sqrt((y * y).mean(-1, keepdims=True) + eps) * weights["norm"]
+        s = h @ E[token_ids].T
+        s = s - s.max(-1, keepdims=True)
+        lp = s - np.log(np.exp(s).sum(-1, keepdims=True))
+        idx = np.argsort(-lp, axis=-1, kind="stable")[..., :guesses if level == 0 else 1]
+        lps.append(np.take_along_axis(lp, idx, -1))
+        ids.append(token_ids[idx])
+        nxt = ids[-1][..., 0]
+    return np.concatenate(lps, -1), np.concatenate(ids, -1)

@@ -41,10 +41,12 @@ LOGITS = "logits"
 TOPK_INPUT = "topk"
 TOPK_OUTPUTS = ["topk_logprobs", "topk_ids"]
 # a lookahead head (export/ahead.py, config `ahead`): per node, its guesses of the token after the node's best next
-# token (log-probs, ids [batch, n_new, guesses]); computed only in passes that set its input
+# token, then a chain of one guess a level below the first (log-probs, ids [batch, n_new, guesses + depth - 1]);
+# computed only in passes that set its input
 AHEAD_OUTPUTS = ["ahead_logprobs", "ahead_ids"]
 AHEAD_INPUT = "ahead_on"     # bool [1]: run the head in this pass (an If node: plain passes skip its cost)
-AHEAD_FORM = 2               # of the head in the graph (config `ahead.form`): fetch attaches it again on a change
+AHEAD_FORM = 3               # of the head in the graph (config `ahead.form`): fetch attaches it again on a change
+                             # (3: the chain levels, config `ahead.depth`)
 
 
 def past_names(i: int | str) -> tuple[str, str]:

@@ -456,8 +456,8 @@ def _attach_ahead(src: Source, target: Path, log) -> None:
          for k, v in load_file(str(shipped / "ahead.safetensors")).items()}
     card = json.loads((shipped / "card.json").read_text())
     try:
-        ahead.attach(target, w, w.pop("token_ids"), guesses=int(card["guesses"]), digest=ahead_digest(shipped),
-                     replace=True)
+        ahead.attach(target, w, w.pop("token_ids"), guesses=int(card["guesses"]), depth=int(card.get("depth", 1)),
+                     digest=ahead_digest(shipped), replace=True)
     except OSError as e:
         raise FetchError(_os_message(e, data_dir())) from None
     log(f"{src.name} has its lookahead head: {target}")

@@ -377,11 +377,15 @@ class Engine:
                                   temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p, seed=gen.seed,
                                   spec=spec if use_draft else None, **extra)
         grow = chooser = budget_for = None
-        ahead = 0
+        ahead, levels = 0, {}
         if use_draft and spec.drafter == "ahead":
             # the target's own lookahead head guesses the token after each beam's next one: no draft model,
-            # max_branch_width guesses per beam (at most the head's own number)
-            ahead = min(spec.max_branch_width, int(self.target.ahead["guesses"]))
+            # max_branch_width guesses per beam (at most the head's own number), and its chain below the first
+            # guess to max_depth levels (at most the head's own depth)
+            head = self.target.ahead
+            ahead = min(spec.max_branch_width, int(head["guesses"]))
+            levels = {"ahead_depth": min(spec.max_depth, int(head.get("depth", 1))),
+                      "ahead_chain_at": int(head["guesses"])}
             budget_for = lambda load, total=spec.budget: max(gen.num_beams, total // load)   # noqa: E731
             chooser = self._chooser(gen, spec) if spec.adaptive and drafter is None else None
         elif use_draft:
@@ -418,7 +422,7 @@ class Engine:
                            repetition_penalty=gen.repetition_penalty,
                            grow=grow, chooser=chooser, topk=topk,
                            budget_for=budget_for, constraints=constraints,
-                           min_finished=gen.num_return_sequences, ahead=ahead, **extra)
+                           min_finished=gen.num_return_sequences, ahead=ahead, **levels, **extra)
 
     def _statics(self, sources: list[list[int]], batch: int) -> list:
         """Per request, static(with_draft) -> (target's, draft's) encoder outputs, or None for decoder-only

@@ -77,7 +77,8 @@ class ExactSearch:
                  length_penalty: float, early_stopping, min_new_tokens: int, no_repeat_ngram_size: int = 0,
                  repetition_penalty: float = 1.0, grow=None, chooser=None,
                  topk: int | None = None, prompt_len: int | None = None, static=None, process=None,
-                 budget_for=None, constraints: Constraints | None = None, min_finished: int = 1, ahead: int = 0):
+                 budget_for=None, constraints: Constraints | None = None, min_finished: int = 1, ahead: int = 0,
+                 ahead_depth: int = 1, ahead_chain_at: int = 0):
         self.tree = TokenTree()
         self.chain_len = len(ids)
         kind, extra = (BeamSearch, {}) if constraints is None else \
@@ -90,8 +91,9 @@ class ExactSearch:
         self.target = TreeCache(target_lm, self.tree)
         self.draft = TreeCache(draft_lm, self.tree) if grow is not None else None
         self.grow, self.chooser, self.topk = grow, chooser, topk
-        # ahead: guesses per beam from the target's own lookahead head (export/ahead.py), instead of a drafter
-        self.ahead = ahead
+        # ahead: guesses per beam from the target's own lookahead head (export/ahead.py), instead of a drafter;
+        # ahead_depth: its levels used (the chain below the first guess), ahead_chain_at: the chain's first column
+        self.ahead, self.ahead_depth, self.ahead_chain_at = ahead, ahead_depth, ahead_chain_at
         self.speculative = grow is not None or ahead > 0
         self.static, self.process = static, process
         self.rows: dict[int, tuple[object, int]] = {}     # scored node -> (pass output, row)
@@ -160,8 +162,11 @@ class ExactSearch:
 
     def _guesses(self, budget: int) -> list[int]:
         """The lookahead head's tree: below each running beam that is its scored parent's best next token, the
-        head's guesses (from the parent's row) of the token after it, at most `budget` nodes. A beam that is not
-        its parent's best token gets none: the head guessed for the best one."""
+        head's guesses (from the parent's row) of the token after it, and below the first guess the head's chain
+        of deeper guesses, at most `budget` nodes: first guess, chain, then the other first-level guesses (in the
+        order of their measured worth on SmolLM2: a level-2 guess is taken more often than a second first-level
+        one; DESIGN "Lookahead head"). A beam that is not its parent's best token gets none: the head guessed for
+        the best one."""
         out = []
         for n in dict.fromkeys(self.bs.running):
             row = self.rows.get(self.tree.parents[n])
@@ -170,7 +175,15 @@ class ExactSearch:
             head, j = row
             if head.ahead_ids is None or int(head.ids[j, 0]) != self.tree.tokens[n]:
                 continue
-            for t in head.ahead_ids[j, :self.ahead].tolist():
+            ids = head.ahead_ids[j].tolist()
+            chain = ids[self.ahead_chain_at:self.ahead_chain_at + self.ahead_depth - 1]
+            at = n
+            for t in ids[:1] + chain:
+                if len(out) >= budget:
+                    return out
+                at = self.tree.add(at, int(t))
+                out.append(at)
+            for t in ids[1:self.ahead]:
                 if len(out) >= budget:
                     return out
                 out.append(self.tree.add(n, int(t)))

@@ -17,6 +17,8 @@ from helpers import assert_same_hypotheses
 
 PROMPTS = [[3, 17, 33, 8, 99, 41, 7], [250, 12, 9, 77]]
 GUESSES = 2
+DEPTH = 3        # levels: GUESSES first-level guesses, then a chain of DEPTH - 1 below the first
+COLS = GUESSES + DEPTH - 1
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +31,7 @@ def folders(exported, tmp_path_factory):
     rng = np.random.default_rng(5)
     tokens = np.sort(rng.choice(cfg.vocab_size, 40, replace=False))
     weights = ahead.random_weights(cfg.hidden_size, seed=1, scale=0.3)
-    ahead.attach(with_head, weights, tokens, guesses=GUESSES, digest="test")
+    ahead.attach(with_head, weights, tokens, guesses=GUESSES, depth=DEPTH, digest="test")
     return {"plain": plain, "ahead": str(with_head), "weights": weights, "tokens": tokens}
 
 
@@ -47,7 +49,7 @@ def _tree_inputs(m, n_past=5):
 
 def test_attaching_the_head_leaves_every_target_output_as_it_was(folders):
     a, b = OnnxCausalLM(folders["plain"]), OnnxCausalLM(folders["ahead"])
-    assert b.ahead["guesses"] == GUESSES and a.ahead is None
+    assert b.ahead["guesses"] == GUESSES and b.ahead["depth"] == DEPTH and a.ahead is None
     ids, pos, mask, past = _tree_inputs(a)
     for topk in (None, 5):
         ha, pa = a.forward(ids, pos, mask, past, topk=topk)
@@ -59,7 +61,7 @@ def test_attaching_the_head_leaves_every_target_output_as_it_was(folders):
             assert len(b.forward(ids, pos, mask, past, topk=topk)[0]) == 2       # a pass without the head
             np.testing.assert_array_equal(ha[0], hb[0])
             np.testing.assert_array_equal(ha[1], hb[1])
-            assert hb[2].shape == hb[3].shape == (1, 4, GUESSES)
+            assert hb[2].shape == hb[3].shape == (1, 4, COLS)
         for (ka, va), (kb, vb) in zip(pa, pb):
             np.testing.assert_array_equal(ka, kb)
             np.testing.assert_array_equal(va, vb)
@@ -79,7 +81,8 @@ def test_the_guesses_are_the_heads_arithmetic(folders):
     top, lp, gid, h = sess.run(["topk_ids", "ahead_logprobs", "ahead_ids", "final_h"], feed)
     E = next(onnx.numpy_helper.to_array(t) for t in model.graph.initializer if t.name == "embed.weight")
     ref_lp, ref_ids = ahead.reference(h, top[..., 0], E, folders["weights"], folders["tokens"], GUESSES,
-                                      ahead._rms_eps(model))
+                                      ahead._rms_eps(model), depth=DEPTH)
+    assert gid.shape == (1, 4, COLS)
     np.testing.assert_array_equal(gid, ref_ids)
     np.testing.assert_allclose(lp, ref_lp, atol=1e-4)
     assert set(np.unique(gid)) <= set(folders["tokens"].tolist())
@@ -88,7 +91,7 @@ def test_the_guesses_are_the_heads_arithmetic(folders):
 @pytest.mark.parametrize("K", [1, 2, 4])
 def test_speculation_with_the_head_equals_plain_search(folders, K):
     ref, fast = Engine(folders["plain"]), Engine(folders["ahead"])
-    spec = SpeculativeConfig(drafter="ahead", adaptive=False, budget=8, max_branch_width=GUESSES)
+    spec = SpeculativeConfig(drafter="ahead", adaptive=False, budget=8, max_branch_width=GUESSES, max_depth=DEPTH)
     for prompt in PROMPTS:
         [a] = ref.generate(prompt, num_beams=K, max_new_tokens=14, num_return_sequences=K)
         [b] = fast.generate(prompt, num_beams=K, max_new_tokens=14, num_return_sequences=K, speculative=spec)
@@ -99,31 +102,36 @@ def test_speculation_with_the_head_equals_plain_search(folders, K):
             assert b.stats.draft_tokens_proposed > 0 and b.stats.draft_passes == 0
 
 
-def test_right_guesses_give_two_tokens_a_pass(folders, monkeypatch):
-    """An oracle in the head's place (each row's guess set to the token plain greedy search says next): every
-    guess is taken, so every pass after the prompt's gives two tokens, and the output is still plain search's. The search's own
-    proposal code runs; only the head's numbers are replaced."""
+@pytest.mark.parametrize("depth", [1, 2, DEPTH])
+def test_right_guesses_give_depth_plus_one_tokens_a_pass(folders, monkeypatch, depth):
+    """An oracle in the head's place (each row's first guess and chain set to the tokens plain greedy search says
+    next): every guess is taken, so every pass after the prompt's gives depth + 1 tokens, and the output is still
+    plain search's. The search's own proposal code runs; only the head's numbers are replaced."""
     ref, fast = Engine(folders["plain"]), Engine(folders["ahead"])
-    spec = SpeculativeConfig(drafter="ahead", adaptive=False, budget=4, max_branch_width=1)
+    spec = SpeculativeConfig(drafter="ahead", adaptive=False, budget=8, max_branch_width=1, max_depth=depth)
     original = ExactSearch._guesses
+    new = 16
     for prompt in PROMPTS:
-        [a] = ref.generate(prompt, num_beams=1, max_new_tokens=16, min_new_tokens=16)
+        [a] = ref.generate(prompt, num_beams=1, max_new_tokens=new, min_new_tokens=new)
         seq = list(prompt) + list(a.hypotheses[0].tokens)
 
         def oracle(self, budget, seq=seq):
             for n in self.bs.running:
                 p = self.tree.parents[n]
-                if p in self.rows and self.tree.depths[n] + 1 < len(seq):
+                if p in self.rows:
                     head, j = self.rows[p]
-                    head.ahead_ids[j, 0] = seq[self.tree.depths[n] + 1]
+                    d = self.tree.depths[n]
+                    cols = [0] + list(range(GUESSES, COLS))       # the first guess, then the chain
+                    for c, t in zip(cols, seq[d + 1:]):
+                        head.ahead_ids[j, c] = t
             return original(self, budget)
 
         monkeypatch.setattr(ExactSearch, "_guesses", oracle)
-        [b] = fast.generate(prompt, num_beams=1, max_new_tokens=16, min_new_tokens=16, speculative=spec)
+        [b] = fast.generate(prompt, num_beams=1, max_new_tokens=new, min_new_tokens=new, speculative=spec)
         monkeypatch.setattr(ExactSearch, "_guesses", original)
         assert b.hypotheses[0].tokens == a.hypotheses[0].tokens
-        # the prompt's pass gives one token (no guess yet), every later pass two
-        assert b.stats.target_passes == 1 + -(-(16 - 1) // 2)
+        # the prompt's pass gives one token (no guess yet), every later pass depth + 1
+        assert b.stats.target_passes == 1 + -(-(new - 1) // (depth + 1))
 
 
 def test_the_head_needs_a_target_that_has_one(folders):
@@ -144,12 +152,12 @@ def test_an_int8_targets_head_runs_in_int8_and_leaves_the_target_as_it_was(expor
     rng = np.random.default_rng(2)
     tokens = np.sort(rng.choice(a.cfg.vocab_size, 40, replace=False))
     weights = ahead.random_weights(a.cfg.hidden_size, seed=1, scale=0.3)
-    ahead.attach(dst, weights, tokens, guesses=GUESSES)
+    ahead.attach(dst, weights, tokens, guesses=GUESSES, depth=DEPTH)
     b = OnnxCausalLM(dst)
     model = onnx.load(str(dst / "model.onnx"))
     [cond] = [n for n in model.graph.node if n.op_type == "If"]
     then = next(a.g for a in cond.attribute if a.name == "then_branch")
-    assert sum(n.op_type == "MatMulInteger" for n in then.node) == 3
+    assert sum(n.op_type == "MatMulInteger" for n in then.node) == 3 * DEPTH    # 3 a level
     ids, pos, mask, past = _tree_inputs(a)
     ha, pa = a.forward(ids, pos, mask, past, topk=5)
     hb, pb = b.forward(ids, pos, mask, past, topk=5)
@@ -165,7 +173,7 @@ def test_an_int8_targets_head_runs_in_int8_and_leaves_the_target_as_it_was(expor
         feed[kn], feed[vn] = k, v
     top, gid, h = sess.run(["topk_ids", "ahead_ids", "final_h"], feed)
     E = next(onnx.numpy_helper.to_array(t) for t in model.graph.initializer if t.name == "embed.weight")
-    _, ref_ids = ahead.reference(h, top[..., 0], E, weights, tokens, GUESSES, ahead._rms_eps(model))
+    _, ref_ids = ahead.reference(h, top[..., 0], E, weights, tokens, GUESSES, ahead._rms_eps(model), depth=DEPTH)
     assert (gid[..., 0] == ref_ids[..., 0]).mean() >= 0.75
 
 
@@ -185,6 +193,16 @@ def test_the_recipes_torch_head_is_the_graphs_head():
     h, nxt = rng.standard_normal((7, 16)).astype(np.float32), rng.integers(0, 50, 7)
     with torch.no_grad():
         lp = torch.log_softmax(head.logits(torch.from_numpy(h), torch.from_numpy(nxt)), -1).numpy()
-    ref_lp, ref_ids = ahead.reference(h, nxt, E, w, tokens, 3, 1e-5)
-    np.testing.assert_array_equal(tokens[np.argsort(-lp, -1)[:, :3]], ref_ids)
-    np.testing.assert_allclose(np.sort(lp, -1)[:, ::-1][:, :3], ref_lp, atol=1e-5)
+    ref_lp, ref_ids = ahead.reference(h, nxt, E, w, tokens, 3, 1e-5, depth=3)
+    np.testing.assert_array_equal(tokens[np.argsort(-lp, -1)[:, :3]], ref_ids[:, :3])
+    np.testing.assert_allclose(np.sort(lp, -1)[:, ::-1][:, :3], ref_lp[:, :3], atol=1e-5)
+    # the chain: level k reads level k - 1's predicted state and its best guess, as the graph does
+    with torch.no_grad():
+        y, g = torch.from_numpy(h), torch.from_numpy(nxt)
+        for level in range(3):
+            y, logits = head.step(y, g)
+            lp = torch.log_softmax(logits, -1).numpy()
+            g = torch.from_numpy(tokens[lp.argmax(-1)])
+            if level:
+                np.testing.assert_array_equal(g.numpy(), ref_ids[:, 2 + level])
+                np.testing.assert_allclose(lp.max(-1), ref_lp[:, 2 + level], atol=1e-5)
