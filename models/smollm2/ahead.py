@@ -10,7 +10,8 @@ choice at t and the label is its choice at t + 1. Each step is resumable:
     python models/smollm2/ahead.py save     --work $W      # models/smollm2/ahead/ (shipped; fetch attaches it)
 
 Objective: cross-entropy on the target's next-next token plus KL to the target's top-8 at that row (renormalised
-over the head's tokens), AdamW with a cosine schedule. The output rows are the target's tied embedding for the
+over the head's tokens), AdamW with a cosine schedule; with --depth D the graph's chain is trained unrolled (level
+k from level k - 1's own predicted hidden state, the loss of level k weighted level_decay ** (k - 1)). The output rows are the target's tied embedding for the
 `--head` most frequent answer tokens, frozen: the head only learns to move h_t towards the next row's hidden
 state.
 """
@@ -107,6 +108,7 @@ def _load(work: Path):
     for path in sorted((work / "ahead_feats").glob("*.npz")):
         rid = int(path.stem.split("_")[0])
         d = dict(np.load(path))
+        d["left"] = np.arange(len(d["label"]))[::-1].astype(np.int32)   # rows after this one in its sequence
         (val if rid % 20 == 0 else train).append(d)
     cat = lambda ds: {k: np.concatenate([d[k] for d in ds]) for k in ds[0]}   # noqa: E731
     return cat(train), cat(val)
@@ -142,16 +144,23 @@ class Head:
             for k, v in state.items():
                 getattr(self, k).copy_(v)
 
-    def logits(self, h, nxt):
+    def step(self, h, nxt):
+        """One level: (its guess of the next row's final hidden state, its logits over the head's tokens)."""
         import torch
 
         u = torch.nn.functional.silu(torch.cat([h, self.E[nxt]], -1) @ self.w1 + self.b1)
         y = h + u @ self.w2 + self.b2
         y = y * torch.rsqrt((y * y).mean(-1, keepdim=True) + self.eps) * self.norm
-        return y @ self.out
+        return y, y @ self.out
+
+    def logits(self, h, nxt):
+        return self.step(h, nxt)[1]
 
 
 def train(args) -> None:
+    """Levels 1..depth unrolled as the graph runs them: level k reads level k - 1's predicted hidden state (not
+    the target's) and the embedding of the answer's token there (a chain is only worth anything while its guesses
+    are right, and then they are the answer's tokens); each level's loss is weighted level_decay ** (k - 1)."""
     import numpy as np
     import torch
 
@@ -163,6 +172,13 @@ def train(args) -> None:
     index = np.full(E.shape[0], -1, np.int64)
     index[tokens] = np.arange(len(tokens))
     head = Head(E, np.asarray(tokens), eps)
+    if args.init:                  # a head trained before (e.g. the shipped one): its weights, same tokens
+        from safetensors.numpy import load_file
+
+        w = load_file(str(Path(args.init) / "ahead.safetensors"))
+        if not np.array_equal(w.pop("token_ids"), np.asarray(tokens)):
+            raise SystemExit(f"{args.init}: its head tokens differ from --head {args.head}'s")
+        head.load({k: torch.from_numpy(v.astype(np.float32)) for k, v in w.items()})
     opt = torch.optim.AdamW(head.params(), lr=args.lr, weight_decay=0.0)
     N = len(tr["label"])
     steps_per_epoch = max(1, N // args.batch)
@@ -175,53 +191,75 @@ def train(args) -> None:
         opt.load_state_dict(st["opt"])
         step = st["step"]
     T = lambda a, dt=None: torch.from_numpy(np.asarray(a) if dt is None else np.asarray(a, dt))   # noqa: E731
+    D = args.depth
 
-    def batch_tensors(d, rows):
-        h = T(d["h"][rows], np.float32)
-        lab = T(index[d["label"][rows]])
-        tid = index[d["top_ids"][rows]]
-        tlp = np.where(tid >= 0, d["top_lp"][rows].astype(np.float32), -np.inf)
-        return h, T(d["next"][rows].astype(np.int64)), lab, T(np.maximum(tid, 0)), T(tlp)
+    def level_tensors(d, rows, k):
+        """Level k (0-based) of the chains starting at `rows`: its input token, label, top-8, and which rows
+        have a level k inside their sequence."""
+        ok = d["left"][rows] >= k
+        r = np.minimum(rows + k, len(d["label"]) - 1)
+        lab = np.where(ok, index[d["label"][r]], -1)
+        tid = index[d["top_ids"][r]]
+        tlp = np.where((tid >= 0) & ok[:, None], d["top_lp"][r].astype(np.float32), -np.inf)
+        return T(d["next"][r].astype(np.int64)), T(lab), T(np.maximum(tid, 0)), T(tlp)
 
     def evaluate():
+        """Teacher-forced per level: top-1/2/3 of level 1, and how often levels 1..k are all right (the chain's
+        worth); `tokens_a_pass`: 1 + P(one of 3 first guesses right) + the chain's, a K = 1 pass's expectation."""
         with torch.no_grad():
-            hits = hits2 = 0
-            for s in range(0, len(va["label"]), 8192):
-                rows = np.arange(s, min(s + 8192, len(va["label"])))
-                h, nxt, lab, _, _ = batch_tensors(va, rows)
-                top = head.logits(h, nxt).topk(2, -1).indices
-                hits += int((top[:, 0] == lab).sum())
-                hits2 += int(((top == lab[:, None]).any(-1) & (lab >= 0)).sum())
-        n = len(va["label"])
-        return {"top1": round(hits / n, 4), "top2": round(hits2 / n, 4), "positions": n}
+            n = len(va["label"])
+            hits = np.zeros(3)
+            chain = np.zeros(D)
+            for s0 in range(0, n, 8192):
+                rows = np.arange(s0, min(s0 + 8192, n))
+                h = T(va["h"][rows], np.float32)
+                alive = torch.ones(len(rows), dtype=torch.bool)
+                for k in range(D):
+                    nxt, lab, _, _ = level_tensors(va, rows, k)
+                    h, logits = head.step(h, nxt)
+                    top = logits.topk(3, -1).indices
+                    if k == 0:
+                        for m in range(3):
+                            hits[m] += int(((top[:, :m + 1] == lab[:, None]).any(-1) & (lab >= 0)).sum())
+                    alive &= (top[:, 0] == lab) & (lab >= 0)
+                    chain[k] += int(alive.sum())
+        rec = {f"top{m + 1}": round(float(hits[m]) / n, 4) for m in range(3)}
+        rec.update({f"chain{k + 1}": round(float(chain[k]) / n, 4) for k in range(1, D)})
+        rec["tokens_a_pass"] = round(float(1 + hits[2] / n + chain[1:].sum() / n), 3)
+        rec["positions"] = n
+        return rec
 
-    print(f"train {N} positions, val {len(va['label'])}, head {len(tokens)} tokens "
+    print(f"train {N} positions, val {len(va['label'])}, head {len(tokens)} tokens, depth {D} "
           f"(covers {np.mean(index[tr['label']] >= 0):.3f} of labels); start {evaluate()}", flush=True)
     rng = np.random.default_rng(step)
     last = time.time()
     log = open(work / "ahead_log.jsonl", "a")
     while step < total:
         rows = rng.integers(0, N, args.batch)
-        h, nxt, lab, tid, tlp = batch_tensors(tr, rows)
         lr = args.lr * min(1.0, (step + 1) / args.warmup) * 0.5 * (1 + math.cos(math.pi * step / total))
         for g in opt.param_groups:
             g["lr"] = lr
-        logits = head.logits(h, nxt)
-        logp = torch.log_softmax(logits, -1)
-        ok = lab >= 0
-        ce = -(logp[ok].gather(1, lab[ok, None])).mean()
-        # KL to the target's top-8 at the label's row, renormalised over the entries inside the head
-        inside = torch.isfinite(tlp)
-        has = inside.any(-1)                  # a row none of whose top-8 is in the head has no KD term
-        q = torch.softmax(torch.where(has[:, None], tlp, torch.zeros(())), -1) * inside
-        kd = -(q * torch.where(inside, logp.gather(1, tid), torch.zeros(()))).sum(-1)[has].mean()
-        loss = ce + args.kd_weight * kd
+        h = T(tr["h"][rows], np.float32)
+        loss, ces = 0.0, []
+        for k in range(D):
+            nxt, lab, tid, tlp = level_tensors(tr, rows, k)
+            h, logits = head.step(h, nxt)
+            logp = torch.log_softmax(logits, -1)
+            ok = lab >= 0
+            ce = -(logp[ok].gather(1, lab[ok, None])).mean()
+            # KL to the target's top-8 at the label's row, renormalised over the entries inside the head
+            inside = torch.isfinite(tlp)
+            has = inside.any(-1)                  # a row none of whose top-8 is in the head has no KD term
+            q = torch.softmax(torch.where(has[:, None], tlp, torch.zeros(())), -1) * inside
+            kd = -(q * torch.where(inside, logp.gather(1, tid), torch.zeros(()))).sum(-1)[has].mean()
+            loss = loss + args.level_decay ** k * (ce + args.kd_weight * kd)
+            ces.append(round(float(ce.detach()), 4))
         opt.zero_grad()
         loss.backward()
         opt.step()
         step += 1
         if step % 50 == 0 or step == total:
-            rec = {"step": step, "loss": round(float(loss.detach()), 4), "ce": round(float(ce.detach()), 4), "lr": lr}
+            rec = {"step": step, "loss": round(float(loss.detach()), 4), "ce": ces, "lr": lr}
             if step % 200 == 0 or step == total:
                 rec.update(evaluate())
             print(rec, flush=True)
@@ -230,7 +268,7 @@ def train(args) -> None:
         if time.time() - last > 60 * args.ckpt_minutes or step == total:
             tmp = ckpt.with_suffix(".tmp")
             torch.save({"head": head.state(), "opt": opt.state_dict(), "step": step, "token_ids": tokens,
-                        "eps": eps, "val": evaluate()}, tmp)
+                        "eps": eps, "depth": D, "val": evaluate()}, tmp)
             os.replace(tmp, ckpt)
             last = time.time()
 
@@ -248,7 +286,8 @@ def save(args) -> None:
     weights["token_ids"] = np.asarray(st["token_ids"], np.int64)
     save_file(weights, str(out / "ahead.safetensors"), metadata={"embedding": "the target's (not stored)"})
     log = [json.loads(l) for l in open(work / "ahead_log.jsonl")]
-    card = {"guesses": args.guesses, "eps": st["eps"], "tokens": len(st["token_ids"]), "steps": st["step"],
+    card = {"guesses": args.guesses, "depth": args.depth or st.get("depth", 1), "eps": st["eps"],
+            "tokens": len(st["token_ids"]), "steps": st["step"],
             "held_out": st["val"], "log": log}
     (out / "card.json").write_text(json.dumps(card, indent=1) + "\n")
     print(f"{out}: {sum(v.nbytes for v in weights.values()) / 1e6:.1f} MB; held out {st['val']}")
@@ -270,10 +309,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--warmup", type=int, default=50)
     t.add_argument("--kd_weight", type=float, default=1.0)
     t.add_argument("--ckpt_minutes", type=float, default=3)
+    t.add_argument("--depth", type=int, default=3, help="levels trained (the graph's chain: depth - 1 below the "
+                   "first guess)")
+    t.add_argument("--level_decay", type=float, default=0.8, help="loss weight of level k: level_decay ** (k - 1)")
+    t.add_argument("--init", help="start from a saved head's folder (e.g. models/smollm2/ahead)")
     s = sub.add_parser("save")
     s.add_argument("--work", required=True)
     s.add_argument("--out", default=str(OUT))
     s.add_argument("--guesses", type=int, default=2)
+    s.add_argument("--depth", type=int, help="levels the graph runs (default: the levels trained)")
     return ap
 
 
