@@ -385,7 +385,7 @@ class Engine:
             head = self.target.ahead
             ahead = min(spec.max_branch_width, int(head["guesses"]))
             levels = {"ahead_depth": min(spec.max_depth, int(head.get("depth", 1))),
-                      "ahead_chain_at": int(head["guesses"])}
+                      "ahead_chain_at": int(head["guesses"]), "ahead_min_prob": spec.min_path_prob}
             budget_for = lambda load, total=spec.budget: max(gen.num_beams, total // load)   # noqa: E731
             chooser = self._chooser(gen, spec) if spec.adaptive and drafter is None else None
         elif use_draft:

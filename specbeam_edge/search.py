@@ -9,6 +9,7 @@ the batch of one, so there is one code path.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -78,7 +79,7 @@ class ExactSearch:
                  repetition_penalty: float = 1.0, grow=None, chooser=None,
                  topk: int | None = None, prompt_len: int | None = None, static=None, process=None,
                  budget_for=None, constraints: Constraints | None = None, min_finished: int = 1, ahead: int = 0,
-                 ahead_depth: int = 1, ahead_chain_at: int = 0):
+                 ahead_depth: int = 1, ahead_chain_at: int = 0, ahead_min_prob: float = 0.0):
         self.tree = TokenTree()
         self.chain_len = len(ids)
         kind, extra = (BeamSearch, {}) if constraints is None else \
@@ -93,7 +94,9 @@ class ExactSearch:
         self.grow, self.chooser, self.topk = grow, chooser, topk
         # ahead: guesses per beam from the target's own lookahead head (export/ahead.py), instead of a drafter;
         # ahead_depth: its levels used (the chain below the first guess), ahead_chain_at: the chain's first column
+        # ahead_min_prob: a guess joins the tree only while the head's probability of its path stays at least this
         self.ahead, self.ahead_depth, self.ahead_chain_at = ahead, ahead_depth, ahead_chain_at
+        self.ahead_floor = math.log(ahead_min_prob) if ahead_min_prob > 0 else -math.inf
         self.speculative = grow is not None or ahead > 0
         self.static, self.process = static, process
         self.rows: dict[int, tuple[object, int]] = {}     # scored node -> (pass output, row)
@@ -165,8 +168,9 @@ class ExactSearch:
         head's guesses (from the parent's row) of the token after it, and below the first guess the head's chain
         of deeper guesses, at most `budget` nodes: first guess, chain, then the other first-level guesses (in the
         order of their measured worth on SmolLM2: a level-2 guess is taken more often than a second first-level
-        one; DESIGN "Lookahead head"). A beam that is not its parent's best token gets none: the head guessed for
-        the best one."""
+        one; DESIGN "Lookahead head"), each while the head's probability of its path from the beam stays at least
+        ahead_min_prob (a row costs about 5% of a one-row pass there: unlikely guesses do not pay for theirs). A
+        beam that is not its parent's best token gets none: the head guessed for the best one."""
         out = []
         for n in dict.fromkeys(self.bs.running):
             row = self.rows.get(self.tree.parents[n])
@@ -175,18 +179,21 @@ class ExactSearch:
             head, j = row
             if head.ahead_ids is None or int(head.ids[j, 0]) != self.tree.tokens[n]:
                 continue
-            ids = head.ahead_ids[j].tolist()
-            chain = ids[self.ahead_chain_at:self.ahead_chain_at + self.ahead_depth - 1]
-            at = n
-            for t in ids[:1] + chain:
-                if len(out) >= budget:
-                    return out
+            ids, lps = head.ahead_ids[j].tolist(), head.ahead_logprobs[j].tolist()
+            chain = slice(self.ahead_chain_at, self.ahead_chain_at + self.ahead_depth - 1)
+            at, path = n, 0.0
+            for t, lp in zip(ids[:1] + ids[chain], lps[:1] + lps[chain]):
+                path += lp
+                if len(out) >= budget or path < self.ahead_floor:
+                    break
                 at = self.tree.add(at, int(t))
                 out.append(at)
-            for t in ids[1:self.ahead]:
-                if len(out) >= budget:
-                    return out
+            for t, lp in zip(ids[1:self.ahead], lps[1:self.ahead]):
+                if len(out) >= budget or lp < self.ahead_floor:
+                    break
                 out.append(self.tree.add(n, int(t)))
+            if len(out) >= budget:
+                return out
         return list(dict.fromkeys(out))
 
     # 2. one target pass over every node that is not scored yet (pending beams and the tree)

@@ -206,3 +206,22 @@ def test_the_recipes_torch_head_is_the_graphs_head():
             if level:
                 np.testing.assert_array_equal(g.numpy(), ref_ids[:, 2 + level])
                 np.testing.assert_allclose(lp.max(-1), ref_lp[:, 2 + level], atol=1e-5)
+
+
+def test_min_path_prob_keeps_only_the_guesses_the_head_believes(folders):
+    """With min_path_prob the tree holds only guesses whose path probability under the head (the product of its
+    levels' probabilities from the beam) is at least that: fewer guesses, and the output is still plain
+    search's."""
+    ref, fast = Engine(folders["plain"]), Engine(folders["ahead"])
+    floor = 0.06
+    proposed = {}
+    for min_prob in (0.0, floor):
+        spec = SpeculativeConfig(drafter="ahead", adaptive=False, budget=8, max_branch_width=GUESSES,
+                                 max_depth=DEPTH, min_path_prob=min_prob)
+        proposed[min_prob] = 0
+        for prompt in PROMPTS:
+            [a] = ref.generate(prompt, num_beams=1, max_new_tokens=14)
+            [b] = fast.generate(prompt, num_beams=1, max_new_tokens=14, speculative=spec)
+            assert_same_hypotheses(a, b)
+            proposed[min_prob] += b.stats.draft_tokens_proposed
+    assert 0 < proposed[floor] < proposed[0.0]
