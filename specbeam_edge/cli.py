@@ -10,7 +10,7 @@ import json
 import os
 import sys
 
-from .config import ModelFolderError, SpeculativeConfig
+from .config import AHEAD_MIN_PATH_PROB, ModelFolderError, SpeculativeConfig
 # shared with the apps (they import the runtime, never the reverse); re-exported for existing callers
 from .flags import (DEFAULT_MODELS, PROVIDERS, DefaultsHelp, add_beam_arg,  # noqa: F401
                     add_decoding_constraint_args, add_length_penalty_arg, add_memory_args, add_speculation_args,
@@ -60,9 +60,12 @@ def configs(args) -> tuple[dict, SpeculativeConfig | None]:
         if (args.draft is None and args.drafter is None and not sample and default_ahead(args.model)
                 and _num_beams(args) == 1):
             # else, for greedy search, its target's own lookahead head, drafting on every pass: measured 1.16x
-            # plain where adaptive speculation gave 1.03x (a pass's 1 or 2 steps vary more than its probes see);
-            # K > 1 gains nothing from it (it guesses after the best next token only)
+            # plain where adaptive speculation gave 0.95-1.03x (a pass's steps vary more than its probes see);
+            # K > 1 gains nothing from it (it guesses after the best next token only); only the guesses the
+            # head believes (config.AHEAD_MIN_PATH_PROB, unless --min_path_prob is given)
             args.drafter, args.always_speculate = "ahead", True
+            if not args.min_path_prob:
+                args.min_path_prob = AHEAD_MIN_PATH_PROB
     spec = speculative_from_args(args, draft=args.draft, sample=sample)
     return {k: v for k, v in overrides.items() if v is not None}, spec
 

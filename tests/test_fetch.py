@@ -503,6 +503,7 @@ def test_a_fetched_model_whose_head_pays_speculates_with_it_by_default(with_head
     import argparse
 
     from specbeam_edge.cli import add_search_args, configs
+    from specbeam_edge.config import AHEAD_MIN_PATH_PROB
 
     run()
     src = fetch.SOURCES["smollm2"]
@@ -515,6 +516,8 @@ def test_a_fetched_model_whose_head_pays_speculates_with_it_by_default(with_head
     monkeypatch.setitem(fetch.SOURCES, "smollm2", replace(src, ahead_pays=True))
     spec = spec_of("--num_beams", "1")
     assert spec.drafter == "ahead" and not spec.adaptive          # greedy: the head on every pass
+    assert spec.min_path_prob == AHEAD_MIN_PATH_PROB              # its believed guesses only, unless asked
+    assert spec_of("--num_beams", "1", "--min_path_prob", "0.3").min_path_prob == 0.3
     assert spec_of() is None and spec_of("--num_beams", "4") is None   # beam search (the default K = 4): plain
     assert spec_of("--num_beams", "1", "--no_draft") is None
     assert spec_of("--num_beams", "1", "--drafter", "lookup").drafter == "lookup"

@@ -17,7 +17,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog
                                QTextBrowser, QVBoxLayout, QWidget)
 
 from specbeam_edge import Engine, fetch
-from specbeam_edge.config import DEFAULT_BUDGET, SpeculativeConfig
+from specbeam_edge.config import AHEAD_MIN_PATH_PROB, DEFAULT_BUDGET, SpeculativeConfig
 from specbeam_edge.flags import speculative_config
 from specbeam_edge.shipped import missing_message, models_root
 
@@ -637,7 +637,8 @@ class ChatWindow(QMainWindow):
             d = SPECULATION_DEFAULTS
             spec = speculative_config(drafter="ahead" if head else "sample" if sample else "beam",
                                       budget=max(self.budget.value(), self.beams.value()), max_depth=d.max_depth,
-                                      max_branch_width=d.max_branch_width, draft_width=None, always_speculate=head)
+                                      max_branch_width=d.max_branch_width, draft_width=None, always_speculate=head,
+                                      min_path_prob=AHEAD_MIN_PATH_PROB if head else d.min_path_prob)
         self.save_settings()
         self.gen_conv, self.partial, self.partial_steps = cid, Answer(), 0
         self.gen = Generation(self.engine, self._prompt(cid), kwargs, spec, self.engine_name)
