@@ -21,7 +21,7 @@ It runs only in passes whose `ahead_on` input is true (an If node; plain passes 
 The head is a side branch: nothing the target's logits, top-k or KV cache depend on changes (tests/test_ahead.py
 checks them bit for bit), so exact search stays exact whatever the head guesses; the guesses only decide which
 nodes the next pass scores. Its MatMuls run in fp32, or in the target's per-row int8 for int8 targets (about 5 M
-multiply-adds a row at SmolLM2-135M's size with S = 8,192, 4% of the target's).
+multiply-adds a row and level at SmolLM2-135M's size with S = 8,192, 4% of the target's).
 """
 from __future__ import annotations
 
