@@ -248,7 +248,8 @@ class SpeculativeConfig:
     sampling, the only drafter whose trees may be verified with the p/q rule of do_sample=True), or
     'lookup' (prompt lookup: n-gram continuations from the prompt and the beam itself; no draft model), or
     'ahead' (the target's own lookahead head, export/ahead.py: up to max_branch_width guesses of the token after
-    each beam's next one, verified in the next pass; no draft model);
+    each beam's next one and the head's chain below the first to max_depth levels, verified in the next pass,
+    min_path_prob applied to the head's own probabilities; no draft model);
     `with_lookup`: 'beam' and 'best_first' also put prompt-lookup spans into the same tree, the budget split
     between the two by their measured acceptance (draft.MergedDrafter).
     `draft_width`: nodes per level of the 'beam' drafter (default max(K, max_branch_width, min(4K, budget // 2)):
