@@ -86,7 +86,7 @@ def arms(target, draft, gguf, threads: int, max_new: int, ids_max: int, with_lla
             "greedy ahead forced": ours(spec, SpeculativeConfig(drafter="ahead", adaptive=False), **greedy),
             "greedy ahead forced1": ours(spec, SpeculativeConfig(drafter="ahead", adaptive=False,
                                                                  max_branch_width=1), **greedy),
-            # only the guesses whose path the head gives at least 0.1 (a row costs ~5% of a one-row pass)
+            # only the guesses whose path the head gives at least 0.1 (tree rows are not free)
             "greedy ahead p0.1": ours(spec, SpeculativeConfig(drafter="ahead", adaptive=False, min_path_prob=0.1),
                                       **greedy),
             # the same graph with its guesses one level deep only (no chain): what the chain adds

@@ -109,9 +109,8 @@ def _one_pass(model, work: list[tuple[TreeCache, list[int]]], topk: int | None, 
         kw = {"key_positions": np.concatenate([cache.positions, pos])[None]} if model.needs_key_positions else {}
         if cache.static:
             kw["static"] = {name: a for name, (a, _) in cache.static.items()}
-        if ahead:               # only then: model-like objects without a lookahead head need not take it
-            kw["ahead"] = True
-        out, presents = model.forward(ids[None], pos[None], mask[None, None], cache.past, topk=topk, **kw)
+        out, presents = model.forward(ids[None], pos[None], mask[None, None], cache.past, topk=topk, ahead=ahead,
+                                      **kw)
         cache.record_pass(new, mask, presents)
         return heads.wrap(out)
     shared = _same_batch([cache for cache, _ in work])
@@ -173,9 +172,7 @@ def _one_pass_rows(model, work, inputs, topk, Nm, Qm, shared_past, gathers, ahea
     kw = {"key_positions": kpos} if model.needs_key_positions else {}
     if work[0][0].static:
         kw["static"] = _batched_static(model, [cache.static for cache, _ in work])
-    if ahead:
-        kw["ahead"] = True
-    out, presents = model.forward(ids, pos, mask, past, topk=topk, **kw)
+    out, presents = model.forward(ids, pos, mask, past, topk=topk, ahead=ahead, **kw)
     presents = [(host(k), host(v)) for k, v in presents]
     batch = None if model.kv_resident or not BATCH_ROWS else BatchKV(presents, Nm, Qm)
     results = []

@@ -64,7 +64,7 @@ def configs(args) -> tuple[dict, SpeculativeConfig | None]:
             # K > 1 gains nothing from it (it guesses after the best next token only); only the guesses the
             # head believes (config.AHEAD_MIN_PATH_PROB, unless --min_path_prob is given)
             args.drafter, args.always_speculate = "ahead", True
-            if not args.min_path_prob:
+            if args.min_path_prob is None:
                 args.min_path_prob = AHEAD_MIN_PATH_PROB
     spec = speculative_from_args(args, draft=args.draft, sample=sample)
     return {k: v for k, v in overrides.items() if v is not None}, spec

@@ -233,7 +233,7 @@ DRAFTERS = ("beam", "best_first", "sample", "lookup", "ahead")
 DEFAULT_BUDGET = 80
 # The tools' min_path_prob for a lookahead head (drafter 'ahead'): a guess joins the tree only while the head gives
 # its path at least this. SmolLM2-135M, 24 prompts x 128 tokens (bench/README): the chain on every pass gave 1.73
-# tokens a pass but 1.08x plain (a tree row cost ~5% of a one-row pass on that machine), 0.1: 1.64 tokens, 1.16x.
+# tokens a pass but 1.08x plain (rows are not free: 4 rows cost 1.28x one row in that run), 0.1: 1.64 tokens, 1.16x.
 AHEAD_MIN_PATH_PROB = 0.1
 
 
@@ -304,6 +304,11 @@ class SpeculativeConfig:
         for name in ("single_sequence", "adaptive", "with_lookup"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
+    @property
+    def min_log_prob(self) -> float:
+        """log(min_path_prob): a drafted path below it is not grown (-inf: no threshold)."""
+        return math.log(self.min_path_prob) if self.min_path_prob > 0 else -math.inf
 
     def check_against(self, num_beams: int):
         if self.budget != "auto" and self.budget < num_beams:

@@ -38,11 +38,6 @@ def custom_drafter(fn) -> Drafter:
     return grow
 
 
-def _min_log_prob(spec: SpeculativeConfig) -> float:
-    """log(min_path_prob): a drafted path below it is not grown (-inf: no threshold)."""
-    return math.log(spec.min_path_prob) if spec.min_path_prob > 0 else -math.inf
-
-
 class _Expansions:
     """The draft's top-`width` children (tokens, log-probs) of every node it has scored, kept while the node is
     in the draft cache. A beam the draft scored in an earlier pass (the target then accepted fewer levels than
@@ -118,7 +113,7 @@ class DraftBeamSearch:
         self.fixed_W, self.branch = spec.draft_width, spec.max_branch_width
         self.depth = spec.max_depth
         self.expand = _Expansions(max(self.width(spec.budget), spec.max_branch_width))
-        self.min_lp = _min_log_prob(spec)
+        self.min_lp = spec.min_log_prob
         self.eos = np.array(sorted(set(int(e) for e in eos_ids)), np.int64)
         self.ctx = context_length
 
@@ -172,7 +167,7 @@ class BestFirstDrafter:
         self.depth, self.num_beams = spec.max_depth, num_beams
         self.expand = _Expansions(spec.max_branch_width)
         self.log_decay = math.log(spec.decay_factor)
-        self.min_lp = _min_log_prob(spec)
+        self.min_lp = spec.min_log_prob
         self.eos = set(int(e) for e in eos_ids)
         self.ctx = context_length
 

@@ -7,7 +7,7 @@ import math
 import os
 import sys
 
-from .config import DEFAULT_BUDGET, SpeculativeConfig
+from .config import AHEAD_MIN_PATH_PROB, DEFAULT_BUDGET, SpeculativeConfig
 from .shipped import models_root
 
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
@@ -183,9 +183,10 @@ def add_speculation_args(ap: argparse.ArgumentParser, *, draft_help: str, sampli
     s.add_argument("--with_lookup", action="store_true",
                    help="also put prompt-lookup spans (copied names, numbers, markup) into the draft model's tree, "
                         "the budget split by measured acceptance")
-    s.add_argument("--min_path_prob", type=finite_float, default=0.0,
+    s.add_argument("--min_path_prob", type=finite_float, default=None,
                    help="stop a draft branch once the draft's probability of its path from the beam falls below this "
-                        "(0: grow every level up to --max_depth)")
+                        f"(default 0: grow every level up to --max_depth; {AHEAD_MIN_PATH_PROB} for a fetched "
+                        f"model's lookahead head)")
     if sampling:
         s.add_argument("--width_threshold", type=finite_float, default=0.0,
                        help="DSBD dynamic width: largest k with P(#accepted >= k) >= this (0: fixed width)")
@@ -205,7 +206,7 @@ def speculative_from_args(args, *, draft: str | None, sample: bool = False) -> S
                               width_threshold=getattr(args, "width_threshold", 0.0),
                               min_num_beams=getattr(args, "min_num_beams", 1),
                               single_sequence=getattr(args, "single_sequence", False),
-                              min_path_prob=args.min_path_prob, with_lookup=args.with_lookup)
+                              min_path_prob=args.min_path_prob or 0.0, with_lookup=args.with_lookup)
 
 
 # GenerationConfig fields both tools take under the same flags (transformers' names; CTranslate2's alias)

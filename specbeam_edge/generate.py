@@ -26,7 +26,7 @@ from .invariance import Invariance, NotInvariantError, QuantizationWarning, satu
 from .model import OnnxCausalLM
 from .results import Alternative, Hypothesis, Result, Stats, StreamChunk, peak_rss_mb
 from .scheduler import Job, Scheduler
-from .search import ExactSearch, SamplingSearch
+from .search import ExactSearch, HeadTree, SamplingSearch
 from .tokenizer import PromptText, Tokenizer, check_compatible, check_vocabulary
 from .tree import TokenTree
 
@@ -377,15 +377,10 @@ class Engine:
                                   temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p, seed=gen.seed,
                                   spec=spec if use_draft else None, **extra)
         grow = chooser = budget_for = None
-        ahead, levels = 0, {}
+        ahead = None
         if use_draft and spec.drafter == "ahead":
-            # the target's own lookahead head guesses the token after each beam's next one: no draft model,
-            # max_branch_width guesses per beam (at most the head's own number), and its chain below the first
-            # guess to max_depth levels (at most the head's own depth)
-            head = self.target.ahead
-            ahead = min(spec.max_branch_width, int(head["guesses"]))
-            levels = {"ahead_depth": min(spec.max_depth, int(head.get("depth", 1))),
-                      "ahead_chain_at": int(head["guesses"]), "ahead_min_prob": spec.min_path_prob}
+            # the target's own lookahead head guesses the tokens after each beam's next one: no draft model
+            ahead = HeadTree.of(self.target.ahead, spec)
             budget_for = lambda load, total=spec.budget: max(gen.num_beams, total // load)   # noqa: E731
             chooser = self._chooser(gen, spec) if spec.adaptive and drafter is None else None
         elif use_draft:
@@ -422,7 +417,7 @@ class Engine:
                            repetition_penalty=gen.repetition_penalty,
                            grow=grow, chooser=chooser, topk=topk,
                            budget_for=budget_for, constraints=constraints,
-                           min_finished=gen.num_return_sequences, ahead=ahead, **levels, **extra)
+                           min_finished=gen.num_return_sequences, ahead=ahead, **extra)
 
     def _statics(self, sources: list[list[int]], batch: int) -> list:
         """Per request, static(with_draft) -> (target's, draft's) encoder outputs, or None for decoder-only

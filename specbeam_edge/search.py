@@ -9,7 +9,6 @@ the batch of one, so there is one code path.
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 
@@ -60,6 +59,27 @@ def _finish(*caches) -> float:
     return sum(c.peak_bytes for c in caches) / 2**20
 
 
+@dataclass(frozen=True)
+class HeadTree:
+    """What exact search takes from a target's lookahead head (export/ahead.py) in place of a drafter: below each
+    beam, the first guess and the chain below it to `depth` levels in all, then the other first-level guesses up
+    to `guesses`; `chain_at`: the chain's first column of `ahead_ids` (the head's own number of guesses);
+    `min_log_prob`: a guess joins the tree only while the head's log-probability of its path from the beam stays
+    at least this (SpeculativeConfig.min_log_prob)."""
+    guesses: int
+    depth: int = 1
+    chain_at: int = 0
+    min_log_prob: float = float("-inf")
+
+    @classmethod
+    def of(cls, head: dict, spec) -> "HeadTree":
+        """From the target's config entry (`ahead`) and the request's SpeculativeConfig: max_branch_width first
+        guesses and max_depth levels, at most the head's own."""
+        return cls(guesses=min(spec.max_branch_width, int(head["guesses"])),
+                   depth=min(spec.max_depth, int(head.get("depth", 1))), chain_at=int(head["guesses"]),
+                   min_log_prob=spec.min_log_prob)
+
+
 class ExactSearch:
     """Exact beam search (K >= 1), speculative when `grow` is given: output identical to plain beam search.
 
@@ -78,8 +98,8 @@ class ExactSearch:
                  length_penalty: float, early_stopping, min_new_tokens: int, no_repeat_ngram_size: int = 0,
                  repetition_penalty: float = 1.0, grow=None, chooser=None,
                  topk: int | None = None, prompt_len: int | None = None, static=None, process=None,
-                 budget_for=None, constraints: Constraints | None = None, min_finished: int = 1, ahead: int = 0,
-                 ahead_depth: int = 1, ahead_chain_at: int = 0, ahead_min_prob: float = 0.0):
+                 budget_for=None, constraints: Constraints | None = None, min_finished: int = 1,
+                 ahead: HeadTree | None = None):
         self.tree = TokenTree()
         self.chain_len = len(ids)
         kind, extra = (BeamSearch, {}) if constraints is None else \
@@ -92,12 +112,9 @@ class ExactSearch:
         self.target = TreeCache(target_lm, self.tree)
         self.draft = TreeCache(draft_lm, self.tree) if grow is not None else None
         self.grow, self.chooser, self.topk = grow, chooser, topk
-        # ahead: guesses per beam from the target's own lookahead head (export/ahead.py), instead of a drafter;
-        # ahead_depth: its levels used (the chain below the first guess), ahead_chain_at: the chain's first column
-        # ahead_min_prob: a guess joins the tree only while the head's probability of its path stays at least this
-        self.ahead, self.ahead_depth, self.ahead_chain_at = ahead, ahead_depth, ahead_chain_at
-        self.ahead_floor = math.log(ahead_min_prob) if ahead_min_prob > 0 else -math.inf
-        self.speculative = grow is not None or ahead > 0
+        # ahead: the tree of the target's own lookahead head (export/ahead.py), instead of a drafter
+        self.ahead = ahead
+        self.speculative = grow is not None or ahead is not None
         self.static, self.process = static, process
         self.rows: dict[int, tuple[object, int]] = {}     # scored node -> (pass output, row)
         self.stats = Stats(prompt_tokens=self.chain_len)
@@ -120,13 +137,13 @@ class ExactSearch:
         while not bs.done:
             tp = time.perf_counter()
             chooser = self.chooser.at(ctx.load) if self.chooser is not None else None
-            if chooser is not None and self.ahead and stats.target_passes == 1:   # the pass after the prompt's
+            if chooser is not None and self.ahead is not None and stats.target_passes == 1:   # the pass after the prompt's
                 chooser.new_request()     # (a lookahead head's tree costs little: probed once per request)
             speculate = self.speculative and (chooser is None or chooser.choose(ctx.pass_id))
             steps0, depth0 = stats.beam_steps, self.tree.depths[self.bs.running[0]]
             drafted = (yield from self._grow(self.budget_for(ctx.load))) if speculate else []
             # a lookahead head's guesses feed the next pass: computed when that one may speculate
-            yield from self._score(drafted, ahead=self.ahead > 0 and (chooser is None or chooser.peek()))
+            yield from self._score(drafted, ahead=self.ahead is not None and (chooser is None or chooser.peek()))
             stats.plain_passes += self.speculative and not speculate
             yield from self._replay(set(drafted))
             self._commit(speculate)
@@ -149,7 +166,7 @@ class ExactSearch:
 
     # 1. grow a draft tree below every running beam
     def _grow(self, budget: int):
-        if self.ahead:
+        if self.ahead is not None:
             drafted = self._guesses(budget)
             self.stats.draft_tokens_proposed += len(drafted)
             return drafted
@@ -164,14 +181,13 @@ class ExactSearch:
         return drafted
 
     def _guesses(self, budget: int) -> list[int]:
-        """The lookahead head's tree: below each running beam that is its scored parent's best next token, the
-        head's guesses (from the parent's row) of the token after it, and below the first guess the head's chain
-        of deeper guesses, at most `budget` nodes: first guess, chain, then the other first-level guesses (in the
-        order of their measured worth on SmolLM2: a level-2 guess is taken more often than a second first-level
-        one; DESIGN "Lookahead head"), each while the head's probability of its path from the beam stays at least
-        ahead_min_prob (a row costs about 5% of a one-row pass there: unlikely guesses do not pay for theirs). A
-        beam that is not its parent's best token gets none: the head guessed for the best one."""
-        out = []
+        """The lookahead head's tree (HeadTree), at most `budget` nodes: below each running beam that is its scored
+        parent's best next token, the head's guesses from the parent's row; first guess, chain, then the other
+        first-level guesses (in the order of their measured worth on SmolLM2: a level-2 guess is taken more often
+        than a second first-level one; DESIGN "Lookahead head"), each while its path clears min_log_prob (tree
+        rows are not free: unlikely guesses do not pay for theirs). A beam that is not its parent's best token
+        gets none: the head guessed for the best one."""
+        h, out = self.ahead, []
         for n in dict.fromkeys(self.bs.running):
             row = self.rows.get(self.tree.parents[n])
             if row is None:
@@ -180,21 +196,19 @@ class ExactSearch:
             if head.ahead_ids is None or int(head.ids[j, 0]) != self.tree.tokens[n]:
                 continue
             ids, lps = head.ahead_ids[j].tolist(), head.ahead_logprobs[j].tolist()
-            chain = slice(self.ahead_chain_at, self.ahead_chain_at + self.ahead_depth - 1)
+            chain = slice(h.chain_at, h.chain_at + h.depth - 1)
             at, path = n, 0.0
             for t, lp in zip(ids[:1] + ids[chain], lps[:1] + lps[chain]):
                 path += lp
-                if len(out) >= budget or path < self.ahead_floor:
+                if len(out) >= budget or path < h.min_log_prob:
                     break
                 at = self.tree.add(at, int(t))
                 out.append(at)
-            for t, lp in zip(ids[1:self.ahead], lps[1:self.ahead]):
-                if len(out) >= budget or lp < self.ahead_floor:
+            for t, lp in zip(ids[1:h.guesses], lps[1:h.guesses]):
+                if len(out) >= budget or lp < h.min_log_prob:
                     break
                 out.append(self.tree.add(n, int(t)))
-            if len(out) >= budget:
-                return out
-        return list(dict.fromkeys(out))
+        return out       # no node twice: distinct beams, distinct guesses below each
 
     # 2. one target pass over every node that is not scored yet (pending beams and the tree)
     def _score(self, drafted: list[int], ahead: bool = False):

@@ -26,7 +26,8 @@ class FakeLM:
     def empty_past(self):
         return [(np.zeros((1, 1, 0, 2), np.float32), np.zeros((1, 1, 0, 2), np.float32))]
 
-    def forward(self, input_ids, position_ids, tree_mask, past, topk=None):
+    def forward(self, input_ids, position_ids, tree_mask, past, topk=None, ahead=False):
+        # no lookahead head: `ahead` is never asked of it (the engine asks only targets whose config has one)
         k = past[0][0]
         new = np.stack([input_ids[0], position_ids[0]], -1).astype(np.float32)[None, None]
         kv = np.concatenate([k, new], axis=2)                       # [1, 1, T, 2]: (token, position)
