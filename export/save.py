@@ -10,6 +10,7 @@ from pathlib import Path
 
 import onnx
 
+from .blocks import BLOCK, gguf_int4
 from .quant import rowwise_int8
 from .safety import make_staging, replace_folder
 
@@ -121,6 +122,11 @@ def save_precision(model: onnx.ModelProto, dst: Path, precision: str, block_size
         quant = rowwise_int8(model, reduce_range=reduce_range)
         _save(model, dst)
         return quant
+    if precision == "int4" and block_size == BLOCK:
+        quant = gguf_int4(model)     # weights on a GGUF block grid keep the file's blocks (export/blocks.py)
+        if quant is not None:
+            _save(model, dst)
+            return quant
     if precision in ("int8dyn", "int4"):
         return _save_quantized(model, dst, precision, block_size, reduce_range)
     _save(model, dst)
