@@ -28,6 +28,8 @@ from onnx import TensorProto
 from onnx import helper as oh
 from onnx import numpy_helper as onh
 
+from .quant import _copy
+
 BLOCK = 32
 METHOD = ("specbeam int4 with the source's own blocks (GGUF Q4_0 / Q4_1 / Q8_0 recovered bit for bit from the "
           "dequantized weights): MatMulNBits, accuracy level 4 (int8 activations per block of 32)")
@@ -117,12 +119,6 @@ def _concat(parts: list[Blocks]) -> Blocks:
                   None if off[0] is None else np.concatenate(off))
 
 
-def _copy(message):
-    out = type(message)()
-    out.CopyFrom(message)
-    return out
-
-
 def gguf_int4(model: onnx.ModelProto) -> dict | None:
     """Rewrite the decoder graph `model` in place when every MatMul with constant 2-D fp32 weights lies on a GGUF
     block grid (activations of rank 3, [batch, rows, K]); returns the config's "quantization" entry, or None
@@ -164,7 +160,7 @@ def gguf_int4(model: onnx.ModelProto) -> dict | None:
             sums[x] = x + ".bsum"
         return sums[x]
 
-    def emit(x: str, b: Blocks, name: str, out: str):
+    def emit(x: str, b: Blocks, name: str, out: str, matmuls: int = 1):
         N, nb, _ = b.codes.shape
         new_inits.extend([onh.from_array(_pack(b), name + ".nbits"),
                           onh.from_array(b.scale.reshape(-1), name + ".nbits_scale")])
@@ -179,7 +175,7 @@ def gguf_int4(model: onnx.ModelProto) -> dict | None:
             new_inits.append(onh.from_array(np.ascontiguousarray(b.offset.T), name + ".nbits_offset"))  # [nb, N]
             nodes.extend([oh.make_node("MatMul", [block_sums(x), name + ".nbits_offset"], [out + ".off"]),
                           oh.make_node("Add", [y, out + ".off"], [out])])
-        kinds[b.kind] = kinds.get(b.kind, 0) + 1
+        kinds[b.kind] = kinds.get(b.kind, 0) + matmuls
 
     dropped = set()
     for n in g.node:
@@ -189,14 +185,13 @@ def gguf_int4(model: onnx.ModelProto) -> dict | None:
                 continue
             parts = [recovered[m.input[1]] for m in grp]
             name = grp[0].input[1] + ".merged"
-            emit(n.input[0], _concat(parts), name, name + ".out")
+            emit(n.input[0], _concat(parts), name, name + ".out", len(grp))
             new_inits.append(onh.from_array(np.array([p.codes.shape[0] for p in parts], np.int64), name + ".split"))
             nodes.append(oh.make_node("Split", [name + ".out", name + ".split"], [m.output[0] for m in grp], axis=-1))
             dropped.update(m.input[1] for m in grp)
-            kinds[parts[0].kind] += len(grp) - 1
             continue
         if weight(n):
-            emit(n.input[0], recovered[n.input[1]], n.input[1] + f".{n.output[0]}", n.output[0])
+            emit(n.input[0], recovered[n.input[1]], n.output[0], n.output[0])   # a shared weight: a copy each
             if all(weight(c) for c in consumers[n.input[1]]):
                 dropped.add(n.input[1])
             continue
