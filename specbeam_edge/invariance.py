@@ -155,8 +155,9 @@ def _cpu() -> str:
 
 
 def cache_key(model) -> str:
-    """The graph files (path, size, mtime), onnxruntime's version, the session's providers and the CPU."""
-    parts = [ort.__version__, _cpu(), model.cfg.layout, ",".join(_providers(model))]
+    """The graph files (path, size, mtime), onnxruntime's version, the session's providers, the CPU and the
+    fewest rows a pass scores (model.min_rows: the plain steps' shape)."""
+    parts = [ort.__version__, _cpu(), model.cfg.layout, ",".join(_providers(model)), f"rows {model.min_rows}"]
     for key in ("model", "layer", "head", "embed"):
         name = model.cfg.files.get(key)
         if isinstance(name, str):
@@ -189,6 +190,21 @@ def check(model, *, use_cache: bool = True) -> Invariance:
     if use_cache:
         _store(path, key, diff)
     return Invariance(diff, diff <= TOLERANCE)
+
+
+def row_floor(model, *, use_cache: bool = True) -> int:
+    """The fewest rows a pass of this quantized target must score on this machine: 1 when the check with
+    one-row plain steps measures exactly 0 (onnxruntime's one-row kernels give a node the bits a tree pass gives
+    it, so no padding row is needed), else model.min_rows (2). Exactly 0, not within TOLERANCE: a last-bit
+    difference the random tree shows may be a quantization step on real text (DESIGN "Quantized targets"
+    point 2). Cached as check() is, so a model file pays for it once per machine."""
+    floor = model.min_rows
+    model.min_rows = 1
+    try:
+        one_row = check(model, use_cache=use_cache)
+    finally:
+        model.min_rows = floor
+    return 1 if one_row.max_diff == 0.0 else floor
 
 
 def _store(path: Path, key: str, diff: float) -> None:

@@ -114,29 +114,71 @@ def test_engine_refuses_a_target_that_is_not_invariant_for_exact_speculation(exp
 def test_check_is_cached_per_model_file(exported, monkeypatch, tmp_path):
     monkeypatch.setenv("SPECBEAM_CACHE_DIR", str(tmp_path))
     folder = exported("llama", "int8", std=0.3, seed=3)
-    first = invariance.check(OnnxCausalLM(folder))
+    first = invariance.check(OnnxCausalLM(folder, min_rows=2))
     assert first.ok and not first.cached and (tmp_path / "invariance.json").is_file()
 
     def boom(model):
         raise AssertionError("measured again")
     monkeypatch.setattr(invariance, "measure", boom)
-    again = invariance.check(OnnxCausalLM(folder))
+    again = invariance.check(OnnxCausalLM(folder, min_rows=2))
     assert again.cached and again.max_diff == first.max_diff
     st = (folder / "model.onnx").stat()             # a replaced graph file is a new key
     os.utime(folder / "model.onnx", ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
     with pytest.raises(AssertionError, match="measured again"):
-        invariance.check(OnnxCausalLM(folder))
+        invariance.check(OnnxCausalLM(folder, min_rows=2))
 
 
 def test_a_cached_failure_is_refused_without_measuring(exported, monkeypatch, tmp_path):
     """The cache decides as the measurement did (a planted entry for this file)."""
     monkeypatch.setenv("SPECBEAM_CACHE_DIR", str(tmp_path))
     folder = exported("llama", "int8", std=0.3, seed=3)
-    key = invariance.cache_key(OnnxCausalLM(folder))
-    (tmp_path / "invariance.json").write_text(json.dumps({key: 0.5}))
+    model = OnnxCausalLM(folder, min_rows=2)
+    keys = {}
+    for rows in (1, 2):                             # both floors: the load-time floor check reads the one-row entry
+        model.min_rows = rows
+        keys[invariance.cache_key(model)] = 0.5
+    (tmp_path / "invariance.json").write_text(json.dumps(keys))
     eng = Engine(folder, draft=folder)
     with pytest.raises(NotInvariantError, match="5.0e-01"):
         eng.generate([3, 17, 33], num_beams=2, max_new_tokens=4, speculative=SPEC)
+
+
+def test_a_quantized_targets_floor_is_measured_at_one_row(exported, monkeypatch, tmp_path):
+    """int8/int4 targets score one row a pass only where the check with one-row steps measures exactly 0 on this
+    machine (a last bit off, 3e-7, keeps the padding row); the result is cached per model file; an explicit
+    min_rows, an fp32 target and a target streaming its layers do not measure."""
+    monkeypatch.setenv("SPECBEAM_CACHE_DIR", str(tmp_path))
+    measured = []
+
+    def fake(diff):
+        def measure(model):
+            measured.append(model.min_rows)
+            return diff if model.min_rows == 1 else 0.0
+        return measure
+    int8, int4 = exported("llama", "int8", std=0.3, seed=3), exported("llama", "int4", std=0.3, seed=3)
+    monkeypatch.setattr(invariance, "measure", fake(3e-7))
+    assert OnnxCausalLM(int8).min_rows == 2 and measured == [1]
+    assert OnnxCausalLM(int8).min_rows == 2 and measured == [1]          # cached: not measured again
+    monkeypatch.setattr(invariance, "measure", fake(0.0))
+    assert OnnxCausalLM(int4).min_rows == 1 and measured == [1, 1]
+    assert Engine(int4).target.min_rows == 1 and measured == [1, 1]
+    assert OnnxCausalLM(int8, min_rows=1).min_rows == 1 and OnnxCausalLM(int4, min_rows=3).min_rows == 3
+    assert OnnxCausalLM(exported("llama", std=0.3, seed=3)).min_rows == 1
+    split = exported("llama", "int8", layout="split", std=0.3, seed=3)
+    layers = OnnxCausalLM(split, min_rows=2).cfg.num_layers
+    assert OnnxCausalLM(split, placement=["disk"] * layers).min_rows == 2    # every layer streamed
+    assert measured == [1, 1]
+    assert OnnxCausalLM(split).min_rows == 1 and measured == [1, 1, 1]    # all resident: measured
+
+
+def test_the_measured_floor_is_what_the_kernels_give(exported, monkeypatch, tmp_path):
+    """Without stand-ins: the floor is 1 exactly when one-row steps score every node of the check's tree bit for
+    bit (on this CPU both precisions measure 0 at one row; the floor follows whichever way it comes out)."""
+    monkeypatch.setenv("SPECBEAM_CACHE_DIR", str(tmp_path))
+    for precision in ("int8", "int4"):
+        folder = exported("llama", precision, std=0.3, seed=3)
+        one = OnnxCausalLM(folder, min_rows=1)
+        assert OnnxCausalLM(folder).min_rows == (1 if invariance.measure(one) == 0.0 else 2)
 
 
 @pytest.mark.parametrize("precision", ["int8", "int4"])
