@@ -40,17 +40,54 @@ TITLES = {
 }
 EXPORT_SIZES_NOTE = (
     "Random bf16 weights at each family's real shapes, one export per child process (`peak_rss_gb` is its own); "
-    "each row comes from the run on its date (`python -m bench.export_sizes --families F --precisions P`). int8w "
-    "(int8 weight storage, fp32 compute after onnxruntime folds the dequantization at load) is batch-invariant, so "
-    "exact speculation holds, at about half of fp16's folder; `quantize_dynamic` int8 keeps the embedding fp32 (a "
-    "Gather is not quantized) and is not batch-invariant. Tied embeddings are stored twice in every precision (the "
-    "Gather table and the head).")
+    "each row comes from the run on its date (`python -m bench.export_sizes --families F --precisions P --out "
+    "bench/results`). int8w (int8 weight storage, fp32 compute after onnxruntime folds the dequantization at load) "
+    "is batch-invariant, so exact speculation holds, at about half of fp16's folder; `quantize_dynamic` (these "
+    "rows: `int8dyn`, measured when it was called int8) keeps the embedding fp32 (a Gather is not quantized) and is "
+    "not batch-invariant; today's per-row `int8` stores the same int8 matrices and fp32 embedding, so its folders "
+    "are about as large. Tied embeddings are stored twice in every precision (the Gather table and the head).")
+
+
+PREAMBLE = ["# Benchmarks", "",
+            "Every figure below was measured by one run of the command shown, on the machine named with it. "
+            "Ratios are medians over alternated runs (A B A B) inside that run; absolute times vary with load.", ""]
 
 
 def render(results: Path, readme: Path, command: str) -> None:
-    out = ["# Benchmarks", "",
-           "Every figure below was measured by one run of the command shown, on the machine named with it. "
-           "Ratios are medians over alternated runs (A B A B) inside that run; absolute times vary with load.", ""]
+    """Rewrite the sections made from results/*.json and keep every other section of `readme` where it stands
+    (the hand-written records of runs outside `python -m bench`: a render once erased them)."""
+    generated = _generated(results, command)
+    old = _sections(readme.read_text()) if readme.is_file() else []
+    out, done, last = list(PREAMBLE), set(), None
+    for title, lines in old:
+        if title is None:
+            continue                                  # the old preamble: written afresh above
+        if title in generated:
+            out += generated[title]
+            done.add(title)
+            last = len(out)
+        else:
+            out += lines
+    missing = [t for t in generated if t not in done]
+    if missing:                                       # new generated sections: after the last generated one
+        at = len(PREAMBLE) if last is None else last
+        out[at:at] = [line for t in missing for line in generated[t]]
+    readme.write_text("\n".join(out).rstrip("\n") + "\n")
+
+
+def _sections(text: str) -> list[tuple[str | None, list[str]]]:
+    """(title, lines) per '## ' section, the lines before the first one under None."""
+    out: list[tuple[str | None, list[str]]] = [(None, [])]
+    for line in text.splitlines():
+        if line.startswith("## "):
+            out.append((line[3:].strip(), []))
+        out[-1][1].append(line)
+    return out
+
+
+def _generated(results: Path, command: str) -> dict[str, list[str]]:
+    """Title -> the section's lines, for each result file present, in the report's order."""
+    sections: dict[str, list[str]] = {}
     for name in ("e2e", "batch", "peers", "cost", "sampling", "synthetic", "offload", "confidence", "kv", "ray_scale",
                  "export_sizes"):
         path = results / f"{name}.json"
@@ -59,6 +96,7 @@ def render(results: Path, readme: Path, command: str) -> None:
         d = json.loads(path.read_text())
         m = d.get("machine", {})
         how = "`python -m bench.export_sizes`" if name == "export_sizes" else f"`{command} --scenario {name}`"
+        out = sections.setdefault(TITLES[name], [])
         out += [f"## {TITLES[name]}", "",
                 f"{how} — {m.get('date', '?')}, {m.get('cpu', '?')}, {m.get('cores', '?')} "
                 f"cores, load at start {m.get('loadavg_at_start', '?')}, onnxruntime {m.get('onnxruntime', '?')}", ""]
@@ -121,7 +159,7 @@ def render(results: Path, readme: Path, command: str) -> None:
                     f"Estimate: {d['estimate']}", ""] + ([f"Notes: {d['notes']}", ""] if d.get("notes") else [])
         if (results / f"{name}.png").exists():
             out += [f"![{name}](results/{name}.png)", ""]
-    readme.write_text("\n".join(out))
+    return sections
 
 
 def table_md(rows, cols) -> str:
