@@ -51,3 +51,47 @@ def test_export_sizes_rows_accumulate_and_render(tmp_path):
     render(tmp_path, readme, "python -m bench")
     text = readme.read_text()
     assert "## Export size per precision" in text and "| B | 1 | 2 | int8w | whole |" in text
+
+
+def test_rowcost_steps_needed_follow_the_measured_times(monkeypatch, pair):
+    """bench.cost.alternated: each model's rows are timed in every round (order reversed every other round),
+    and the steps a pass needed for a goal are the goal times the pass's time over one row's."""
+    import bench.cost as cost
+
+    calls = []
+
+    def fake(lm, past_len, q, reps):
+        calls.append((str(lm.folder), q))
+        return 0.01 * (1 + 0.1 * (q - 1))          # 10 ms, +1 ms a row
+    monkeypatch.setattr(cost, "pass_time", fake)
+    data = cost.alternated(list(pair), sizes=(1, 2, 4), rounds=2, reps=1, threads=1, goals=(1.5,))
+    assert [c[0] for c in calls] == [pair[0]] * 3 + [pair[1]] * 3 + [pair[1]] * 3 + [pair[0]] * 3
+    for d in data["models"].values():
+        assert d["ms"] == {"1": 10.0, "2": 11.0, "4": 13.0}
+        assert d["needed_steps_a_pass"]["1.5"] == {"1": 1.5, "2": 1.65, "4": 1.95}
+
+
+def test_render_keeps_the_hand_written_sections(tmp_path):
+    """A section no result file makes (a record of a run outside `python -m bench`) stays where it stands; the
+    generated sections are rewritten from their JSON, and one new to the README goes after the last generated
+    one. The render used to write only its own sections, so a `--out bench/results` run erased the others."""
+    import json
+
+    from bench.report import TITLES, render
+
+    cost = {"past_len": 8, "models": {"m (fp32)": {"ms": {"1": 1.5, "2": 2.5}}}}
+    (tmp_path / "cost.json").write_text(json.dumps({**cost, "machine": {"date": "today"}}))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# Benchmarks\n\nold preamble\n\n## {TITLES['cost']}\n\nstale numbers\n\n"
+                      f"## A run by hand\n\nkept | as | written\n")
+    render(tmp_path, readme, "python -m bench")
+    text = readme.read_text()
+    assert "stale numbers" not in text and "| m (fp32) | 1.5 | 2.5 |" in text and "old preamble" not in text
+    assert text.index(TITLES["cost"]) < text.index("## A run by hand\n\nkept | as | written")
+    (tmp_path / "kv.json").write_text(json.dumps({
+        "rows": [{"engine": "e"}], "prompts": 1, "K": 1, "max_new_tokens": 1, "threads": 1, "reps": 1, "summary": "s",
+        "pass_ms_by_new_and_cached": {}, "op_profile": {"Q": 1, "N": 1, "us_by_op": {}}}))
+    render(tmp_path, readme, "python -m bench")
+    text = readme.read_text()
+    assert text.index(TITLES["cost"]) < text.index(TITLES["kv"]) < text.index("## A run by hand")
+    assert text.count("kept | as | written") == 1
