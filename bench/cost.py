@@ -1,4 +1,14 @@
-"""Cost curve: one target pass over a tree of Q nodes on top of a prompt, for each model folder given."""
+"""Cost curve: one target pass over a tree of Q nodes on top of a prompt, for each model folder given.
+
+`python -m bench --scenario cost` runs it on the shipped pair. `python -m bench.cost` asks what a drafter must do
+on a real model: the fetched SmolLM2-135M target (its head-less copy) and a random-weight int8 model at
+SmolLM2-360M's shapes, pass time over 1-16 rows alternated model by model, and the beam steps a pass a tree of
+that many rows must give for speculation to reach a goal speed-up (the rows' cost only; a drafter's own cost is
+on top):
+
+    python -m bench.cost                                   # the two models above
+    python -m bench.cost --folders A B --sizes 1,2,4,8     # any model folders
+"""
 from __future__ import annotations
 
 import time
@@ -8,6 +18,7 @@ import numpy as np
 
 from specbeam_edge.model import OnnxCausalLM
 
+from . import common
 from .common import median, save_figure
 
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -105,3 +116,82 @@ def plot(data: dict, path: Path):
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
     save_figure(fig, path)
+
+
+GOALS = (1.3, 1.6, 2.0)
+
+
+def alternated(folders: list[Path], *, past_len: int = 64, sizes=(1, 2, 4, 6, 8, 16), rounds: int = 3,
+               reps: int = 7, threads: int = 2, goals=GOALS) -> dict:
+    """Pass time over each number of rows, for each folder: `rounds` rounds, the folders' order reversed every
+    other round, the median of each round's `reps` passes, then the median over rounds. needed[goal][q]: the
+    beam steps a pass over q rows must give for `goal` x plain (one row a pass): goal x (its time / one row's)."""
+    models = [OnnxCausalLM(f, threads=threads) for f in folders]
+    names = [f"{Path(f).name} ({lm.cfg.precision})" for f, lm in zip(folders, models)]
+    times: dict = {n: {q: [] for q in sizes} for n in names}
+    for r in range(rounds):
+        order = list(zip(names, models))
+        for name, lm in (order if r % 2 == 0 else order[::-1]):
+            for q in sizes:
+                times[name][q].append(pass_time(lm, past_len, q, reps))
+    out = {"past_len": past_len, "threads": threads, "rounds": rounds, "goals": list(goals), "models": {}}
+    for name in names:
+        ms = {q: median(v) * 1e3 for q, v in times[name].items()}
+        ratio = {q: t / ms[sizes[0]] for q, t in ms.items()}
+        out["models"][name] = {
+            "ms": {str(q): round(t, 2) for q, t in ms.items()},
+            "ratio_to_q1": {str(q): round(r, 3) for q, r in ratio.items()},
+            "needed_steps_a_pass": {str(g): {str(q): round(g * r, 2) for q, r in ratio.items()} for g in goals}}
+    return out
+
+
+def main(argv=None) -> int:
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(prog="python -m bench.cost", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--folders", nargs="*", help="model folders (default: the fetched SmolLM2-135M target's "
+                                                 "head-less copy and a random int8 model at SmolLM2-360M shapes)")
+    ap.add_argument("--sizes", default="1,2,4,6,8,16", help="rows a pass (comma list; the first is the base)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "out" / "results"))
+    a = ap.parse_args(argv)
+    work = Path(__file__).resolve().parent / "out" / "models"
+    folders = [Path(f) for f in a.folders] if a.folders else _default_folders(work)
+    data = alternated(folders, sizes=tuple(int(x) for x in a.sizes.split(",")), rounds=a.rounds,
+                      threads=a.threads)
+    data["machine"] = common.machine()
+    out = Path(a.out)
+    common.write(out, "rowcost", data)
+    plot(data, out / "rowcost.png")
+    for name, d in data["models"].items():
+        print(name, "ms", d["ms"], "x one row", d["ratio_to_q1"])
+        for g, need in d["needed_steps_a_pass"].items():
+            print(f"  steps a pass for {g}x:", need)
+    print(json.dumps(data["machine"]))
+    return 0
+
+
+def _default_folders(work: Path) -> list[Path]:
+    from export import export
+    from specbeam_edge import fetch
+
+    from .quant import smollm2_shapes
+    from .smollm2 import headless_copy
+
+    target = fetch.model_path("smollm2")
+    if not (Path(target) / "specbeam_config.json").is_file():
+        raise SystemExit("the SmolLM2-135M target is not fetched: run `specbeam fetch smollm2`, or name --folders")
+    plain = headless_copy(target, work / "smollm2-headless") or Path(target)
+    big = work / "smollm2_360m_int8"
+    if not (big / "specbeam_config.json").is_file():
+        export(smollm2_shapes(work / "smollm2_360m_hf"), big, precision="int8", quiet=True, overwrite=True)
+    return [plain, big]
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
