@@ -160,9 +160,10 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     work = Path(__file__).resolve().parent / "out" / "models"
     folders = [Path(f) for f in a.folders] if a.folders else _default_folders(work)
+    info = common.machine()                 # before the run: its load average is the machine's, not ours
     data = alternated(folders, sizes=tuple(int(x) for x in a.sizes.split(",")), rounds=a.rounds,
                       threads=a.threads)
-    data["machine"] = common.machine()
+    data["machine"] = info
     out = Path(a.out)
     common.write(out, "rowcost", data)
     plot(data, out / "rowcost.png")

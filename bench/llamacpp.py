@@ -301,8 +301,9 @@ def main(argv=None) -> int:
                     help="also both engines with prompt-lookup speculation (llama.cpp proposing N tokens)")
     a = ap.parse_args(argv)
     gguf, folders = default_inputs(tuple(a.precisions.split(",")))
+    info = common.machine()                 # before the run: its load average is the machine's, not ours
     data = bench(gguf, folders, n_prompts=a.prompts, max_new=a.max_new, threads=a.threads, lookup=a.lookup)
-    data["machine"] = common.machine()
+    data["machine"] = info
     out = Path(a.out)
     common.write(out, "llamacpp", data)
     plot(data, out / "llamacpp.png")

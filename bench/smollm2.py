@@ -260,11 +260,12 @@ def main(argv=None) -> int:
     target, draft, gguf = default_inputs()
     out = Path(a.out)
     plain_target = a.plain_target or headless_copy(target, ROOT / "bench" / "out" / "models" / "smollm2-headless")
+    info = common.machine()                 # before the run: its load average is the machine's, not ours
     data = bench(target, draft, gguf, n_prompts=a.prompts, max_new=a.max_new, threads=a.threads,
                  with_llama=not a.no_llama, plain_target=plain_target,
                  only=[x.strip() for x in a.arms.split(",")] if a.arms else None)
     data["pass_costs"] = pass_costs(target, draft, a.threads)
-    data["machine"] = common.machine()
+    data["machine"] = info
     common.write(out, a.tag, data)
     plot(data, out / f"{a.tag}.png")
     print(json.dumps({k: data[k] for k in data if k != "rows"}, indent=1))

@@ -80,11 +80,11 @@ def _rows(model, ids, pos, mask, past, static, past_positions):
     return np.asarray(rows[0], np.float32), presents
 
 
-def _step(model, token, position, past, static, past_positions):
+def _step(model, token, position, past, static, past_positions, rows: int):
     """One plain decoding step: the token's row from a pass of its own over `past` (with the padding rows the
-    runtime adds, model.min_rows; a padding row sees only itself, as in batch._one_pass_rows), and the past with
+    runtime adds up to `rows`; a padding row sees only itself, as in batch._one_pass_rows), and the past with
     the token's key/value appended."""
-    Q = max(1, model.min_rows)
+    Q = max(1, rows)
     ids, pos = np.zeros(Q, np.int64), np.zeros(Q, np.int64)
     ids[0], pos[0] = token, position
     N = len(past_positions)
@@ -96,16 +96,17 @@ def _step(model, token, position, past, static, past_positions):
     return rows[0], kept, np.append(past_positions, position)
 
 
-def measure(model) -> float:
+def measure(model, rows: int | None = None) -> float:
     """Score a branching tree over a prompt in one pass, then each node's path again as plain decoding does
-    (one token a pass, over a cache that holds the prompt and the path only); the largest difference of a node's
-    row between the two, relative to the largest |logit|.
+    (one token a pass, padded to `rows` rows, default model.min_rows; over a cache that holds the prompt and the
+    path only); the largest difference of a node's row between the two, relative to the largest |logit|.
 
     Two things differ, and both are what exact speculation needs the kernels to ignore: the number of rows in a
     pass (quantize_dynamic's one activation scale per tensor depends on it; kernels chosen by row count may), and
     the column layout (in the tree pass a node's keys sit among its siblings' masked columns; fp32 attention sums
     round according to where those sit, which int8 activations turn into quantization steps: graphs exported with
     fp32 attention and int8 compute fail here, DESIGN "Layout-exact attention")."""
+    rows = model.min_rows if rows is None else rows
     static = _static(model)
     prompt = _tokens(model, PROMPT_LEN, 0)
     causal = np.tril(np.ones((PROMPT_LEN, PROMPT_LEN), bool))
@@ -126,7 +127,7 @@ def measure(model) -> float:
     for j, path in enumerate(paths):
         kv, cols = past, np.arange(PROMPT_LEN)
         for node in path:
-            ref, kv, cols = _step(model, tokens[node], positions[node], kv, static, cols)
+            ref, kv, cols = _step(model, tokens[node], positions[node], kv, static, cols, rows)
         finite = np.isfinite(ref)
         scale = float(np.abs(ref[finite]).max()) or 1.0
         worst = max(worst, float(np.abs(tree[j][finite] - ref[finite]).max()) / scale)
@@ -154,10 +155,11 @@ def _cpu() -> str:
     return platform.processor() or platform.machine()
 
 
-def cache_key(model) -> str:
-    """The graph files (path, size, mtime), onnxruntime's version, the session's providers, the CPU and the
-    fewest rows a pass scores (model.min_rows: the plain steps' shape)."""
-    parts = [ort.__version__, _cpu(), model.cfg.layout, ",".join(_providers(model)), f"rows {model.min_rows}"]
+def cache_key(model, rows: int | None = None) -> str:
+    """The graph files (path, size, mtime), onnxruntime's version, the session's providers, the CPU and the rows
+    of the plain steps (default model.min_rows)."""
+    rows = model.min_rows if rows is None else rows
+    parts = [ort.__version__, _cpu(), model.cfg.layout, ",".join(_providers(model)), f"rows {rows}"]
     for key in ("model", "layer", "head", "embed"):
         name = model.cfg.files.get(key)
         if isinstance(name, str):
@@ -175,10 +177,12 @@ def _providers(model) -> list[str]:
     return list(sess.get_providers())
 
 
-def check(model, *, use_cache: bool = True) -> Invariance:
-    """Measure (or read the cached measurement of) the model's batch invariance on this machine."""
+def check(model, *, use_cache: bool = True, rows: int | None = None) -> Invariance:
+    """Measure (or read the cached measurement of) the model's batch invariance on this machine, its plain steps
+    scoring `rows` rows a pass (default model.min_rows, what the runtime runs)."""
+    rows = model.min_rows if rows is None else rows
     path = cache_dir() / "invariance.json"
-    key = cache_key(model)
+    key = cache_key(model, rows)
     if use_cache:
         try:
             hit = json.loads(path.read_text()).get(key)
@@ -186,7 +190,7 @@ def check(model, *, use_cache: bool = True) -> Invariance:
             hit = None
         if isinstance(hit, (int, float)):
             return Invariance(float(hit), float(hit) <= TOLERANCE, cached=True)
-    diff = measure(model)
+    diff = measure(model, rows)
     if use_cache:
         _store(path, key, diff)
     return Invariance(diff, diff <= TOLERANCE)
@@ -198,13 +202,7 @@ def row_floor(model, *, use_cache: bool = True) -> int:
     it, so no padding row is needed), else model.min_rows (2). Exactly 0, not within TOLERANCE: a last-bit
     difference the random tree shows may be a quantization step on real text (DESIGN "Quantized targets"
     point 2). Cached as check() is, so a model file pays for it once per machine."""
-    floor = model.min_rows
-    model.min_rows = 1
-    try:
-        one_row = check(model, use_cache=use_cache)
-    finally:
-        model.min_rows = floor
-    return 1 if one_row.max_diff == 0.0 else floor
+    return 1 if check(model, use_cache=use_cache, rows=1).max_diff == 0.0 else model.min_rows
 
 
 def _store(path: Path, key: str, diff: float) -> None:

@@ -117,7 +117,7 @@ def test_check_is_cached_per_model_file(exported, monkeypatch, tmp_path):
     first = invariance.check(OnnxCausalLM(folder, min_rows=2))
     assert first.ok and not first.cached and (tmp_path / "invariance.json").is_file()
 
-    def boom(model):
+    def boom(model, rows=None):
         raise AssertionError("measured again")
     monkeypatch.setattr(invariance, "measure", boom)
     again = invariance.check(OnnxCausalLM(folder, min_rows=2))
@@ -133,10 +133,8 @@ def test_a_cached_failure_is_refused_without_measuring(exported, monkeypatch, tm
     monkeypatch.setenv("SPECBEAM_CACHE_DIR", str(tmp_path))
     folder = exported("llama", "int8", std=0.3, seed=3)
     model = OnnxCausalLM(folder, min_rows=2)
-    keys = {}
-    for rows in (1, 2):                             # both floors: the load-time floor check reads the one-row entry
-        model.min_rows = rows
-        keys[invariance.cache_key(model)] = 0.5
+    # both floors: the load-time floor check reads the one-row entry
+    keys = {invariance.cache_key(model, rows): 0.5 for rows in (1, 2)}
     (tmp_path / "invariance.json").write_text(json.dumps(keys))
     eng = Engine(folder, draft=folder)
     with pytest.raises(NotInvariantError, match="5.0e-01"):
@@ -151,9 +149,9 @@ def test_a_quantized_targets_floor_is_measured_at_one_row(exported, monkeypatch,
     measured = []
 
     def fake(diff):
-        def measure(model):
-            measured.append(model.min_rows)
-            return diff if model.min_rows == 1 else 0.0
+        def measure(model, rows):
+            measured.append(rows)
+            return diff if rows == 1 else 0.0
         return measure
     int8, int4 = exported("llama", "int8", std=0.3, seed=3), exported("llama", "int4", std=0.3, seed=3)
     monkeypatch.setattr(invariance, "measure", fake(3e-7))
@@ -177,8 +175,8 @@ def test_the_measured_floor_is_what_the_kernels_give(exported, monkeypatch, tmp_
     monkeypatch.setenv("SPECBEAM_CACHE_DIR", str(tmp_path))
     for precision in ("int8", "int4"):
         folder = exported("llama", precision, std=0.3, seed=3)
-        one = OnnxCausalLM(folder, min_rows=1)
-        assert OnnxCausalLM(folder).min_rows == (1 if invariance.measure(one) == 0.0 else 2)
+        one = OnnxCausalLM(folder, min_rows=2)
+        assert OnnxCausalLM(folder).min_rows == (1 if invariance.measure(one, rows=1) == 0.0 else 2)
 
 
 @pytest.mark.parametrize("precision", ["int8", "int4"])
