@@ -14,6 +14,7 @@ import onnx
 from specbeam_edge.contract import CONFIG_FILE, FORMAT_VERSION, LAYOUTS, MASK_VALUE, OUTPUT_KINDS, graph_io
 
 from . import graph
+from .graph import quantize_int8
 from .encdec import export_encdec, family_of
 from .gguf_input import is_gguf, unpack
 from .families import layer_weights, read_arch
@@ -31,7 +32,6 @@ def _generation_defaults(src: Path) -> dict:
 def _write_layer_weights(folder: Path, layers: list[dict], arch: Arch, precision: str,
                          reduce_range: bool = True) -> list[dict]:
     """weights/layer_{i}.bin: each layer's tensors back to back (64-byte aligned); the manifest is shared."""
-    (folder / "weights").mkdir()
     manifest = None
     for i, w in enumerate(layers):
         parts, entries, off = [], [], 0
@@ -54,6 +54,22 @@ def _write_layer_weights(folder: Path, layers: list[dict], arch: Arch, precision
         (folder / "weights" / f"layer_{i}.bin").write_bytes(b"".join(parts))
         manifest = entries
     return manifest
+
+
+def _write_embed_table(folder: Path, table: np.ndarray, precision: str) -> dict:
+    """weights/embed.bin: the split layout's embedding table, raw and row-major, which the runtime maps from the
+    file and reads a few rows of per pass (a 151,936 x 1536 table is 933 MB in fp32 but costs ~6 KB a token; as
+    an onnx graph it was held whole in memory). fp16 stores half floats (the whole graph's fp16 storage casts
+    them to fp32 the same way); every other precision the fp32 values the graph's Gather gave."""
+    dtype = np.float16 if precision == "fp16" else np.float32
+    if precision == "int8w":        # what stored_weight's Cast and Mul give: int8 codes times each row's scale
+        q, s = quantize_int8(table.T)
+        table = q.T.astype(np.float32) * s[:, None]
+    a = np.ascontiguousarray(table, dtype=dtype)
+    with open(folder / "weights" / "embed.bin", "wb") as f:
+        f.write(memoryview(a.reshape(-1).view(np.uint8)))
+    return {"file": "weights/embed.bin", "dtype": np.dtype(dtype).name, "shape": list(a.shape),
+            "sha256": file_sha256(folder / "weights" / "embed.bin")}
 
 
 def _layer_info(arch: Arch) -> dict:
@@ -177,7 +193,8 @@ def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str
             prog.step(f"write model.onnx ({precision})")
             files["model"] = "model.onnx"
         else:
-            _save(graph.embed_model(arch, g, precision), tmp / "embed.onnx")
+            (tmp / "weights").mkdir()
+            files["embed_table"] = _write_embed_table(tmp, g["embed"], precision)
             layer = graph.layer_model(arch, layers[0], precision, attention)
             head = graph.head_model(arch, g, precision, output)
             if precision == "int8":     # the streamed int8 weights and lm_head compute per-row int8 (quant.py)
@@ -190,7 +207,7 @@ def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str
             _save(layer, tmp / "layer.onnx")
             _save(head, tmp / "head.onnx")
             prog.step("build graphs")
-            files.update(embed="embed.onnx", layer="layer.onnx", head="head.onnx",
+            files.update(layer="layer.onnx", head="head.onnx",
                          layer_weights="weights/layer_{i}.bin")
             files["layer_manifest"] = _write_layer_weights(tmp, layers, arch, precision, reduce_range)
             files["layer_sha256"] = _layer_checksums(tmp, arch.layers)

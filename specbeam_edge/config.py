@@ -134,11 +134,18 @@ class ModelConfig:
         if cfg.layout == "split":
             _check_manifest(cfg.files.get("layer_manifest"), path)
             _check_checksums(cfg.files.get("layer_sha256"), cfg.num_layers, path)
+            if "embed_table" in cfg.files:
+                _check_embed_table(cfg, path)
         return cfg
 
     @staticmethod
     def _needed_files(cfg: "ModelConfig") -> list[str]:
-        needed = [cfg.files["model"]] if cfg.layout == "whole" else [cfg.files[k] for k in ("embed", "layer", "head")]
+        if cfg.layout == "whole":
+            needed = [cfg.files["model"]]
+        else:      # the embedding: a mapped table (weights/embed.bin) or, in older exports, a graph
+            table = cfg.files.get("embed_table")
+            embed = table["file"] if isinstance(table, dict) and "file" in table else cfg.files["embed"]
+            needed = [embed, cfg.files["layer"], cfg.files["head"]]
         needed += [cfg.files["layer_weights"].format(i=i) for i in range(cfg.num_layers)] if cfg.layout == "split" else []
         needed.append("tokenizer.json")
         return needed
@@ -151,6 +158,22 @@ def _check_manifest(manifest, path: Path) -> None:
                                                                   for m in manifest):
         raise ModelFolderError(f"{path}: files.layer_manifest must be a non-empty list of {{name, dtype, shape, "
                                f"offset}} objects; re-export the model")
+
+
+def _check_embed_table(cfg: "ModelConfig", path: Path) -> None:
+    """files.embed_table: {file, dtype (float32 | float16), shape [vocab_size, hidden_size]}, and a file of exactly
+    that many bytes (a truncated or replaced table fails here, by name, not as wrong text)."""
+    t = cfg.files["embed_table"]
+    ok = (isinstance(t, dict) and t.get("dtype") in ("float32", "float16")
+          and t.get("shape") == [cfg.vocab_size, cfg.hidden_size])
+    if not ok:
+        raise ModelFolderError(f"{path}: files.embed_table must be {{file, dtype float32|float16, shape "
+                               f"[{cfg.vocab_size}, {cfg.hidden_size}]}}; re-export the model")
+    want = cfg.vocab_size * cfg.hidden_size * (4 if t["dtype"] == "float32" else 2)
+    got = (cfg.folder / t["file"]).stat().st_size
+    if got != want:
+        raise ModelFolderError(f"{cfg.folder / t['file']}: {got} bytes, the embedding table needs {want} (truncated "
+                               f"or replaced after export); restore it or re-export the model")
 
 
 def _check_checksums(sums, num_layers: int, path: Path) -> None:

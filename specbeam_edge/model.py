@@ -124,18 +124,24 @@ class OnnxCausalLM:
             self._check_io(self.sess, want_in | set(head_inputs), {*all_heads, *self.present_flat, *self.ahead_outputs},
                            cfg.files["model"])
         else:
-            self.embed = _session(self.folder / cfg.files["embed"], threads, providers, spin)
+            # the embedding: a table mapped from its file (a pass reads only its tokens' rows, so it costs no
+            # memory budget), or an embed graph in older exports
+            table = cfg.files.get("embed_table")
+            self.embed = None if table else _session(self.folder / cfg.files["embed"], threads, providers, spin)
+            self.embed_table = None if not table else np.memmap(
+                self.folder / table["file"], dtype=table["dtype"], mode="r", shape=tuple(table["shape"]))
             self.layer = _session(self.folder / cfg.files["layer"], threads, providers, spin)
             self.head = _session(self.folder / cfg.files["head"], threads, providers, spin)
             manifest = cfg.files["layer_manifest"]
-            self._check_io(self.embed, {"input_ids"}, {HIDDEN}, cfg.files["embed"])
+            if self.embed is not None:
+                self._check_io(self.embed, {"input_ids"}, {HIDDEN}, cfg.files["embed"])
             self.needs_key_positions = _declares(self.layer, KEY_POSITIONS)
             self._check_io(self.layer, {HIDDEN, "position_ids", "attention_mask", *LAYER_PAST,
                                         *[m["name"] for m in manifest],
                                         *([KEY_POSITIONS] if self.needs_key_positions else [])},
                            {LAYER_HIDDEN_OUT, *LAYER_PRESENT}, cfg.files["layer"])
             self._check_io(self.head, {HIDDEN, *head_inputs}, set(all_heads), cfg.files["head"])
-            fixed = sum((self.folder / cfg.files[k]).stat().st_size for k in ("embed", "head"))
+            fixed = sum((self.folder / cfg.files[k]).stat().st_size for k in ("head",) + (() if table else ("embed",)))
             self.placement = plan(L, layer_nbytes(manifest), fixed, max_memory, host_memory, placement)
             self.device = "cuda" if "CUDAExecutionProvider" in self.layer.get_providers() else "cpu"
             self.store = LayerStore(self.folder, cfg.files["layer_weights"], manifest, self.placement, self.device)
@@ -258,12 +264,20 @@ class OnnxCausalLM:
         outs = io.get_outputs()
         return [o.numpy() for o in outs[:len(host_outputs)]] + list(outs[len(host_outputs):])
 
+    def _embed(self, ids: np.ndarray) -> np.ndarray:
+        """hidden [B, n_new, H] fp32 for input_ids [B, n_new]: the mapped table's rows, or the embed graph."""
+        if self.embed_table is None:
+            return self.embed.run([HIDDEN], {"input_ids": ids})[0]
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.embed_table.shape[0]):
+            raise ValueError(f"token id out of range [0, {self.embed_table.shape[0]}) for the embedding table")
+        return np.asarray(self.embed_table[ids], dtype=np.float32)
+
     def _forward_layers(self, ids, pos, mask, past, kpos, extra, names):
         """The split layout: embed, each layer with its weights (streamed ones double-buffered), head."""
         store = self.store
         if store.streamed:
             store.prefetch(store.streamed[0])      # overlaps the embedding lookup
-        hidden = self.embed.run([HIDDEN], {"input_ids": ids})[0]
+        hidden = self._embed(ids)
         layer_out = [LAYER_HIDDEN_OUT, *LAYER_PRESENT]
         presents = []
         for i, (k, v) in enumerate(past):

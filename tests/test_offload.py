@@ -140,8 +140,28 @@ def test_memory_budget_holds(hf_models, tmp_path):
 
     full = measure(None)
     layer = full["layer_mb"] * 2**20
-    fixed = sum((folder / f).stat().st_size for f in ("embed.onnx", "head.onnx"))
+    fixed = (folder / "head.onnx").stat().st_size     # the embedding table is mapped, outside the budget
     budgeted = measure(int(fixed + 2 * layer + 3 * layer))
     assert budgeted["places"].count("resident") == 3
     saved = full["rss_mb"] - budgeted["rss_mb"]
     assert saved >= (10 - 3 - 2) * full["layer_mb"] - 12, (full, budgeted)
+
+
+def test_embedding_table_is_mapped_and_checked(split4, tmp_path):
+    """The split layout's embedding is a table mapped from weights/embed.bin (no graph holding it whole): a pass
+    reads only its rows; a truncated table or an id outside it fails by name instead of giving wrong text."""
+    import shutil
+    cfg = json.loads((split4 / "specbeam_config.json").read_text())
+    assert "embed" not in cfg["files"] and not (split4 / "embed.onnx").exists()
+    lm = OnnxCausalLM(split4)
+    assert isinstance(lm.embed_table, np.memmap)
+    with pytest.raises(ValueError, match="out of range"):
+        lm._embed(np.array([[cfg["vocab_size"]]]))
+    with pytest.raises(ValueError, match="out of range"):
+        lm._embed(np.array([[-1]]))         # numpy would wrap a negative index to the last row
+    bad = tmp_path / "bad"
+    shutil.copytree(split4, bad)
+    table = bad / cfg["files"]["embed_table"]["file"]
+    table.write_bytes(table.read_bytes()[:-4])
+    with pytest.raises(ModelFolderError, match="embed.bin: .*bytes, the embedding table needs"):
+        OnnxCausalLM(bad)
