@@ -54,6 +54,19 @@ def score_batch(calls: list[ScoreCall]) -> list:
     `_buckets`). Passes longer than the model's context (a draft cache catching up, a very wide first step)
     are split into chunks that fit: the rotary tables hold `context_length` rows."""
     model = calls[0].cache.model
+    if model.cfg.output == "both":
+        # a replayed call reads rows of several passes together, so it gets its top-k in every pass: beside a
+        # call that needs full rows (a constrained request, a sampling draft) it runs as a pass of its own (one
+        # pass answering both kinds gave it dense rows here and top-k rows after the other left: a mixed join)
+        mixed = [i for i, c in enumerate(calls) if c.replayed and c.topk is not None and c.nodes]
+        dense = [i for i, c in enumerate(calls) if c.topk is None and c.nodes]
+        if mixed and dense:
+            rest = [i for i in range(len(calls)) if i not in set(mixed)]
+            out: list = [None] * len(calls)
+            for part in (mixed, rest):
+                for i, o in zip(part, score_batch([calls[i] for i in part])):
+                    out[i] = o
+            return out
     limit = model.cfg.context_length
     outs: list[list] = [[] for _ in calls]
     todo = [(i, list(c.nodes)) for i, c in enumerate(calls) if c.nodes]

@@ -130,3 +130,30 @@ def test_generate_takes_constraints_on_the_command_line(capsys):
         assert capsys.readouterr().out.strip() == want.text
     assert cli_main(args + ["--constraint", "a||b"]) == 2
     assert "--constraint: empty text" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not (PAIR / "target" / "model.onnx").exists(), reason="the shipped pair is not in this checkout")
+def test_a_glossary_line_beside_an_unconstrained_one(tmp_path, capsys):
+    """Issue 50 row 1: with default settings (speculative, batched) a line with a term and one without shared
+    target passes; the 'both' head answered the unconstrained request with full rows while the constrained one
+    was in the pass and with its top-k after, and the replay joined the two (AttributeError: 'TopKOutput' object
+    has no attribute 'logits', rc 1, finished lines lost). Now every line is translated, the unconstrained one as
+    without the glossary, and the API's batch equals each request alone."""
+    from specbeam_edge import Engine
+
+    inp = tmp_path / "in.txt"
+    inp.write_text("Open the file.\nClose the window.\n")
+    gloss = tmp_path / "g.tsv"
+    gloss.write_text("file\tDatei\n")
+    assert main(["-i", str(inp), "--glossary", str(gloss), "-q"]) == 0
+    got = capsys.readouterr().out.splitlines()
+    assert main(["-i", str(inp), "-q", "--no-keep_markup"]) == 0
+    plain = capsys.readouterr().out.splitlines()
+    assert len(got) == 2 and "Datei" in got[0] and got[1] == plain[1], (got, plain)
+    eng = Engine(PAIR / "target", PAIR / "draft")
+    spec = {"drafter": "beam", "budget": 24, "max_depth": 4, "adaptive": False}
+    prompts = ["Open the file.", "Close the window."]
+    together = eng.generate(prompts, num_beams=4, constraints=[["Datei"], None], speculative=spec)
+    for p, c, r in zip(prompts, (["Datei"], None), together):
+        [alone] = eng.generate(p, num_beams=4, constraints=c, speculative=spec)
+        assert [h.tokens for h in r.hypotheses] == [h.tokens for h in alone.hypotheses]
