@@ -64,3 +64,40 @@ def test_flags_that_do_not_fit_jsonl(pair, jsonl_in, tmp_path, capsys):
         with pytest.raises(SystemExit):
             run(pair, jsonl_in, None, *flag)
         assert "--jsonl carries prefixes and scores" in capsys.readouterr().err
+
+
+def test_bad_ids_and_lone_surrogates_are_refused_per_line(pair, tmp_path, capsys):
+    """Issue 50 rows 10, 16, 17 and issue 49 item 5. Before: an "id" of NaN / 1e999 / -Infinity came back as
+    NaN / Infinity (not JSON); an id "\\ud800" stopped the run at its line with a codec error (rc 2, and every
+    --resume failed the same way); a lone surrogate in text, target_prefix or terms was a TypeError traceback
+    from the tokenizer; a bad line lost its id. Now each such line is refused with its line number, the others
+    are translated, every output line is valid JSON (and UTF-8), and a bad line keeps a usable id."""
+    lines = ['{"text": "hello world", "id": 1}',
+             '{"text": "hello", "id": NaN}',
+             '{"text": "hello", "id": 1e999}',
+             '{"text": "hello", "id": -Infinity}',
+             '{"text": "hello", "id": "\\ud800"}',
+             '{"text": "hel\\ud800lo", "id": "t"}',
+             '{"text": "hello", "target_prefix": "a\\udc00", "id": "p"}',
+             '{"text": "hello", "terms": ["x\\ud800"], "id": "x"}',
+             '{"text": "hello", "terms": ["   "], "id": "s"}',
+             '{"id": "e"}',
+             '{"text": "this is a tiny test", "id": 11}']
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    for out in (None, tmp_path / "out.jsonl"):
+        capsys.readouterr()
+        assert run(pair, inp, out) == 0
+        cap = capsys.readouterr()
+        raw, err = out.read_bytes() if out else cap.out.encode(), cap.err
+        got = [json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in the output"))
+               for line in raw.decode("utf-8").splitlines()]
+        assert len(got) == len(lines)
+        assert got[0]["id"] == 1 and got[0]["translations"] and got[10]["id"] == 11 and got[10]["translations"]
+        for k in range(1, 10):
+            assert got[k]["translations"] == [] and got[k]["problems"], (k, got[k])
+        assert [got[k].get("id") for k in range(1, 10)] == [None, None, None, None, "t", "p", "x", "s", "e"]
+        for n, what in ((2, "NaN"), (3, "finite"), (4, "Infinity"), (5, "surrogate"), (6, "'text' holds a lone"),
+                        (7, "'target_prefix' holds"), (8, "'terms' holds"), (9, "'terms' must be"),
+                        (10, "'text' (a string) is required")):
+            assert any(f"line {n}: " in e and what in e for e in err.splitlines()), (n, what, err)
