@@ -8,6 +8,7 @@ constrained search (the step is a deterministic function of the beams' log-probs
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -309,22 +310,29 @@ class ConstrainedBeamSearch(BeamSearch):
         return [bool(m) for node, m in zip(self.fin_nodes, self.fin_met) if node >= 0][:n]
 
 
-def parse(constraints, phrase, decode=None) -> Constraints | None:
+def parse(constraints, phrase, decode=None, eos=()) -> Constraints | None:
     """One request's constraints from the API: None or [] -> none; otherwise a list whose items are each one
     constraint: a text, a list of token ids, a tuple/list of alternatives (texts or token-id lists) of which any
     one satisfies it, or a dict {"phrase": any of those, or "text": a string matched in the decoded output
     text, however it is tokenized; "count": times it must appear (1), "exact": it may not appear more often
     (False), "after": the index of a constraint it may not appear more often than} (markup.py builds text ones
     for copied spans). phrase(x): a text or token ids -> validated token ids (Engine._prefix_ids: texts are
-    encoded as plain target-side text); decode(ids) -> text, for "text" constraints. A text phrase also gets its
-    form after a space (" " + text) as an alternative, as a word inside a sentence is often tokenized
-    differently from the word alone."""
+    encoded as plain target-side text); decode(ids) -> text, for "text" constraints; eos: the end-of-sequence
+    ids, which no phrase may hold (a hypothesis ends there). A text phrase also gets its form after a space
+    (" " + text) as an alternative, as a word inside a sentence is often tokenized differently from the word
+    alone. Every error names the constraint by its index in the list."""
     if constraints is None:
         return None
     if isinstance(constraints, (str, bytes, bytearray, dict)) or not hasattr(constraints, "__iter__"):
         raise TypeError(f"constraints must be a list (each item a text, token ids, a list of alternatives or a "
                         f"dict), got {type(constraints).__name__}")
     constraints = list(constraints)
+    eos = {int(t) for t in eos}
+    # "after" names an index of the caller's list; {"no_other_spans"} items are no constraint of their own
+    index = {}
+    for i, c in enumerate(constraints):
+        if not (isinstance(c, dict) and "no_other_spans" in c):
+            index[i] = len(index)
     out, need, exact, after, text, forbid = [], [], [], [], [], None
     for i, c in enumerate(constraints):
         opts = {}
@@ -336,36 +344,67 @@ def parse(constraints, phrase, decode=None) -> Constraints | None:
             if unknown or ("phrase" in c) == ("text" in c):
                 raise TypeError(f"constraint {i}: a dict takes 'phrase' or 'text', and optionally 'count', 'exact', "
                                 f"'after'; got {sorted(c)}")
-            if "text" in c and (not isinstance(c["text"], str) or not c["text"]):
-                raise TypeError(f"constraint {i}: 'text' must be a non-empty string, got {c['text']!r}")
+            if "text" in c and (not isinstance(c["text"], str) or not c["text"].strip()):
+                raise TypeError(f"constraint {i}: 'text' must be a string with more than spaces, got {c['text']!r}")
+            if "text" in c:
+                _check_text(i, c["text"])
             opts, c = c, c.get("phrase", c.get("text"))
             count, prior = opts.get("count", 1), opts.get("after")
             if isinstance(count, bool) or not isinstance(count, int) or count < 1:
                 raise ValueError(f"constraint {i}: count must be an int >= 1, got {count!r}")
+            if not isinstance(opts.get("exact", False), bool):
+                raise TypeError(f"constraint {i}: exact must be true or false, got {opts['exact']!r}")
             if prior is not None and (isinstance(prior, bool) or not isinstance(prior, int) or
-                                      not 0 <= prior < len(constraints) or prior == i):
-                raise ValueError(f"constraint {i}: after must be the index of another constraint, got {prior!r}")
-        if isinstance(c, str) or isinstance(c, (list, tuple)) and c and all(isinstance(t, (int, np.integer))
-                                                                          for t in c):
+                                      prior not in index or prior == i):
+                raise ValueError(f"constraint {i}: after must be the index of another constraint (not a "
+                                 f"no_other_spans item), got {prior!r}")
+        if isinstance(c, str) or _token_ids(c):
             c = [c]
         if not isinstance(c, (list, tuple)) or not c:
             raise TypeError(f"constraint {i}: {c!r} is not a text, token ids or a list of alternatives")
         alts = []
         for a in c:
+            if isinstance(a, str):
+                _check_text(i, a)
+                if not a.strip():
+                    raise ValueError(f"constraint {i}: {a!r} is only spaces; give a word or phrase")
+            elif not (_token_ids(a) or isinstance(a, (list, tuple)) and not a):    # [] has no tokens
+                raise TypeError(f"constraint {i}: alternative {a!r} is neither a text nor a list of token ids (ints)")
             forms = [a, " " + a] if isinstance(a, str) and not a[:1].isspace() else [a]
             for f in forms:
-                ids = phrase(f)
+                try:
+                    ids = phrase(f)
+                except (TypeError, ValueError) as e:
+                    raise type(e)(f"constraint {i}: {str(e).replace('target prefix token', 'token')}") from None
                 if not ids:
                     raise ValueError(f"constraint {i}: {a!r} has no tokens")
+                if eos & set(ids):
+                    raise ValueError(f"constraint {i}: {a!r} holds the end-of-sequence token "
+                                     f"{sorted(eos & set(ids))[0]}; a hypothesis ends there, so it can never be "
+                                     f"met inside one")
                 alts.append(tuple(ids))
         out.append(list(dict.fromkeys(alts)))
         text.append(opts.get("text"))
         need.append(opts.get("count", 1))
         exact.append(bool(opts.get("exact", False)))
-        after.append(opts.get("after"))
+        after.append(index[opts["after"]] if opts.get("after") is not None else None)
     if not out and forbid is None:
         return None
     return Constraints(out, need, exact, after, text, decode, phrase, forbid=forbid)
+
+
+def _token_ids(x) -> bool:
+    """A non-empty list or tuple of ints (not bools): token ids."""
+    return isinstance(x, (list, tuple)) and bool(x) and all(
+        isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in x)
+
+
+def _check_text(i: int, text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"constraint {i}: {text!r} holds a lone surrogate (no UTF-8 spelling: an unpaired "
+                         f"\\ud800-\\udfff escape or an undecodable byte); pass valid text") from None
 
 
 def _forbid_other_spans(item: dict, i: int, constraints: list):
@@ -375,5 +414,11 @@ def _forbid_other_spans(item: dict, i: int, constraints: list):
     if set(item) != {"no_other_spans"} or not isinstance(extra, (list, tuple)) or \
             not all(isinstance(x, str) for x in extra):
         raise TypeError(f"constraint {i}: {{'no_other_spans': [patterns]}} takes a list of regular expressions")
+    for rx in extra:
+        try:
+            re.compile(rx)
+        except re.error as e:
+            raise ValueError(f"constraint {i}: no_other_spans pattern {rx!r} is not a regular expression ({e})") \
+                from None
     allowed = {c["text"] for c in constraints if isinstance(c, dict) and "text" in c}
     return lambda text: any(sp not in allowed for sp in find_spans(text, extra))

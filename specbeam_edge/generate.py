@@ -33,6 +33,17 @@ from .tree import TokenTree
 __all__ = ["Alternative", "Engine", "Hypothesis", "PassChooser", "Result", "Stats", "StreamChunk", "peak_rss_mb"]
 
 
+def check_text(text: str, what: str) -> None:
+    """Refuse a text with a lone surrogate (an unpaired \\ud800-\\udfff escape, or an undecodable byte of a
+    command-line argument): it has no UTF-8 spelling, and the tokenizer fails on it with a TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} holds a lone surrogate at character {e.start} ({text[e.start]!r}): not valid "
+                         f"text (an unpaired \\ud800-\\udfff escape or an undecodable byte); pass UTF-8 text") \
+            from None
+
+
 class Engine:
     """A target model, an optional draft model, and their tokenizer; `generate` and `stream`."""
 
@@ -158,6 +169,7 @@ class Engine:
         if isinstance(prompt, str):
             if not prompt:      # the format's tokens alone (or a source of EOS alone): junk, not a request
                 raise ValueError("the prompt is empty; pass some text (or token ids)")
+            check_text(prompt, "the prompt")
             if self.encoder is not None:
                 ids = self.encoder.source_ids(prompt, self.tokenizer, src_lang)
             elif self.tokenizer is None:
@@ -265,6 +277,7 @@ class Engine:
         if prefix is None or isinstance(prefix, str) and not prefix:
             return []
         if isinstance(prefix, str):
+            check_text(prefix, "the target prefix")
             if self.tokenizer is None:
                 raise TypeError("this engine has no tokenizer: pass the target prefix as token ids")
             return self.tokenizer.encode(prefix)
@@ -279,6 +292,10 @@ class Engine:
                 raise ValueError(f"target prefix token {int(t)} at position {i} is outside the model's vocabulary "
                                  f"(0-{vocab - 1})")
         return [int(t) for t in items]
+
+    def _eos_of(self, gen: GenerationConfig) -> list[int]:
+        """The end-of-sequence ids a request stops on (its settings', else the model's)."""
+        return self.eos if gen.eos_token_id is None else [int(t) for t in np.atleast_1d(gen.eos_token_id)]
 
     @property
     def _decode(self):
@@ -453,7 +470,8 @@ class Engine:
         prefix = self._prefix_ids(target_prefix)
         job = Job(0, len(ids), self._new_search(ids, gen, speculative, drafter, self._statics([ids], 1)[0],
                                                 forced_bos, prefix,
-                                                lexical.parse(constraints, self._prefix_ids, self._decode)))
+                                                lexical.parse(constraints, self._prefix_ids, self._decode,
+                                                              self._eos_of(gen))))
         for _, progress, finished in Scheduler(self.target, max_batch_size=1).run([job]):
             if not finished:
                 yield progress.state, progress.stats
@@ -564,7 +582,8 @@ class Engine:
         prefixes = self._per_prompt(target_prefix, len(prompts), "target_prefix",
                                     "prefix (a string, token ids, None or '')", self._prefix_ids)
         lexicon = self._per_prompt(constraints, len(prompts), "constraints", "list of constraints (or None)",
-                                   lambda c: lexical.parse(c, self._prefix_ids, self._decode))
+                                   lambda c: lexical.parse(c, self._prefix_ids, self._decode,
+                                                                     self._eos_of(gen)))
         statics = self._statics(sources, max_batch_size)
         jobs = [Job(i, len(ids), self._new_search(ids, gen, speculative, drafter, statics[i], forced_bos,
                                                   prefixes[i], lexicon[i]))

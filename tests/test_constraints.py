@@ -252,3 +252,37 @@ def test_encoder_decoder_constraints(encdec):  # noqa: F811
             assert h.constraints_met == (contains(h.tokens, [31, 32]) and (40 in h.tokens or 41 in h.tokens))
         [fast] = fast_eng.generate(src, constraints=cons, speculative=spec, **kw)
         assert_same_hypotheses(fast, plain)
+
+
+def test_bad_constraints_are_one_line_errors_about_the_constraint(engines):
+    """Issue 50 rows 12, 13, 14, 17, 22. Before: ("Datei", 5), [1.5], [-1], [True], ["Datei", ["Fenster"]] got
+    messages about "a target prefix"; an "after" pointing at a {"no_other_spans"} item was an IndexError, a bad
+    no_other_spans pattern a re.error; "after" counted the no_other_spans item, so it pointed at the wrong
+    constraint (itself); {"exact": "no"} was taken as True; [[EOS]] was "met" by ending the hypothesis; " " was
+    accepted; a lone surrogate was a TypeError from the tokenizer. Now each is a ValueError/TypeError naming the
+    constraint."""
+    eng = engines["plain"]
+    kw = dict(num_beams=2, max_new_tokens=4)
+    bad = [([("the", 5)], "constraint 0: alternative 5 is neither"),
+           ([[1.5]], "constraint 0: alternative 1.5"),
+           ([[99999]], "constraint 0: token 99999 at position 0 is outside"),
+           ([[-1]], "constraint 0: token -1"),
+           ([[True]], "constraint 0: alternative True"),
+           ([["the", ["fox"]]], "constraint 0: alternative \\['fox'\\]"),
+           ([{"text": "</b>", "after": 1}, {"no_other_spans": []}], "constraint 0: after must be the index of another"),
+           ([{"no_other_spans": ["("]}], "constraint 0: no_other_spans pattern '\\(' is not a regular expression"),
+           ([{"text": "<b>", "exact": "no"}], "constraint 0: exact must be true or false"),
+           ([[0]], "constraint 0: \\[0\\] holds the end-of-sequence token 0"),
+           ([" "], "constraint 0: ' ' is only spaces"),
+           ([{"text": " "}], "constraint 0: 'text' must be a string with more than spaces"),
+           (["Dat\ud800ei"], "constraint 0: 'Dat\\\\ud800ei' holds a lone surrogate")]
+    for cons, msg in bad:
+        with pytest.raises((TypeError, ValueError), match=msg):
+            eng.generate("the fox", constraints=cons, **kw)
+    with pytest.raises(ValueError, match="the prompt holds a lone surrogate"):
+        eng.generate("Open the \udcff file.", **kw)
+    with pytest.raises(ValueError, match="the target prefix holds a lone surrogate"):
+        eng.generate("the fox", target_prefix="a\ud800", **kw)
+    # "after" names the caller's index: the no_other_spans item before it is no constraint of its own
+    c = parse([{"no_other_spans": []}, {"text": "<b>"}, {"text": "</b>", "after": 1}], eng._prefix_ids, eng._decode)
+    assert c.after == [None, 0]
