@@ -15,13 +15,17 @@ import re
 from collections import Counter
 
 # kind -> regular expression; tried in this order at each position (a URL before an e-mail address, a tag
-# before an entity); a span is the whole match
+# before an entity); a span is the whole match. Each pattern fails within a bounded number of steps from a
+# start, or at the next character that cannot continue it, so finding spans is linear in the text (an e-mail's
+# unbounded local part made a 300 KB 'a.a.a...' line quadratic: minutes; `\s+[^<>]*?` after a tag name and
+# printf's unbounded flags and width too)
 PATTERNS: dict[str, str] = {
     "url": r"\b(?:https?|ftp)://[^\s<>\"'`]*[^\s<>\"'`.,;:!?)\]}]",
-    "email": r"\b[\w.+-]+@[\w-]+(?:\.[\w-]+)+\b",
-    "tag": r"</?[A-Za-z][\w:.-]*(?:\s+[^<>]*?)?/?>",
+    "email": r"\b[\w.+-]{1,64}@[\w-]+(?:\.[\w-]+)+\b",     # a local part has at most 64 characters (RFC 5321)
+    "tag": r"</?[A-Za-z][\w:.-]*(?:\s[^<>]*?)?/?>",
     "code": r"`[^`\n]+`",
-    "printf": r"%(?:\d+\$)?[-+#0']*(?:\d+|\*)?(?:\.(?:\d+|\*))?(?:hh|h|ll|l|L|q|j|z|t)?[diouxXeEfFgGaAcsp]",
+    "printf": r"%(?:\d{1,9}\$)?[-+#0']{0,8}(?:\d{1,9}|\*)?(?:\.(?:\d{1,9}|\*))?(?:hh|h|ll|l|L|q|j|z|t)?"
+              r"[diouxXeEfFgGaAcsp]",
     "positional": r"%\d+\b",                        # Qt / Windows: %1
     "brace": r"\{[\w.:!\[\]-]*\}",                 # {0}, {name}, {}, {0:d}
     "entity": r"&(?:[A-Za-z]+|#\d+|#x[0-9A-Fa-f]+);",
@@ -44,7 +48,7 @@ def find_spans(text: str, extra=()) -> list[str]:
 
 def _tag_name(span: str) -> tuple[str, bool] | None:
     """(name, closing) of an opening or closing tag; None for anything else (a self-closing tag included)."""
-    m = re.fullmatch(r"<(/?)([A-Za-z][\w:.-]*)(?:\s+[^<>]*?)?(/?)>", span)
+    m = re.fullmatch(r"<(/?)([A-Za-z][\w:.-]*)(?:\s[^<>]*?)?(/?)>", span)
     if not m or m.group(3):
         return None
     return m.group(2), bool(m.group(1))

@@ -135,3 +135,25 @@ def test_no_other_spans_is_a_rule_on_the_text():
     assert s.invented and c.violates(s)
     with pytest.raises(TypeError, match="no_other_spans"):
         parse([{"no_other_spans": "x"}], phrase, decode)
+
+
+@pytest.mark.parametrize("line", ["a." * 150_000, "<a" + " " * 300_000, "%" + "0" * 300_000,
+                                  "x@" + "a." * 150_000 + "%0 <a " * 1000])
+def test_span_finding_is_linear(line):
+    """Issue 50 row 2: a 300 KB line `a.a.a...` (keep_markup is on by default) was killed at 120 s with no line
+    done: the e-mail pattern's unbounded local part rescanned the rest of the line from every position (16 KB:
+    0.8 s, 300 KB: minutes), as did `\\s+[^<>]*?` after a tag name and printf's unbounded flags and width. Each
+    pattern now gives up within a bounded number of steps from a start, so a 300 KB line takes well under a
+    second; the alarm (30 s) is far above that and far below the minutes the old patterns took."""
+    import signal
+
+    def too_slow(*_):
+        raise TimeoutError("find_spans is not linear")
+    old = signal.signal(signal.SIGALRM, too_slow)
+    signal.alarm(30)
+    try:
+        spans = find_spans(line)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert sum(map(len, spans)) <= len(line) and all(s in line for s in spans)    # found, not hung
