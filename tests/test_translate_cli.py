@@ -238,3 +238,29 @@ def test_decoding_constraints_reach_the_search():
     gen, _ = configs(ap.parse_args(["--min_decoding_length", "5", "--no_repeat_ngram_size", "3",
                                     "--repetition_penalty", "1.3"]))
     assert gen["min_new_tokens"] == 5 and gen["no_repeat_ngram_size"] == 3 and gen["repetition_penalty"] == 1.3
+
+
+@pytest.mark.skipif(not Path("/dev/zero").exists(), reason="no /dev/zero")
+def test_devices_are_refused_as_inputs(pair, text_in, tmp_path, monkeypatch, capsys):
+    """Issue 50 row 18: /dev/zero (or /dev/urandom) as -i, --target_prefix, --glossary, --jsonl -i, --eval or
+    stdin was read until memory ran out (a MemoryError traceback). Now each is one line naming the flag, rc 2,
+    before any reading."""
+    import io
+
+    zero = "/dev/zero"
+    for extra, what in ((["-i", zero], "input /dev/zero is a character device"),
+                        (["-i", zero, "--jsonl"], "input /dev/zero is a character device"),
+                        (["--target_prefix", zero], "--target_prefix /dev/zero is a character device"),
+                        (["--glossary", zero, "--beam_size", "2"], "--glossary /dev/zero is a character device"),
+                        (["--eval", zero], "--eval /dev/zero is a character device")):
+        capsys.readouterr()
+        a = args_for(pair, text_in, None, *extra)
+        if "-i" in extra:                   # the later -i wins
+            a = a[2:]
+        assert main(a) == 2, extra
+        err = capsys.readouterr().err
+        assert what in err and "Traceback" not in err and len(err.splitlines()) == 1, err
+    with open(zero, "rb") as f:
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(f))
+        assert main(args_for(pair, text_in)[2:]) == 2
+    assert "stdin is a device" in capsys.readouterr().err

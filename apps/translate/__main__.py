@@ -46,8 +46,8 @@ from specbeam_edge.flags import (DefaultsHelp, add_beam_arg, add_decoding_constr
 from specbeam_edge.providers import ProviderError
 
 from .job import (LABELS, NO_ALTERNATIVES, PROG, InOrder, Settings, UsageError, check_output, journal_settings,
-                  jsonl_line, open_engine, prepare, read_input, read_jsonl, read_prefixes, report_line, resolve,
-                  split_lines, summary, translate)
+                  jsonl_line, open_engine, prepare, read_file, read_input, read_jsonl, read_prefixes, refuse_device,
+                  report_line, resolve, split_lines, summary, translate)
 from .journal import Journal, JournalError, OutputLock, Terminated, raise_terminated
 from .ray_engine import add_ray_args, run_ray
 
@@ -167,6 +167,8 @@ def run(args, writer: InOrder | None) -> int:
     if args.engine == "ray":
         return run_ray(args, s)
     check_output(args.output, args.input)
+    if args.eval:                   # before the translation, not after it
+        refuse_device(args.eval, "--eval")
     lines = split_lines(read_input(args.input))
     s = s.with_prefixes(*read_prefixes(args.target_prefix, len(lines)))
     sources, known_bad = lines, None
@@ -268,7 +270,10 @@ def evaluate(args, outputs: dict[int, list[str]], n: int) -> int:
     if args.with_score:
         hyp = [h.split(" ||| ", 1)[-1] for h in hyp]
     try:
-        ref = [line.decode("utf-8") for line in split_lines(Path(args.eval).read_bytes())]
+        ref = [line.decode("utf-8") for line in split_lines(read_file(args.eval, "--eval"))]
+    except UsageError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
     except (OSError, UnicodeDecodeError) as e:
         print(f"{PROG}: --eval: cannot read {args.eval} ({getattr(e, 'strerror', None) or e})", file=sys.stderr)
         return 2

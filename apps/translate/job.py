@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import stat
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -294,6 +295,12 @@ def read_input(path: str | None) -> bytes:
         if sys.stdin is None:
             raise UsageError("stdin is closed; pass -i FILE")
         try:
+            mode = os.fstat(sys.stdin.fileno()).st_mode
+        except (OSError, ValueError):
+            mode = 0
+        if (stat.S_ISCHR(mode) and not sys.stdin.isatty()) or stat.S_ISBLK(mode):
+            raise UsageError("stdin is a device, not text (e.g. < /dev/zero); pass -i FILE or pipe the text in")
+        try:
             return sys.stdin.buffer.read()
         except OSError as e:
             raise UsageError(f"cannot read stdin ({e.strerror or e}); pass -i FILE") from None
@@ -301,10 +308,24 @@ def read_input(path: str | None) -> bytes:
     if path.is_dir():
         raise UsageError(f"input {path} is a directory; pass a text file, one sentence per line")
     try:
-        with open(path, "rb") as f:
-            return f.read()
+        return read_file(path, "input")
     except OSError as e:
         raise UsageError(f"cannot read input {path}: {e.strerror}") from None
+
+
+def refuse_device(path, what: str) -> None:
+    kind = special_kind(Path(path))
+    if kind in ("a character device", "a block device", "a socket"):
+        raise UsageError(f"{what} {path} is {kind}, not a text file; pass a regular file (or pipe the text "
+                         f"through stdin)")
+
+
+def read_file(path, what: str) -> bytes:
+    """A file's bytes; a device or socket is refused before reading (/dev/zero or /dev/urandom as an input read
+    until memory ran out): one line naming the flag and the fix. A FIFO is read (process substitution)."""
+    refuse_device(path, what)
+    with open(path, "rb") as f:
+        return f.read()
 
 
 BOM = b"\xef\xbb\xbf"
@@ -325,7 +346,7 @@ def read_prefixes(path: str | None, n: int) -> tuple[list[bytes] | None, list[st
         return None, None
     path = Path(path)
     try:
-        raw = split_lines(path.read_bytes())
+        raw = split_lines(read_file(path, "--target_prefix"))
     except OSError as e:
         raise UsageError(f"cannot read --target_prefix {path}: {e.strerror or e}") from None
     if len(raw) != n:
@@ -341,7 +362,7 @@ def read_glossary(path: str) -> tuple[bytes, list[tuple[str, tuple[str, ...]]]]:
     """--glossary FILE (UTF-8, tab-separated): `source term<TAB>target term[<TAB>another target form ...]` a line;
     empty lines and lines starting with '#' are skipped. Returns (the file's bytes, [(source, targets)])."""
     try:
-        raw = Path(path).read_bytes()
+        raw = read_file(path, "--glossary")
     except OSError as e:
         raise UsageError(f"cannot read --glossary {path}: {e.strerror or e}") from None
     terms = []
