@@ -281,3 +281,31 @@ def test_cli_resume_treats_the_prefix_file_as_a_setting(pair, tmp_path, monkeypa
     assert main(translate_args(pair, inp, out2, *flags)) == 130
     monkeypatch.undo()
     assert main(translate_args(pair, inp, out2, "--resume", "--batch_size", "1")) == 2
+
+
+def test_a_prefix_over_the_context_is_that_lines_problem(pair, tmp_path, capsys):
+    """Issue 50 row 9: one 600-token line in a --target_prefix file (or a JSON line's target_prefix) refused the
+    whole run ("... tokens; the model's context length is ...", no line number). Now that line is refused with
+    its number (--on_error) and the others are translated."""
+    import json
+
+    from apps.translate.__main__ import main
+    from helpers import translate_args
+
+    inp, prefixes = tmp_path / "in.txt", tmp_path / "prefix.txt"
+    inp.write_text("the quick brown fox\nhello world\nthis is a tiny test\n")
+    prefixes.write_text("the\n" + "word " * 300 + "\n\n")
+    out = tmp_path / "out.txt"
+    assert main(translate_args(pair, inp, out, "--target_prefix", str(prefixes), "--beam_size", "2")) == 0
+    got = out.read_text().splitlines()
+    assert len(got) == 3 and got[0].startswith("the") and got[1] == "" and got[2], got
+    err = capsys.readouterr().err
+    assert "line 2: the target prefix has" in err and "over the model's context" in err, err
+    jin = tmp_path / "in.jsonl"
+    jin.write_text(json.dumps({"text": "hello", "target_prefix": "word " * 300, "id": 1}) + "\n" +
+                   json.dumps({"text": "hello world", "id": 2}) + "\n")
+    assert main(translate_args(pair, jin, None, "--jsonl", "--beam_size", "2")) == 0
+    cap = capsys.readouterr()
+    lines = [json.loads(x) for x in cap.out.splitlines()]
+    assert lines[0]["id"] == 1 and lines[0]["translations"] == [] and "target prefix" in lines[0]["problems"][0]
+    assert lines[1]["translations"] and "line 1: the target prefix has" in cap.err

@@ -482,6 +482,17 @@ def prepare(s: Settings, engine, lines: list[bytes], first: int = 0, report=repo
                 overhead = len(ids) - len(tok.encode(text))        # the prompt format's own tokens
                 raise LineError(f"{len(ids)} prompt tokens, over the model's context {ctx}; pass a smaller "
                                 f"--max_input_length (at most {max(1, ctx - 2 - overhead)})")
+            prefix = s.prefixes[first + i] if s.prefixes is not None else None
+            if prefix:                      # this line's target prefix, checked here: a bad one is this line's
+                lead = engine.encoder.decoder_prompt(engine._forced_bos(s.tgt_lang)) if engine.encoder is not None \
+                    else ids
+                try:
+                    n = len(engine._prefix_ids(prefix))
+                except ValueError as e:
+                    raise LineError(f"target prefix: {e}") from None
+                if len(lead) + n >= ctx:
+                    raise LineError(f"the target prefix has {n} tokens; after the {len(lead)} of the prompt that is "
+                                    f"over the model's context {ctx}: shorten it")
             items.append((i, ids))
         except (UnicodeDecodeError, LineError) as e:
             bad += 1
