@@ -77,11 +77,12 @@ def test_rendering_equals_transformers(tmp_path, name, where):
 
 
 def test_template_errors_surface(tmp_path):
-    import jinja2
+    from specbeam_edge.tokenizer import ChatTemplateError
 
     tok = Tokenizer(_folder(tmp_path, "gemma"))
-    with pytest.raises(jinja2.exceptions.TemplateError, match="alternate"):
+    with pytest.raises(ChatTemplateError, match="alternate") as e:
         tok.apply_chat_template([{"role": "assistant", "content": "x"}])
+    assert "the chat template failed" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_no_template_is_a_clear_error(tmp_path):
