@@ -20,6 +20,7 @@ from . import fetch
 from .fetch import FetchError, default_ahead, default_draft, resolve_model
 from .providers import ProviderError
 from .shipped import shipped
+from .tokenizer import ChatTemplateError
 
 
 def add_search_args(ap: argparse.ArgumentParser) -> None:
@@ -107,10 +108,21 @@ def _read_prompts(args) -> list[str]:
 
 def model_prompt(tokenizer, text: str) -> str:
     """A prompt in the model folder's own format: its chat template (one user message), else its fixed
-    prompt_format (e.g. translation), else the text as it is."""
+    prompt_format (e.g. translation), else the text as it is (what Engine.prompt_text does)."""
     if tokenizer.chat_template:
         return tokenizer.apply_chat_template([{"role": "user", "content": text}])
     return tokenizer.format_prompt(text)
+
+
+def cut_note(result, gen, context_length: int, flag: str = "--max_new_tokens") -> str | None:
+    """One line saying that an answer was cut, and by what (None when it ended on its own)."""
+    reason = result.finish_reason
+    if reason == "length":
+        return f"the answer was cut at {flag} {gen.max_new_tokens}; pass a larger {flag} to let it finish"
+    if reason == "context":
+        return (f"the answer was cut by the model's context length ({context_length} tokens): the prompt and "
+                f"answer fill it")
+    return None
 
 
 def _model(args) -> str:
@@ -131,37 +143,68 @@ def cmd_generate(args) -> int:
     overrides, spec = configs(args)
     prompts = _read_prompts(args)
     engine = open_engine(args, spec)
-    # --raw: the text is the model's input as written, special tokens included (the engine parses them only then)
+    gen = engine.generation_config(**overrides)
+    ctx = engine.target.cfg.context_length
+    # --raw: the text is the model's input as written, special tokens included (the engine parses them only then);
+    # else the engine puts it into the model folder's format (a chat model's chat template)
     raw = {"raw": True} if args.raw else {}
     if args.constraint:
         if any(not alt for c in args.constraint for alt in c.split("|")):
             raise ValueError("--constraint: empty text (alternatives are separated by '|', e.g. 'Haus|Gebäude')")
         raw["constraints"] = [tuple(c.split("|")) for c in args.constraint]
-    for prompt in prompts:
-        text = prompt if args.raw else model_prompt(engine.tokenizer, prompt)
+    for n, prompt in enumerate(prompts):
+        # one stream in both modes: on Ctrl-C the text final so far (and --stats) is printed, not lost
+        shown, chunk = "", None
+        try:
+            for chunk in engine.stream(prompt, gen, spec, **raw):
+                shown += chunk.text
+                if args.stream:
+                    print(chunk.text, end="", flush=True)
+        except KeyboardInterrupt:
+            if not args.stream:
+                print(shown, end="")
+            print(flush=True)
+            if args.stats and chunk is not None:
+                print(json.dumps({**chunk.stats.as_dict(), "finish_reason": "interrupted"}), file=sys.stderr)
+            left = len(prompts) - n - 1
+            print(f"specbeam: interrupted; the answer so far is above"
+                  + (f"; {n} of {len(prompts)} prompts finished, {left} not started" if len(prompts) > 1 else ""),
+                  file=sys.stderr)
+            return 130
+        result = chunk.result
         if args.stream:
-            for chunk in engine.stream(text, speculative=spec, **raw, **overrides):
-                print(chunk.text, end="", flush=True)
             print()
-            result = chunk.result
         else:
-            [result] = engine.generate(text, speculative=spec, **raw, **overrides)
             for h in result.hypotheses:
                 print(f"{h.score:.4f} ||| {h.text}" if len(result.hypotheses) > 1 else h.text, flush=True)
+        note = cut_note(result, gen, ctx)
+        if note:
+            print(f"specbeam: {f'prompt {n + 1}: ' if len(prompts) > 1 else ''}{note}", file=sys.stderr)
         if args.stats:
-            print(json.dumps(result.stats.as_dict()), file=sys.stderr)
+            print(json.dumps({**result.stats.as_dict(), "finish_reason": result.finish_reason}), file=sys.stderr)
     return 0
+
+
+CHAT_KEYS = ("keys: Enter sends a message; Ctrl-C stops an answer (what it wrote so far is kept in the "
+             "conversation); an empty line, Ctrl-D, or Ctrl-C at the prompt quits")
 
 
 def cmd_chat(args) -> int:
     overrides, spec = configs(args)
     engine = open_engine(args, spec)
-    engine.generation_config(**overrides)       # bad settings fail here, not on every message
+    gen = engine.generation_config(**overrides)       # bad settings fail here, not on every message
+    ctx = engine.target.cfg.context_length
     messages = [{"role": "system", "content": args.system}] if args.system else []
-    print("chat: empty line or Ctrl-D to quit", file=sys.stderr)
     if sys.stdin is None:
         raise ValueError("stdin is closed; chat reads your messages from it")
-    for raw in sys.stdin.buffer:
+    print(f"chat: {CHAT_KEYS}", file=sys.stderr)
+    while True:
+        print(">>> ", end="", file=sys.stderr, flush=True)      # the marker between turns (Ollama's)
+        try:
+            raw = sys.stdin.buffer.readline()
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            return 0
         try:
             line = raw.decode("utf-8").strip()
         except UnicodeDecodeError as e:
@@ -169,29 +212,41 @@ def cmd_chat(args) -> int:
                   f"again", file=sys.stderr)
             continue
         if not line:
+            print(file=sys.stderr)
             break
         turn = messages + [{"role": "user", "content": line}]
-        ctx = engine.target.cfg.context_length
-        room = min(engine.generation_config(**overrides).max_new_tokens, ctx // 4)
-        prompt, left_out = engine.chat_prompt(turn, room=room)
-        if left_out and engine.tokenizer.chat_template:
-            print(f"chat: the earliest {left_out} message(s) no longer fit the model's context ({ctx} tokens) and "
-                  f"were left out of this turn", file=sys.stderr)
-        answer = ""
+        answer, chunk, stopped = "", None, False
         try:
-            for chunk in engine.stream(prompt, speculative=spec, **overrides):
+            for chunk in engine.chat(turn, gen, spec, stream=True):
                 answer += chunk.text
                 print(chunk.text, end="", flush=True)
-        except ValueError as e:         # e.g. over the model's context: refused before the first token
+        except KeyboardInterrupt:
+            stopped = True
+        except ChatTemplateError as e:      # the model folder's template refused this conversation (or broke)
+            print(f"chat: that message was not sent: {e}", file=sys.stderr)
+            continue
+        except ValueError as e:         # e.g. over the model's context, a template error: refused before the answer
             if answer:
                 raise
             print(f"chat: that message was not sent ({e}); send a shorter one, or start a new chat with a "
                   f"shorter history", file=sys.stderr)
             continue
-        print()
+        print(flush=True)
+        result = None if stopped or chunk is None else chunk.result
+        if result is not None and result.left_out and engine.tokenizer.chat_template:
+            print(f"chat: the earliest {result.left_out} message(s) no longer fit the model's context ({ctx} tokens) "
+                  f"and were left out of this turn", file=sys.stderr)
+        if stopped:
+            print("chat: stopped; the answer so far is kept in the conversation", file=sys.stderr)
+        elif result is not None:
+            note = cut_note(result, gen, ctx)
+            if note:
+                print(f"chat: {note}", file=sys.stderr)
         messages = turn + [{"role": "assistant", "content": answer}]
-        if args.stats:
-            print(json.dumps(chunk.result.stats.as_dict()), file=sys.stderr)
+        if args.stats and chunk is not None:
+            stats = result.stats if result is not None else chunk.stats
+            print(json.dumps({**stats.as_dict(),
+                              "finish_reason": "interrupted" if stopped else result.finish_reason}), file=sys.stderr)
     return 0
 
 
@@ -209,7 +264,7 @@ def cmd_fetch(args) -> int:
         return 0
     if not args.name:
         raise fetch.FetchError(f"name a model to fetch: {', '.join(fetch.SOURCES)} (--list shows them)")
-    print(fetch.fetch(args.name, force=args.force, quiet=args.quiet))
+    print(fetch.fetch(args.name, force=args.force, quiet=args.quiet, from_file=args.from_file))
     return 0
 
 
@@ -241,8 +296,11 @@ def main(argv=None) -> int:
                                    "check the GGUF file's SHA-256, export it (needs the export extra) into the "
                                    "per-user data folder (SPECBEAM_DATA_DIR overrides); prints the model folder. "
                                    "Then --model NAME finds it.")
-    f.add_argument("name", nargs="?", help="the model: smollm2 (SmolLM2-135M-Instruct, Apache-2.0)")
+    f.add_argument("name", nargs="?", help=f"the model: {', '.join(fetch.SOURCES)} (--list describes them)")
     f.add_argument("--force", action="store_true", help="export again even if the model folder is complete")
+    f.add_argument("--from_file", default=None, metavar="PATH",
+                   help="use your own copy of the model's GGUF file instead of downloading it (its SHA-256 must be "
+                        "the recorded one)")
     f.add_argument("--list", action="store_true", help="list the fetchable models and where each one is")
     f.add_argument("-q", "--quiet", action="store_true", help="no progress messages")
     # listed for --help; the `specbeam` command (specbeam_apps.launch) hands `translate` to the translate tool

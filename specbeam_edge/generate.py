@@ -16,15 +16,15 @@ import numpy as np
 
 from . import invariance
 from . import constraints as lexical
-from .adaptive import ChoosersByLoad, PassChooser, auto_budget, cost_curve
+from .adaptive import ChoosersByLoad, PassChooser, auto_budget, cost_curve, streamed_cost_curve
 from .cache import TreeCache
-from .config import GenerationConfig, ModelFolderError, SpeculativeConfig
+from .config import STREAMED_TREE, GenerationConfig, ModelFolderError, SpeculativeConfig
 from .contract import probe_source
 from .draft import custom_drafter, make_drafter
 from .encdec import Encoder, EncoderQueue, is_encoder_decoder, logits_processor, shared_cross_layers, shared_statics
 from .invariance import Invariance, NotInvariantError, QuantizationWarning, saturation_warning
 from .model import OnnxCausalLM
-from .results import Alternative, Hypothesis, Result, Stats, StreamChunk, peak_rss_mb
+from .results import Alternative, Hypothesis, Result, Stats, StreamChunk, answer_tokens, peak_rss_mb
 from .scheduler import Job, Scheduler
 from .search import ExactSearch, HeadTree, SamplingSearch
 from .tokenizer import PromptText, Tokenizer, check_compatible, check_vocabulary
@@ -71,9 +71,11 @@ class Engine:
         if draft is not None:
             if not Path(draft).is_dir():
                 raise ModelFolderError(f"draft model folder {draft} does not exist")
-            # the draft is small: one thread and no busy-waiting, so it does not steal the target's cores
-            self.draft = OnnxCausalLM(draft, threads=1, providers=providers, spin=False, kv_resident=kv_resident,
-                                      min_rows=1)
+            # the draft is small: one thread and no busy-waiting, so it does not steal the target's cores; with a
+            # streaming target those cores wait for the disk while the tree grows, so the draft takes them all
+            draft_threads = threads if self.target.streamed_layers() else 1
+            self.draft = OnnxCausalLM(draft, threads=draft_threads, providers=providers, spin=False,
+                                      kv_resident=kv_resident, min_rows=1)
             draft_tokenizer = Tokenizer(draft)
             check_compatible(self.tokenizer, draft_tokenizer, self.draft.cfg.vocab_size, self.target.cfg.vocab_size)
             check_vocabulary(draft_tokenizer, self.draft.cfg)
@@ -155,9 +157,47 @@ class Engine:
             while len(msgs) > 1 and msgs[0]["role"] != "user":    # the history starts with a question
                 msgs, left_out = msgs[1:], left_out + 1
 
+    def prompt_text(self, text: str) -> PromptText:
+        """A text in the model folder's own prompt format: a chat model's chat template (the text as one user
+        message, and the assistant's turn opened), else tokenizer_config.json `prompt_format` (e.g. translation),
+        else the text as it is."""
+        if self.tokenizer.chat_template:
+            return self.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+        return self.tokenizer.format_prompt(text)
+
+    def chat(self, messages: list[dict], generation: GenerationConfig | None = None,
+             speculative: SpeculativeConfig | None = None, *, stream: bool = False, **overrides):
+        """Answer a conversation (a list of {"role", "content"} messages, the last one the user's), as `specbeam
+        chat` does: the messages in the model's chat template with the assistant's turn opened; when the
+        conversation is longer than the context less room for the answer (max_new_tokens, at most a quarter of
+        the context), the earliest messages are left out (see chat_prompt; Result.left_out says how many).
+        Returns a Result (its text is the answer), or with stream=True an iterator of StreamChunk as `stream`
+        gives (the last chunk carries the Result). Append {"role": "assistant", "content": result.text} to go on."""
+        if isinstance(messages, (str, bytes, dict)) or not isinstance(messages, (list, tuple)) or not messages:
+            raise TypeError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts; for one text, "
+                            "use generate (it is put into the chat template as one user message)")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
+                raise TypeError(f"message {i} must be a dict with 'role' and 'content', got {m!r:.80}")
+        gen = self.generation_config(generation, **overrides)
+        room = min(gen.max_new_tokens, self.target.cfg.context_length // 4)
+        prompt, left_out = self.chat_prompt(list(messages), room=room)
+        if stream:
+            return self._chat_stream(prompt, gen, speculative, left_out)
+        [result] = self.generate(prompt, gen, speculative)
+        result.left_out = left_out
+        return result
+
+    def _chat_stream(self, prompt, gen, speculative, left_out):
+        for chunk in self.stream(prompt, gen, speculative):
+            if chunk.result is not None:
+                chunk.result.left_out = left_out
+            yield chunk
+
     def encode(self, prompt: str | list[int], src_lang: str | None = None, raw: bool = False) -> list[int]:
-        """Token ids of a prompt. A text is put into the model folder's prompt format (tokenizer_config.json
-        `prompt_format`, e.g. the translation pair's `<|endoftext|>{source}<|de|>`) and encoded with the format's
+        """Token ids of a prompt. A text is put into the model folder's prompt format (a chat model's chat
+        template as one user message, else tokenizer_config.json `prompt_format`, e.g. the translation pair's
+        `<|endoftext|>{source}<|de|>`; see prompt_text) and encoded with the format's
         special tokens as tokens and the text as plain text, even where it spells a special token; a prompt
         built by `tokenizer.format_prompt` or `tokenizer.apply_chat_template` (a PromptText) is not formatted
         again. raw=True: the text is the model's input as written, special tokens included (a prompt formatted
@@ -178,7 +218,7 @@ class Engine:
                 ids = self.tokenizer.encode(prompt, special_tokens=True)
             else:
                 ids = self.tokenizer.encode_prompt(prompt if isinstance(prompt, PromptText)
-                                                   else self.tokenizer.format_prompt(prompt))
+                                                   else self.prompt_text(prompt))
         else:
             ids = self._token_ids(prompt)
         if not ids:
@@ -221,8 +261,18 @@ class Engine:
         if not isinstance(spec, SpeculativeConfig):
             raise TypeError(f"speculative must be a SpeculativeConfig, a dict of its fields or None, got "
                             f"{type(spec).__name__}")
+        spec = self.speculative_for(spec)
         self.check_widths(spec.max_branch_width, spec.draft_width)
         return spec
+
+    def speculative_for(self, spec: SpeculativeConfig) -> SpeculativeConfig:
+        """The tree settings a request runs with: its own, except that a target streaming layers with a draft
+        model takes config.STREAMED_TREE when every tree knob is at its default (adaptive as asked). A streamed
+        pass costs a read of the weights whatever the tree, so a tree sized for resident passes wastes it."""
+        streams = isinstance(self.target, OnnxCausalLM) and self.target.streamed_layers() > 0
+        if not streams or self.draft is None or replace(spec, adaptive=True) != SpeculativeConfig():
+            return spec
+        return replace(spec, **STREAMED_TREE)
 
     def check_widths(self, max_branch_width: int | None, draft_width: int | None, flags: bool = False) -> None:
         """Tree widths within the vocabulary (the draft's, when it has a smaller one); `flags`: name them as the
@@ -249,7 +299,8 @@ class Engine:
         the cost curve is measured once per engine."""
         with self._lock:
             if self._curve is None:
-                self._curve = self.cost_curve()
+                streams = isinstance(self.target, OnnxCausalLM) and self.target.streamed_layers()
+                self._curve = streamed_cost_curve(self.target) if streams else self.cost_curve()
         return auto_budget(self._curve, num_beams, slack)
 
     def _chooser(self, gen: GenerationConfig, spec: SpeculativeConfig) -> ChoosersByLoad:
@@ -502,7 +553,9 @@ class Engine:
                 text = self.tokenizer.decode_stable(prefix)
                 if len(text) > len(shown) and text.startswith(shown):
                     delta, shown = text[len(shown):], text
-            yield StreamChunk(delta, stats.snapshot())   # one chunk per target pass (maybe empty): callers can stop here
+            snap = stats.snapshot()
+            snap.generated_tokens = len(prefix) - len(lead)     # the answer's tokens final so far
+            yield StreamChunk(delta, snap)   # one chunk per target pass (maybe empty): callers can stop here
         result = self._result(prompt, bs, stats, gen, lead)
         final = result.text
         yield StreamChunk(final[len(shown):] if final.startswith(shown) else "", stats, result)
@@ -680,9 +733,23 @@ class Engine:
         """lead: the target prefix tokens the hypotheses start with (see _lead)."""
         eos = set(self.eos if gen.eos_token_id is None else np.atleast_1d(gen.eos_token_id).tolist())
         decode = self.tokenizer.decode if self.tokenizer else (lambda ids: "")
-        hyps = [Hypothesis(decode([t for t in toks if t not in eos]), toks, score)
+        hyps = [Hypothesis(decode([t for t in toks if t not in eos]), toks, score,
+                           finish_reason=self._finish_reason(toks, eos, bs, gen))
                 for toks, score in ((list(lead) + t, s) for t, s in bs.hypotheses(gen.num_return_sequences))]
         if hasattr(bs, "constraints_met"):
             for h, met in zip(hyps, bs.constraints_met(len(hyps))):
                 h.constraints_met = met
+        if hyps:        # the answer's own tokens (the best hypothesis's, EOS and a target prefix not counted), not
+            #            the search's steps (beam search goes on after its best hypothesis ended)
+            stats.generated_tokens = answer_tokens(hyps[0].tokens, eos, len(lead))
         return Result(prompt, hyps, stats)
+
+    def _finish_reason(self, toks: list[int], eos: set, bs, gen: GenerationConfig) -> str:
+        """Why a hypothesis ended: "stop" (an EOS token), "length" (max_new_tokens), "context" (the model's
+        context length came first)."""
+        if toks and toks[-1] in eos:
+            return "stop"
+        limit = getattr(bs, "max_length", getattr(bs, "max_len", None))
+        if limit is not None and limit - bs.prompt_len < gen.max_new_tokens:
+            return "context"
+        return "length"

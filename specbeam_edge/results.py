@@ -76,12 +76,20 @@ class Stats:
                 setattr(self, k, getattr(self, k) + v)
 
 
+def answer_tokens(tokens, eos, lead: int = 0) -> int:
+    """How many tokens an answer has: a hypothesis's tokens after its `lead` (a target prefix), EOS not counted."""
+    return sum(1 for t in list(tokens)[lead:] if t not in eos)
+
+
 @dataclass
 class Hypothesis:
     text: str
     tokens: list[int]
     score: float
     constraints_met: bool | None = None   # with constraints: whether it contains every one (None: none given)
+    # why it ended: "stop" (an EOS token), "length" (max_new_tokens), "context" (the model's context length came
+    # first), "interrupted" (stopped by the caller: a partial answer); None where unknown
+    finish_reason: str | None = None
 
 
 @dataclass
@@ -105,10 +113,16 @@ class Result:
     prompt: str | list[int]
     hypotheses: list[Hypothesis]
     stats: Stats = field(default_factory=Stats)
+    left_out: int = 0           # Engine.chat: the earliest messages left out to fit the context
 
     @property
     def text(self) -> str:
         return self.hypotheses[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        """Why the best hypothesis ended: "stop", "length", "context" (see Hypothesis.finish_reason)."""
+        return self.hypotheses[0].finish_reason if self.hypotheses else None
 
 
 @dataclass

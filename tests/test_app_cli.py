@@ -92,9 +92,9 @@ def test_ctrl_c_during_generate_is_exit_130_and_one_line(monkeypatch, capsys):
 
     def interrupted(self, *a, **kw):
         raise KeyboardInterrupt
-    monkeypatch.setattr(Engine, "generate", interrupted)
+    monkeypatch.setattr(Engine, "stream", interrupted)
     assert main(["generate", "Open the file."]) == 130
-    assert capsys.readouterr().err == "\nspecbeam: interrupted\n"
+    assert capsys.readouterr().err == "specbeam: interrupted; the answer so far is above\n"
 
 
 def test_chat_survives_invalid_utf8_and_a_message_over_the_context():

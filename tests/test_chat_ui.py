@@ -175,3 +175,29 @@ def test_the_documentation_screenshot_renders_the_code_answer(qtbot, tmp_path, m
 
     image = QImage(str(out))
     assert image.width() == 1100 and image.height() == 720
+
+
+def test_app_counts_the_answers_tokens_and_says_when_it_was_cut(qtbot, tmp_path, exported):
+    """Before: the app's tok/s divided the search's beam steps (20% high under beam search) and a cut answer
+    looked finished (issue 49 items 6, 7)."""
+    from apps.chat.window import status_text
+
+    settings = QSettings(str(tmp_path / "settings.ini"), QSettings.Format.IniFormat)
+    settings.setValue("model", str(exported("llama", std=0.3, seed=3)))
+    settings.setValue("draft", "")
+    win = ChatWindow(ChatStore(tmp_path / "chat.sqlite"), settings=settings)
+    qtbot.addWidget(win)
+    win.engine.eos = list(range(0, win.engine.target.cfg.vocab_size, 2))   # answers end early; beams go on
+    win.beams.setValue(4)
+    win.max_new.setValue(24)
+    win.input.setPlainText("hello")
+    win.send_btn.click()
+    qtbot.waitUntil(lambda: win.gen is None, timeout=30000)
+    st = win.store.messages(win.current())[-1]["stats"]
+    eos = set(win.engine.eos)
+    assert st["finish_reason"] == "stop" and st["beam_steps"] > st["generated_tokens"]
+    assert st["generated_tokens"] == sum(1 for t in st["tokens"] if t not in eos)
+    assert st["tokens_per_second"] * st["wall_seconds"] == pytest.approx(st["generated_tokens"], abs=0.5)
+    cut = dict(generated_tokens=6, wall_seconds=1.0, tokens_per_second=6.0, finish_reason="length")
+    assert status_text(cut) == "6 tokens in 1.0 s (6.0 tok/s) · no speculation · cut at Max new tokens: raise it " \
+                               "to let the answer finish"

@@ -729,6 +729,11 @@ def status_text(stats: dict) -> str:
                   f"draft supplied {stats.get('steps_from_draft', 0) / steps:.0%} of steps"]
     else:
         parts.append("no speculation")
+    reason = stats.get("finish_reason")
+    if reason == "length":
+        parts.append("cut at Max new tokens: raise it to let the answer finish")
+    elif reason == "context":
+        parts.append("cut by the model's context length")
     text = " · ".join(parts)
     return f"stopped after {text}" if stats.get("stopped") else text
 

@@ -69,28 +69,28 @@ class Generation(QThread):
             self.answer.error = f"{type(e).__name__}: {e}"
         self.answered.emit()
 
-    def _stats(self, stats, seconds: float) -> dict:
+    def _stats(self, stats, seconds: float, tokens: int) -> dict:
+        """tokens: the answer's own (not the search's steps: beam search goes on after its best answer ended)."""
         out = stats.as_dict() if stats is not None else {}
-        # the engine's own clock and token count are set when the search ends; a stopped search has neither
-        steps = stats.beam_steps if stats is not None else 0
         out.update(model=self.model_name, speculative=self.spec is not None, wall_seconds=round(seconds, 3),
-                   tokens_per_second=round(steps / seconds, 2) if seconds > 0 else 0.0)
+                   generated_tokens=tokens, tokens_per_second=round(tokens / seconds, 2) if seconds > 0 else 0.0)
         return out
 
     def _finished(self, result, stats, t0: float) -> Answer:
-        out = self._stats(stats, time.perf_counter() - t0)
+        out = self._stats(stats, time.perf_counter() - t0, result.stats.generated_tokens)
         hyp = result.hypotheses[0]
+        out["finish_reason"] = result.finish_reason
         out["tokens"] = list(hyp.tokens)
         spans = draft_spans(self.engine.tokenizer.decode_stable, hyp.tokens, stats.from_draft)
         return Answer(result.text, spans, out)
 
     def _partial(self, state, stats, live: "_LiveMarks", t0: float) -> Answer:
         """The best hypothesis of a search that was stopped: at least the text streamed so far."""
-        out = self._stats(stats, time.perf_counter() - t0)
-        out.update(stopped=True, generated_tokens=stats.beam_steps if stats is not None else 0)
         tokens = best_so_far(state) if state is not None else []
         eos = set(self.engine.eos)
         tokens = [t for t in tokens if t not in eos]
+        out = self._stats(stats, time.perf_counter() - t0, len(tokens))
+        out.update(stopped=True, finish_reason="interrupted")
         text = self.engine.tokenizer.decode_stable(tokens)
         if not text.startswith(live.text):      # cannot happen (every beam extends the stable prefix): keep it
             return Answer(live.text, live.spans, out)
