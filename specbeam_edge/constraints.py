@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .beam import NEG, BeamRows, BeamSearch, _top
-from .markup import find_spans
+from .markup import find_span_matches
 
 
 @dataclass(frozen=True)
@@ -345,7 +345,7 @@ def parse(constraints, phrase, decode=None, eos=()) -> Constraints | None:
                 raise TypeError(f"constraint {i}: a dict takes 'phrase' or 'text', and optionally 'count', 'exact', "
                                 f"'after'; got {sorted(c)}")
             if "text" in c and (not isinstance(c["text"], str) or not c["text"].strip()):
-                raise TypeError(f"constraint {i}: 'text' must be a string with more than spaces, got {c['text']!r}")
+                raise TypeError(f"constraint {i}: 'text' must be a non-empty string, not only spaces, got {c['text']!r}")
             if "text" in c:
                 _check_text(i, c["text"])
             opts, c = c, c.get("phrase", c.get("text"))
@@ -421,4 +421,14 @@ def _forbid_other_spans(item: dict, i: int, constraints: list):
             raise ValueError(f"constraint {i}: no_other_spans pattern {rx!r} is not a regular expression ({e})") \
                 from None
     allowed = {c["text"] for c in constraints if isinstance(c, dict) and "text" in c}
-    return lambda text: any(sp not in allowed for sp in find_spans(text, extra))
+
+    def invented(text: str) -> bool:
+        # a copied span being written is no invented one: '&a' on the way to '&amp;', 'https://ex' to a URL. The
+        # text's longest end that begins an allowed span is pending; only spans starting before it count
+        pending = len(text)
+        for a in allowed:
+            k = next((k for k in range(min(len(a) - 1, len(text)), 0, -1) if text.endswith(a[:k])), 0)
+            pending = min(pending, len(text) - k)
+        return any(m.group(0) not in allowed and m.start() < pending
+                   for m in find_span_matches(text, extra))
+    return invented

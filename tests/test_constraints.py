@@ -274,7 +274,7 @@ def test_bad_constraints_are_one_line_errors_about_the_constraint(engines):
            ([{"text": "<b>", "exact": "no"}], "constraint 0: exact must be true or false"),
            ([[0]], "constraint 0: \\[0\\] holds the end-of-sequence token 0"),
            ([" "], "constraint 0: ' ' is only spaces"),
-           ([{"text": " "}], "constraint 0: 'text' must be a string with more than spaces"),
+           ([{"text": " "}], "constraint 0: 'text' must be a non-empty string, not only spaces"),
            (["Dat\ud800ei"], "constraint 0: 'Dat\\\\ud800ei' holds a lone surrogate")]
     for cons, msg in bad:
         with pytest.raises((TypeError, ValueError), match=msg):

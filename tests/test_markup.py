@@ -157,3 +157,39 @@ def test_span_finding_is_linear(line):
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
     assert sum(map(len, spans)) <= len(line) and all(s in line for s in spans)    # found, not hung
+
+
+def test_a_span_being_written_is_not_an_invented_one():
+    """Issue 50 row 4: the no-other-spans rule counted partial spellings of a copied span as invented spans ('&a'
+    on the way to '&amp;' is an accelerator, 'https://ex' a URL), so '&amp;', '&lt;' and URLs could never be
+    written: each line ran to the length limit and was reported as not fitting. A span that starts inside the
+    text's end that begins a copied span is pending, not invented."""
+    from specbeam_edge.constraints import parse
+
+    for source, partials, invented in (
+            ("Use Tom &amp; Jerry", ["Tom &", "Tom &a", "Tom &amp", "Tom &amp; J"], ["Tom &x", "Tom &b &amp;"]),
+            ("&lt; 10", ["&", "&l", "&lt"], ["&gt; "]),
+            ("See https://example.org/a_(b)", ["See https://ex", "See https://example.org/a_(", "https://example.org/a_(b)"],
+             ["See https://exomple.org"])):
+        c = parse(markup_constraints(find_spans(source)), lambda t: [ord(ch) for ch in t], lambda ids: "")
+        for text in partials:
+            assert not c.forbid(text), (source, text)
+        for text in invented:
+            assert c.forbid(text), (source, text)
+
+
+def test_tags_the_source_closes_before_opening_get_no_order_rule():
+    """Issue 50 row 5: 'Click </b>here<b> to open the file.' made '</b>' wait for a '<b>' before it, an order the
+    source does not have: the search looped to the length limit (a 122-word loop, nothing reported); 'Press </b>
+    to finish.' copied exactly was reported '</b>' before its opening tag. No order rule (and no such report) for
+    a tag name the source itself closes first."""
+    from specbeam_edge.markup import out_of_order
+
+    spans = find_spans("Click </b>here<b> to open the file.")
+    assert out_of_order(spans) == ["b"]
+    assert all("after" not in c for c in markup_constraints(spans))
+    assert survives(spans, "Klicken Sie </b>hier<b>, um die Datei zu öffnen.") == []
+    assert survives(["</b>"], "Drücken Sie </b>, um fertig zu werden.") == []
+    balanced = find_spans("<b>a</b> and <b>b</b>")
+    assert out_of_order(balanced) == [] and markup_constraints(balanced)[1]["after"] == 0
+    assert survives(balanced, "</b>a<b> <b>b</b>") == ["'</b>' before its opening tag"]

@@ -19,7 +19,7 @@ from pathlib import Path
 from specbeam_edge.config import SpeculativeConfig
 from specbeam_edge.flags import (check_prompt_format, check_widths, decoding_constraints, engine_from_args,
                                  speculative_from_args)
-from specbeam_edge.markup import find_spans, markup_constraints, survives
+from specbeam_edge.markup import find_spans, markup_constraints, out_of_order, survives
 from specbeam_edge.results import Stats
 from specbeam_edge.shipped import shipped
 
@@ -558,6 +558,10 @@ def translate(s: Settings, engine, todo, on_line, progress, first: int = 0, repo
         if short:                                   # the best met them all, these n-best did not
             say(i, f"n-best hypotheses {', '.join(short)} do not hold every glossary term and span (the length "
                    f"limit came first)")
+        odd = out_of_order(spans[i]) if spans and spans[i] else []
+        if odd:
+            say(i, f"the source closes {', '.join(f'</{n}>' for n in odd)} before opening it: copied in the "
+                   f"source's order, without the rule that a closing tag follows its opening tag")
         if spans and spans[i] and res.hypotheses[0].constraints_met is not False:
             problems = survives(spans[i], res.hypotheses[0].text, s.markup_patterns)
             if problems:
