@@ -179,6 +179,23 @@ def cost_curve(lm, sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), past: in
     return out
 
 
+def streamed_cost_curve(lm, sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), past: int = 32,
+                        reps: int = 3) -> dict[int, float]:
+    """Modelled pass time (s) over a tree of Q nodes for a target that streams layers (split layout): each part
+    measured once on this machine, not every tree size streamed (a pass reads ~1 GB for Qwen2.5-Coder-1.5B):
+    a layer's compute at Q rows (times the layers), the head's, and the read of the streamed layers. The stream
+    of layer i+1 overlaps the compute of layer i (offload.py), so the layers cost max(reading, computing):
+    a tree costs nothing extra until its compute outgrows the disk."""
+    stream = lm.streamed_layers() * lm.store.read_seconds()
+    out = {}
+    for q in sizes:
+        if past + q > lm.cfg.context_length:
+            break
+        layer, head = lm.part_seconds(q, past, reps)
+        out[q] = max(stream, lm.cfg.num_layers * layer) + head
+    return out
+
+
 def auto_budget(curve: dict[int, float], num_beams: int, slack: float = 1.6) -> int:
     """Hardware-aware tree budget (as Sequoia): the largest tree whose pass costs at most `slack` times a pass
     over the beams alone, on this machine and placement."""

@@ -264,6 +264,43 @@ class OnnxCausalLM:
         outs = io.get_outputs()
         return [o.numpy() for o in outs[:len(host_outputs)]] + list(outs[len(host_outputs):])
 
+    def streamed_layers(self) -> int:
+        """How many of the layers a pass streams (0: all resident, or the whole layout)."""
+        return len(self.store.streamed) if self.cfg.layout == "split" else 0
+
+    def part_seconds(self, q: int, past: int = 32, reps: int = 3) -> tuple[float, float]:
+        """(one decoder layer's, the head's) measured seconds for a pass of q new tokens over `past` cached ones,
+        on weights already in memory (split layout): with the streaming time (LayerStore.read_seconds) they model
+        a streamed pass's cost without streaming every layer for every tree size (adaptive.streamed_cost_curve)."""
+        c, rng = self.cfg, np.random.default_rng(0)
+        store = self.store
+        # a resident layer, else the first streamed one in its own buffer (as a pass gets it; the next pass
+        # loads it again)
+        i = next(iter(store.resident), store.streamed[0] if store.streamed else 0)
+        mask = np.zeros((1, 1, q, past + q), np.float32)
+        kv = np.zeros((1, c.num_kv_heads, past, c.head_dim), self.kv_dtype)
+        feed = {HIDDEN: rng.standard_normal((1, q, c.hidden_size)).astype(np.float32),
+                "position_ids": np.full((1, q), past, np.int64), "attention_mask": mask,
+                LAYER_PAST[0]: kv, LAYER_PAST[1]: kv}
+        if self.needs_key_positions:
+            feed[KEY_POSITIONS] = np.arange(past + q, dtype=np.int64)[None]
+        head_feed = {HIDDEN: feed[HIDDEN], **({TOPK_INPUT: np.array([1], np.int64)} if self.has_topk else {})}
+        names = self.head_names(1 if self.has_topk else None)
+
+        def best(run) -> float:
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                run()
+                times.append(time.perf_counter() - t0)
+            return min(times)
+
+        with self._lock:        # the stream buffers are this measurement's
+            feed.update(store.get(i))
+            layer = best(lambda: self.layer.run([LAYER_HIDDEN_OUT], feed))
+            head = best(lambda: self.head.run(names, head_feed))
+        return layer, head
+
     def _embed(self, ids: np.ndarray) -> np.ndarray:
         """hidden [B, n_new, H] fp32 for input_ids [B, n_new]: the mapped table's rows, or the embed graph."""
         if self.embed_table is None:

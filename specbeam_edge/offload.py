@@ -196,6 +196,19 @@ class LayerStore:
             views = self._to_device(views)
         return views, time.perf_counter() - t0
 
+    def read_seconds(self, reps: int = 2) -> float:
+        """Measured seconds to read one streamed layer the way a pass does (the first streamed layer, into a
+        scratch buffer; the fastest of `reps`, so a first read's verification is not counted); 0 when nothing
+        streams. A host-memory layer times its copy."""
+        if not self.streamed:
+            return 0.0
+        i, buf, best = self.streamed[0], _aligned(self.nbytes), float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            np.copyto(buf, self.host[i]) if i in self.host else self._read(i, buf)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
     def prefetch(self, i: int) -> None:
         """Start loading streamed layer i (if it is one) in the background."""
         with self.lock:

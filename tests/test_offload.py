@@ -165,3 +165,41 @@ def test_embedding_table_is_mapped_and_checked(split4, tmp_path):
     table.write_bytes(table.read_bytes()[:-4])
     with pytest.raises(ModelFolderError, match="embed.bin: .*bytes, the embedding table needs"):
         OnnxCausalLM(bad)
+
+
+def test_streamed_target_grows_the_streamed_tree_and_stays_exact(split4):
+    """A target that streams layers, with a draft and every tree knob at its default, runs config.STREAMED_TREE
+    (best-first, budget from the modelled pass cost, deeper); its output is plain search's, K=1 and K=4."""
+    from dataclasses import replace
+    from specbeam_edge.config import STREAMED_TREE
+    plain = Engine(split4)
+    off = Engine(split4, draft=split4, placement=["disk", "host", "disk", "resident"])
+    default = SpeculativeConfig(adaptive=False)
+    chosen = off.speculative_for(default)
+    assert (chosen.drafter, chosen.budget, chosen.max_depth) == tuple(STREAMED_TREE[k] for k in
+                                                                       ("drafter", "budget", "max_depth"))
+    assert chosen.adaptive is False
+    mine = replace(default, budget=7)                        # a knob the user set is kept as given
+    assert off.speculative_for(mine) == mine
+    resident = Engine(split4, draft=split4)
+    assert resident.speculative_for(default) == default      # resident passes keep the usual tree
+    for K in (1, 4):
+        a = plain.generate(PROMPT, num_beams=K, max_new_tokens=12)[0]
+        b = off.generate(PROMPT, num_beams=K, max_new_tokens=12, speculative=default)[0]
+        assert a.hypotheses[0].tokens == b.hypotheses[0].tokens and a.hypotheses[0].score == b.hypotheses[0].score
+        assert b.stats.target_passes < a.stats.target_passes       # the draft is the target: it all matches
+
+
+def test_streamed_cost_curve_is_the_disk_until_compute_outgrows_it(split4, monkeypatch):
+    """The modelled streamed pass: max(reading the streamed layers, computing every layer) + the head; measured
+    parts, no pass over every tree size."""
+    from specbeam_edge.adaptive import streamed_cost_curve
+    lm = OnnxCausalLM(split4, placement=["disk", "host", "disk", "resident"])
+    assert lm.streamed_layers() == 3 and lm.store.read_seconds() > 0
+    monkeypatch.setattr(lm.store, "read_seconds", lambda: 1.0)             # a slow disk: 3 s a pass
+    monkeypatch.setattr(lm, "part_seconds", lambda q, past, reps: (0.01 * q, 0.5))
+    curve = streamed_cost_curve(lm, sizes=(1, 16, 64, 128))
+    assert curve == pytest.approx({1: 3.5, 16: 3.5, 64: 3.5, 128: 4 * 1.28 + 0.5})
+    layer, head = OnnxCausalLM.part_seconds(lm, 4, reps=1)                 # the real measurement runs
+    assert layer > 0 and head > 0
+    assert OnnxCausalLM(split4).streamed_layers() == 0
