@@ -16,9 +16,9 @@ import numpy as np
 
 from . import invariance
 from . import constraints as lexical
-from .adaptive import ChoosersByLoad, PassChooser, auto_budget, cost_curve
+from .adaptive import ChoosersByLoad, PassChooser, auto_budget, cost_curve, streamed_cost_curve
 from .cache import TreeCache
-from .config import GenerationConfig, ModelFolderError, SpeculativeConfig
+from .config import STREAMED_TREE, GenerationConfig, ModelFolderError, SpeculativeConfig
 from .contract import probe_source
 from .draft import custom_drafter, make_drafter
 from .encdec import Encoder, EncoderQueue, is_encoder_decoder, logits_processor, shared_cross_layers, shared_statics
@@ -71,9 +71,11 @@ class Engine:
         if draft is not None:
             if not Path(draft).is_dir():
                 raise ModelFolderError(f"draft model folder {draft} does not exist")
-            # the draft is small: one thread and no busy-waiting, so it does not steal the target's cores
-            self.draft = OnnxCausalLM(draft, threads=1, providers=providers, spin=False, kv_resident=kv_resident,
-                                      min_rows=1)
+            # the draft is small: one thread and no busy-waiting, so it does not steal the target's cores; with a
+            # streaming target those cores wait for the disk while the tree grows, so the draft takes them all
+            draft_threads = threads if self.target.streamed_layers() else 1
+            self.draft = OnnxCausalLM(draft, threads=draft_threads, providers=providers, spin=False,
+                                      kv_resident=kv_resident, min_rows=1)
             draft_tokenizer = Tokenizer(draft)
             check_compatible(self.tokenizer, draft_tokenizer, self.draft.cfg.vocab_size, self.target.cfg.vocab_size)
             check_vocabulary(draft_tokenizer, self.draft.cfg)
@@ -259,8 +261,18 @@ class Engine:
         if not isinstance(spec, SpeculativeConfig):
             raise TypeError(f"speculative must be a SpeculativeConfig, a dict of its fields or None, got "
                             f"{type(spec).__name__}")
+        spec = self.speculative_for(spec)
         self.check_widths(spec.max_branch_width, spec.draft_width)
         return spec
+
+    def speculative_for(self, spec: SpeculativeConfig) -> SpeculativeConfig:
+        """The tree settings a request runs with: its own, except that a target streaming layers with a draft
+        model takes config.STREAMED_TREE when every tree knob is at its default (adaptive as asked). A streamed
+        pass costs a read of the weights whatever the tree, so a tree sized for resident passes wastes it."""
+        streams = isinstance(self.target, OnnxCausalLM) and self.target.streamed_layers() > 0
+        if not streams or self.draft is None or replace(spec, adaptive=True) != SpeculativeConfig():
+            return spec
+        return replace(spec, **STREAMED_TREE)
 
     def check_widths(self, max_branch_width: int | None, draft_width: int | None, flags: bool = False) -> None:
         """Tree widths within the vocabulary (the draft's, when it has a smaller one); `flags`: name them as the
@@ -287,7 +299,8 @@ class Engine:
         the cost curve is measured once per engine."""
         with self._lock:
             if self._curve is None:
-                self._curve = self.cost_curve()
+                streams = isinstance(self.target, OnnxCausalLM) and self.target.streamed_layers()
+                self._curve = streamed_cost_curve(self.target) if streams else self.cost_curve()
         return auto_budget(self._curve, num_beams, slack)
 
     def _chooser(self, gen: GenerationConfig, spec: SpeculativeConfig) -> ChoosersByLoad:
