@@ -157,3 +157,14 @@ def test_a_glossary_line_beside_an_unconstrained_one(tmp_path, capsys):
     for p, c, r in zip(prompts, (["Datei"], None), together):
         [alone] = eng.generate(p, num_beams=4, constraints=c, speculative=spec)
         assert [h.tokens for h in r.hypotheses] == [h.tokens for h in alone.hypotheses]
+
+
+def test_longest_term_first_and_rows_of_one_term_merged():
+    """Issue 50 row 7: with 'menu -> Menü' and 'context menu -> Kontextmenü', "Open the context menu." forced both
+    ("Öffnen Sie das Kontextmenü Menü."); two rows with the source 'menu' were two constraints, both forced. Now
+    a term found only inside a longer term's match is not forced, and rows of one source term are alternatives."""
+    terms = [("menu", ("Menü",)), ("context menu", ("Kontextmenü",)), ("Menu", ("Menüs",))]
+    got = glossary_constraints(terms, ["Open the context menu.", "Open the menu.", "The menu and the context menu."],
+                               "insensitive")
+    assert got == [[("Kontextmenü",)], [("Menü", "Menüs")], [("Menü", "Menüs"), ("Kontextmenü",)]]
+    assert glossary_constraints(terms, ["Open the menu."], "sensitive") == [[("Menü",)]]

@@ -382,13 +382,26 @@ def read_glossary(path: str) -> tuple[bytes, list[tuple[str, tuple[str, ...]]]]:
 
 def glossary_constraints(terms, sources: list[str], case: str) -> list[list[tuple[str, ...]] | None]:
     """Per source line, the target forms of every glossary term it contains as a whole word (not inside a longer
-    word; case-insensitive unless case == 'sensitive'): each term one constraint, its target forms alternatives."""
+    word; case-insensitive unless case == 'sensitive'): each term one constraint, its target forms alternatives.
+    Longest match first: a term found only inside a longer term's match ('menu' in 'context menu') is not
+    forced besides it; rows with the same source term are one constraint whose forms are alternatives."""
     flags = 0 if case == "sensitive" else re.IGNORECASE
-    found = [(re.compile(r"(?<!\w)" + re.escape(src) + r"(?!\w)", flags), targets) for src, targets in terms]
+    merged: dict[str, list[str]] = {}
+    for src, targets in terms:
+        merged.setdefault(src if case == "sensitive" else src.casefold(), [src, []])[1].extend(targets)
+    found = sorted(((re.compile(r"(?<!\w)" + re.escape(src) + r"(?!\w)", flags), tuple(dict.fromkeys(targets)), k)
+                    for k, (src, targets) in enumerate(merged.values())), key=lambda f: -len(f[0].pattern))
     out = []
     for text in sources:
-        hits = list(dict.fromkeys(targets for rx, targets in found if rx.search(text)))
-        out.append([tuple(t) for t in hits] or None)
+        taken: list[tuple[int, int]] = []          # character ranges of the longer terms matched so far
+        hits = []
+        for rx, targets, k in found:
+            spans = [m.span() for m in rx.finditer(text)]
+            free = [sp for sp in spans if not any(a < sp[1] and sp[0] < b for a, b in taken)]
+            if free:
+                hits.append((k, targets))
+                taken += free
+        out.append([tuple(t) for t in dict.fromkeys(t for _, t in sorted(hits))] or None)   # in the file's order
     return out
 
 
