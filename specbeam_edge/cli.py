@@ -189,7 +189,25 @@ CHAT_KEYS = ("keys: Enter sends a message; Ctrl-C stops an answer (what it wrote
              "conversation); an empty line, Ctrl-D, or Ctrl-C at the prompt quits")
 
 
+def _chat_defaults(args) -> None:
+    """Chat searches as transformers' generate does for the model: its generation_config's settings, and where
+    that names no num_beams, greedy decoding (transformers' default). The engine's own default of 4 beams is for
+    translation: on a small chat model beam search favours a short loop (SmolLM2-135M repeated a phrase twelve
+    times), and one beam streams word by word."""
+    if args.num_beams is not None or args.do_sample:
+        return
+    from .config import ModelConfig
+
+    try:
+        generation = ModelConfig.load(_model(args)).generation
+    except (ModelFolderError, FetchError, ValueError):
+        return          # open_engine reports the folder's problem
+    if "num_beams" not in generation:
+        args.num_beams = 1
+
+
 def cmd_chat(args) -> int:
+    _chat_defaults(args)
     overrides, spec = configs(args)
     engine = open_engine(args, spec)
     gen = engine.generation_config(**overrides)       # bad settings fail here, not on every message
@@ -286,7 +304,11 @@ def main(argv=None) -> int:
                    help="text the output must contain (constrained beam search, --num_beams 2 or more); alternatives "
                         "separated by '|'; may be repeated")
     add_search_args(g)
-    c = sub.add_parser("chat", help="terminal chat that streams the answer", formatter_class=DefaultsHelp)
+    c = sub.add_parser("chat", help="terminal chat that streams the answer", formatter_class=DefaultsHelp,
+                       description="Chat with a model in the terminal: type a message, Enter; the answer streams. "
+                                   "Search settings default to the model's own (its generation_config; greedy "
+                                   "where it names no num_beams).",
+                       epilog=CHAT_KEYS[0].upper() + CHAT_KEYS[1:] + ".")
     c.add_argument("--model", default=None, help=MODEL_HELP)
     c.add_argument("--system", default=None, help="system prompt")
     add_search_args(c)

@@ -130,3 +130,27 @@ def test_cut_answers_are_reported_by_the_cli_and_chat(folder, monkeypatch, capsy
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"the lazy dog\n")))
     assert cli_main(["chat", "--model", str(folder), "--max_new_tokens", "3", "--min_new_tokens", "3"]) == 0
     assert "chat: the answer was cut at --max_new_tokens 3" in capsys.readouterr().err
+
+
+def test_terminal_chat_marks_turns_lists_keys_and_defaults_to_the_models_own_search(folder, monkeypatch, capsys):
+    """Before: no marker between turns, no keys in --help, and the engine's 4 beams (for translation) on every
+    chat model: SmolLM2-135M looped on a phrase. Now the model's generation_config, greedy where it names no
+    num_beams (transformers' default)."""
+    with pytest.raises(SystemExit):
+        cli_main(["chat", "--help"])
+    helptext = " ".join(capsys.readouterr().out.split())
+    assert "Ctrl-C stops an answer" in helptext and "Ctrl-D" in helptext
+    beams = []
+    real = _Engine.stream
+
+    def spy(self, prompt, generation=None, *a, **kw):
+        beams.append(self.generation_config(generation, **kw).num_beams)
+        return real(self, prompt, generation, *a, **kw)
+    monkeypatch.setattr(_Engine, "stream", spy)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"the lazy dog\nover the fox\n")))
+    assert cli_main(["chat", "--model", str(folder), "--max_new_tokens", "4"]) == 0
+    err = capsys.readouterr().err
+    assert beams == [1, 1] and err.count(">>> ") == 3, err     # a prompt marker before each turn and the quit
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"the lazy dog\n")))
+    assert cli_main(["chat", "--model", str(folder), "--max_new_tokens", "4", "--num_beams", "3"]) == 0
+    assert beams[-1] == 3
