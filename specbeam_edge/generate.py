@@ -479,6 +479,13 @@ class Engine:
                 "no_repeat_ngram_size / repetition_penalty move tokens a top-k head may need beyond its k"
             raise ValueError(f"{self.target.folder}: {what}; export with --output_kind both (or logits) to use them")
         topk = 2 * gen.num_beams + len(eos) + 1 + n_banned if beam_head else None
+        if constraints is not None and prefix:
+            # the output includes the target prefix: what it holds counts (a term in it is met, a span in it is
+            # copied once), so the search neither forces a term again nor doubles the markup
+            start = constraints.start
+            for t in prefix:
+                start = constraints.advance(start, t)
+            constraints.start = start
         return ExactSearch(ids, self.target, self.draft, num_beams=gen.num_beams, max_new_tokens=max_new, eos=eos,
                            length_penalty=gen.length_penalty, early_stopping=gen.early_stopping,
                            min_new_tokens=gen.min_new_tokens, no_repeat_ngram_size=gen.no_repeat_ngram_size,

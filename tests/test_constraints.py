@@ -286,3 +286,20 @@ def test_bad_constraints_are_one_line_errors_about_the_constraint(engines):
     # "after" names the caller's index: the no_other_spans item before it is no constraint of its own
     c = parse([{"no_other_spans": []}, {"text": "<b>"}, {"text": "</b>", "after": 1}], eng._prefix_ids, eng._decode)
     assert c.after == [None, 0]
+
+
+def test_a_target_prefix_counts_for_the_constraints(engines):
+    """Issue 50 row 6: a target prefix that already held a glossary term got the term forced a second time (a
+    degenerate tail), and a prefix with a copied span got it doubled: constraints counted only the tokens after
+    the prefix. The output includes the prefix, so its tokens count: a constraint it meets changes nothing."""
+    eng = engines["plain"]
+    kw = dict(num_beams=4, max_new_tokens=10)
+    prompt, prefix = PROMPTS[0], [40, 41, 42]
+    [free] = eng.generate(prompt, target_prefix=prefix, **kw)
+    assert not contains(free.hypotheses[0].tokens[3:], [41])
+    [met] = eng.generate(prompt, target_prefix=prefix, constraints=[[41], [41, 42]], **kw)
+    assert met.hypotheses[0].constraints_met is True
+    assert_same_hypotheses(met, free)
+    c = parse([{"phrase": [41], "count": 1, "exact": True}], eng._prefix_ids, eng._decode)
+    [exact] = eng.generate(prompt, target_prefix=prefix, constraints=[{"phrase": [41], "exact": True}], **kw)
+    assert not contains(exact.hypotheses[0].tokens[3:], [41]) and c.exact == [True]
