@@ -103,7 +103,11 @@ def _read_prompts(args) -> list[str]:
         if sys.stdin is None:
             raise ValueError("stdin is closed; pass prompts as arguments or --file")
         text = sys.stdin.read()
-    return [line for line in text.splitlines() if line.strip()]
+    lines = [line for line in text.splitlines() if line.strip()]
+    if args.file and not lines:
+        raise ValueError(f"--file {args.file} has no prompts (it is empty or only blank lines); put one prompt a "
+                         f"line")
+    return lines
 
 
 def model_prompt(tokenizer, text: str) -> str:
@@ -286,8 +290,16 @@ def cmd_fetch(args) -> int:
     return 0
 
 
+class ShortErrors(argparse.ArgumentParser):
+    """A usage error in two lines (the problem, then where the flags are), not the whole usage text above it;
+    subcommands' parsers are of this class too."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n{self.prog}: see {self.prog} --help for the flags\n")
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="specbeam", description=__doc__,
+    ap = ShortErrors(prog="specbeam", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="generate from prompts (arguments, --file, or stdin)",

@@ -154,3 +154,18 @@ def test_terminal_chat_marks_turns_lists_keys_and_defaults_to_the_models_own_sea
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"the lazy dog\n")))
     assert cli_main(["chat", "--model", str(folder), "--max_new_tokens", "4", "--num_beams", "3"]) == 0
     assert beams[-1] == 3
+
+
+def test_usage_errors_are_two_lines_and_an_empty_file_is_an_error(tmp_path, capsys):
+    """Before: a bad flag printed ~30 lines of usage above the one that matters; `generate --file empty` exited 0
+    silently."""
+    with pytest.raises(SystemExit) as e:
+        cli_main(["generate", "hi", "--num_beams", "zero"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 2, err
+    assert err.startswith("specbeam generate: error: argument --num_beams") and "--help" in err
+    empty = tmp_path / "empty.en"
+    empty.write_text("\n  \n")
+    assert cli_main(["generate", "--file", str(empty)]) == 2
+    assert capsys.readouterr().err == f"specbeam: error: --file {empty} has no prompts (it is empty or only blank " \
+                                      f"lines); put one prompt a line\n"
