@@ -264,3 +264,24 @@ def test_devices_are_refused_as_inputs(pair, text_in, tmp_path, monkeypatch, cap
         monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(f))
         assert main(args_for(pair, text_in)[2:]) == 2
     assert "stdin is a device" in capsys.readouterr().err
+
+
+def test_the_journal_covers_a_graph_named_outside_the_folder(tmp_path, monkeypatch):
+    """Issue 50 row 8: a config whose files.model names a graph outside the model folder: after an interrupt
+    that graph was replaced and --resume went on, mixing two graphs' output (the journal hashed only the files
+    inside the folder). Every file the config's `files` names is now in the fingerprint, so the replacement is a
+    changed model on --resume."""
+    from apps.translate.fingerprint import folder_sha256
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "specbeam_config.json").write_text(json.dumps({"files": {"model": "../graph.onnx",
+                                                                       "layers": ["../l0.onnx"]}}))
+    (tmp_path / "graph.onnx").write_bytes(b"one")
+    (tmp_path / "l0.onnx").write_bytes(b"layer")
+    before = folder_sha256(model)
+    assert {"files: ../graph.onnx", "files: ../l0.onnx"} <= set(before)
+    (tmp_path / "graph.onnx").write_bytes(b"two")
+    after = folder_sha256(model)
+    assert after != before and after["specbeam_config.json"] == before["specbeam_config.json"]

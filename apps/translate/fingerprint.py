@@ -56,17 +56,46 @@ def folder_sha256(folder: Path) -> dict[str, str]:
     where = cache_path()
     cache = _load_cache(where)
     out, dirty = {}, False
-    for path in sorted(folder.rglob("*")):
-        rel = path.relative_to(folder)
-        if any(p.startswith(".") for p in rel.parts) or path.suffix in SKIP_SUFFIXES or not path.is_file():
-            continue
+    inside = [(path, path.relative_to(folder).as_posix()) for path in sorted(folder.rglob("*"))]
+    inside = [(path, rel) for path, rel in inside if not any(p.startswith(".") for p in Path(rel).parts)
+              and path.suffix not in SKIP_SUFFIXES and path.is_file()]
+    # a config's `files` may name a graph outside the folder: it makes the model as much as one inside
+    outside = [(path, f"files: {name}") for name, path in _named_files(folder)
+               if path.is_file() and not _within(path, folder)]
+    for path, rel in inside + outside:
         st = path.stat()
         key = _key(path, st)
         digest = cache.get(key)
         if not isinstance(digest, str):
             digest = cache[key] = file_sha256(path)
             dirty = True
-        out[rel.as_posix()] = digest
+        out[rel] = digest
     if dirty:
         _save_cache(where, {k: v for k, v in cache.items() if os.path.exists(k.split("|", 1)[0])})
     return out
+
+
+def _within(path: Path, folder: Path) -> bool:
+    try:
+        Path(os.path.realpath(path)).relative_to(os.path.realpath(folder))
+        return True
+    except ValueError:
+        return False
+
+
+def _named_files(folder: Path) -> list[tuple[str, Path]]:
+    """(name as written, path) of every file specbeam_config.json's `files` names (strings, in lists or dicts)."""
+    try:
+        files = json.loads((folder / "specbeam_config.json").read_text()).get("files", {})
+    except (OSError, ValueError, AttributeError):
+        return []
+    out, stack = [], [files]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, str):
+            out.append((x, folder / x))
+        elif isinstance(x, dict):
+            stack += list(x.values())
+        elif isinstance(x, list):
+            stack += x
+    return sorted(out)
