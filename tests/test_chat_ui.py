@@ -201,3 +201,33 @@ def test_app_counts_the_answers_tokens_and_says_when_it_was_cut(qtbot, tmp_path,
     cut = dict(generated_tokens=6, wall_seconds=1.0, tokens_per_second=6.0, finish_reason="length")
     assert status_text(cut) == "6 tokens in 1.0 s (6.0 tok/s) · no speculation · cut at Max new tokens: raise it " \
                                "to let the answer finish"
+
+
+def test_a_template_error_is_a_dialog_and_the_status_says_so(qtbot, tmp_path, exported, monkeypatch):
+    """Before: Send with a template that raises (e.g. Mistral-style "roles must alternate" with a system prompt)
+    stored the message and nothing else, the status said "ready", the traceback went to stderr only (issue 50
+    row 20)."""
+    import json
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(exported("llama", std=0.3, seed=3), model)
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = ("{% if messages[0].role == 'system' %}{{ raise_exception('Conversation roles must "
+                            "alternate user/assistant/user/assistant/...') }}{% endif %}{{ messages[-1].content }}")
+    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+    settings = QSettings(str(tmp_path / "settings.ini"), QSettings.Format.IniFormat)
+    settings.setValue("model", str(model))
+    settings.setValue("draft", "")
+    win = ChatWindow(ChatStore(tmp_path / "chat.sqlite"), settings=settings)
+    qtbot.addWidget(win)
+    shown = []
+    monkeypatch.setattr("apps.chat.window.QMessageBox.warning", lambda parent, title, text: shown.append(text))
+    win.system.setText("be brief")
+    win._save_system()
+    win.input.setPlainText("hello")
+    win.send_btn.click()
+    assert win.gen is None and len(shown) == 1 and "roles must alternate" in shown[0], shown
+    assert str(model / "tokenizer_config.json") in shown[0]
+    assert "chat template failed" in win.status.text()
+    assert [m["content"] for m in win.store.messages(win.current())] == ["hello"]     # the message is kept

@@ -20,6 +20,7 @@ from specbeam_edge import Engine, fetch
 from specbeam_edge.config import AHEAD_MIN_PATH_PROB, DEFAULT_BUDGET, SpeculativeConfig
 from specbeam_edge.flags import speculative_config
 from specbeam_edge.shipped import missing_message, models_root
+from specbeam_edge.tokenizer import ChatTemplateError
 
 from .render import CURSOR, insert_answer
 from .store import ChatStore
@@ -640,8 +641,17 @@ class ChatWindow(QMainWindow):
                                       max_branch_width=d.max_branch_width, draft_width=None, always_speculate=head,
                                       min_path_prob=AHEAD_MIN_PATH_PROB if head else d.min_path_prob)
         self.save_settings()
+        try:
+            prompt = self._prompt(cid)
+        except ChatTemplateError as e:      # the model's template refused this conversation, or broke
+            self._show_conversation()
+            self.status.setText("not answered: the model's chat template failed (see the message)")
+            QMessageBox.warning(self, "The chat template failed", f"{e}\n\nYour message is kept; change the "
+                                f"conversation (e.g. the system prompt) or fix the model folder's template, then "
+                                f"Regenerate.")
+            return
         self.gen_conv, self.partial, self.partial_steps = cid, Answer(), 0
-        self.gen = Generation(self.engine, self._prompt(cid), kwargs, spec, self.engine_name)
+        self.gen = Generation(self.engine, prompt, kwargs, spec, self.engine_name)
         self.gen.progress.connect(self._on_progress)
         self.gen.answered.connect(self._on_answered)
         self._show_conversation()
