@@ -179,13 +179,14 @@ def cost_curve(lm, sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), past: in
     return out
 
 
-def streamed_cost_curve(lm, sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), past: int = 32,
+def streamed_cost_curve(lm, sizes=(1, 2, 4, 8, 16, 32, 64, 128), past: int = 32,
                         reps: int = 3) -> dict[int, float]:
     """Modelled pass time (s) over a tree of Q nodes for a target that streams layers (split layout): each part
     measured once on this machine, not every tree size streamed (a pass reads ~1 GB for Qwen2.5-Coder-1.5B):
     a layer's compute at Q rows (times the layers), the head's, and the read of the streamed layers. The stream
     of layer i+1 overlaps the compute of layer i (offload.py), so the layers cost max(reading, computing):
-    a tree costs nothing extra until its compute outgrows the disk."""
+    a tree costs nothing extra until its compute outgrows the disk. Sizes stop at 128: a larger tree's drafting
+    outlasts any pass, and its logits (Q x vocabulary floats) would outgrow the memory budget."""
     stream = lm.streamed_layers() * lm.store.read_seconds()
     out = {}
     for q in sizes:
