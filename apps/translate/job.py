@@ -298,7 +298,8 @@ def read_input(path: str | None) -> bytes:
             mode = os.fstat(sys.stdin.fileno()).st_mode
         except (OSError, ValueError):
             mode = 0
-        if (stat.S_ISCHR(mode) and not sys.stdin.isatty()) or stat.S_ISBLK(mode):
+        if (stat.S_ISCHR(mode) and not sys.stdin.isatty() and not _is_null(sys.stdin.fileno())) \
+                or stat.S_ISBLK(mode):
             raise UsageError("stdin is a device, not text (e.g. < /dev/zero); pass -i FILE or pipe the text in")
         try:
             return sys.stdin.buffer.read()
@@ -313,8 +314,19 @@ def read_input(path: str | None) -> bytes:
         raise UsageError(f"cannot read input {path}: {e.strerror}") from None
 
 
+def _is_null(f) -> bool:
+    """/dev/null (an empty input, not an endless one)."""
+    try:
+        st, null = os.stat(f), os.stat(os.devnull)
+    except (OSError, ValueError):
+        return False
+    return (st.st_rdev, st.st_ino, st.st_dev) == (null.st_rdev, null.st_ino, null.st_dev)
+
+
 def refuse_device(path, what: str) -> None:
     kind = special_kind(Path(path))
+    if kind in ("a character device", "a block device", "a socket") and _is_null(path):
+        return
     if kind in ("a character device", "a block device", "a socket"):
         raise UsageError(f"{what} {path} is {kind}, not a text file; pass a regular file (or pipe the text "
                          f"through stdin)")
