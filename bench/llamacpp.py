@@ -169,13 +169,13 @@ def _llama(llm, ids, max_new, eos):
     return out, generated(out, stop)[1] / dt
 
 
-def export_for(gguf: Path, precision: str, cache: Path, quiet: bool = True) -> Path:
+def export_for(gguf: Path, precision: str, cache: Path, quiet: bool = True, layout: str = "whole") -> Path:
     """Our export of the GGUF at `precision` (top-k head and logits), made once into `cache`."""
-    dst = cache / f"{gguf.stem}-{precision}"
+    dst = cache / (f"{gguf.stem}-{precision}" + ("" if layout == "whole" else f"-{layout}"))
     if not (dst / "specbeam_config.json").is_file():
         from export.core import export
 
-        export(gguf, dst, precision=precision, output="both", quiet=quiet)
+        export(gguf, dst, precision=precision, output="both", quiet=quiet, layout=layout)
     return dst
 
 

@@ -1,5 +1,6 @@
-"""Issue 30's exactness row on the real model: specbeam's plain greedy decoding == transformers' greedy decoding
-on the dequantized GGUF, prompt by prompt (SmolLM2-135M-Instruct, the fetched GGUF).
+"""The exactness row on a real model: specbeam's plain greedy decoding == transformers' greedy decoding on the
+dequantized GGUF, prompt by prompt (SmolLM2-135M-Instruct by default; --model qwen2.5-coder-1.5b: the fetched
+Qwen2.5-Coder-1.5B on the coding prompts, its fp32 export in the split layout: the whole one does not fit).
 
 transformers reads the Q4_1 GGUF and dequantizes it to fp32 (the same weights the exporter starts from);
 specbeam runs the fp32 export of that GGUF (made once into bench/out/models, as `python -m bench.llamacpp`
@@ -10,6 +11,7 @@ position where they part with both engines' log-probs of both tokens there (a ne
 real difference).
 
     python -m bench.smollm2_parity [--prompts 24] [--max_new 128]
+    python -m bench.smollm2_parity --model qwen2.5-coder-1.5b --prompts 4 --max_new 64
 """
 from __future__ import annotations
 
@@ -49,19 +51,23 @@ def _hf_logprobs(model, ids: list[int]):
         return torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1).numpy()
 
 
-def run(n_prompts: int, max_new: int, threads: int) -> dict:
+def run(n_prompts: int, max_new: int, threads: int, name: str = "smollm2") -> dict:
     from specbeam_edge import Engine, fetch
 
-    gguf = fetch.gguf_path("smollm2")
+    from .stream import PROMPTS as CODE_PROMPTS
+
+    gguf = fetch.gguf_path(name)
     if not gguf.is_file():
-        raise SystemExit(f"{gguf} is missing: run `specbeam fetch smollm2` first")
-    folders = {"fp32": export_for(gguf, "fp32", ROOT / "bench" / "out" / "models"),
-               "int8": fetch.model_path("smollm2")}
+        raise SystemExit(f"{gguf} is missing: run `specbeam fetch {name}` first")
+    layout = fetch.source(name).layout
+    folders = {"fp32": export_for(gguf, "fp32", ROOT / "bench" / "out" / "models", layout=layout),
+               "int8": fetch.model_path(name)}
     engines = {k: Engine(v, threads=threads) for k, v in folders.items()}
     tok = engines["fp32"].tokenizer
     eos = engines["fp32"].eos
     model = _transformers(gguf, threads)
-    prompts = [prompt_ids(tok, p) for p in PROMPTS[:n_prompts]]
+    texts = PROMPTS if name == "smollm2" else CODE_PROMPTS
+    prompts = [prompt_ids(tok, p) for p in texts[:n_prompts]]
     outs: dict[str, list[list[int]]] = {"transformers": [], **{k: [] for k in engines}}
     for ids in prompts:
         outs["transformers"].append(generated(_hf_greedy(model, ids, max_new, eos), eos)[0])
@@ -86,10 +92,12 @@ def run(n_prompts: int, max_new: int, threads: int) -> dict:
 
 def main(argv=None) -> int:
     ap = run_parser("python -m bench.smollm2_parity", __doc__, prompts=24)
+    ap.add_argument("--model", default="smollm2", help="a fetched model's name (smollm2, qwen2.5-coder-1.5b)")
     a = ap.parse_args(argv)
-    report = run(a.prompts, a.max_new, a.threads)
-    report["machine"] = common.machine()
-    path = common.write(Path(a.out), "smollm2_parity", report)
+    machine = common.machine()
+    report = run(a.prompts, a.max_new, a.threads, a.model)
+    report["machine"] = machine
+    path = common.write(Path(a.out), "smollm2_parity" if a.model == "smollm2" else f"{a.model}_parity", report)
     for k, v in report["agreement_with_transformers"].items():
         print(f"specbeam {k}: identical to transformers on {v['identical']} of {v['of']} prompts")
     for p in report["partings"]:
