@@ -37,7 +37,7 @@ from pathlib import Path
 
 from .config import ModelFolderError
 from .contract import file_sha256
-from .shipped import models_root
+from .shipped import shipped_asset
 
 ENV = "SPECBEAM_DATA_DIR"
 EXTRA = "pip install 'specbeam-edge[export]'"
@@ -528,7 +528,7 @@ def _fetch_locked(src: Source, dst: Path, quiet: bool, log, from_file=None) -> P
 
 def _shipped_draft(src: Source) -> Path | None:
     """The shipped draft weights of `src` (models/<src.draft>), when this installation has the models/ folder."""
-    path = models_root() / src.draft if src.draft else None
+    path = shipped_asset(src.draft) if src.draft else None
     return path if path is not None and (path / "draft.safetensors").is_file() else None
 
 
@@ -561,7 +561,7 @@ def draft_is_current(name: str) -> bool:
 
 def _shipped_ahead(src: Source) -> Path | None:
     """The shipped lookahead head of `src` (models/<src.ahead>), when this installation has the models/ folder."""
-    path = models_root() / src.ahead if src.ahead else None
+    path = shipped_asset(src.ahead) if src.ahead else None
     return path if path is not None and (path / "ahead.safetensors").is_file() else None
 
 

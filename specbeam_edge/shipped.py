@@ -6,6 +6,7 @@ carry them: point SPECBEAM_MODELS at a models/ folder, or pass model folders wit
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -19,6 +20,26 @@ _BESIDE = Path(__file__).resolve().parent.parent / "models"
 def models_root() -> Path:
     """$SPECBEAM_MODELS if set, else models/ beside the package (which a regular install does not have)."""
     return Path(os.environ[ENV]).expanduser() if os.environ.get(ENV) else _BESIDE
+
+
+def shipped_asset(rel: str) -> Path | None:
+    """A folder of trained files under models/ that `specbeam fetch` attaches (rel: "smollm2/ahead"): from the
+    checkout's models/ (or $SPECBEAM_MODELS), else from the copy a regular install carries as package data
+    (specbeam_models); None when neither has it."""
+    for root in (models_root(), _installed_models()):
+        if root is not None and (root / rel).is_dir():
+            return root / rel
+    return None
+
+
+def _installed_models() -> Path | None:
+    """The installed specbeam_models folder (a regular install's package data), or None."""
+    try:
+        spec = importlib.util.find_spec("specbeam_models")
+    except (ImportError, ValueError):
+        return None
+    places = list(spec.submodule_search_locations or []) if spec else []
+    return Path(places[0]) if places else None
 
 
 def shipped(pair: str, role: str = "target") -> Path:

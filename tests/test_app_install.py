@@ -13,8 +13,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "models"
-SOURCE = ("pyproject.toml", "README.md", "specbeam_edge", "apps", "export")
-INSTALLED = {"specbeam_edge": "specbeam_edge", "specbeam_apps": "apps", "specbeam_export": "export"}
+SOURCE = ("pyproject.toml", "README.md", "specbeam_edge", "apps", "export", "models/smollm2")
+INSTALLED = {"specbeam_edge": "specbeam_edge", "specbeam_apps": "apps", "specbeam_export": "export",
+             "specbeam_models/smollm2": "models/smollm2"}
 SENTENCE = "Click the Save button to store the document."
 
 pytestmark = pytest.mark.slow
@@ -62,7 +63,7 @@ def test_only_project_named_packages_are_installed(venv):
     record = next(site.glob("specbeam_edge-*.dist-info")) / "RECORD"
     tops = {line.split("/")[0] for line in record.read_text().splitlines()
             if not line.startswith("..") and ".dist-info" not in line.split("/")[0]}
-    assert tops == set(INSTALLED)
+    assert tops == {k.split("/")[0] for k in INSTALLED}
     for name in ("apps", "bench", "export", "models", "tests"):
         assert not (site / name).exists()
     # every module of the checkout's packages is installed (a new subpackage must be listed in pyproject.toml)
@@ -70,6 +71,21 @@ def test_only_project_named_packages_are_installed(venv):
         want = {p.relative_to(ROOT / repo) for p in (ROOT / repo).rglob("*.py")}
         have = {p.relative_to(site / installed) for p in (site / installed).rglob("*.py")}
         assert want == have, installed
+
+
+def test_fetch_finds_the_head_and_draft_in_a_regular_install(venv):
+    """`specbeam fetch smollm2` attaches the lookahead head and builds the draft from files a regular install
+    carries (they were only in the checkout's models/: greedy ran at 1.0 tokens a pass after such a fetch)."""
+    bin_dir, site, elsewhere = venv
+    code = ("from specbeam_edge import fetch; s = fetch.source('smollm2'); "
+            "print(fetch._shipped_ahead(s)); print(fetch._shipped_draft(s))")
+    proc = run(bin_dir, elsewhere, "python", "-c", code, env={"SPECBEAM_MODELS": str(elsewhere / "none")})
+    assert proc.returncode == 0, proc.stderr
+    ahead, draft = proc.stdout.split()
+    assert ahead == str(site / "specbeam_models" / "smollm2" / "ahead")
+    assert draft == str(site / "specbeam_models" / "smollm2" / "draft")
+    for folder, name in ((ahead, "ahead.safetensors"), (draft, "draft.safetensors")):
+        assert (Path(folder) / name).read_bytes() == (MODELS / "smollm2" / Path(folder).name / name).read_bytes()
 
 
 def test_readme_job_from_another_directory(venv):
