@@ -212,14 +212,18 @@ def attach(folder: str | Path, weights: dict[str, np.ndarray], token_ids, *, gue
     add_head(model, weights, np.asarray(token_ids), guesses, _rms_eps(model), int8=cfg.get("precision") == "int8",
              reduce_range=bool(quant.get("reduce_range", True)), depth=depth)
     tmp = path.with_name(path.name + ".ahead.tmp")
-    onnx.save(model, str(tmp))
     entry = {"input": AHEAD_INPUT, "outputs": AHEAD_OUTPUTS, "guesses": guesses, "depth": depth,
              "tokens": int(len(token_ids)), "form": FORM, "digest": digest}
     cfg["ahead"] = entry
     cfg_tmp = cfg_path.with_name(cfg_path.name + ".tmp")
-    cfg_tmp.write_text(json.dumps(cfg, indent=1), encoding="utf-8")
-    tmp.replace(path)
-    cfg_tmp.replace(cfg_path)
+    try:                # a full disk or an interruption leaves the graph and config as they were, no .tmp files
+        onnx.save(model, str(tmp))
+        cfg_tmp.write_text(json.dumps(cfg, indent=1), encoding="utf-8")
+        tmp.replace(path)
+        cfg_tmp.replace(cfg_path)
+    finally:
+        for t in (tmp, cfg_tmp):
+            t.unlink(missing_ok=True)
     return entry
 
 

