@@ -15,7 +15,7 @@ from .config import AHEAD_MIN_PATH_PROB, ModelFolderError, SpeculativeConfig
 from .flags import (DEFAULT_MODELS, PROVIDERS, DefaultsHelp, add_beam_arg,  # noqa: F401
                     add_decoding_constraint_args, add_length_penalty_arg, add_memory_args, add_speculation_args,
                     check_prompt_format, check_widths, decoding_constraints, engine_from_args, finite_float,
-                    guard_std_streams, parse_size, positive_int, speculative_from_args)
+                    guard_std_streams, parse_size, positive_int, speculative_from_args, streaming_note)
 from . import fetch
 from .fetch import FetchError, default_ahead, default_draft, resolve_model
 from .providers import ProviderError
@@ -42,6 +42,8 @@ def add_search_args(ap: argparse.ArgumentParser) -> None:
                                     "draft, or the shipped pair's draft with the default model)")
     ap.add_argument("--threads", type=positive_int, default=None, help="onnxruntime intra-op threads")
     ap.add_argument("--stats", action="store_true", help="print statistics (JSON) to stderr")
+    ap.add_argument("-q", "--quiet", action="store_true",
+                    help="no notes on stderr before the answer (e.g. that layers stream from disk)")
     add_memory_args(ap)
 
 
@@ -143,10 +145,19 @@ def open_engine(args, spec):
     return engine
 
 
+def say_streaming(engine, args) -> None:
+    """One line on stderr when the target streams layers (each pass reads them from disk, so the first answer
+    token can take seconds), unless --quiet."""
+    note = None if args.quiet else streaming_note(engine, args.max_memory)
+    if note:
+        print(f"specbeam: {note}; the first answer token can take a few seconds", file=sys.stderr, flush=True)
+
+
 def cmd_generate(args) -> int:
     overrides, spec = configs(args)
     prompts = _read_prompts(args)
     engine = open_engine(args, spec)
+    say_streaming(engine, args)
     gen = engine.generation_config(**overrides)
     ctx = engine.target.cfg.context_length
     # --raw: the text is the model's input as written, special tokens included (the engine parses them only then);
@@ -220,6 +231,7 @@ def cmd_chat(args) -> int:
     if sys.stdin is None:
         raise ValueError("stdin is closed; chat reads your messages from it")
     print(f"chat: {CHAT_KEYS}", file=sys.stderr)
+    say_streaming(engine, args)
     while True:
         print(">>> ", end="", file=sys.stderr, flush=True)      # the marker between turns (Ollama's)
         try:

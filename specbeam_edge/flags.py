@@ -119,6 +119,26 @@ def add_memory_args(ap: argparse.ArgumentParser) -> None:
     m.add_argument("--provider", choices=("cpu", "cuda"), default="cpu", help="onnxruntime execution provider")
 
 
+def streaming_note(engine, max_memory: int | None = None) -> str | None:
+    """'N of L layers stream from disk each pass (budget X MB)' when the engine's target streams layers (a
+    split-layout target under a memory budget or a placement), else None: what the CLI and the chat app say
+    before a pass that reads weights from disk (one can take seconds)."""
+    target = getattr(engine, "target", None)
+    streamed = target.streamed_layers() if hasattr(target, "streamed_layers") else 0
+    if not streamed:
+        return None
+    total = target.cfg.num_layers
+    n = total - target.placement.count("resident")
+    where = "from disk" if not target.placement.count("host") else "from disk or host memory"
+    budget = "" if max_memory is None else f" (budget {_megabytes(max_memory)} MB)"
+    return f"{n} of {total} layers stream {where} each pass{budget}"
+
+
+def _megabytes(nbytes: int) -> str:
+    mb = nbytes / 2**20
+    return f"{mb:.0f}" if mb >= 10 else f"{mb:.2g}"
+
+
 def engine_from_args(args, model: str, draft: str | None):
     """An Engine from the memory flags of add_memory_args plus --threads. (The engine's module loads here, not with
     the flags: parsing them, and --help, need no onnxruntime.)"""

@@ -249,7 +249,8 @@ def test_markdown_answer_with_highlight(qapp):
     bold = text.index("bold")
     insert_answer(cursor, text, [[bold, bold + 4], [text.index("two"), text.index("two") + 3]], True)
     doc = view.document()
-    assert doc.toPlainText() == "Some bold text\nnext line\nitem one\nitem two\ndef f():\n    return 1"
+    # the code block, then its copy link
+    assert doc.toPlainText() == "Some bold text\nnext line\nitem one\nitem two\ndef f():\n    return 1\nCopy code"
     lists = [b.text() for b in _blocks(doc) if b.textList() is not None]
     assert lists == ["item one", "item two"]
     assert background_chars(doc) == "boldtwo"

@@ -153,6 +153,7 @@ def test_export_to_a_folder_that_cannot_be_written_is_a_message(qtbot, tmp_path,
 
 def test_the_default_model_chats_and_the_translator_says_so(qtbot, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECBEAM_MODELS", str(ROOT / "models"))
+    monkeypatch.setenv("SPECBEAM_DATA_DIR", str(tmp_path / "data"))    # no fetched model
     win = window(qtbot, tmp_path, None, show=False)                    # first start: no settings
     assert win.model_edit.text() == str(ROOT / "models" / "text" / "target")   # before: the en->de translator
     assert win.draft_edit.text() == str(ROOT / "models" / "text" / "draft")
@@ -231,3 +232,175 @@ def test_a_template_error_is_a_dialog_and_the_status_says_so(qtbot, tmp_path, ex
     assert str(model / "tokenizer_config.json") in shown[0]
     assert "chat template failed" in win.status.text()
     assert [m["content"] for m in win.store.messages(win.current())] == ["hello"]     # the message is kept
+
+
+def fetched_as(data, name, source_folder):
+    """A tiny model placed where `specbeam fetch NAME` puts its folder (complete: with fetched.json)."""
+    import shutil
+
+    from specbeam_edge import fetch
+
+    dst = data / "models" / fetch.SOURCES[name].folder
+    shutil.copytree(source_folder, dst)
+    (dst / fetch.MARKER).write_text("{}")
+    return dst
+
+
+def test_the_app_opens_on_a_fetched_chat_model(qtbot, tmp_path, pair, monkeypatch):
+    """Before: a first start opened the shipped demo completion pair even with SmolLM2 (or Qwen2.5-Coder)
+    fetched (issue 49 item 9)."""
+    monkeypatch.setenv("SPECBEAM_MODELS", str(ROOT / "models"))
+    data = tmp_path / "data"
+    monkeypatch.setenv("SPECBEAM_DATA_DIR", str(data))
+    smol = fetched_as(data, "smollm2", pair[0])
+    win = window(qtbot, tmp_path / "a", None, show=False)
+    assert (win.model_edit.text(), win.draft_edit.text()) == (str(smol), "")
+    assert win.engine is not None and win.beams.value() == 1          # greedy, as `specbeam chat` searches it
+    assert win.known.currentText() == "smollm2-135m-instruct (fetched, no draft)"
+    qwen = fetched_as(data, "qwen2.5-coder-1.5b", pair[0])            # preferred, with its fetched 0.5B drafting
+    draft = fetched_as(data, "qwen2.5-coder-0.5b", pair[1])
+    win = window(qtbot, tmp_path / "b", None, show=False)
+    assert (win.model_edit.text(), win.draft_edit.text()) == (str(qwen), str(draft))
+    assert win.engine is not None and win.engine.draft is not None
+    assert win.known.currentText() == "qwen2.5-coder-1.5b-instruct (fetched, with its draft)"
+
+
+@pytest.fixture(scope="module")
+def with_head(exported, tmp_path_factory):
+    """The tiny target with a (random) lookahead head and no draft, as a fetched SmolLM2 is."""
+    import shutil
+
+    import numpy as np
+
+    from export import ahead
+    from specbeam_edge.model import OnnxCausalLM
+
+    plain = exported("llama", output="both", std=0.3, seed=3)
+    folder = tmp_path_factory.mktemp("ahead") / "target"
+    shutil.copytree(plain, folder)
+    cfg = OnnxCausalLM(plain).cfg
+    tokens = np.sort(np.random.default_rng(5).choice(cfg.vocab_size, 40, replace=False))
+    ahead.attach(folder, ahead.random_weights(cfg.hidden_size, seed=1, scale=0.3), tokens, guesses=2, depth=3,
+                 digest="test")
+    return str(folder)
+
+
+def test_speculate_box_status_and_loaded_label_agree(qtbot, tmp_path, with_head):
+    """Before: a model whose lookahead head drafts (greedy only) with Beams 4 showed Speculate checked while the
+    answer's status said "no speculation" and Loaded said "(no draft)" (issue 49 item 9)."""
+    settings = QSettings(str(tmp_path / "settings.ini"), QSettings.Format.IniFormat)
+    for key, value in (("model", with_head), ("draft", ""), ("beams", 4), ("speculate", True)):
+        settings.setValue(key, value)
+    win = ChatWindow(ChatStore(tmp_path / "chat.sqlite"), settings=settings)
+    qtbot.addWidget(win)
+    assert win.engine.draft is None and win.engine.target.ahead is not None
+    assert "lookahead head" in win.pair.text()
+    assert not win.speculate.isChecked() and not win.speculate.isEnabled()
+    assert "one beam only" in win.speculate.toolTip() and "no speculation" in win.status.text()
+    win.max_new.setValue(4)
+    win.input.setPlainText("hello")
+    win.send_btn.click()
+    qtbot.waitUntil(lambda: win.gen is None, timeout=30000)
+    assert win.store.messages(win.current())[-1]["stats"]["speculative"] is False
+    assert "no speculation" in win.status.text() and not win.speculate.isChecked()
+    win.beams.setValue(1)                        # the head drafts now: the box shows the user's choice again
+    assert win.speculate.isChecked() and win.speculate.isEnabled() and win.speculate.text().endswith("head)")
+    win.input.setPlainText("hello")
+    win.send_btn.click()
+    qtbot.waitUntil(lambda: win.gen is None, timeout=30000)
+    assert win.store.messages(win.current())[-1]["stats"]["speculative"] is True
+    assert "no speculation" not in win.status.text()
+    win.mode.setCurrentIndex(1)                  # beam sampling: the head does not draft for it
+    assert not win.speculate.isChecked() and not win.speculate.isEnabled()
+    win.close()
+    assert _bool_setting(settings, "speculate")  # the user's choice is kept, not the disabled box's state
+
+
+def _bool_setting(settings, key):
+    return str(settings.value(key)).lower() == "true"
+
+
+def test_known_models_keeps_showing_the_choice(qtbot, tmp_path, pair, monkeypatch):
+    """Before: the Known models box snapped back to its placeholder after a choice (issue 49 item 9)."""
+    monkeypatch.setenv("SPECBEAM_MODELS", str(ROOT / "models"))
+    monkeypatch.setenv("SPECBEAM_DATA_DIR", str(tmp_path / "data"))
+    win = window(qtbot, tmp_path, pair, show=False)
+    assert win.known.currentIndex() == 0                                # the loaded pair is none of its entries
+    labels = [win.known.itemText(i) for i in range(win.known.count())]
+    i = next(n for n, t in enumerate(labels) if t.startswith("text ("))
+    win.known.setCurrentIndex(i)
+    win.known.activated.emit(i)                                         # what choosing it does
+    assert win.model_edit.text() == str(ROOT / "models" / "text" / "target")
+    assert win.known.currentIndex() == i and win.known.currentText() == labels[i]
+    win.known.refresh()                                                 # what opening the list again does
+    assert win.known.currentIndex() == i
+    win.model_edit.setText(pair[0])
+    win.draft_edit.setText(pair[1])
+    assert win.load_models() and win.known.currentIndex() == 0
+
+
+def test_code_blocks_render_as_code_with_a_copy_link(qtbot, tmp_path, pair):
+    """Before: fenced code had no background and no way to copy it (issue 49 item 9)."""
+    from PySide6.QtCore import QUrl
+    from PySide6.QtGui import QGuiApplication
+
+    from apps.chat.render import CODE_BACKGROUND, COPY_SCHEME, is_code
+
+    win = window(qtbot, tmp_path, pair, show=False)
+    cid = win.current()
+    win.store.add(cid, "user", "two snippets")
+    win.store.add(cid, "assistant", "First:\n\n```python\ndef f():\n    return a<b\n```\n\nThen:\n\n```\nls -l\n```\n"
+                                    "done", {})
+    win._show_conversation()
+    doc = win.transcript.document()
+    code, links, block = [], [], doc.begin()
+    while block.isValid():
+        if is_code(block):
+            assert block.blockFormat().background().color() == CODE_BACKGROUND
+            assert block.begin().fragment().charFormat().fontFixedPitch()
+            code.append(block.text())
+        it = block.begin()
+        while not it.atEnd():
+            fmt = it.fragment().charFormat()
+            if fmt.isAnchor() and fmt.anchorHref().startswith(COPY_SCHEME + ":"):
+                links.append((it.fragment().text(), fmt.anchorHref()))
+            it += 1
+        block = block.next()
+    assert code == ["def f():", "    return a<b", "ls -l"]
+    assert [t for t, _ in links] == ["Copy code", "Copy code"]
+    assert "done" in win.transcript.toPlainText().split("Copy code")[-1]
+    for (_, href), text in zip(links, ("def f():\n    return a<b", "ls -l")):
+        win.transcript.anchorClicked.emit(QUrl(href))
+        assert QGuiApplication.clipboard().text() == text
+    assert win.status.text() == "copied the code block (1 line)"
+
+
+def test_memory_budget_streams_layers_and_the_status_says_so(qtbot, tmp_path, exported, monkeypatch):
+    """Issue 46 item 4: the app's memory budget reloads the engine with max_memory; the status says how many
+    layers stream. Before: no such setting."""
+    from specbeam_edge.model import OnnxCausalLM
+
+    split = str(exported("llama", "fp32", "split", layers=4, std=0.3, seed=3))
+    place = OnnxCausalLM(split).placement
+    budget = place.resident_minimum + 3 * place.layer_bytes       # embeddings/head, 2 buffers, 1 resident layer
+    win = window(qtbot, tmp_path, (split, ""), show=False)
+    assert win.engine.target.streamed_layers() == 0 and "stream" not in win.status.text()
+    win.memory.setText(f"{budget}B")
+    assert win.load_models()
+    assert win.engine.target.streamed_layers() == 3
+    assert "3 of 4 layers stream from disk each pass (budget" in win.status.text()
+    win.max_new.setValue(4)
+    win.input.setPlainText("hello")
+    win.send_btn.click()
+    assert "layers stream from disk" in win.status.text()
+    qtbot.waitUntil(lambda: win.gen is None, timeout=30000)
+    assert win.store.messages(win.current())[-1]["content"]
+    win.close()
+    again = window(qtbot, tmp_path, None, show=False)              # remembered
+    assert again.memory.text() == f"{budget}B" and again.engine.target.streamed_layers() == 3
+    shown = []
+    monkeypatch.setattr("apps.chat.window.QMessageBox.critical", lambda parent, title, text: shown.append(text))
+    again.memory.setText("lots")
+    assert not again.load_models() and "Memory budget" in shown[0]
+    again.memory.setText("")                                       # empty: every layer resident
+    assert again.load_models() and again.engine.target.streamed_layers() == 0

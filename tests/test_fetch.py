@@ -339,7 +339,7 @@ def test_the_chat_model_picker_offers_the_fetched_model(data, tmp_path, monkeypa
     i = labels().index("smollm2-135m-instruct (fetched, no draft)")
     win.known.activated.emit(i)
     assert loaded[-1] == (str(dst), None) and win.model_edit.text() == str(dst) and win.draft_edit.text() == ""
-    assert win.known.currentIndex() == 0
+    assert win.known.currentIndex() == i                         # it keeps showing the choice
 
 
 # -- the draft trained here, built beside the fetched target -------------------------------------------------------

@@ -203,3 +203,27 @@ def test_streamed_cost_curve_is_the_disk_until_compute_outgrows_it(split4, monke
     layer, head = OnnxCausalLM.part_seconds(lm, 4, reps=1)                 # the real measurement runs
     assert layer > 0 and head > 0
     assert OnnxCausalLM(split4).streamed_layers() == 0
+
+
+def test_generate_and_chat_say_when_layers_stream(split4, capsys, monkeypatch):
+    """Issue 46 item 4: a streamed target's first token can take seconds; `specbeam generate` and `specbeam chat`
+    say so on stderr before it (not with -q, not when every layer is resident). Before: nothing was said."""
+    import io
+
+    from specbeam_edge import cli
+
+    place = OnnxCausalLM(split4).placement
+    budget = place.resident_minimum + 3 * place.layer_bytes        # 1 of 4 layers resident
+    flags = ["--model", str(split4), "--max_new_tokens", "3", "--num_beams", "1"]
+    line = (f"specbeam: 3 of 4 layers stream from disk each pass (budget {budget / 2**20:.2g} MB); the first "
+            f"answer token can take a few seconds")
+    assert cli.main(["generate", "hello", *flags, "--max_memory", f"{budget}B"]) == 0
+    assert line in capsys.readouterr().err.splitlines()
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"hello\n\n")))
+    assert cli.main(["chat", *flags, "--max_memory", f"{budget}B"]) == 0
+    err = capsys.readouterr().err
+    assert line in err.splitlines() and err.index(line) < err.index(">>> ")     # before the first answer
+    assert cli.main(["generate", "hello", *flags, "--max_memory", f"{budget}B", "-q"]) == 0
+    assert "stream" not in capsys.readouterr().err
+    assert cli.main(["generate", "hello", *flags]) == 0                            # all resident
+    assert "stream" not in capsys.readouterr().err

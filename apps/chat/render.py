@@ -3,15 +3,23 @@ is not interpreted: an answer about code (`List<String>`, `a<b`, `<div>`) shows 
 
 Draft marks are stored as character spans of the answer's own text, so an answer renders the same after a
 restart or a model switch: nothing is re-tokenised at display time.
+
+Fenced code blocks render as code: monospace on a grey background, with a "Copy code" link under each block
+(href `copy-code:<position of the block's first line>`; `code_text` reads the block's text back from the
+document, so the link needs nothing stored beside it).
 """
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
 
-from PySide6.QtGui import QColor, QTextCharFormat, QTextCursor, QTextDocument
+from PySide6.QtGui import (QColor, QFontDatabase, QTextBlock, QTextBlockFormat, QTextCharFormat, QTextCursor,
+                           QTextDocument, QTextFormat)
 
 DRAFT_COLOUR = QColor("#d8f0d8")
+CODE_BACKGROUND = QColor("#eef0f3")
+COPY_SCHEME = "copy-code"        # the scheme of a code block's copy link
+COPY_TEXT = "Copy code"
 CURSOR = "▌"                     # shown at the end of an answer that is still streaming
 _FENCE = ("```", "~~~")
 _SEPARATORS = "\u2029\u2028\ufffc"   # block/line separators and objects in QTextDocument text: no source char
@@ -120,6 +128,11 @@ def insert_answer(cursor: QTextCursor, text: str, spans: Sequence[Sequence[int]]
     start = cursor.position()
     cursor.insertMarkdown(source, MARKDOWN)
     end = cursor.position()
+    _highlight(cursor, start, end, source, flags, highlight)
+    style_code(cursor, start)
+
+
+def _highlight(cursor: QTextCursor, start: int, end: int, source: str, flags: list[bool], highlight: bool) -> None:
     if not highlight or not any(flags):
         return
     cursor.setPosition(start)
@@ -157,3 +170,59 @@ def _runs(flags: list[bool]) -> list[tuple[int, int]]:
             runs.append((start, i))
             start = None
     return runs
+
+
+def is_code(block: QTextBlock) -> bool:
+    """A line of a fenced code block (Qt's Markdown reader marks each with its fence)."""
+    return block.isValid() and block.blockFormat().hasProperty(QTextFormat.Property.BlockCodeFence)
+
+
+def style_code(cursor: QTextCursor, start: int) -> None:
+    """From `start` to the cursor: each code block's lines get the code background and a monospace font, and a
+    "Copy code" link goes in a line of its own under the block. The cursor ends after the last of them."""
+    doc = cursor.document()
+    end = QTextCursor(doc)                     # moves with what is inserted before it
+    end.setPosition(cursor.position())
+    mono = QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont)
+    code_chars = QTextCharFormat()
+    code_chars.setFontFamilies([mono.family(), "monospace"])
+    code_chars.setFontFixedPitch(True)
+    code_lines = QTextBlockFormat()
+    code_lines.setBackground(CODE_BACKGROUND)
+    block = doc.findBlock(start)
+    while block.isValid() and block.position() < end.position():
+        if not is_code(block):
+            block = block.next()
+            continue
+        first = block.position()
+        last = block
+        while is_code(last.next()) and last.next().position() < end.position():
+            last = last.next()
+        c = QTextCursor(doc)
+        c.setPosition(first)
+        c.setPosition(last.position() + last.length() - 1, QTextCursor.MoveMode.KeepAnchor)
+        c.mergeBlockFormat(code_lines)
+        c.mergeCharFormat(code_chars)
+        c.setPosition(last.position() + last.length() - 1)
+        c.insertBlock(QTextBlockFormat(), QTextCharFormat())
+        link = QTextCharFormat()
+        link.setAnchor(True)
+        link.setAnchorHref(f"{COPY_SCHEME}:{first}")
+        link.setForeground(QColor("#2060c0"))
+        link.setFontUnderline(True)
+        c.insertText(COPY_TEXT, link)
+        c.setCharFormat(QTextCharFormat())
+        block = c.block().next()
+    cursor.setPosition(end.position())
+    cursor.setCharFormat(QTextCharFormat())    # what is typed next is no link
+
+
+def code_text(doc: QTextDocument, position: int, strip: str = CURSOR) -> str:
+    """The text of the code block whose first line starts at `position` (a copy link's href), without the
+    streaming cursor."""
+    block = doc.findBlock(position)
+    lines = []
+    while is_code(block):
+        lines.append(block.text())
+        block = block.next()
+    return "\n".join(lines).replace(strip, "")

@@ -9,20 +9,21 @@ from pathlib import Path
 import re
 import sqlite3
 
-from PySide6.QtCore import QByteArray, QSettings, QStandardPaths, Qt, Signal
-from PySide6.QtGui import QAction, QColor, QKeySequence, QTextCharFormat, QTextCursor
+from PySide6.QtCore import QByteArray, QSettings, QStandardPaths, Qt, QUrl, Signal
+from PySide6.QtGui import (QAction, QColor, QDesktopServices, QGuiApplication, QKeySequence, QTextCharFormat,
+                           QTextCursor)
 from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog, QFormLayout, QHBoxLayout,
                                QInputDialog, QLabel, QLineEdit, QListWidget, QListWidgetItem, QMainWindow, QMenu,
                                QMessageBox, QPlainTextEdit, QPushButton, QSizePolicy, QSpinBox, QSplitter,
                                QTextBrowser, QVBoxLayout, QWidget)
 
 from specbeam_edge import Engine, fetch
-from specbeam_edge.config import AHEAD_MIN_PATH_PROB, DEFAULT_BUDGET, SpeculativeConfig
-from specbeam_edge.flags import speculative_config
+from specbeam_edge.config import AHEAD_MIN_PATH_PROB, DEFAULT_BUDGET, ModelConfig, SpeculativeConfig
+from specbeam_edge.flags import parse_size, speculative_config, streaming_note
 from specbeam_edge.shipped import missing_message, models_root
 from specbeam_edge.tokenizer import ChatTemplateError
 
-from .render import CURSOR, insert_answer
+from .render import COPY_SCHEME, CURSOR, code_text, insert_answer
 from .store import ChatStore
 from .worker import Answer, Generation
 
@@ -35,16 +36,56 @@ DAMAGED = ("Part of this conversation could not be read from the database: what 
            "new messages are saved.")
 NO_TEMPLATE_HINT = "No system prompt: this model has no chat template"   # fits the field; the tooltip says more
 SETTINGS_WIDTH = 330               # the settings column's most: a long model name elides instead of widening it
+SPECULATE_TIP = "Off: plain beam search on the target alone (same output, for comparison)"
+MEMORY_TIP = ("Memory the target's weights may use, in MB (or with a unit: 400MB, 1.5GB). Empty: every layer "
+              "resident. A split-layout model streams the layers that do not fit from disk on every pass (exact, "
+              "slower per pass; speculation then pays most). Applied by Load models (or Enter here).")
+CHAT_MODELS = ("qwen2.5-coder-1.5b", "smollm2")   # fetched chat models the app opens on, best first
 
 
-def pair_name(model: str, draft: str) -> str:
-    """'ende (target + draft)' for a shipped pair; 'qwen + qwen-draft' for two unrelated folders."""
+def pair_name(model: str, draft: str, head: bool = False) -> str:
+    """'ende (target + draft)' for a shipped pair; 'qwen + qwen-draft' for two unrelated folders; a model
+    without a draft says whether its own lookahead head drafts instead (head)."""
     m = Path(model)
     base = m.parent.name if m.name == "target" else m.name
     if not draft:
-        return f"{base} (no draft)"
+        return f"{base} (no draft; own lookahead head)" if head else f"{base} (no draft)"
     d = Path(draft)
     return f"{base} ({m.name} + {d.name})" if d.parent == m.parent else f"{base} + {d.name}"
+
+
+def speculation(engine, beams: int, sample: bool) -> tuple[str | None, str]:
+    """What drafts for these settings: "draft", "head" (the target's own lookahead head: greedy search only,
+    cli.configs says why) or None, and why not when None. The one state the Speculate box, the Loaded label, the
+    status line and the search itself follow."""
+    if engine is None:
+        return None, "no model is loaded"
+    if engine.draft is not None:
+        return "draft", ""
+    if getattr(engine.target, "ahead", None) is None:
+        return None, "this model has no draft and no lookahead head"
+    if sample:
+        return None, "its lookahead head drafts for exact search only, not beam sampling"
+    if beams > 1:
+        return None, f"its lookahead head drafts for one beam only (Beams is {beams})"
+    return "head", ""
+
+
+def memory_budget(text: str) -> int | None:
+    """The Memory budget field in bytes: empty is None (every layer resident), a bare number is MB, else a size
+    with its unit (400MB, 1.5GB); ValueError says what is wrong."""
+    t = text.strip()
+    if not t:
+        return None
+    try:
+        float(t)
+        t += "MB"
+    except ValueError:
+        pass
+    try:
+        return parse_size(t)
+    except Exception as e:            # argparse.ArgumentTypeError
+        raise ValueError(f"Memory budget: {e}") from None
 
 
 def model_kind(tokenizer, model: str) -> str:
@@ -100,10 +141,11 @@ def known_models() -> list[tuple[str, str, str]]:
     have = fetch.fetched()
     for name, src in fetch.SOURCES.items():
         if name in have:
-            draft = fetch.draft_path(name)
-            if draft and src.draft_pays:
-                found.append((f"{src.folder} (fetched, with its draft)", str(have[name]), str(draft)))
+            paying = fetch.default_draft(name)       # its own draft, or another fetched model (qwen 0.5B)
+            if paying:
+                found.append((f"{src.folder} (fetched, with its draft)", str(have[name]), paying))
                 continue
+            draft = fetch.draft_path(name)
             head = " with its lookahead head" if fetch.has_ahead(name) else ""
             found.append((f"{src.folder} (fetched{head}{'' if draft or head else ', no draft'})", str(have[name]),
                           ""))
@@ -117,11 +159,13 @@ def known_models() -> list[tuple[str, str, str]]:
 
 class KnownModels(QComboBox):
     """The model picker's list of known models; read again each time it opens (a model fetched while the app
-    runs shows up)."""
+    runs shows up). It shows the entry of the models loaded (the placeholder when they are none of its
+    entries)."""
     PROMPT = "Known models…"
 
     def __init__(self):
         super().__init__()
+        self.loaded: tuple[str, str] | None = None
         self.refresh()
 
     def refresh(self):
@@ -131,7 +175,13 @@ class KnownModels(QComboBox):
             self.addItem(label, (model, draft) if model else None)
             if not model:                         # not there: shown, not choosable
                 self.model().item(self.count() - 1).setEnabled(False)
-        self.setCurrentIndex(0)
+        self.show_loaded(self.loaded)
+
+    def show_loaded(self, folders: tuple[str, str] | None):
+        """Show the entry of these (model, draft) folders, the placeholder when none is theirs."""
+        self.loaded = folders
+        found = [i for i in range(1, self.count()) if folders and self.itemData(i) == tuple(folders)]
+        self.setCurrentIndex(found[0] if found else 0)
 
     def showPopup(self):                          # noqa: N802 (Qt's name)
         self.refresh()
@@ -156,6 +206,7 @@ class ChatWindow(QMainWindow):
         self.store = store or ChatStore()
         self.settings = settings or QSettings("specbeam-edge", "chat")
         self.engine_factory, self.engine, self.engine_name = engine_factory, None, ""
+        self.engine_budget: int | None = None     # the loaded engine's max_memory
         self.gen: Generation | None = None
         self.gen_conv: int | None = None
         self.replacing: int | None = None    # the answer a running Regenerate replaces once it finishes
@@ -190,7 +241,8 @@ class ChatWindow(QMainWindow):
         for w in (new_btn, self.convs, export_btn):
             left.addWidget(w)
         self.transcript = QTextBrowser()
-        self.transcript.setOpenExternalLinks(True)
+        self.transcript.setOpenLinks(False)            # _link_clicked: a code block's copy link, or the browser
+        self.transcript.anchorClicked.connect(self._link_clicked)
         self.system = QLineEdit()
         self.system.setPlaceholderText("System prompt (optional)")
         self.system.editingFinished.connect(self._save_system)
@@ -270,6 +322,10 @@ class ChatWindow(QMainWindow):
 
     def _build_settings(self) -> QFormLayout:
         self.model_edit, self.draft_edit = QLineEdit(), QLineEdit()
+        self.memory = QLineEdit()
+        self.memory.setPlaceholderText("all resident")
+        self.memory.setToolTip(MEMORY_TIP)
+        self.memory.returnPressed.connect(self.load_models)
         pick_m, pick_d = QPushButton("…"), QPushButton("…")
         pick_m.clicked.connect(self._pick_model)
         pick_d.clicked.connect(self._pick_draft)
@@ -284,11 +340,14 @@ class ChatWindow(QMainWindow):
         self.kind.setWordWrap(True)
         self.kind.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         self.speculate = QCheckBox("Speculate (draft or own head)")
-        self.speculate.setToolTip("Off: plain beam search on the target alone (same output, for comparison)")
+        self.speculate.setToolTip(SPECULATE_TIP)
+        self.want_speculate = True          # the user's choice; the box shows it where something can draft
+        self.speculate.toggled.connect(self._speculate_toggled)
         self.mode = QComboBox()
         self.mode.addItems(MODES)
         self.mode.currentIndexChanged.connect(self._mode_changed)
         self.beams, self.budget, self.max_new = QSpinBox(), QSpinBox(), QSpinBox()
+        self.beams.valueChanged.connect(self._sync_speculation)
         self.beams.setRange(1, 16)
         self.budget.setRange(1, 1024)
         self.max_new.setRange(1, 1024)
@@ -304,6 +363,7 @@ class ChatWindow(QMainWindow):
             row.addWidget(w)
             row.addWidget(btn)
             form.addRow(label, row)
+        form.addRow("Memory budget (MB)", self.memory)
         form.addRow("", load_btn)
         form.addRow("Loaded", self.pair)
         form.addRow(self.kind)
@@ -327,12 +387,15 @@ class ChatWindow(QMainWindow):
                                 "it without")
 
     def _known_chosen(self, index: int):
+        """Fill the fields with the chosen entry and load it; the list keeps showing it (the models loaded:
+        the entry of the models still in use when loading failed)."""
         folders = self.known.itemData(index)
-        self.known.setCurrentIndex(0)
         if folders:
             self.model_edit.setText(folders[0])
             self.draft_edit.setText(folders[1])
             self.load_models()
+        else:
+            self.known.show_loaded(self.known.loaded)
 
     def _pick_draft(self):
         self._pick(self.draft_edit)
@@ -344,6 +407,43 @@ class ChatWindow(QMainWindow):
 
     def _mode_changed(self, index: int):
         self.temperature.setEnabled(index == 1)     # exact beam search has no temperature
+        self._sync_speculation()
+
+    def _speculation(self) -> tuple[str | None, str]:
+        return speculation(self.engine, self.beams.value(), self.mode.currentIndex() == 1)
+
+    def _speculate_toggled(self, on: bool):
+        self.want_speculate = on                    # only the user's clicks: _sync_speculation blocks signals
+
+    def _sync_speculation(self, *_):
+        """The Speculate box from the one state (speculation()): enabled and showing the user's choice where
+        something drafts for these settings, else cleared and disabled with the reason in its tooltip; an idle
+        status line that says "ready" says the same."""
+        how, why = self._speculation()
+        self.speculate.blockSignals(True)
+        self.speculate.setEnabled(how is not None)
+        self.speculate.setChecked(how is not None and self.want_speculate)
+        self.speculate.blockSignals(False)
+        self.speculate.setText({"draft": "Speculate (draft)", "head": "Speculate (lookahead head)"}.get(
+            how, "Speculate (draft or own head)"))
+        self.speculate.setToolTip(SPECULATE_TIP if how else f"No speculation: {why}")
+        if self.engine is not None and self.gen is None and self.status.text().startswith("ready: "):
+            self.status.setText(self._ready_text())
+
+    def _speculates(self) -> str | None:
+        """What drafts for the next answer: the state's drafter when the box is on, else None."""
+        how, _ = self._speculation()
+        return how if how and self.speculate.isChecked() else None
+
+    def _speculation_note(self) -> str:
+        how, why = self._speculation()
+        if how is None:
+            return f" · no speculation: {why}" if self.engine is not None else ""
+        return "" if self.speculate.isChecked() else " · no speculation (switched off)"
+
+    def _ready_text(self) -> str:
+        stream = streaming_note(self.engine, self.engine_budget)
+        return f"ready: {self.engine_name}" + self._speculation_note() + (f" · {stream}" if stream else "")
 
     # -- settings (QSettings: the platform's usual place) --------------------------------------------------
     def _restore_settings(self):
@@ -378,17 +478,26 @@ class ChatWindow(QMainWindow):
         model, draft = default_folders()
         self.model_edit.setText(str(s.value("model", self.store.get("model") or model)))
         self.draft_edit.setText(str(s.value("draft", self.store.get("draft", draft))))
+        budget = str(s.value("max_memory", "") or "")
+        try:
+            memory_budget(budget)
+        except ValueError:
+            bad.append(f"max_memory={_shown(budget)} is not a size (using none: every layer resident)")
+            budget = ""
+        self.memory.setText(budget)
         mode = s.value("mode", 0)
         if str(mode) not in ("0", "1"):
             bad.append(f"mode={_shown(mode)} is not 0 or 1 (using 0)")
             mode = 0
         self.mode.setCurrentIndex(int(mode))
-        self.beams.setValue(number("beams", 4, self.beams))
+        self.beams.setValue(number("beams", 4 if s.contains("beams") else default_beams(self.model_edit.text()),
+                                   self.beams))
         self.budget.setValue(number("budget", DEFAULT_BUDGET, self.budget))
         self.max_new.setValue(number("max_new_tokens", 128, self.max_new))
         self.temperature.setValue(number("temperature", 1.0, self.temperature, float))
         self.highlight.setChecked(flag("highlight", True))
-        self.speculate.setChecked(flag("speculate", True))
+        self.want_speculate = flag("speculate", True)
+        self.speculate.setChecked(self.want_speculate)
         self._mode_changed(self.mode.currentIndex())
         if isinstance(s.value("geometry"), QByteArray):
             self.restoreGeometry(s.value("geometry"))
@@ -403,7 +512,8 @@ class ChatWindow(QMainWindow):
         for key, value in (("mode", self.mode.currentIndex()), ("beams", self.beams.value()),
                            ("budget", self.budget.value()), ("max_new_tokens", self.max_new.value()),
                            ("temperature", self.temperature.value()), ("highlight", self.highlight.isChecked()),
-                           ("speculate", self.speculate.isChecked()), ("geometry", self.saveGeometry()),
+                           ("speculate", self.want_speculate), ("max_memory", self.memory.text().strip()),
+                           ("geometry", self.saveGeometry()),
                            ("splitter", self.split.saveState())):
             s.setValue(key, value)
         s.sync()
@@ -413,22 +523,32 @@ class ChatWindow(QMainWindow):
         """Load the folders in the Model/Draft fields; on failure the models loaded before stay in use."""
         model, draft = self.model_edit.text().strip(), self.draft_edit.text().strip()
         self.status.setText(f"loading {pair_name(model, draft)}…")
+        unused = ""
         try:
-            engine = self.engine_factory(model, draft=draft or None)
+            budget = memory_budget(self.memory.text())
+            if budget is not None and whole_layout(model):
+                budget, unused = None, " · memory budget not applied: this model's layout keeps every layer resident"
+            engine = self.engine_factory(model, draft=draft or None,
+                                         **({} if budget is None else {"max_memory": budget}))
         except Exception as e:
             kept = f"Still using {self.engine_name}." if self.engine else "No model is loaded."
             QMessageBox.critical(self, "Cannot load the models", f"{_explain(e, model, draft)}\n\n{kept}")
             self.status.setText(f"could not load {pair_name(model, draft)}; "
                                 + (f"still using {self.engine_name}" if self.engine else "no model loaded"))
+            self.known.show_loaded(self.known.loaded)
             return False
-        self.engine, self.engine_name = engine, pair_name(model, draft)
+        head = engine.draft is None and getattr(engine.target, "ahead", None) is not None
+        self.engine, self.engine_name, self.engine_budget = engine, pair_name(model, draft, head), budget
         self.settings.setValue("model", model)
         self.settings.setValue("draft", draft)
+        self.settings.setValue("max_memory", self.memory.text().strip())
         self.pair.setText(self.engine_name)
         self.kind.setText(model_kind(engine.tokenizer, model))
-        self.speculate.setEnabled(engine.draft is not None or engine.target.ahead is not None)
+        self.known.show_loaded((model, draft))
         self._template_changed()
-        self.status.setText(f"ready: {self.engine_name}")
+        self.status.setText("ready: ")
+        self._sync_speculation()
+        self.status.setText(self._ready_text() + unused)
         return True
 
     def _template_changed(self):
@@ -557,6 +677,19 @@ class ChatWindow(QMainWindow):
             cursor.insertBlock()
             cursor.insertText(searching_text(self.gen.kwargs["num_beams"], self.partial_steps), _note_format())
 
+    def _link_clicked(self, url: QUrl):
+        """A code block's copy link copies that block's text; any other link opens in the browser."""
+        if url.scheme() == COPY_SCHEME:
+            try:
+                text = code_text(self.transcript.document(), int(url.path()))
+            except ValueError:
+                return
+            QGuiApplication.clipboard().setText(text)
+            n = text.count("\n") + 1
+            self.status.setText(f"copied the code block ({n} line{'s' if n > 1 else ''})")
+        elif url.scheme() in ("http", "https", "mailto"):
+            QDesktopServices.openUrl(url)
+
     def _scroll_to_end(self):
         bar = self.transcript.verticalScrollBar()
         bar.setValue(bar.maximum())
@@ -632,9 +765,9 @@ class ChatWindow(QMainWindow):
             kwargs.update(temperature=self.temperature.value(), seed=int(time.time()))
         spec = None
         # the model's own lookahead head (no draft): greedy search only, on every pass (cli.configs says why)
-        head = self.engine.draft is None and self.engine.target.ahead is not None
-        if (self.engine.draft is not None or (head and not sample and self.beams.value() == 1)) \
-                and self.speculate.isChecked():
+        how = self._speculates()
+        head = how == "head"
+        if how:
             d = SPECULATION_DEFAULTS
             spec = speculative_config(drafter="ahead" if head else "sample" if sample else "beam",
                                       budget=max(self.budget.value(), self.beams.value()), max_depth=d.max_depth,
@@ -656,7 +789,9 @@ class ChatWindow(QMainWindow):
         self.gen.answered.connect(self._on_answered)
         self._show_conversation()
         self._set_busy(True)
+        stream = streaming_note(self.engine, self.engine_budget)
         self.status.setText(f"generating with {self.engine_name}" + ("" if spec else " (no speculation)") + "…"
+                            + (f" · {stream}; the first words can take a few seconds" if stream else "")
                             + self._left_out_note())
         self.gen.start()
 
@@ -781,10 +916,35 @@ def _explain(error: Exception, model: str, draft: str) -> str:
 
 
 def default_folders() -> tuple[str, str]:
-    """The shipped text pair: a chat app's default continues what you write. (The en->de pair translates each
-    message into German; it is one Model/Draft choice away, models/ende/target and models/ende/draft.)"""
+    """A fetched chat model when there is one (CHAT_MODELS' order; with the draft that pays for it, as
+    `--model NAME` takes it), else the shipped text pair, which continues what you write. (The en->de pair
+    translates each message into German; it is one Model/Draft choice away.)"""
+    have = fetch.fetched()
+    for name in CHAT_MODELS:
+        if name in have:
+            return str(have[name]), fetch.default_draft(name) or ""
     root = models_root() / "text"
     return str(root / "target"), str(root / "draft")
+
+
+def default_beams(model: str) -> int:
+    """Beams on a first start: a fetched chat model searches as `specbeam chat` does (its generation config's
+    num_beams, greedy where it names none: beam search loops on small chat models); other models 4."""
+    if model not in [str(p) for p in fetch.fetched().values()]:
+        return 4
+    try:
+        return int(ModelConfig.load(model).generation.get("num_beams", 1))
+    except Exception:
+        return 1
+
+
+def whole_layout(model: str) -> bool:
+    """The folder's config says the whole layout (no layer streaming); False when it cannot be read (the
+    engine then says what is wrong)."""
+    try:
+        return ModelConfig.load(model).layout == "whole"
+    except Exception:
+        return False
 
 
 def _shown(value) -> str:
