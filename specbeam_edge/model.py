@@ -82,11 +82,9 @@ class OnnxCausalLM:
         MatMul on another path (GEMV) whose fp32 sums round differently; int8/int4 activations can turn that last
         bit into a quantization step, so a quantized graph's passes score at least 2 rows unless this machine's
         kernels score one row bit for bit as they score it among others (DESIGN "Quantized targets" point 2).
-        Default (None): 1 for fp32/fp16 graphs; for int8/int4/int8dyn graphs measured once per model file,
-        onnxruntime version and CPU by the load-time check at one row (invariance.row_floor, cached on disk):
-        1 when it measures 0, else 2; a target with streamed layers keeps 2 without measuring (its passes are
-        bound by the streaming; the check would stream every layer some 30 times). A draft needs no invariance
-        (Engine passes 1)."""
+        Default (None): 1 for fp32/fp16 graphs, 2 for int8/int4/int8dyn graphs. The engine that owns a target
+        decides its floor once (Engine: invariance.row_floor, measured per model file, onnxruntime version and
+        CPU); a draft needs no invariance (Engine passes 1)."""
         self.cfg = cfg = ModelConfig.load(folder)
         self.folder = Path(folder)
         self.min_rows = (2 if cfg.precision in QUANTIZED_ACTIVATIONS else 1) if min_rows is None else min_rows
@@ -159,10 +157,6 @@ class OnnxCausalLM:
         self.kv_resident = (self.kv_device == "cuda") if kv_resident is None else bool(kv_resident)
         # the streamed layers share two buffers: one pass at a time per model (threads sharing an Engine)
         self._lock = threading.Lock()
-        streams = cfg.layout != "whole" and bool(self.store.streamed)
-        if min_rows is None and self.min_rows > 1 and not streams:
-            from . import invariance            # (imports this module)
-            self.min_rows = invariance.row_floor(self)
 
     def head_names(self, topk: int | None, ahead: bool = False) -> list[str]:
         """The head outputs a run returns: a top-k head's (log-probs, ids), a logits head's logits, and a 'both'

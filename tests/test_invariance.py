@@ -155,18 +155,19 @@ def test_a_quantized_targets_floor_is_measured_at_one_row(exported, monkeypatch,
         return measure
     int8, int4 = exported("llama", "int8", std=0.3, seed=3), exported("llama", "int4", std=0.3, seed=3)
     monkeypatch.setattr(invariance, "measure", fake(3e-7))
-    assert OnnxCausalLM(int8).min_rows == 2 and measured == [1]
-    assert OnnxCausalLM(int8).min_rows == 2 and measured == [1]          # cached: not measured again
+    assert Engine(int8).target.min_rows == 2 and measured == [1]
+    assert Engine(int8).target.min_rows == 2 and measured == [1]          # cached: not measured again
     monkeypatch.setattr(invariance, "measure", fake(0.0))
-    assert OnnxCausalLM(int4).min_rows == 1 and measured == [1, 1]
     assert Engine(int4).target.min_rows == 1 and measured == [1, 1]
-    assert OnnxCausalLM(int8, min_rows=1).min_rows == 1 and OnnxCausalLM(int4, min_rows=3).min_rows == 3
-    assert OnnxCausalLM(exported("llama", std=0.3, seed=3)).min_rows == 1
+    assert Engine(int4).target.min_rows == 1 and measured == [1, 1]
+    assert OnnxCausalLM(int4).min_rows == 2 and measured == [1, 1]        # a model alone: the safe floor, no check
+    assert Engine(int8, min_rows=1).target.min_rows == 1 and Engine(int4, min_rows=3).target.min_rows == 3
+    assert Engine(exported("llama", std=0.3, seed=3)).target.min_rows == 1
     split = exported("llama", "int8", layout="split", std=0.3, seed=3)
     layers = OnnxCausalLM(split, min_rows=2).cfg.num_layers
-    assert OnnxCausalLM(split, placement=["disk"] * layers).min_rows == 2    # every layer streamed
+    assert Engine(split, placement=["disk"] * layers).target.min_rows == 2    # every layer streamed
     assert measured == [1, 1]
-    assert OnnxCausalLM(split).min_rows == 1 and measured == [1, 1, 1]    # all resident: measured
+    assert Engine(split).target.min_rows == 1 and measured == [1, 1, 1]    # all resident: measured
 
 
 def test_the_measured_floor_is_what_the_kernels_give(exported, monkeypatch, tmp_path):
@@ -176,7 +177,7 @@ def test_the_measured_floor_is_what_the_kernels_give(exported, monkeypatch, tmp_
     for precision in ("int8", "int4"):
         folder = exported("llama", precision, std=0.3, seed=3)
         one = OnnxCausalLM(folder, min_rows=2)
-        assert OnnxCausalLM(folder).min_rows == (1 if invariance.measure(one, rows=1) == 0.0 else 2)
+        assert Engine(folder).target.min_rows == (1 if invariance.measure(one, rows=1) == 0.0 else 2)
 
 
 @pytest.mark.parametrize("precision", ["int8", "int4"])
