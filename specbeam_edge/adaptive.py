@@ -179,14 +179,16 @@ def cost_curve(lm, sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), past: in
     return out
 
 
-def streamed_cost_curve(lm, sizes=(1, 2, 4, 8, 16, 32, 64, 128), past: int = 32,
+def streamed_cost_curve(lm, sizes=(1, 2, 4, 8, 16, 32, 64), past: int = 32,
                         reps: int = 3) -> dict[int, float]:
     """Modelled pass time (s) over a tree of Q nodes for a target that streams layers (split layout): each part
     measured once on this machine, not every tree size streamed (a pass reads ~1 GB for Qwen2.5-Coder-1.5B):
     a layer's compute at Q rows (times the layers), the head's, and the read of the streamed layers. The stream
     of layer i+1 overlaps the compute of layer i (offload.py), so the layers cost max(reading, computing):
-    a tree costs nothing extra until its compute outgrows the disk. Sizes stop at 128: a larger tree's drafting
-    outlasts any pass, and its logits (Q x vocabulary floats) would outgrow the memory budget."""
+    a tree costs nothing extra until its compute outgrows the disk. Sizes stop at 64: the model leaves out the
+    drafting, which grows with the tree (a 0.5B draft level at 16 rows cost 3-5x one at 1-4 rows here), and on
+    Qwen2.5-Coder-1.5B trees of 64 and 128 nodes gave the same speed; larger ones' logits (Q x vocabulary floats)
+    would also outgrow the memory budget."""
     stream = lm.streamed_layers() * lm.store.read_seconds()
     out = {}
     for q in sizes:

@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 from specbeam_edge import Engine, ModelFolderError, SpeculativeConfig
+
+from helpers import assert_same_hypotheses
 from specbeam_edge.model import OnnxCausalLM
 from specbeam_edge.offload import plan
 
@@ -186,7 +188,9 @@ def test_streamed_target_grows_the_streamed_tree_and_stays_exact(split4):
     for K in (1, 4):
         a = plain.generate(PROMPT, num_beams=K, max_new_tokens=12)[0]
         b = off.generate(PROMPT, num_beams=K, max_new_tokens=12, speculative=default)[0]
-        assert a.hypotheses[0].tokens == b.hypotheses[0].tokens and a.hypotheses[0].score == b.hypotheses[0].score
+        # tokens exactly; scores to fp32 rounding (a one-row fp32 pass may take another kernel path than a tree's
+        # rows, as in test_speculative)
+        assert_same_hypotheses(a, b)
         assert b.stats.target_passes < a.stats.target_passes       # the draft is the target: it all matches
 
 
