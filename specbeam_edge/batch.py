@@ -19,11 +19,6 @@ from .model import host
 if TYPE_CHECKING:     # annotations only: cache.py imports this module (TreeCache.score is the batch of one)
     from .cache import TreeCache
 
-# True: the caches of a batched pass stay rows of its presents (TreeCache.adopt_batch_row); False: the older
-# layout, each request's cache copied out of the presents after the pass and padded into a new array before the
-# next, kept for the A/B of docs/HISTORY.md "Batch rows"
-BATCH_ROWS = True
-
 
 @dataclass
 class BatchKV:
@@ -187,7 +182,7 @@ def _one_pass_rows(model, work, inputs, topk, Nm, Qm, shared_past, gathers, ahea
         kw["static"] = _batched_static(model, [cache.static for cache, _ in work])
     out, presents = model.forward(ids, pos, mask, past, topk=topk, ahead=ahead, **kw)
     presents = [(host(k), host(v)) for k, v in presents]
-    batch = None if model.kv_resident or not BATCH_ROWS else BatchKV(presents, Nm, Qm)
+    batch = None if model.kv_resident else BatchKV(presents, Nm, Qm)
     results = []
     for b, ((cache, new), (_, _, m), head) in enumerate(zip(work, inputs, heads.wrap(out))):
         Q = len(new)

@@ -541,7 +541,6 @@ class Engine:
             if not finished:
                 yield progress.state, progress.stats
 
-    generate_step = generate_passes     # its name before it said what it yields: one item per target pass
 
     def stream(self, prompt: str | list[int], generation: GenerationConfig | None = None,
                speculative: SpeculativeConfig | None = None, *, src_lang: str | None = None,

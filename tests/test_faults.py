@@ -606,8 +606,12 @@ def test_bad_checksum_list_is_named(split):
 def test_exports_without_checksums_still_load(split):
     from specbeam_edge.generate import Engine
 
+    ref = Engine(split, placement=["disk", "resident"]).generate("hello", max_new_tokens=3)[0]
     edit_config(split, lambda c: {**c, "files": {k: v for k, v in c["files"].items() if k != "layer_sha256"}})
-    assert Engine(split, placement=["disk", "resident"]).generate("hello", max_new_tokens=3)[0].text is not None
+    # the same tokens as with the checksums (it asserted only `text is not None`, which a store that skipped
+    # reading unchecked layers would also pass)
+    assert Engine(split, placement=["disk", "resident"]).generate("hello", max_new_tokens=3)[0].hypotheses[0].tokens \
+        == ref.hypotheses[0].tokens
 
 
 def test_streamed_store_is_verified_once_per_file(split, monkeypatch):

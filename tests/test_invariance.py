@@ -103,7 +103,9 @@ def test_engine_refuses_a_target_that_is_not_invariant_for_exact_speculation(exp
     dyn = exported("llama", "int8dyn", std=0.3, seed=3)
     eng = Engine(dyn, draft=dyn)
     [plain] = eng.generate([3, 17, 33], num_beams=2, max_new_tokens=4)
-    assert len(plain.hypotheses[0].tokens) > 0
+    # plain search runs, and as it does without a draft loaded (it asserted only that some token came out)
+    assert plain.hypotheses[0].tokens == Engine(dyn).generate([3, 17, 33], num_beams=2, max_new_tokens=4)[0] \
+        .hypotheses[0].tokens
     with pytest.raises(NotInvariantError, match=r"int8dyn target is not batch-invariant.*-p int8") as e:
         eng.generate([3, 17, 33], num_beams=2, max_new_tokens=4, speculative=SPEC)
     assert "\n" not in str(e.value)
