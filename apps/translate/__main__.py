@@ -9,7 +9,8 @@ stream without breaking the line alignment, and the message says how many there 
 is lost: every finished line is journalled (fsynced) as it completes, an interrupted run continues with --resume
 (the journal refuses a changed input, changed settings or changed model files), and the final file is written
 through a temporary file (created exclusively in the output's folder) and renamed: byte-identical to an
-uninterrupted run, with the old output's permission bits. -o must be a regular file path (not a device, FIFO or
+uninterrupted run (with --with_score: the texts; the scores to about 1e-4, fp32 sums of passes whose size depends
+on the batch), with the old output's permission bits. -o must be a regular file path (not a device, FIFO or
 socket: stream through stdout instead) and never the input. A lock (<output>.lock, removed at the end) keeps a
 second process off the same output. A UTF-8 BOM is dropped; LF, CRLF and CR all end a line.
 --target_prefix FILE forces the start of each line's translation (one prefix a line, an empty line for none; the
@@ -66,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_beam_arg(ap, 4, first="--beam_size")
     ap.add_argument("--n_best", type=positive_int, default=1,
                     help="hypotheses written per input line (each on its own line)")
-    ap.add_argument("--with_score", action="store_true", help="write 'score ||| text'")
+    ap.add_argument("--with_score", action="store_true",
+                    help="write 'score ||| text' (the score: sum of log-probs over length ** length_penalty; stable "
+                         "to about 1e-4 across batch sizes, resumes and speculation, the text exactly)")
     ap.add_argument("--batch_size", type=positive_int, default=32,
                     help="lines (or tokens, see --batch_type) decoded together")
     ap.add_argument("--batch_type", choices=("examples", "tokens"), default="examples",
