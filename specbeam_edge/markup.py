@@ -115,3 +115,24 @@ def survives(source_spans: list[str], output: str, extra=()) -> list[str]:
                 problems.append(f"{s!r} before its opening tag")
                 depth[tag[0]] = 0
     return problems
+
+
+def _contents(text: str, extra=()) -> list[tuple[str, str, str]]:
+    """(opening tag, closing tag, the text between them, stripped) of each tag pair whose opening and closing
+    spans follow each other in `text` (`<b>OK</b>`, not nested pairs)."""
+    ms = find_span_matches(text, extra)
+    out = []
+    for a, b in zip(ms, ms[1:]):
+        ta, tb = _tag_name(a.group(0)), _tag_name(b.group(0))
+        if ta and tb and ta[0] == tb[0] and not ta[1] and tb[1]:
+            out.append((a.group(0), b.group(0), text[a.end():b.start()].strip()))
+    return out
+
+
+def emptied(source: str, output: str, extra=()) -> list[str]:
+    """Tag pairs that hold text in the source and nothing in the output ('Click <b>OK</b> ...' translated with
+    '<b></b>': every span was kept, so `survives` saw nothing, but the words inside were lost): one message each."""
+    full = {(a, b) for a, b, text in _contents(source, extra) if text}
+    return [f"{a}...{b} is empty (the source has text inside)" for a, b, text in _contents(output, extra)
+            if not text and (a, b) in full]
+

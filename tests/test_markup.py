@@ -193,3 +193,16 @@ def test_tags_the_source_closes_before_opening_get_no_order_rule():
     balanced = find_spans("<b>a</b> and <b>b</b>")
     assert out_of_order(balanced) == [] and markup_constraints(balanced)[1]["after"] == 0
     assert survives(balanced, "</b>a<b> <b>b</b>") == ["'</b>' before its opening tag"]
+
+
+def test_a_tag_pair_emptied_by_the_translation_is_reported():
+    """Issue 49 item 4: with a glossary term forced, 'Click <b>OK</b> to close the dialog.' came out as 'Klicken Sie
+    auf <b></b> Dialogfenster, ...': every span was kept, so nothing was reported, but the words inside were lost."""
+    from specbeam_edge.markup import emptied
+    src = "Click <b>OK</b> to close the dialog."
+    assert emptied(src, "Klicken Sie auf <b></b> Dialogfenster, um den Dialog zu schließen.") == [
+        "<b>...</b> is empty (the source has text inside)"]
+    assert emptied(src, "Klicken Sie auf <b> </b> Dialogfenster.") != []
+    assert emptied(src, "Klicken Sie auf <b>OK</b>, um das Dialogfenster zu schließen.") == []
+    assert emptied("An empty <b></b> pair.", "Ein leeres <b></b> Paar.") == []       # empty in the source too
+    assert emptied("<i>a</i> and <b>b</b>", "<i>a</i> und <b></b>") == ["<b>...</b> is empty (the source has text inside)"]

@@ -19,7 +19,7 @@ from pathlib import Path
 from specbeam_edge.config import SpeculativeConfig
 from specbeam_edge.flags import (check_prompt_format, check_widths, decoding_constraints, engine_from_args,
                                  speculative_from_args)
-from specbeam_edge.markup import find_spans, markup_constraints, out_of_order, survives
+from specbeam_edge.markup import emptied, find_spans, markup_constraints, out_of_order, survives
 from specbeam_edge.results import Stats
 from specbeam_edge.shipped import shipped
 
@@ -589,6 +589,7 @@ def translate(s: Settings, engine, todo, on_line, progress, first: int = 0, repo
                    f"source's order, without the rule that a closing tag follows its opening tag")
         if spans and spans[i] and res.hypotheses[0].constraints_met is not False:
             problems = survives(spans[i], res.hypotheses[0].text, s.markup_patterns)
+            problems += emptied(lines[i].decode("utf-8", "replace"), res.hypotheses[0].text, s.markup_patterns)
             if problems:
                 say(i, "markup not kept: " + "; ".join(problems))
         if s.jsonl:
