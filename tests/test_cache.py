@@ -91,7 +91,30 @@ def test_batch_rows_match_recomputation(lm, prompts, steps, monkeypatch):
 
     shared = []
     real = batch._same_batch
+    with monkeypatch.context() as m:      # undone after each example (a function-scoped patch stacked them)
+        m.setattr(batch, "_same_batch", lambda caches: shared.append(real(caches)) or shared[-1])
+        first_step = _batch_rows_run(lm, prompts, steps)
+    if first_step:    # every request took part in the pass after the prefill: it fed the prefill's arrays
+        assert shared[1] is not None
+
+
+def test_the_pass_after_the_prefill_feeds_the_prefills_arrays(lm, monkeypatch):
+    """The deterministic case of the property above (which holds it only for the examples where every request
+    takes part): two requests, each adding a node after the prefill, reuse the prefill's batch arrays."""
+    from specbeam_edge import batch
+
+    shared = []
+    real = batch._same_batch
     monkeypatch.setattr(batch, "_same_batch", lambda caches: shared.append(real(caches)) or shared[-1])
+    assert _batch_rows_run(lm, [[5, 6, 7], [8, 9, 10]], [(0, 2, False, 0.0)]) is True
+    assert len(shared) == 2 and shared[0] is None and shared[1] is not None
+
+
+def _batch_rows_run(lm, prompts, steps) -> bool:
+    """Prefill `prompts` together, then the steps (pick, width, compact, frac), each node's logits checked against
+    a from-scratch run; whether every request took part in the first step."""
+    from specbeam_edge import batch
+
     tree = TokenTree()
     caches = [TreeCache(lm, tree) for _ in prompts]
     lives = [[tree.add_chain(p)[-1]] for p in prompts]
@@ -115,8 +138,7 @@ def test_batch_rows_match_recomputation(lm, prompts, steps, monkeypatch):
                 live[:] = [n for n in live if n in c]
         if first_step is None:
             first_step = all(call.nodes for call in calls)
-    if first_step:    # every request took part in the pass after the prefill: it fed the prefill's arrays
-        assert shared[1] is not None
+    return first_step
 
 
 def test_batched_static_inputs_are_reused_only_for_the_same_requests():
