@@ -259,10 +259,24 @@ def test_encdec_run_resumes_averages_and_scores(tiny_corpus, tmp_path, capsys):
     tcfg = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
     assert "prompt_format" not in tcfg and tcfg["pad_token"] == train.SEP
     capsys.readouterr()
-    train.main(["bleu", "--model", str(tmp_path / "hf"), "--test", str(data / "valid.tsv"), "--lines", "3",
-                "--num_beams", "2", "--max_new_tokens", "8", "--threads", "1"])
+    import sacrebleu
+    seen = []
+    real = sacrebleu.corpus_bleu
+
+    def spy(hyps, refs):
+        seen.append((list(hyps), [list(r) for r in refs]))
+        return real(hyps, refs)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(sacrebleu, "corpus_bleu", spy)
+        train.main(["bleu", "--model", str(tmp_path / "hf"), "--test", str(data / "valid.tsv"), "--lines", "3",
+                    "--num_beams", "2", "--max_new_tokens", "8", "--threads", "1"])
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert report["arch"] == "m2m_100" and report["lines"] == 3 and report["bleu"] >= 0
+    # the score is BLEU of three translations against the test file's German side (it asserted only bleu >= 0,
+    # which a score against the wrong side or of no lines also met)
+    [(hyps, [refs])] = seen
+    want = [l.rstrip("\n").split("\t")[1] for l in open(data / "valid.tsv", encoding="utf-8")][:3]
+    assert report["arch"] == "m2m_100" and report["lines"] == 3 == len(hyps) and refs == want
+    assert report["bleu"] == round(real(hyps, [want]).score, 2)
     # the folder exports as an encoder-decoder and the runtime's beam search gives transformers' output
     from transformers import AutoModelForSeq2SeqLM
 
