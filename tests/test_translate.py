@@ -110,7 +110,8 @@ def test_resume_after_ctrl_c_and_torn_journal_is_byte_identical(pair, tmp_path, 
     monkeypatch.setattr(Engine, "generate_iter", interrupted)
     assert run(pair, inp, out, "--batch_size", "4") == 130
     monkeypatch.setattr(Engine, "generate_iter", real)
-    assert "interrupted; finished lines are kept: rerun with --resume to continue" in capsys.readouterr().err
+    assert f"interrupted; 8 finished line(s) kept in {out}.journal: rerun with --resume to continue" in \
+        capsys.readouterr().err                                  # how many were kept (issue 49 item 11)
     assert journal.exists() and not out.exists()
     assert journal.read_text().count("\n") == 1 + 8            # header + one record per finished line
     with open(journal, "a") as f:                                # and a record torn by a crash

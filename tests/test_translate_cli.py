@@ -76,7 +76,8 @@ def test_interrupt_to_stdout_writes_the_contiguous_lines_and_counts_the_rest(pai
     assert run(pair, text_in) == 130
     cap = capsysbinary.readouterr()
     assert cap.out == b"".join(reference.splitlines(keepends=True)[:2])
-    assert cap.err.decode() == ("\nspecbeam-translate: interrupted; line 3 was not finished, so 2 finished later "
+    assert cap.err.decode() == ("\nspecbeam-translate: interrupted; 2 line(s) written; line 3 was not finished, so 2 "
+                                "finished later "
                                 "line(s) could not be written (stdout is a stream and keeps the lines in order): "
                                 "pass -o FILE to keep every finished line and continue with --resume\n")
 

@@ -289,6 +289,20 @@ def evaluate(args, outputs: dict[int, list[str]], n: int) -> int:
     return 0
 
 
+def kept(args, writer: InOrder | None) -> str:
+    """On an interrupt: how many lines were kept (written to stdout in order, or recorded in -o's journal) and
+    how to go on."""
+    if writer is not None:
+        return f"; {writer.next} line(s) written"
+    if not args.output:
+        return ""
+    try:
+        records = Path(args.output + ".journal").read_bytes().count(b"\n") - 1     # the header is one line
+    except OSError:                 # stopped before the journal was started
+        return "; finished lines are kept: rerun with --resume to continue"
+    return f"; {max(records, 0)} finished line(s) kept in {args.output}.journal: rerun with --resume to continue"
+
+
 def unwritten(writer: InOrder | None) -> str:
     """On an interrupt with stdout as the output: the finished lines that could not be written."""
     if writer is None or not writer.pending:
@@ -305,14 +319,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     writer = None if args.output or args.engine == "ray" else InOrder(sys.stdout.buffer)
     old = {sig: signal.signal(sig, raise_terminated) for sig in (signal.SIGTERM, signal.SIGINT)}
-    done_hint = "; finished lines are kept: rerun with --resume to continue" if args.output else ""
     try:
         return run(args, writer)
     except KeyboardInterrupt:
-        print(f"\n{PROG}: interrupted{done_hint}{unwritten(writer)}", file=sys.stderr)
+        print(f"\n{PROG}: interrupted{kept(args, writer)}{unwritten(writer)}", file=sys.stderr)
         return 130
     except Terminated:
-        print(f"\n{PROG}: terminated{done_hint}{unwritten(writer)}", file=sys.stderr)
+        print(f"\n{PROG}: terminated{kept(args, writer)}{unwritten(writer)}", file=sys.stderr)
         return 143
     except (UsageError, JournalError, ModelFolderError, ProviderError, ValueError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
