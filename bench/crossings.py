@@ -18,6 +18,11 @@ import json
 import sys
 from pathlib import Path
 
+from tqdm import tqdm
+
+from apps.translate import job
+from apps.translate.__main__ import parse_args
+
 ROOT = Path(__file__).resolve().parents[1]
 OURS = ("specbeam_edge", "apps", "specbeam_apps", "export", "specbeam_export")
 
@@ -72,12 +77,6 @@ def main(argv=None) -> int:
     ap.add_argument("--beams", type=int, default=4)
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "results"))
     a = ap.parse_args(argv)
-    sys.path.insert(0, str(ROOT))
-    from tqdm import tqdm
-
-    from apps.translate import job
-    from apps.translate.__main__ import parse_args
-
     lines = (ROOT / "models" / "ende" / "test_sample.en").read_bytes().splitlines()[:a.lines]
     args = parse_args(["--beam_size", str(a.beams), "--threads", "2", "-q"])
     s = job.resolve(args)

@@ -26,33 +26,9 @@ from .common import save_figure
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# short, varied English instructions (written for this benchmark; none is from a training set we know of)
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about autumn leaves.",
-    "Explain in two sentences why the sky is blue.",
-    "Give me three tips for a good night's sleep.",
-    "Translate 'Good morning, how are you?' into Spanish.",
-    "Write a Python function that returns the largest number in a list.",
-    "What is the difference between a virus and a bacterium?",
-    "Summarize the plot of Romeo and Juliet in one paragraph.",
-    "List five fruits that are rich in vitamin C.",
-    "How do I boil an egg?",
-    "Write a short, polite email declining a meeting invitation.",
-    "What does a CPU do in a computer?",
-    "Suggest a name for a small coffee shop by the sea.",
-    "Why do we have leap years?",
-    "Describe a cat to someone who has never seen one.",
-    "What are the three states of matter? Give an example of each.",
-    "Write a limerick about a programmer who loves coffee.",
-    "How can I make my password more secure?",
-    "Explain what photosynthesis is to a ten-year-old.",
-    "Give me a simple recipe for pancakes.",
-    "What is 15% of 240? Show your steps.",
-    "Name three famous painters and one work by each.",
-    "What should I pack for a weekend hiking trip?",
-    "Rewrite this sentence to sound more formal: 'Hey, can you send me the file?'",
-]
+# short, varied English instructions (written for this benchmark; none is from a training set we know of); a data
+# file, so that a recipe (models/smollm2/draft.py keeps them out of its training text) needs no benchmark code
+PROMPTS = json.loads((Path(__file__).parent / "data" / "chat_prompts.json").read_text(encoding="utf-8"))
 
 
 # -- pure parts (tested without llama-cpp-python) -----------------------------------------------------------------
