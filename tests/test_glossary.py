@@ -168,3 +168,23 @@ def test_longest_term_first_and_rows_of_one_term_merged():
                                "insensitive")
     assert got == [[("Kontextmenü",)], [("Menü", "Menüs")], [("Menü", "Menüs"), ("Kontextmenü",)]]
     assert glossary_constraints(terms, ["Open the menu."], "sensitive") == [[("Menü",)]]
+
+
+def test_a_line_whose_terms_do_not_fit_is_retried_at_once(pair, files, tmp_path, monkeypatch):
+    """Issue 49 item 8: a line whose glossary terms did not fit was translated again only after every other line
+    (on stdout it held back all later lines, and an interrupt lost them); now its retry runs as soon as the
+    constrained attempt ends, inside the run over the other lines."""
+    from specbeam_edge.generate import Engine
+
+    inp, gloss = files
+    events, real = [], Engine.generate_iter
+
+    def logged(self, prompts, *a, **kw):
+        tag = "retry" if len(prompts) == 1 and kw.get("constraints") is None else "run"
+        events.append(f"{tag} start")
+        yield from real(self, prompts, *a, **kw)
+        events.append(f"{tag} end")
+    monkeypatch.setattr(Engine, "generate_iter", logged)
+    assert run(pair, inp, tmp_path / "short.txt", "--glossary", str(gloss), "--batch_size", "1", max_len=1) == 0
+    assert events.count("retry start") >= 1
+    assert events.index("retry start") < events.index("run end"), events

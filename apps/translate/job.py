@@ -605,7 +605,6 @@ def translate(s: Settings, engine, todo, on_line, progress, first: int = 0, repo
         progress.set_postfix_str(f"{total.generated_tokens} tok", refresh=False)
 
     limit = s.generation["max_new_tokens"]
-    retry = []
     for k, res in run(todo, prefix, [terms[i] for i, _ in todo] if terms else None):
         if res.hypotheses[0].constraints_met is False:
             i = todo[k][0]
@@ -614,13 +613,12 @@ def translate(s: Settings, engine, todo, on_line, progress, first: int = 0, repo
             say(i, f"{' / '.join(map(repr, what))} did not all fit in --max_decoding_length {limit}: translated "
                    f"without the glossary and markup constraints")
             total.add(res.stats)
-            retry.append(k)
+            # the best translation without constraints (never a broken one, never none), at once: at the end of
+            # the run it held back every later line on stdout, and an interrupt lost them (issue 49 item 8)
+            for j, again in run([todo[k]], [prefix[k]] if prefix else None, None):
+                done([todo[k]], j, again)
             continue
         done(todo, k, res)
-    if retry:                    # the best translation without constraints (never a broken one, never none)
-        items = [todo[k] for k in retry]
-        for j, res in run(items, [prefix[k] for k in retry] if prefix else None, None):
-            done(items, j, res)
     return total
 
 
