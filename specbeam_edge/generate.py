@@ -2,13 +2,14 @@
 
 Each request is a search object (search.py) with the phases grow -> score -> replay -> commit per target pass;
 the scheduler (scheduler.py) batches the passes of many requests. `generate_iter` -> `generate` for batches,
-`stream` for one request's text as it becomes final.
+`stream` for one request's text as it becomes final. Prompt handling (prompting.py) and search construction
+(search_setup.py) are parts of Engine kept in files of their own.
 """
 from __future__ import annotations
 
 import threading
 import warnings
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -16,35 +17,23 @@ import numpy as np
 
 from . import invariance
 from . import constraints as lexical
-from .adaptive import ChoosersByLoad, PassChooser, auto_budget, cost_curve, streamed_cost_curve
+from .adaptive import PassChooser
 from .cache import TreeCache
-from .config import STREAMED_TREE, GenerationConfig, ModelFolderError, SpeculativeConfig
-from .contract import probe_source
-from .draft import custom_drafter, make_drafter
-from .encdec import Encoder, EncoderQueue, is_encoder_decoder, logits_processor, shared_cross_layers, shared_statics
+from .config import GenerationConfig, ModelFolderError, SpeculativeConfig
+from .encdec import Encoder, is_encoder_decoder, shared_cross_layers
 from .invariance import Invariance, NotInvariantError, QuantizationWarning, saturation_warning
 from .model import OnnxCausalLM
+from .prompting import PromptMixin
 from .results import Alternative, Hypothesis, Result, Stats, StreamChunk, answer_tokens, peak_rss_mb
 from .scheduler import Job, Scheduler
-from .search import ExactSearch, HeadTree, SamplingSearch
-from .tokenizer import PromptText, Tokenizer, check_compatible, check_vocabulary
+from .search_setup import SearchSetup
+from .tokenizer import Tokenizer, check_compatible, check_vocabulary
 from .tree import TokenTree
 
 __all__ = ["Alternative", "Engine", "Hypothesis", "PassChooser", "Result", "Stats", "StreamChunk", "peak_rss_mb"]
 
 
-def check_text(text: str, what: str) -> None:
-    """Refuse a text with a lone surrogate (an unpaired \\ud800-\\udfff escape, or an undecodable byte of a
-    command-line argument): it has no UTF-8 spelling, and the tokenizer fails on it with a TypeError."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"{what} holds a lone surrogate at character {e.start} ({text[e.start]!r}): not valid "
-                         f"text (an unpaired \\ud800-\\udfff escape or an undecodable byte); pass UTF-8 text") \
-            from None
-
-
-class Engine:
+class Engine(PromptMixin, SearchSetup):
     """A target model, an optional draft model, and their tokenizer; `generate` and `stream`."""
 
     @classmethod
@@ -145,379 +134,6 @@ class Engine:
         base = asdict(generation) if generation is not None else dict(self.target.cfg.generation)
         return GenerationConfig.from_dict(base, **overrides)
 
-    def chat_prompt(self, messages: list[dict], room: int = 0) -> tuple[str, int]:
-        """(the conversation in the model's chat template, how many of the earliest messages were left out): when
-        it is longer than the context less `room` tokens (for the answer), the earliest messages are left out, a
-        system message first in the list stays, and the kept history starts with a user message. A model without
-        a chat template gets its prompt format around the last message alone (e.g. a translation model)."""
-        tok = self.tokenizer
-        if not tok.chat_template:
-            return tok.format_prompt(messages[-1]["content"]), len(messages) - 1
-        head = messages[:1] if messages and messages[0]["role"] == "system" else []
-        msgs, left_out = messages[len(head):], 0
-        fits = self.target.cfg.context_length - room
-        while True:
-            prompt = tok.apply_chat_template(head + msgs)
-            if len(msgs) <= 1 or len(self.encode(prompt)) <= fits:
-                return prompt, left_out
-            msgs, left_out = msgs[1:], left_out + 1
-            while len(msgs) > 1 and msgs[0]["role"] != "user":    # the history starts with a question
-                msgs, left_out = msgs[1:], left_out + 1
-
-    def prompt_text(self, text: str) -> PromptText:
-        """A text in the model folder's own prompt format: a chat model's chat template (the text as one user
-        message, and the assistant's turn opened), else tokenizer_config.json `prompt_format` (e.g. translation),
-        else the text as it is."""
-        if self.tokenizer.chat_template:
-            return self.tokenizer.apply_chat_template([{"role": "user", "content": text}])
-        return self.tokenizer.format_prompt(text)
-
-    def chat(self, messages: list[dict], generation: GenerationConfig | None = None,
-             speculative: SpeculativeConfig | None = None, *, stream: bool = False, **overrides):
-        """Answer a conversation (a list of {"role", "content"} messages, the last one the user's), as `specbeam
-        chat` does: the messages in the model's chat template with the assistant's turn opened; when the
-        conversation is longer than the context less room for the answer (max_new_tokens, at most a quarter of
-        the context), the earliest messages are left out (see chat_prompt; Result.left_out says how many).
-        Returns a Result (its text is the answer), or with stream=True an iterator of StreamChunk as `stream`
-        gives (the last chunk carries the Result). Append {"role": "assistant", "content": result.text} to go on."""
-        if isinstance(messages, (str, bytes, dict)) or not isinstance(messages, (list, tuple)) or not messages:
-            raise TypeError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts; for one text, "
-                            "use generate (it is put into the chat template as one user message)")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
-                raise TypeError(f"message {i} must be a dict with 'role' and 'content', got {m!r:.80}")
-        gen = self.generation_config(generation, **overrides)
-        room = min(gen.max_new_tokens, self.target.cfg.context_length // 4)
-        prompt, left_out = self.chat_prompt(list(messages), room=room)
-        if stream:
-            return self._chat_stream(prompt, gen, speculative, left_out)
-        [result] = self.generate(prompt, gen, speculative)
-        result.left_out = left_out
-        return result
-
-    def _chat_stream(self, prompt, gen, speculative, left_out):
-        for chunk in self.stream(prompt, gen, speculative):
-            if chunk.result is not None:
-                chunk.result.left_out = left_out
-            yield chunk
-
-    def encode(self, prompt: str | list[int], src_lang: str | None = None, raw: bool = False) -> list[int]:
-        """Token ids of a prompt. A text is put into the model folder's prompt format (a chat model's chat
-        template as one user message, else tokenizer_config.json `prompt_format`, e.g. the translation pair's
-        `<|endoftext|>{source}<|de|>`; see prompt_text) and encoded with the format's
-        special tokens as tokens and the text as plain text, even where it spells a special token; a prompt
-        built by `tokenizer.format_prompt` or `tokenizer.apply_chat_template` (a PromptText) is not formatted
-        again. raw=True: the text is the model's input as written, special tokens included (a prompt formatted
-        by hand). Encoder-decoder models: a text is the source as the model's tokenizer builds it (its EOS, and
-        with src_lang the language code; encdec.Encoder.source_ids). Token ids are checked against the
-        vocabulary and taken as they are."""
-        if src_lang is not None and self.encoder is None:
-            raise ValueError("src_lang is for encoder-decoder models (NLLB/M2M100); this is a decoder-only model")
-        if isinstance(prompt, str):
-            if not prompt:      # the format's tokens alone (or a source of EOS alone): junk, not a request
-                raise ValueError("the prompt is empty; pass some text (or token ids)")
-            check_text(prompt, "the prompt")
-            if self.encoder is not None:
-                ids = self.encoder.source_ids(prompt, self.tokenizer, src_lang)
-            elif self.tokenizer is None:
-                raise TypeError("this engine has no tokenizer: pass token ids")
-            elif raw and not isinstance(prompt, PromptText):
-                ids = self.tokenizer.encode(prompt, special_tokens=True)
-            else:
-                ids = self.tokenizer.encode_prompt(prompt if isinstance(prompt, PromptText)
-                                                   else self.prompt_text(prompt))
-        else:
-            ids = self._token_ids(prompt)
-        if not ids:
-            raise ValueError("the prompt is empty")
-        return ids
-
-    def _token_ids(self, prompt) -> list[int]:
-        """A token-id prompt as a list of ints within the vocabulary (the encoder's for encoder-decoder models): a
-        negative id would wrap around in the graph's Gather, one past the vocabulary fail inside onnxruntime."""
-        if prompt is None or isinstance(prompt, (bytes, bytearray, memoryview, dict)):
-            hint = ": decode bytes to a str first" if isinstance(prompt, (bytes, bytearray, memoryview)) else ""
-            raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}{hint}")
-        if isinstance(prompt, np.ndarray) and (prompt.ndim != 1 or not np.issubdtype(prompt.dtype, np.integer)):
-            raise TypeError(f"a token-id prompt must be a 1-D integer array, got shape {prompt.shape} of "
-                            f"{prompt.dtype}")
-        try:
-            items = list(prompt)
-        except TypeError:
-            raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}") from None
-        vocab = self.target.cfg.vocab_size
-        if self.encoder is not None:
-            vocab = int(self.target.cfg.raw.get("encoder_decoder", {}).get("source_vocab_size", vocab))
-        for i, t in enumerate(items):
-            if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
-                raise TypeError(f"token id {t!r} at position {i} is a {type(t).__name__}; token ids are ints")
-            if not 0 <= t < vocab:
-                raise ValueError(f"token id {int(t)} at position {i} is outside the model's vocabulary (0-{vocab - 1})")
-        return [int(t) for t in items]
-
-    def _speculative(self, spec) -> SpeculativeConfig | None:
-        """A SpeculativeConfig, or a dict of its fields, or None; tree widths are checked against the vocabulary
-        (a TopK wider than it fails deep inside onnxruntime)."""
-        if isinstance(spec, dict):
-            unknown = set(spec) - {f.name for f in fields(SpeculativeConfig)}
-            if unknown:
-                raise ValueError(f"unknown speculative option(s): {', '.join(sorted(map(str, unknown)))}")
-            spec = SpeculativeConfig(**spec)
-        if spec is None:
-            return None
-        if not isinstance(spec, SpeculativeConfig):
-            raise TypeError(f"speculative must be a SpeculativeConfig, a dict of its fields or None, got "
-                            f"{type(spec).__name__}")
-        spec = self.speculative_for(spec)
-        self.check_widths(spec.max_branch_width, spec.draft_width)
-        return spec
-
-    def speculative_for(self, spec: SpeculativeConfig) -> SpeculativeConfig:
-        """The tree settings a request runs with: its own, except that a target streaming layers with a draft
-        model takes config.STREAMED_TREE when every tree knob is at its default (adaptive as asked). A streamed
-        pass costs a read of the weights whatever the tree, so a tree sized for resident passes wastes it."""
-        streams = isinstance(self.target, OnnxCausalLM) and self.target.streamed_layers() > 0
-        if not streams or self.draft is None or replace(spec, adaptive=True) != SpeculativeConfig():
-            return spec
-        return replace(spec, **STREAMED_TREE)
-
-    def check_widths(self, max_branch_width: int | None, draft_width: int | None, flags: bool = False) -> None:
-        """Tree widths within the vocabulary (the draft's, when it has a smaller one); `flags`: name them as the
-        command-line flags."""
-        vocab = self.target.cfg.vocab_size
-        if self.draft is not None:
-            vocab = min(vocab, self.draft.cfg.vocab_size)
-        for name, value in (("max_branch_width", max_branch_width), ("draft_width", draft_width)):
-            if value is not None and value > vocab:
-                what = f"--{name} {value}" if flags else f"{name}={value}"
-                raise ValueError(f"{what} is larger than the model's vocabulary ({vocab} tokens); pass at most "
-                                 f"{vocab}")
-
-    def cost_curve(self, sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), past: int = 32,
-                   reps: int = 3) -> dict[int, float]:
-        """Measured target pass time (s) over a tree of Q nodes on top of `past` cached tokens."""
-        static = None
-        if self.encoder is not None:      # a decoder pass reads a source's cross K/V: a source of `past` tokens
-            static = {n: a for n, (a, _) in self.encoder.encode([probe_source(past, self.encoder.eos[0])])[0].items()}
-        return cost_curve(self.target, sizes, past, reps, static)
-
-    def auto_budget(self, num_beams: int, slack: float = 1.6) -> int:
-        """The largest tree whose pass costs at most `slack` times a pass over the beams alone (adaptive.py);
-        the cost curve is measured once per engine."""
-        with self._lock:
-            if self._curve is None:
-                streams = isinstance(self.target, OnnxCausalLM) and self.target.streamed_layers()
-                self._curve = streamed_cost_curve(self.target) if streams else self.cost_curve()
-        return auto_budget(self._curve, num_beams, slack)
-
-    def _chooser(self, gen: GenerationConfig, spec: SpeculativeConfig) -> ChoosersByLoad:
-        """Pass choosers per (beams, tree settings) and batch load, kept across requests: what was learnt on
-        earlier prompts carries over (a batch job decides after a few lines)."""
-        key = (gen.num_beams, gen.length_penalty, replace(spec, adaptive=False))
-        # a lookahead head's pass gives 1 or 2 steps: its probes average 4 passes (docs/DESIGN "Lookahead head")
-        settings = {"probe_len": 4} if spec.drafter == "ahead" else {}
-        with self._lock:
-            return self._choosers.setdefault(key, ChoosersByLoad(**settings))
-
-    # -- one request's search ------------------------------------------------------------------------------
-    def _forced_bos(self, tgt_lang: str | None) -> int | None:
-        """tgt_lang -> the forced BOS token (the target language code); None keeps the model's own."""
-        if tgt_lang is None:
-            return None
-        if self.encoder is None:
-            raise ValueError("tgt_lang is for encoder-decoder models (NLLB/M2M100); this is a decoder-only model")
-        return self.encoder.language_id(tgt_lang, "tgt_lang")
-
-    def _prefix_ids(self, prefix) -> list[int]:
-        """A target prefix as token ids: None or "" -> none; a text is encoded as plain target-side text (the
-        decoder's tokenizer, no special tokens: the start of a translation as the model writes it); token ids
-        are checked against the decoder's vocabulary."""
-        if prefix is None or isinstance(prefix, str) and not prefix:
-            return []
-        if isinstance(prefix, str):
-            check_text(prefix, "the target prefix")
-            if self.tokenizer is None:
-                raise TypeError("this engine has no tokenizer: pass the target prefix as token ids")
-            return self.tokenizer.encode(prefix)
-        if isinstance(prefix, (bytes, bytearray, memoryview, dict)) or not hasattr(prefix, "__iter__"):
-            raise TypeError(f"a target prefix must be a string or a list of token ids, got {type(prefix).__name__}")
-        items, vocab = list(prefix), self.target.cfg.vocab_size
-        for i, t in enumerate(items):
-            if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
-                raise TypeError(f"target prefix token {t!r} at position {i} is a {type(t).__name__}; token ids "
-                                f"are ints")
-            if not 0 <= t < vocab:
-                raise ValueError(f"target prefix token {int(t)} at position {i} is outside the model's vocabulary "
-                                 f"(0-{vocab - 1})")
-        return [int(t) for t in items]
-
-    def _eos_of(self, gen: GenerationConfig) -> list[int]:
-        """The end-of-sequence ids a request stops on (its settings', else the model's)."""
-        return self.eos if gen.eos_token_id is None else [int(t) for t in np.atleast_1d(gen.eos_token_id)]
-
-    @property
-    def _decode(self):
-        """Token ids -> output text (text constraints match on it); None without a tokenizer."""
-        return self.tokenizer.decode if self.tokenizer is not None else None
-
-    @staticmethod
-    def _per_prompt(values, n: int, name: str, entry: str, convert) -> list:
-        """generate_iter's per-prompt arguments (target_prefix, constraints): None (convert(None) for every
-        prompt) or one entry per prompt, each converted; an error names the prompt. entry: what an entry is,
-        for the messages."""
-        if values is None:
-            values = [None] * n
-        elif isinstance(values, (str, bytes, bytearray, dict)) or not hasattr(values, "__len__"):
-            raise TypeError(f"{name} must be a list with one {entry} per prompt, got {type(values).__name__}")
-        if len(values) != n:
-            raise ValueError(f"{name} has {len(values)} entries for {n} prompts (one {entry} per prompt)")
-        out = []
-        for i, v in enumerate(values):
-            try:
-                out.append(convert(v))
-            except (TypeError, ValueError) as e:
-                if n == 1:
-                    raise
-                raise type(e)(f"prompt {i}: {e}") from None
-        return out
-
-    def _lead(self, prefix: list[int], forced_bos: int | None) -> list[int]:
-        """The tokens a hypothesis starts with that its search counts as prompt: with a target prefix, the
-        forced BOS (encoder-decoder models) and the prefix; none without one (a forced BOS then counts as
-        generated, and the search's own hypotheses hold it)."""
-        if not prefix:
-            return []
-        return (self.encoder.decoder_prompt(forced_bos)[1:] if self.encoder is not None else []) + prefix
-
-    def _new_search(self, ids: list[int], gen: GenerationConfig, spec: SpeculativeConfig | None, drafter=None,
-                    static=None, forced_bos: int | None = None, prefix: list[int] | None = None,
-                    constraints: lexical.Constraints | None = None):
-        """Validate one request and build its search object (search.py). `drafter` overrides the policy named
-        in spec (any callable with the Drafter signature; see draft.py). Encoder-decoder models: ids are the
-        source; static(with_draft) gives the request's encoder outputs when it starts (see _statics).
-        prefix: target prefix token ids, forced after the prompt (decoder-only) or the decoder start and forced
-        BOS (encoder-decoder); they count as prompt, as transformers counts `input_ids` / `decoder_input_ids`
-        (the length penalty, min_new_tokens and max_new_tokens apply to the tokens after them)."""
-        ctx = self.target.cfg.context_length
-        source, prefix = None, list(prefix or [])
-        if self.encoder is not None:
-            if len(ids) > self.encoder.context_length:
-                raise ValueError(f"the source has {len(ids)} tokens; the encoder's context length is "
-                                 f"{self.encoder.context_length}")
-            source, ids = ids, self.encoder.decoder_prompt(forced_bos) + prefix
-        else:
-            ids = list(ids) + prefix
-        if len(ids) >= ctx:
-            what = "the prompt" if source is None and not prefix else \
-                "the target prefix" if source is not None else "the prompt and target prefix"
-            raise ValueError(f"{what} {'have' if 'and' in what else 'has'} {len(ids)} tokens; the model's context "
-                             f"length is {ctx}")
-        max_new = min(gen.max_new_tokens, ctx - len(ids))
-        eos = self.eos if gen.eos_token_id is None else list(np.atleast_1d(gen.eos_token_id))
-        outside = [int(t) for t in eos if int(t) >= self.target.cfg.vocab_size]
-        if outside:
-            raise ValueError(f"eos_token_id {outside[0]} is outside the model's vocabulary "
-                             f"(0-{self.target.cfg.vocab_size - 1}): generation could never stop on it")
-        use_draft = spec is not None and (self.draft is not None or spec.drafter in ("lookup", "ahead"))
-        if use_draft and spec.drafter == "ahead" and not self.target.ahead:
-            raise ValueError(f"drafter='ahead' needs a target with a lookahead head; {self.target.folder} has none "
-                             f"(attach one with export.ahead.attach, as `specbeam fetch smollm2` does)")
-        if use_draft:
-            spec.check_against(gen.num_beams)
-            if gen.do_sample != (spec.drafter == "sample"):
-                raise ValueError("do_sample=True needs drafter='sample': trees grown by draft beam search or "
-                                 "best-first are not samples, and the p/q rule would bias the output"
-                                 if gen.do_sample else "drafter='sample' is for do_sample=True")
-            if not gen.do_sample:
-                self._require_invariant()
-        extra = {}
-        if source is not None:    # the decoder start is the prompt; a forced BOS counts as generated (a target
-            #                        prefix and the forced BOS before it count as prompt: decoder_input_ids)
-            prompt_len = len(ids) if prefix else 1
-            extra = dict(prompt_len=prompt_len, static=static, process=logits_processor(
-                self.encoder.suppressed, self.encoder.forced_eos, prompt_len + max_new))
-        if constraints is not None and gen.do_sample:
-            raise ValueError("constraints are for beam search (do_sample=False): a sample cannot be steered to "
-                             "contain them without changing its distribution")
-        if gen.do_sample:
-            topk = [str(m.folder) for m in (self.target, self.draft if use_draft else None)
-                    if m is not None and m.cfg.output == "topk"]
-            if topk:
-                raise ValueError(f"do_sample=True needs full distributions; {', '.join(topk)} has a top-k "
-                                 "head (export with the default output 'logits' for sampling)")
-            if use_draft and self.draft is None:
-                raise ValueError("do_sample=True with speculation needs a draft model (drafter='sample')")
-            return SamplingSearch(ids, self.target, self.draft if use_draft else None, num_beams=gen.num_beams,
-                                  max_new_tokens=max_new, eos=eos, min_new_tokens=gen.min_new_tokens,
-                                  temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p, seed=gen.seed,
-                                  spec=spec if use_draft else None, **extra)
-        grow = chooser = budget_for = None
-        ahead = None
-        if use_draft and spec.drafter == "ahead":
-            # the target's own lookahead head guesses the tokens after each beam's next one: no draft model
-            ahead = HeadTree.of(self.target.ahead, spec)
-            budget_for = lambda load, total=spec.budget: max(gen.num_beams, total // load)   # noqa: E731
-            chooser = self._chooser(gen, spec) if spec.adaptive and drafter is None else None
-        elif use_draft:
-            # the budget is per target pass, shared by the requests in it: a lone request drafts a big tree, a busy
-            # batch small ones (a batch of 32 with 48 nodes each made 1,500-node passes, and adaptive speculation's
-            # probes of them cost 40% of a 64-line job); "auto" takes the largest pass the measured cost curve
-            # affords at this load (K beams per running request)
-            K = gen.num_beams
-            if spec.budget == "auto":
-                budget_for = lambda load: max(K, self.auto_budget(K * load, spec.auto_slack) // load)   # noqa: E731
-                spec = replace(spec, budget=budget_for(1))
-            else:
-                budget_for = lambda load, total=spec.budget: max(K, total // load)   # noqa: E731
-            dctx = self.draft.cfg.context_length if self.draft is not None else ctx
-            # prompt lookup of an encoder-decoder request searches its source (source-side spans)
-            grow = custom_drafter(drafter) if drafter else make_drafter(spec, gen.num_beams, eos, min(ctx, dctx),
-                                                                        source=source)
-            chooser = self._chooser(gen, spec) if spec.adaptive and drafter is None else None
-        # the beam head (a top-k or 'both' head) returns each node's best log-probs only: 2K + #EOS + 1 per beam
-        # always hold the 2K candidates beam search keeps, even with EOS masked by min_new_tokens; beam search
-        # then reads [beams, k], never a vocabulary-sized row (beam.BeamRows)
-        n_banned = len(self.encoder.suppressed) if source is not None else 0
-        history = bool(gen.no_repeat_ngram_size) or gen.repetition_penalty != 1.0
-        dense = history or constraints is not None
-        beam_head = self.target.cfg.output in ("topk", "both") and not dense
-        if dense and self.target.cfg.output == "topk":
-            what = "constraints need the log-probs of their tokens" if constraints is not None else \
-                "no_repeat_ngram_size / repetition_penalty move tokens a top-k head may need beyond its k"
-            raise ValueError(f"{self.target.folder}: {what}; export with --output_kind both (or logits) to use them")
-        topk = 2 * gen.num_beams + len(eos) + 1 + n_banned if beam_head else None
-        if constraints is not None and prefix:
-            # the output includes the target prefix: what it holds counts (a term in it is met, a span in it is
-            # copied once), so the search neither forces a term again nor doubles the markup
-            start = constraints.start
-            for t in prefix:
-                start = constraints.advance(start, t)
-            constraints.start = start
-        return ExactSearch(ids, self.target, self.draft, num_beams=gen.num_beams, max_new_tokens=max_new, eos=eos,
-                           length_penalty=gen.length_penalty, early_stopping=gen.early_stopping,
-                           min_new_tokens=gen.min_new_tokens, no_repeat_ngram_size=gen.no_repeat_ngram_size,
-                           repetition_penalty=gen.repetition_penalty,
-                           grow=grow, chooser=chooser, topk=topk,
-                           budget_for=budget_for, constraints=constraints,
-                           min_finished=gen.num_return_sequences, ahead=ahead, **extra)
-
-    def _statics(self, sources: list[list[int]], batch: int) -> list:
-        """Per request, static(with_draft) -> (target's, draft's) encoder outputs, or None for decoder-only
-        models. The encoders run when a request starts, over it and the next `batch` - 1 sources."""
-        if self.encoder is None:
-            return [None] * len(sources)
-        tq = EncoderQueue(self.encoder, sources, batch)
-        dq = EncoderQueue(self.draft_encoder, sources, batch) if self.draft_encoder is not None else None
-
-        def static(i, with_draft):
-            t = tq.get(i)
-            if not with_draft:
-                return t, None
-            if self.draft_cross is not None:
-                return t, shared_statics(t, self.draft_cross)
-            return t, (dq.get(i) if dq is not None else None)
-        return [lambda with_draft, i=i: static(i, with_draft) for i in range(len(sources))]
-
     # -- public API: generate_passes -> stream (one request); generate_iter -> generate (batches) -------------
     def generate_passes(self, prompt: str | list[int], generation: GenerationConfig | None = None,
                         speculative: SpeculativeConfig | None = None, *, drafter=None, src_lang: str | None = None,
@@ -540,7 +156,6 @@ class Engine:
         for _, progress, finished in Scheduler(self.target, max_batch_size=1).run([job]):
             if not finished:
                 yield progress.state, progress.stats
-
 
     def stream(self, prompt: str | list[int], generation: GenerationConfig | None = None,
                speculative: SpeculativeConfig | None = None, *, src_lang: str | None = None,

@@ -1,0 +1,214 @@
+"""The Engine's search construction: a request's tree settings (streaming targets choose their own), the measured
+cost curve behind budget "auto", the pass choosers of adaptive speculation, and the search object of one request
+(a part of `Engine`, generate.py, kept in a file of its own job)."""
+from __future__ import annotations
+
+from dataclasses import fields, replace
+
+import numpy as np
+
+from . import constraints as lexical
+from .adaptive import ChoosersByLoad, auto_budget, cost_curve, streamed_cost_curve
+from .config import STREAMED_TREE, GenerationConfig, SpeculativeConfig
+from .contract import probe_source
+from .draft import custom_drafter, make_drafter
+from .encdec import EncoderQueue, logits_processor, shared_statics
+from .model import OnnxCausalLM
+from .search import ExactSearch, HeadTree, SamplingSearch
+
+
+class SearchSetup:
+    """Engine's search construction; uses the engine's models, tokenizer, encoder and learnt state."""
+
+    def _speculative(self, spec) -> SpeculativeConfig | None:
+        """A SpeculativeConfig, or a dict of its fields, or None; tree widths are checked against the vocabulary
+        (a TopK wider than it fails deep inside onnxruntime)."""
+        if isinstance(spec, dict):
+            unknown = set(spec) - {f.name for f in fields(SpeculativeConfig)}
+            if unknown:
+                raise ValueError(f"unknown speculative option(s): {', '.join(sorted(map(str, unknown)))}")
+            spec = SpeculativeConfig(**spec)
+        if spec is None:
+            return None
+        if not isinstance(spec, SpeculativeConfig):
+            raise TypeError(f"speculative must be a SpeculativeConfig, a dict of its fields or None, got "
+                            f"{type(spec).__name__}")
+        spec = self.speculative_for(spec)
+        self.check_widths(spec.max_branch_width, spec.draft_width)
+        return spec
+
+    def speculative_for(self, spec: SpeculativeConfig) -> SpeculativeConfig:
+        """The tree settings a request runs with: its own, except that a target streaming layers with a draft
+        model takes config.STREAMED_TREE when every tree knob is at its default (adaptive as asked). A streamed
+        pass costs a read of the weights whatever the tree, so a tree sized for resident passes wastes it."""
+        streams = isinstance(self.target, OnnxCausalLM) and self.target.streamed_layers() > 0
+        if not streams or self.draft is None or replace(spec, adaptive=True) != SpeculativeConfig():
+            return spec
+        return replace(spec, **STREAMED_TREE)
+
+    def check_widths(self, max_branch_width: int | None, draft_width: int | None, flags: bool = False) -> None:
+        """Tree widths within the vocabulary (the draft's, when it has a smaller one); `flags`: name them as the
+        command-line flags."""
+        vocab = self.target.cfg.vocab_size
+        if self.draft is not None:
+            vocab = min(vocab, self.draft.cfg.vocab_size)
+        for name, value in (("max_branch_width", max_branch_width), ("draft_width", draft_width)):
+            if value is not None and value > vocab:
+                what = f"--{name} {value}" if flags else f"{name}={value}"
+                raise ValueError(f"{what} is larger than the model's vocabulary ({vocab} tokens); pass at most "
+                                 f"{vocab}")
+
+    def cost_curve(self, sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), past: int = 32,
+                   reps: int = 3) -> dict[int, float]:
+        """Measured target pass time (s) over a tree of Q nodes on top of `past` cached tokens."""
+        static = None
+        if self.encoder is not None:      # a decoder pass reads a source's cross K/V: a source of `past` tokens
+            static = {n: a for n, (a, _) in self.encoder.encode([probe_source(past, self.encoder.eos[0])])[0].items()}
+        return cost_curve(self.target, sizes, past, reps, static)
+
+    def auto_budget(self, num_beams: int, slack: float = 1.6) -> int:
+        """The largest tree whose pass costs at most `slack` times a pass over the beams alone (adaptive.py);
+        the cost curve is measured once per engine."""
+        with self._lock:
+            if self._curve is None:
+                streams = isinstance(self.target, OnnxCausalLM) and self.target.streamed_layers()
+                self._curve = streamed_cost_curve(self.target) if streams else self.cost_curve()
+        return auto_budget(self._curve, num_beams, slack)
+
+    def _chooser(self, gen: GenerationConfig, spec: SpeculativeConfig) -> ChoosersByLoad:
+        """Pass choosers per (beams, tree settings) and batch load, kept across requests: what was learnt on
+        earlier prompts carries over (a batch job decides after a few lines)."""
+        key = (gen.num_beams, gen.length_penalty, replace(spec, adaptive=False))
+        # a lookahead head's pass gives 1 or 2 steps: its probes average 4 passes (docs/DESIGN "Lookahead head")
+        settings = {"probe_len": 4} if spec.drafter == "ahead" else {}
+        with self._lock:
+            return self._choosers.setdefault(key, ChoosersByLoad(**settings))
+
+    def _new_search(self, ids: list[int], gen: GenerationConfig, spec: SpeculativeConfig | None, drafter=None,
+                    static=None, forced_bos: int | None = None, prefix: list[int] | None = None,
+                    constraints: lexical.Constraints | None = None):
+        """Validate one request and build its search object (search.py). `drafter` overrides the policy named
+        in spec (any callable with the Drafter signature; see draft.py). Encoder-decoder models: ids are the
+        source; static(with_draft) gives the request's encoder outputs when it starts (see _statics).
+        prefix: target prefix token ids, forced after the prompt (decoder-only) or the decoder start and forced
+        BOS (encoder-decoder); they count as prompt, as transformers counts `input_ids` / `decoder_input_ids`
+        (the length penalty, min_new_tokens and max_new_tokens apply to the tokens after them)."""
+        ctx = self.target.cfg.context_length
+        source, prefix = None, list(prefix or [])
+        if self.encoder is not None:
+            if len(ids) > self.encoder.context_length:
+                raise ValueError(f"the source has {len(ids)} tokens; the encoder's context length is "
+                                 f"{self.encoder.context_length}")
+            source, ids = ids, self.encoder.decoder_prompt(forced_bos) + prefix
+        else:
+            ids = list(ids) + prefix
+        if len(ids) >= ctx:
+            what = "the prompt" if source is None and not prefix else \
+                "the target prefix" if source is not None else "the prompt and target prefix"
+            raise ValueError(f"{what} {'have' if 'and' in what else 'has'} {len(ids)} tokens; the model's context "
+                             f"length is {ctx}")
+        max_new = min(gen.max_new_tokens, ctx - len(ids))
+        eos = self.eos if gen.eos_token_id is None else list(np.atleast_1d(gen.eos_token_id))
+        outside = [int(t) for t in eos if int(t) >= self.target.cfg.vocab_size]
+        if outside:
+            raise ValueError(f"eos_token_id {outside[0]} is outside the model's vocabulary "
+                             f"(0-{self.target.cfg.vocab_size - 1}): generation could never stop on it")
+        use_draft = spec is not None and (self.draft is not None or spec.drafter in ("lookup", "ahead"))
+        if use_draft and spec.drafter == "ahead" and not self.target.ahead:
+            raise ValueError(f"drafter='ahead' needs a target with a lookahead head; {self.target.folder} has none "
+                             f"(attach one with export.ahead.attach, as `specbeam fetch smollm2` does)")
+        if use_draft:
+            spec.check_against(gen.num_beams)
+            if gen.do_sample != (spec.drafter == "sample"):
+                raise ValueError("do_sample=True needs drafter='sample': trees grown by draft beam search or "
+                                 "best-first are not samples, and the p/q rule would bias the output"
+                                 if gen.do_sample else "drafter='sample' is for do_sample=True")
+            if not gen.do_sample:
+                self._require_invariant()
+        extra = {}
+        if source is not None:    # the decoder start is the prompt; a forced BOS counts as generated (a target
+            #                        prefix and the forced BOS before it count as prompt: decoder_input_ids)
+            prompt_len = len(ids) if prefix else 1
+            extra = dict(prompt_len=prompt_len, static=static, process=logits_processor(
+                self.encoder.suppressed, self.encoder.forced_eos, prompt_len + max_new))
+        if constraints is not None and gen.do_sample:
+            raise ValueError("constraints are for beam search (do_sample=False): a sample cannot be steered to "
+                             "contain them without changing its distribution")
+        if gen.do_sample:
+            topk = [str(m.folder) for m in (self.target, self.draft if use_draft else None)
+                    if m is not None and m.cfg.output == "topk"]
+            if topk:
+                raise ValueError(f"do_sample=True needs full distributions; {', '.join(topk)} has a top-k "
+                                 "head (export with the default output 'logits' for sampling)")
+            if use_draft and self.draft is None:
+                raise ValueError("do_sample=True with speculation needs a draft model (drafter='sample')")
+            return SamplingSearch(ids, self.target, self.draft if use_draft else None, num_beams=gen.num_beams,
+                                  max_new_tokens=max_new, eos=eos, min_new_tokens=gen.min_new_tokens,
+                                  temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p, seed=gen.seed,
+                                  spec=spec if use_draft else None, **extra)
+        grow = chooser = budget_for = None
+        ahead = None
+        if use_draft and spec.drafter == "ahead":
+            # the target's own lookahead head guesses the tokens after each beam's next one: no draft model
+            ahead = HeadTree.of(self.target.ahead, spec)
+            budget_for = lambda load, total=spec.budget: max(gen.num_beams, total // load)   # noqa: E731
+            chooser = self._chooser(gen, spec) if spec.adaptive and drafter is None else None
+        elif use_draft:
+            # the budget is per target pass, shared by the requests in it: a lone request drafts a big tree, a busy
+            # batch small ones (a batch of 32 with 48 nodes each made 1,500-node passes, and adaptive speculation's
+            # probes of them cost 40% of a 64-line job); "auto" takes the largest pass the measured cost curve
+            # affords at this load (K beams per running request)
+            K = gen.num_beams
+            if spec.budget == "auto":
+                budget_for = lambda load: max(K, self.auto_budget(K * load, spec.auto_slack) // load)   # noqa: E731
+                spec = replace(spec, budget=budget_for(1))
+            else:
+                budget_for = lambda load, total=spec.budget: max(K, total // load)   # noqa: E731
+            dctx = self.draft.cfg.context_length if self.draft is not None else ctx
+            # prompt lookup of an encoder-decoder request searches its source (source-side spans)
+            grow = custom_drafter(drafter) if drafter else make_drafter(spec, gen.num_beams, eos, min(ctx, dctx),
+                                                                        source=source)
+            chooser = self._chooser(gen, spec) if spec.adaptive and drafter is None else None
+        # the beam head (a top-k or 'both' head) returns each node's best log-probs only: 2K + #EOS + 1 per beam
+        # always hold the 2K candidates beam search keeps, even with EOS masked by min_new_tokens; beam search
+        # then reads [beams, k], never a vocabulary-sized row (beam.BeamRows)
+        n_banned = len(self.encoder.suppressed) if source is not None else 0
+        history = bool(gen.no_repeat_ngram_size) or gen.repetition_penalty != 1.0
+        dense = history or constraints is not None
+        beam_head = self.target.cfg.output in ("topk", "both") and not dense
+        if dense and self.target.cfg.output == "topk":
+            what = "constraints need the log-probs of their tokens" if constraints is not None else \
+                "no_repeat_ngram_size / repetition_penalty move tokens a top-k head may need beyond its k"
+            raise ValueError(f"{self.target.folder}: {what}; export with --output_kind both (or logits) to use them")
+        topk = 2 * gen.num_beams + len(eos) + 1 + n_banned if beam_head else None
+        if constraints is not None and prefix:
+            # the output includes the target prefix: what it holds counts (a term in it is met, a span in it is
+            # copied once), so the search neither forces a term again nor doubles the markup
+            start = constraints.start
+            for t in prefix:
+                start = constraints.advance(start, t)
+            constraints.start = start
+        return ExactSearch(ids, self.target, self.draft, num_beams=gen.num_beams, max_new_tokens=max_new, eos=eos,
+                           length_penalty=gen.length_penalty, early_stopping=gen.early_stopping,
+                           min_new_tokens=gen.min_new_tokens, no_repeat_ngram_size=gen.no_repeat_ngram_size,
+                           repetition_penalty=gen.repetition_penalty,
+                           grow=grow, chooser=chooser, topk=topk,
+                           budget_for=budget_for, constraints=constraints,
+                           min_finished=gen.num_return_sequences, ahead=ahead, **extra)
+
+    def _statics(self, sources: list[list[int]], batch: int) -> list:
+        """Per request, static(with_draft) -> (target's, draft's) encoder outputs, or None for decoder-only
+        models. The encoders run when a request starts, over it and the next `batch` - 1 sources."""
+        if self.encoder is None:
+            return [None] * len(sources)
+        tq = EncoderQueue(self.encoder, sources, batch)
+        dq = EncoderQueue(self.draft_encoder, sources, batch) if self.draft_encoder is not None else None
+
+        def static(i, with_draft):
+            t = tq.get(i)
+            if not with_draft:
+                return t, None
+            if self.draft_cross is not None:
+                return t, shared_statics(t, self.draft_cross)
+            return t, (dq.get(i) if dq is not None else None)
+        return [lambda with_draft, i=i: static(i, with_draft) for i in range(len(sources))]
