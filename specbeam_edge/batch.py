@@ -56,7 +56,8 @@ def score_batch(calls: list[ScoreCall]) -> list:
         mixed = [i for i, c in enumerate(calls) if c.replayed and c.topk is not None and c.nodes]
         dense = [i for i, c in enumerate(calls) if c.topk is None and c.nodes]
         if mixed and dense:
-            rest = [i for i in range(len(calls)) if i not in set(mixed)]
+            alone = set(mixed)
+            rest = [i for i in range(len(calls)) if i not in alone]
             out: list = [None] * len(calls)
             for part in (mixed, rest):
                 for i, o in zip(part, score_batch([calls[i] for i in part])):

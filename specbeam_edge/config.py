@@ -254,10 +254,6 @@ DRAFTERS = ("beam", "best_first", "sample", "lookup", "ahead")
 # (100 held-out lines, identical output). K = 1 and 2 are bound by max_depth, not by the budget, below 80
 # (4 x 6 and 8 x 6 nodes), so they draw the same trees. docs/HISTORY.md "The default budget".
 DEFAULT_BUDGET = 80
-# streaming targets (some layers read from disk or host memory every pass): a pass costs one read of those layers
-# whatever the tree, so the tree is grown best-first (SpecExec) as large as the measured pass cost affords
-# (budget "auto": adaptive.streamed_cost_curve) and deeper; the engine takes these when a request leaves every
-# tree knob at its default (Engine.speculative_for)
 # The tools' min_path_prob for a lookahead head (drafter 'ahead'): a guess joins the tree only while the head gives
 # its path at least this. SmolLM2-135M, 24 prompts x 128 tokens (bench/README): the chain on every pass gave 1.73
 # tokens a pass but 1.08x plain (rows are not free: 4 rows cost 1.28x one row in that run), 0.1: 1.64 tokens, 1.16x.
@@ -344,7 +340,8 @@ class SpeculativeConfig:
             raise ValueError(f"draft_width ({self.draft_width}) must be >= num_beams ({num_beams})")
 
 
-# best-first, deep (up to 16 levels) and narrow (2 children a node: a draft level's cost grows with its rows), as
+# The tree of a target that streams layers (a pass costs one read of them whatever the tree), taken when a request
+# leaves every tree knob at its default (Engine.speculative_for): best-first, deep (up to 16 levels) and narrow (2 children a node: a draft level's cost grows with its rows), as
 # large as fits under the disk read (auto_slack 1.15: the tree's compute up to the read's time, the head a little
 # more); measured on Qwen2.5-Coder-1.5B streamed under 1/4 of its weights with the 0.5B drafting (bench.stream)
 STREAMED_TREE = dict(drafter="best_first", budget="auto", auto_slack=1.15, max_depth=16, max_branch_width=2)
