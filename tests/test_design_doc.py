@@ -1,0 +1,110 @@
+"""docs/DESIGN.md names only what exists, and stays short enough to read.
+
+A backticked span is a reference when it is a dotted name whose first part is a module of the package: either
+`module.Name` / `module.Name.attr` (module: a `.py` file in specbeam_edge/, or a module file the design's module
+table names, so a module the document promises is checked too), or a path starting with `specbeam_edge.`. Every
+other span is skipped: file names (`weights/embed.bin`, `batch.py`: the last part is a file suffix), CLI flags,
+ONNX tensor names (`past_key_values.{i}.key`), expressions (`generate(...)`).
+"""
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DESIGN = ROOT / "docs" / "DESIGN.md"
+PACKAGE = ROOT / "specbeam_edge"
+MAX_CHARS = 30_000
+
+# a dotted name: identifiers joined by dots, nothing else (no spaces, brackets, slashes, braces, calls)
+DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+")
+# last parts that make a dotted span a file name, not an attribute
+FILE_SUFFIXES = {"py", "json", "jsonl", "onnx", "bin", "data", "md", "txt", "gguf", "safetensors", "sqlite", "lock",
+                 "pid", "png", "sh", "toml", "tsv", "jinja"}
+
+
+def _text() -> str:
+    return DESIGN.read_text(encoding="utf-8")
+
+
+def _spans(text: str) -> list[str]:
+    """Inline code spans outside fenced blocks; a span may continue on the paragraph's next line (as Markdown's do),
+    never past a blank line."""
+    prose = re.sub(r"(?ms)^```.*?^```", "", text)
+    out = []
+    for paragraph in re.split(r"\n\s*\n", prose):
+        out += [" ".join(s.split()) for s in re.findall(r"`([^`]+)`", paragraph)]
+    return out
+
+
+def _table_modules(text: str) -> set[str]:
+    """Module files the design's tables name as bare `name.py` (the module table)."""
+    out = set()
+    for line in text.splitlines():
+        if line.startswith("|"):
+            out.update(re.findall(r"`([a-z_][a-z0-9_]*)\.py`", line))
+    return out
+
+
+def _modules(text: str) -> set[str]:
+    return {p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__"} | _table_modules(text)
+
+
+def _references(text: str) -> list[str]:
+    modules = _modules(text)
+    refs = []
+    for span in _spans(text):
+        if not DOTTED.fullmatch(span):
+            continue
+        parts = span.split(".")
+        if parts[-1] in FILE_SUFFIXES:
+            continue
+        if parts[0] == "specbeam_edge" or parts[0] in modules:
+            refs.append(span)
+    return list(dict.fromkeys(refs))
+
+
+def _resolve(ref: str) -> str | None:
+    """None when `ref` names something that exists, else why not. The package has no subpackages: the part after
+    `specbeam_edge` is a module, the rest a getattr chain."""
+    parts = ref.split(".")
+    if parts[0] == "specbeam_edge":
+        parts = parts[1:]
+    if not parts:
+        return None
+    module = f"specbeam_edge.{parts[0]}"
+    try:
+        obj = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        return f"no module {module}" if e.name == module else f"importing {module} failed: {e}"
+    where = module
+    for attr in parts[1:]:
+        if not hasattr(obj, attr):
+            return f"{where} has no {attr!r}"
+        obj, where = getattr(obj, attr), f"{where}.{attr}"
+    return None
+
+
+def test_design_fits_its_budget():
+    n = len(_text())
+    assert n <= MAX_CHARS, f"docs/DESIGN.md has {n} characters; at most {MAX_CHARS} (history goes to HISTORY.md)"
+
+
+def test_module_table_names_existing_modules():
+    missing = sorted(m for m in _table_modules(_text()) if not (PACKAGE / f"{m}.py").is_file())
+    assert not missing, f"docs/DESIGN.md's module table names files not in specbeam_edge/: {missing}"
+
+
+def test_every_module_reference_resolves():
+    refs = _references(_text())
+    assert len(refs) > 20, refs             # the rule still finds the document's references
+    problems = [f"`{ref}`: {why}" for ref in refs if (why := _resolve(ref)) is not None]
+    assert not problems, "docs/DESIGN.md names what does not exist:\n" + "\n".join(problems)
+
+
+def test_the_rule_skips_what_is_not_a_reference():
+    text = ("| `protocol.py` | x |\n\n`batch.score_batch` `weights/embed.bin` `batch.py` `invariance.json` "
+            "`--attention fp64` `past_key_values.{i}.key` `present.{i}.key` `generate(target_prefix=...)` `specbeam\n"
+            "fetch` `lm_head.token_ids` `specbeam_edge.contract` `protocol.ScoreCall`\n```\nbatch.NotInFences\n```\n")
+    assert _references(text) == ["batch.score_batch", "specbeam_edge.contract", "protocol.ScoreCall"]
