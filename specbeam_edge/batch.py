@@ -1,53 +1,53 @@
-"""The batched pass: one model pass over the new nodes of several requests' tree caches (docs/HISTORY.md "The
-batched pass" and "Batch rows").
+"""The batched pass: one model pass over the new nodes of several requests' tree caches (the messages it answers:
+protocol.py; docs/HISTORY.md "The batched pass" and "Batch rows").
 
 Request b's past is left-aligned and zero-padded to the longest past, its new rows follow the padded past;
 padding columns are masked out, padding rows see only themselves. A request alone is the batch of one: exactly
 the unpadded pass. Each cache takes its part of the pass's presents through `TreeCache`'s public interface
-(`pass_inputs`, `adopt_batch_row`, `record_pass`, `append_rows`, `unpad_for_packing`, `drop_padding`).
+(`pass_inputs`, `adopt_batch_row`, `record_pass`, `append_rows`, `unpad_for_packing`, `drop_padding`); the
+batch arrays (`cache.BatchKV`) are written only through their own methods.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from . import heads
+from .cache import BatchKV, TreeCache
 from .model import host
-
-if TYPE_CHECKING:     # annotations only: cache.py imports this module (TreeCache.score is the batch of one)
-    from .cache import TreeCache
+from .protocol import ScoreCall
 
 
-@dataclass
-class BatchKV:
-    """The presents of one batched pass: per layer (key, value) [B, kv_heads, Nm + Qm, head_dim] on the host."""
-    presents: list
-    Nm: int
-    Qm: int
+class StaticStacks:
+    """Per model: the requests' static inputs (an encoder's cross K/V) of its last batched pass and their stacked
+    arrays. A batch whose requests are the same, in the same order, feeds the same arrays instead of padding and
+    copying them anew every pass (docs/HISTORY.md "The batched pass"). The scheduler keeps one for its run."""
+
+    def __init__(self):
+        self._last: dict = {}      # model -> (statics, stacked)
+
+    def get(self, model, statics: list[dict]) -> dict[str, np.ndarray]:
+        last = self._last.get(model)
+        if last is not None and len(last[0]) == len(statics) and all(a is b for a, b in zip(last[0], statics)):
+            return last[1]
+        out = _stack_static(statics)
+        self._last[model] = (statics, out)
+        return out
 
 
-@dataclass
-class ScoreCall:
-    """A request's demand for one model pass: score `nodes` (parents before children) in `cache`. replayed: the
-    caller keeps the rows and reads rows of several passes together (exact beam search's target), so a 'both'
-    head answers it in one kind in every pass (its top-k, even over one row: mixing kinds broke beam steps, and
-    a one-row pass's log-softmax in Python rounds differently from the graph's)."""
-    cache: TreeCache
-    nodes: list[int]
-    topk: int | None = None
-    replayed: bool = False
-    ahead: bool = False      # a target with a lookahead head also returns its guesses (export/ahead.py)
+def score_one(cache: TreeCache, nodes: list[int], topk: int | None = None):
+    """One model pass over `nodes` of one cache (each node's parent cached or earlier in `nodes`): the batch of
+    one. Returns the head output (heads.DenseOutput [Q, V] logits, or heads.TopKOutput [Q, k])."""
+    return score_batch([ScoreCall(cache, nodes, topk)])[0]
 
 
-def score_batch(calls: list[ScoreCall]) -> list:
+def score_batch(calls: list[ScoreCall], stacks: StaticStacks | None = None) -> list:
     """One pass of one model over the new nodes of several requests' caches (a batch dimension: request b's
     past is left-aligned and zero-padded to the longest, its new rows follow the padded past; padding columns
     are masked out, padding rows see only themselves). Returns each call's head output (heads.DenseOutput, or
     heads.TopKOutput limited to its own k). Requests whose shapes differ a lot run as separate sub-batches (see
     `_buckets`). Passes longer than the model's context (a draft cache catching up, a very wide first step)
-    are split into chunks that fit: the rotary tables hold `context_length` rows."""
+    are split into chunks that fit: the rotary tables hold `context_length` rows. stacks: the run's stacked
+    static inputs (None: stacked afresh)."""
     model = calls[0].cache.model
     if model.cfg.output == "both":
         # a replayed call reads rows of several passes together, so it gets its top-k in every pass: beside a
@@ -60,7 +60,7 @@ def score_batch(calls: list[ScoreCall]) -> list:
             rest = [i for i in range(len(calls)) if i not in alone]
             out: list = [None] * len(calls)
             for part in (mixed, rest):
-                for i, o in zip(part, score_batch([calls[i] for i in part])):
+                for i, o in zip(part, score_batch([calls[i] for i in part], stacks)):
                     out[i] = o
             return out
     limit = model.cfg.context_length
@@ -77,7 +77,8 @@ def score_batch(calls: list[ScoreCall]) -> list:
             sub = [chunk[g] for g in group]
             k = (max((calls[i].topk or 0) for i, _ in sub) or None) if use_topk else None
             ahead = k is not None and any(calls[i].ahead for i, _ in sub)
-            for (i, part), out in zip(sub, _one_pass(model, [(calls[i].cache, part) for i, part in sub], k, ahead)):
+            for (i, part), out in zip(sub, _one_pass(model, [(calls[i].cache, part) for i, part in sub], k, ahead,
+                                                           stacks)):
                 outs[i].append(out.limit(calls[i].topk))
         todo = [(i, nodes[limit:]) for i, nodes in todo if len(nodes) > limit]
     return [type(o[0]).join(o) if o else heads.empty(c.cache.model) for o, c in zip(outs, calls)]
@@ -109,7 +110,8 @@ def _buckets(shapes: list[tuple[int, int]], min_split: int = 4) -> list[list[int
     return out
 
 
-def _one_pass(model, work: list[tuple[TreeCache, list[int]]], topk: int | None, ahead: bool = False) -> list:
+def _one_pass(model, work: list[tuple[TreeCache, list[int]]], topk: int | None, ahead: bool = False,
+              stacks: StaticStacks | None = None) -> list:
     """The model forward for a batch; appends every request's new KV; returns per-request head outputs."""
     if len(work) == 1 and len(work[0][1]) >= model.min_rows:   # the batch of one: exactly the unpadded pass
         cache, new = work[0]
@@ -135,9 +137,9 @@ def _one_pass(model, work: list[tuple[TreeCache, list[int]]], topk: int | None, 
     inputs = [cache.pass_inputs(new) for cache, new in work]
     # model.min_rows: a graph whose kernels change at one row (onnxruntime's GEMV path) gets a padding row
     Qm = max(model.min_rows, max(len(new) for _, new in work))
-    Nm = max(len(cache) for cache, _ in work)
+    Nm = max(len(cache.nodes) for cache, _ in work)
     results = _one_pass_rows(model, work, inputs, topk, Nm, Qm, shared.presents if shared is not None else None,
-                             gathers, ahead)
+                             gathers, ahead, stacks)
     return results if shared is None else [results[i] for i in np.argsort(order)]
 
 
@@ -153,16 +155,17 @@ def _same_batch(caches: list[TreeCache], max_padding: float = 0.10, slack: int =
     T = shared.Nm + shared.Qm
     rows = set()
     for c in caches:
-        if c.batch is None or c.batch[0] is not shared or len(c) != T:
+        if c.batch is None or c.batch[0] is not shared or len(c.nodes) != T:
             return None
         rows.add(c.batch[1])
     if rows != set(range(shared.presents[0][0].shape[0])) or len(rows) != len(caches):
         return None
-    longest = max(len(c) - c.padding for c in caches)
+    longest = max(len(c.nodes) - c.padding for c in caches)
     return shared if longest + slack >= (1 - max_padding) * T else None
 
 
-def _one_pass_rows(model, work, inputs, topk, Nm, Qm, shared_past, gathers, ahead: bool = False) -> list:
+def _one_pass_rows(model, work, inputs, topk, Nm, Qm, shared_past, gathers, ahead: bool = False,
+                   stacks: StaticStacks | None = None) -> list:
     """The batched pass proper; shared_past: the batch arrays to feed as they are (rows in work's order); else
     gathers: per request (its arrays, the slots to take or None for all), packed into new padded arrays."""
     B = len(work)
@@ -172,7 +175,7 @@ def _one_pass_rows(model, work, inputs, topk, Nm, Qm, shared_past, gathers, ahea
     mask = np.zeros((B, 1, Qm, Nm + Qm), bool)
     mask[:, 0, :, Nm:] = np.eye(Qm, dtype=bool)       # padding rows attend to themselves only
     for b, ((cache, new), (i, p, m)) in enumerate(zip(work, inputs)):
-        N, Q = len(cache), len(new)
+        N, Q = len(cache.nodes), len(new)
         ids[b, :Q], pos[b, :Q] = i, p
         kpos[b, :N], kpos[b, Nm:Nm + Q] = cache.positions, p
         mask[b, 0, :Q, :N] = m[:, :N]
@@ -180,9 +183,11 @@ def _one_pass_rows(model, work, inputs, topk, Nm, Qm, shared_past, gathers, ahea
     past = shared_past if shared_past is not None else _pack(model, gathers, Nm)
     kw = {"key_positions": kpos} if model.needs_key_positions else {}
     if work[0][0].static:
-        kw["static"] = _batched_static(model, [cache.static for cache, _ in work])
+        statics = [cache.static for cache, _ in work]
+        kw["static"] = stacks.get(model, statics) if stacks is not None else _stack_static(statics)
     out, presents = model.forward(ids, pos, mask, past, topk=topk, ahead=ahead, **kw)
-    presents = [(host(k), host(v)) for k, v in presents]
+    if model.kv_resident:         # else the presents are host arrays already
+        presents = [(host(k), host(v)) for k, v in presents]
     batch = None if model.kv_resident else BatchKV(presents, Nm, Qm)
     results = []
     for b, ((cache, new), (_, _, m), head) in enumerate(zip(work, inputs, heads.wrap(out))):
@@ -213,21 +218,6 @@ def _pack(model, gathers: list, Nm: int) -> list:
                 np.take(cv, idx, axis=1, out=v[b, :, :len(idx)], mode="clip")
         past.append((model.to_kv(k), model.to_kv(v)))
     return past
-
-
-# per model: the requests' static inputs of its last batched pass and their stacked arrays. A batch whose
-# requests are the same, in the same order, feeds the same arrays instead of padding and copying them anew
-# every pass (docs/HISTORY.md "The batched pass")
-_STACKED: dict[int, tuple[list, dict]] = {}
-
-
-def _batched_static(model, statics: list[dict]) -> dict[str, np.ndarray]:
-    last = _STACKED.get(id(model))
-    if last is not None and len(last[0]) == len(statics) and all(a is b for a, b in zip(last[0], statics)):
-        return last[1]
-    out = _stack_static(statics)
-    _STACKED[id(model)] = (statics, out)
-    return out
 
 
 def _stack_static(statics: list[dict]) -> dict[str, np.ndarray]:

@@ -6,6 +6,8 @@ decoding (transformers' greedy path: argmax, stop at EOS).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from .tree import TokenTree
@@ -161,6 +163,24 @@ class BeamRows:
         return vals, flat
 
 
+@dataclass(frozen=True)
+class RankedStep:
+    """One beam step of one search, ranked (BeamSearch.step, or step_many over many searches): candidates
+    `beam`/`tok` [M], those that stopped (`just`), the finished hypotheses to keep (`keep` into `merged`, the old
+    finished and the candidates' scores, with `done_flags`), the next running candidates `nxt` and their
+    `scores`, and the early-stop state after the step."""
+    beam: np.ndarray
+    tok: np.ndarray
+    just: np.ndarray
+    keep: np.ndarray
+    merged: np.ndarray
+    done_flags: np.ndarray
+    nxt: np.ndarray
+    scores: np.ndarray
+    improvable: bool
+    done: bool
+
+
 class BeamSearch:
     """One request's beam-search state; `step` consumes the processed log-probs of the running beams."""
 
@@ -224,31 +244,35 @@ class BeamSearch:
         cand = cand + (~just).astype(np.float32) * NEG
         merged = np.concatenate([self.fin_scores, cand.astype(np.float32)])
         keep = _top(merged, K)
-        self._advance(beam, tok, just, keep, merged, np.concatenate([self.fin_done, just]), nxt)
-        self.scores = run_scores[nxt].astype(np.float32)
-        self.cur_len += 1
+        done_flags = np.concatenate([self.fin_done, just])
+        scores = run_scores[nxt].astype(np.float32)
+        fin_scores, fin_done = merged[keep], done_flags[keep]
         # early-stop heuristic (sticky)
         if self.early == "never" and self.length_penalty > 0.0:
             L = self.max_length - self.prompt_len
         else:
-            L = self.cur_len - self.prompt_len
-        best = self.scores[0] / np.float32(L ** self.length_penalty)
-        worst = np.where(self.fin_done, self.fin_scores.min(), NEG)
-        self.improvable = self.improvable and bool((best > worst).any())
-        open_beam = not (bool(self.fin_done.all()) and self.early is True)
-        self.done = not (self.improvable and open_beam and not bool(hit.all()))
-        return self.running
+            L = self.cur_len + 1 - self.prompt_len
+        best = scores[0] / np.float32(L ** self.length_penalty)
+        worst = np.where(fin_done, fin_scores.min(), NEG)
+        improvable = self.improvable and bool((best > worst).any())
+        open_beam = not (bool(fin_done.all()) and self.early is True)
+        done = not (improvable and open_beam and not bool(hit.all()))
+        return self.commit_step(RankedStep(beam, tok, just, keep, merged, done_flags, nxt, scores, improvable,
+                                           done))
 
-    def _advance(self, beam: np.ndarray, tok: np.ndarray, just: np.ndarray, keep: np.ndarray, merged: np.ndarray,
-                 done_flags: np.ndarray, nxt: np.ndarray) -> list[int]:
-        """The tree side of a step (step and step_many): new finished hypotheses, then the next running beams."""
-        cand_nodes = [None] * len(tok)
-        for j in np.flatnonzero(just):
-            cand_nodes[j] = self.tree.add(self.running[beam[j]], tok[j])
+    def commit_step(self, step: "RankedStep") -> list[int]:
+        """Take a ranked step (computed by `step`, or for many searches at once by `step_many`): the tree's new
+        finished hypotheses and running beams, the scores and the stopping state. Returns the running nodes."""
+        cand_nodes = [None] * len(step.tok)
+        for j in np.flatnonzero(step.just):
+            cand_nodes[j] = self.tree.add(self.running[step.beam[j]], step.tok[j])
         nodes = self.fin_nodes + cand_nodes
-        self.fin_scores, self.fin_done = merged[keep], done_flags[keep]
-        self.fin_nodes = [nodes[i] if nodes[i] is not None else -1 for i in keep]
-        self.running = [self.tree.add(self.running[beam[j]], tok[j]) for j in nxt]
+        self.fin_scores, self.fin_done = step.merged[step.keep], step.done_flags[step.keep]
+        self.fin_nodes = [nodes[i] if nodes[i] is not None else -1 for i in step.keep]
+        self.running = [self.tree.add(self.running[step.beam[j]], step.tok[j]) for j in step.nxt]
+        self.scores = step.scores.astype(np.float32)
+        self.cur_len += 1
+        self.improvable, self.done = bool(step.improvable), bool(step.done)
         return self.running
 
     def proposals(self) -> list[int]:
@@ -317,11 +341,14 @@ def step_many(states: list[BeamSearch], rows: list[BeamRows | np.ndarray]) -> No
         if len(members) == 1:                       # alone, the scalar step is the faster (see _step_group)
             states[members[0]].step(rows[members[0]])
             continue
-        _step_group([states[i] for i in members], [rows[i] for i in members], K, M)
+        group = [states[i] for i in members]
+        for bs, ranked in zip(group, _step_group(group, [rows[i] for i in members], K, M)):
+            bs.commit_step(ranked)
 
 
-def _step_group(states: list[BeamSearch], rows: list, K: int, M: int) -> None:
-    """BeamSearch.step over R searches at once (same K and M); every line mirrors one of step's (tests/
+def _step_group(states: list[BeamSearch], rows: list, K: int, M: int) -> list[RankedStep]:
+    """BeamSearch.step's ranking over R searches at once (same K and M), one RankedStep per search (each search
+    commits its own); every line mirrors one of step's (tests/
     test_step_many.py holds the two equal). step stays the scalar form: a group of one measured 1.15-1.8x slower
     per step than step itself (beam-head rows, K = 4; two alternated micro-runs, noisy machine), and a request
     alone is the laptop's common case."""
@@ -367,8 +394,5 @@ def _step_group(states: list[BeamSearch], rows: list, K: int, M: int) -> None:
     improvable = ~stuck & (best[:, None] > worst).any(axis=1)
     open_beam = ~(new_fin_done.all(axis=1) & early_true)
     done = ~(improvable & open_beam & ~hit.all(axis=1))
-    for r, bs in enumerate(states):
-        bs._advance(beam[r], tok[r], just[r], keep[r], merged[r], done_flags[r], nxt[r])
-        bs.scores = scores[r].astype(np.float32)
-        bs.cur_len += 1
-        bs.improvable, bs.done = bool(improvable[r]), bool(done[r])
+    return [RankedStep(beam[r], tok[r], just[r], keep[r], merged[r], done_flags[r], nxt[r], scores[r],
+                       bool(improvable[r]), bool(done[r])) for r in range(R)]

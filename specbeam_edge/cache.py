@@ -5,20 +5,40 @@ All beams of a request are nodes of one `TokenTree` (tree.py). Each model keeps 
 t" (t is s or an ancestor of s). The prompt is stored once; beams share their common prefix. Rejected or
 abandoned nodes become dead slots and are dropped by `compact`, so memory stays bounded.
 
-The batched pass reads and records a pass through the public methods `pass_inputs`, `record_pass`,
-`append_rows`, `adopt_batch_row`, `unpad_for_packing` and `drop_padding`.
+The batched pass (batch.py, which this module does not import) reads and records a pass through the public
+methods `pass_inputs`, `record_pass`, `append_rows`, `adopt_batch_row`, `unpad_for_packing` and `drop_padding`.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from .batch import BatchKV, ScoreCall, score_batch
 from .model import OnnxCausalLM, host, kv_nbytes
 from .tree import TokenTree
 
 
+@dataclass
+class BatchKV:
+    """The presents of one batched pass, per layer (key, value) [B, kv_heads, Nm + Qm, head_dim] on the host.
+    Request b's cache takes row b as its KV (views, no copy: `adopt_batch_row` below) while it stays that
+    row, so the next pass over the same requests feeds these arrays as they are. Only the batch writes into
+    them: a row compacts in place through `compact_row`."""
+    presents: list
+    Nm: int
+    Qm: int
+
+    def compact_row(self, row: int, idx: np.ndarray) -> None:
+        """Move the slots `idx` (in order) of request `row` to the front of its row (one copy of them); what
+        follows them becomes that row's padding."""
+        n = len(idx)
+        for k, v in self.presents:
+            k[row, :, :n] = k[row][:, idx]
+            v[row, :, :n] = v[row][:, idx]
+
+
 class TreeCache:
-    """KV of one model over nodes of a TokenTree; `score` runs the model on new nodes in one pass."""
+    """KV of one model over nodes of a TokenTree (batch.score_one runs the model on new nodes in one pass)."""
 
     def __init__(self, model: OnnxCausalLM, tree: TokenTree, static: dict | None = None):
         """static: the request's fixed extra graph inputs, name -> (array with batch axis 1, pad axis), e.g. an
@@ -70,12 +90,6 @@ class TreeCache:
                 mask[j, :N] = self.vis[self.slot[p]]
             mask[j, N + j] = True
         return mask
-
-    def score(self, new: list[int], topk: int | None = None):
-        """One model pass over `new` (each node's parent is cached or earlier in `new`); appends their KV.
-
-        Returns the head output for the new nodes (heads.DenseOutput [Q, V] logits, or heads.TopKOutput [Q, k])."""
-        return score_batch([ScoreCall(self, new, topk)])[0]
 
     def pass_inputs(self, new: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(token ids [Q], positions [Q], tree mask [Q, N + Q]) of a pass over `new` (none of them cached yet)."""
@@ -143,7 +157,10 @@ class TreeCache:
     def _note_peak(self):
         """The request's own KV bytes: its slots, not the padding of a batch it is a row of."""
         T = len(self.nodes)
-        total = sum(kv_nbytes(k) + kv_nbytes(v) for k, v in self.past)
+        if not self.past:
+            return
+        k = self.past[0][0]      # every layer's key and value have its shape
+        total = 2 * len(self.past) * (k.nbytes if isinstance(k, np.ndarray) else kv_nbytes(k))
         self.peak_bytes = max(self.peak_bytes, total * (T - self.padding) // max(T, 1))
 
     def live_slots(self, keep_nodes) -> np.ndarray:
@@ -194,15 +211,14 @@ class TreeCache:
         return old, idx
 
     def _keep(self, idx: np.ndarray) -> None:
-        """Keep the slots `idx` (in order). A batch row compacts inside the row and keeps its length: the kept
-        slots move to its front (one copy of them, as any compaction) and the rest becomes padding, so the next
-        pass of the batch still feeds its arrays as they are. Otherwise the kept slots become arrays of their own
-        (a resident cache makes a round trip through the host: rare, only once >= 25% of it is dead)."""
+        """Keep the slots `idx` (in order). A batch row compacts inside the row and keeps its length: the batch
+        moves the kept slots to the row's front (BatchKV.compact_row: one copy of them, as any compaction) and the
+        rest becomes padding, so the next pass of the batch still feeds its arrays as they are. Otherwise the kept
+        slots become arrays of their own (a resident cache makes a round trip through the host: rare, only once
+        >= 25% of it is dead)."""
         if self.batch is not None:
-            n = len(idx)
-            for k, v in self.past:
-                k[0, :, :n] = k[0][:, idx]
-                v[0, :, :n] = v[0][:, idx]
+            batch, row = self.batch
+            batch.compact_row(row, idx)
             self._renumber(idx, len(self.nodes))
             return
         self.past = [(self.model.to_kv(np.ascontiguousarray(host(k)[:, :, idx])),

@@ -181,7 +181,7 @@ def cmd_generate(args) -> int:
             if args.stats and chunk is not None:
                 print(json.dumps({**chunk.stats.as_dict(), "finish_reason": "interrupted"}), file=sys.stderr)
             left = len(prompts) - n - 1
-            print(f"specbeam: interrupted; the answer so far is above"
+            print("specbeam: interrupted; the answer so far is above"
                   + (f"; {n} of {len(prompts)} prompts finished, {left} not started" if len(prompts) > 1 else ""),
                   file=sys.stderr)
             return 130
@@ -225,62 +225,87 @@ def cmd_chat(args) -> int:
     overrides, spec = configs(args)
     engine = open_engine(args, spec)
     gen = engine.generation_config(**overrides)       # bad settings fail here, not on every message
-    ctx = engine.target.cfg.context_length
     messages = [{"role": "system", "content": args.system}] if args.system else []
     if sys.stdin is None:
         raise ValueError("stdin is closed; chat reads your messages from it")
     print(f"chat: {CHAT_KEYS}", file=sys.stderr)
     say_streaming(engine, args)
     while True:
-        print(">>> ", end="", file=sys.stderr, flush=True)      # the marker between turns (Ollama's)
-        try:
-            raw = sys.stdin.buffer.readline()
-        except KeyboardInterrupt:
-            print(file=sys.stderr)
+        line = _read_message()
+        if line is None:            # Ctrl-C at the prompt
             return 0
-        try:
-            line = raw.decode("utf-8").strip()
-        except UnicodeDecodeError as e:
-            print(f"chat: that message is not valid UTF-8 ({e.reason} at byte {e.start}) and was not sent; type it "
-                  f"again", file=sys.stderr)
+        if line is False:           # not valid UTF-8: said so, nothing sent
             continue
         if not line:
             print(file=sys.stderr)
             break
         turn = messages + [{"role": "user", "content": line}]
-        answer, chunk, stopped = "", None, False
-        try:
-            for chunk in engine.chat(turn, gen, spec, stream=True):
-                answer += chunk.text
-                print(chunk.text, end="", flush=True)
-        except KeyboardInterrupt:
-            stopped = True
-        except ChatTemplateError as e:      # the model folder's template refused this conversation (or broke)
-            print(f"chat: that message was not sent: {e}", file=sys.stderr)
+        answered = _answer(engine, turn, gen, spec)
+        if answered is None:        # refused before the answer: said so, the conversation is unchanged
             continue
-        except ValueError as e:         # e.g. over the model's context, a template error: refused before the answer
-            if answer:
-                raise
-            print(f"chat: that message was not sent ({e}); send a shorter one, or start a new chat with a "
-                  f"shorter history", file=sys.stderr)
-            continue
-        print(flush=True)
-        result = None if stopped or chunk is None else chunk.result
-        if result is not None and result.left_out and engine.tokenizer.chat_template:
-            print(f"chat: the earliest {result.left_out} message(s) no longer fit the model's context ({ctx} tokens) "
-                  f"and were left out of this turn", file=sys.stderr)
-        if stopped:
-            print("chat: stopped; the answer so far is kept in the conversation", file=sys.stderr)
-        elif result is not None:
-            note = cut_note(result, gen, ctx)
-            if note:
-                print(f"chat: {note}", file=sys.stderr)
+        answer, chunk, stopped = answered
+        _report_turn(engine, args, gen, chunk, stopped)
         messages = turn + [{"role": "assistant", "content": answer}]
-        if args.stats and chunk is not None:
-            stats = result.stats if result is not None else chunk.stats
-            print(json.dumps({**stats.as_dict(),
-                              "finish_reason": "interrupted" if stopped else result.finish_reason}), file=sys.stderr)
     return 0
+
+
+def _read_message():
+    """The user's next message (stripped; '' ends the chat), None on Ctrl-C, False for bytes that are not UTF-8
+    (reported)."""
+    print(">>> ", end="", file=sys.stderr, flush=True)      # the marker between turns (Ollama's)
+    try:
+        raw = sys.stdin.buffer.readline()
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return None
+    try:
+        return raw.decode("utf-8").strip()
+    except UnicodeDecodeError as e:
+        print(f"chat: that message is not valid UTF-8 ({e.reason} at byte {e.start}) and was not sent; type it "
+              f"again", file=sys.stderr)
+        return False
+
+
+def _answer(engine, turn: list[dict], gen, spec):
+    """Stream the answer to one turn to stdout: (answer text, last chunk, stopped by Ctrl-C), or None when the
+    message was refused before any answer (reported)."""
+    answer, chunk, stopped = "", None, False
+    try:
+        for chunk in engine.chat(turn, gen, spec, stream=True):
+            answer += chunk.text
+            print(chunk.text, end="", flush=True)
+    except KeyboardInterrupt:
+        stopped = True
+    except ChatTemplateError as e:      # the model folder's template refused this conversation (or broke)
+        print(f"chat: that message was not sent: {e}", file=sys.stderr)
+        return None
+    except ValueError as e:         # e.g. over the model's context, a template error: refused before the answer
+        if answer:
+            raise
+        print(f"chat: that message was not sent ({e}); send a shorter one, or start a new chat with a "
+              f"shorter history", file=sys.stderr)
+        return None
+    print(flush=True)
+    return answer, chunk, stopped
+
+
+def _report_turn(engine, args, gen, chunk, stopped: bool) -> None:
+    """After an answer: messages left out of the context, a stop or a cut, and --stats."""
+    ctx = engine.target.cfg.context_length
+    result = None if stopped or chunk is None else chunk.result
+    if result is not None and result.left_out and engine.tokenizer.chat_template:
+        print(f"chat: the earliest {result.left_out} message(s) no longer fit the model's context ({ctx} tokens) "
+              f"and were left out of this turn", file=sys.stderr)
+    if stopped:
+        print("chat: stopped; the answer so far is kept in the conversation", file=sys.stderr)
+    elif result is not None:
+        note = cut_note(result, gen, ctx)
+        if note:
+            print(f"chat: {note}", file=sys.stderr)
+    if args.stats and chunk is not None:
+        stats = result.stats if result is not None else chunk.stats
+        print(json.dumps({**stats.as_dict(),
+                          "finish_reason": "interrupted" if stopped else result.finish_reason}), file=sys.stderr)
 
 
 MODEL_HELP = ("target model folder, or the name of a fetched model (specbeam fetch smollm2; then --model "

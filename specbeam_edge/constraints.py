@@ -59,7 +59,7 @@ class Constraints:
         self.on_text = [ci for ci, t in enumerate(self.text) if t is not None]
         # how the beam is shared: "banks" (dynamic beam allocation) when a constraint is a term the model may not
         # write unasked; "reserve" (one place for the most advanced candidate, the rest as plain beam search)
-        # when all are copied spans, which the model mostly writes anyway (measured: DESIGN)
+        # when all are copied spans, which the model mostly writes anyway (measured: docs/HISTORY.md)
         self.allocation = "reserve" if len(self.on_text) == n else "banks"
         self.all_met = (1 << n) - 1
         # a constraint's weight in the banks: its shortest alternative's length (the tokens it takes at least)
@@ -291,7 +291,7 @@ class ConstrainedBeamSearch(BeamSearch):
         one and early_stopping=True, or no running beam's best possible score beats the worst of them), and
         sooner: once `min_finished` of them are finished and no running beam's score beats the best of them.
         (Beams that may not stop before they meet the constraints otherwise run on: measured on the shipped pair,
-        40-75% more steps than the output's tokens, and longer, worse outputs; docs/DESIGN.md.)"""
+        40-75% more steps than the output's tokens, and longer, worse outputs; docs/HISTORY.md.)"""
         if self.early == "never" and self.length_penalty > 0.0:
             L = self.max_length - self.prompt_len
         else:
@@ -340,49 +340,8 @@ def parse(constraints, phrase, decode=None, eos=()) -> Constraints | None:
             forbid = _forbid_other_spans(c, i, constraints)
             continue
         if isinstance(c, dict):
-            unknown = set(c) - {"phrase", "text", "count", "exact", "after"}
-            if unknown or ("phrase" in c) == ("text" in c):
-                raise TypeError(f"constraint {i}: a dict takes 'phrase' or 'text', and optionally 'count', 'exact', "
-                                f"'after'; got {sorted(c)}")
-            if "text" in c and (not isinstance(c["text"], str) or not c["text"].strip()):
-                raise TypeError(f"constraint {i}: 'text' must be a non-empty string, not only spaces, got {c['text']!r}")
-            if "text" in c:
-                _check_text(i, c["text"])
-            opts, c = c, c.get("phrase", c.get("text"))
-            count, prior = opts.get("count", 1), opts.get("after")
-            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-                raise ValueError(f"constraint {i}: count must be an int >= 1, got {count!r}")
-            if not isinstance(opts.get("exact", False), bool):
-                raise TypeError(f"constraint {i}: exact must be true or false, got {opts['exact']!r}")
-            if prior is not None and (isinstance(prior, bool) or not isinstance(prior, int) or
-                                      prior not in index or prior == i):
-                raise ValueError(f"constraint {i}: after must be the index of another constraint (not a "
-                                 f"no_other_spans item), got {prior!r}")
-        if isinstance(c, str) or _token_ids(c):
-            c = [c]
-        if not isinstance(c, (list, tuple)) or not c:
-            raise TypeError(f"constraint {i}: {c!r} is not a text, token ids or a list of alternatives")
-        alts = []
-        for a in c:
-            if isinstance(a, str):
-                _check_text(i, a)
-                if not a.strip():
-                    raise ValueError(f"constraint {i}: {a!r} is only spaces; give a word or phrase")
-            elif not (_token_ids(a) or isinstance(a, (list, tuple)) and not a):    # [] has no tokens
-                raise TypeError(f"constraint {i}: alternative {a!r} is neither a text nor a list of token ids (ints)")
-            forms = [a, " " + a] if isinstance(a, str) and not a[:1].isspace() else [a]
-            for f in forms:
-                try:
-                    ids = phrase(f)
-                except (TypeError, ValueError) as e:
-                    raise type(e)(f"constraint {i}: {str(e).replace('target prefix token', 'token')}") from None
-                if not ids:
-                    raise ValueError(f"constraint {i}: {a!r} has no tokens")
-                if eos & set(ids):
-                    raise ValueError(f"constraint {i}: {a!r} holds the end-of-sequence token "
-                                     f"{sorted(eos & set(ids))[0]}; a hypothesis ends there, so it can never be "
-                                     f"met inside one")
-                alts.append(tuple(ids))
+            opts, c = _options(i, c, index), c.get("phrase", c.get("text"))
+        alts = _alternatives(i, c, phrase, eos)
         out.append(list(dict.fromkeys(alts)))
         text.append(opts.get("text"))
         need.append(opts.get("count", 1))
@@ -391,6 +350,58 @@ def parse(constraints, phrase, decode=None, eos=()) -> Constraints | None:
     if not out and forbid is None:
         return None
     return Constraints(out, need, exact, after, text, decode, phrase, forbid=forbid)
+
+
+def _options(i: int, c: dict, index: dict) -> dict:
+    """Constraint i given as a dict, checked: its options (the phrase or text is the caller's to read)."""
+    unknown = set(c) - {"phrase", "text", "count", "exact", "after"}
+    if unknown or ("phrase" in c) == ("text" in c):
+        raise TypeError(f"constraint {i}: a dict takes 'phrase' or 'text', and optionally 'count', 'exact', "
+                        f"'after'; got {sorted(c)}")
+    if "text" in c and (not isinstance(c["text"], str) or not c["text"].strip()):
+        raise TypeError(f"constraint {i}: 'text' must be a non-empty string, not only spaces, got {c['text']!r}")
+    if "text" in c:
+        _check_text(i, c["text"])
+    count, prior = c.get("count", 1), c.get("after")
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"constraint {i}: count must be an int >= 1, got {count!r}")
+    if not isinstance(c.get("exact", False), bool):
+        raise TypeError(f"constraint {i}: exact must be true or false, got {c['exact']!r}")
+    if prior is not None and (isinstance(prior, bool) or not isinstance(prior, int) or
+                              prior not in index or prior == i):
+        raise ValueError(f"constraint {i}: after must be the index of another constraint (not a "
+                         f"no_other_spans item), got {prior!r}")
+    return c
+
+
+def _alternatives(i: int, c, phrase, eos: set) -> list[tuple]:
+    """Constraint i's alternatives as token-id tuples (a text also in its form after a space), checked."""
+    if isinstance(c, str) or _token_ids(c):
+        c = [c]
+    if not isinstance(c, (list, tuple)) or not c:
+        raise TypeError(f"constraint {i}: {c!r} is not a text, token ids or a list of alternatives")
+    alts = []
+    for a in c:
+        if isinstance(a, str):
+            _check_text(i, a)
+            if not a.strip():
+                raise ValueError(f"constraint {i}: {a!r} is only spaces; give a word or phrase")
+        elif not (_token_ids(a) or isinstance(a, (list, tuple)) and not a):    # [] has no tokens
+            raise TypeError(f"constraint {i}: alternative {a!r} is neither a text nor a list of token ids (ints)")
+        forms = [a, " " + a] if isinstance(a, str) and not a[:1].isspace() else [a]
+        for f in forms:
+            try:
+                ids = phrase(f)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"constraint {i}: {str(e).replace('target prefix token', 'token')}") from None
+            if not ids:
+                raise ValueError(f"constraint {i}: {a!r} has no tokens")
+            if eos & set(ids):
+                raise ValueError(f"constraint {i}: {a!r} holds the end-of-sequence token "
+                                 f"{sorted(eos & set(ids))[0]}; a hypothesis ends there, so it can never be "
+                                 f"met inside one")
+            alts.append(tuple(ids))
+    return alts
 
 
 def _token_ids(x) -> bool:

@@ -14,7 +14,7 @@ from typing import Generator, Protocol
 
 import numpy as np
 
-from .batch import ScoreCall
+from .protocol import ScoreCall
 from .cache import TreeCache
 from .config import SpeculativeConfig
 

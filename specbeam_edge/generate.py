@@ -18,6 +18,7 @@ import numpy as np
 from . import invariance
 from . import constraints as lexical
 from .adaptive import PassChooser
+from .batch import score_one
 from .cache import TreeCache
 from .config import GenerationConfig, ModelFolderError, SpeculativeConfig
 from .encdec import Encoder, is_encoder_decoder, shared_cross_layers
@@ -25,8 +26,9 @@ from .invariance import Invariance, NotInvariantError, QuantizationWarning, satu
 from .model import OnnxCausalLM
 from .prompting import PromptMixin
 from .results import Alternative, Hypothesis, Result, Stats, StreamChunk, answer_tokens, peak_rss_mb
-from .scheduler import Job, Scheduler
-from .search_setup import SearchSetup
+from .protocol import Job
+from .scheduler import Scheduler
+from .search_setup import Request, SearchSetup
 from .tokenizer import Tokenizer, check_compatible, check_vocabulary
 from .tree import TokenTree
 
@@ -149,10 +151,9 @@ class Engine(PromptMixin, SearchSetup):
         forced_bos = self._forced_bos(tgt_lang)
         ids = self.encode(prompt, src_lang, raw)
         prefix = self._prefix_ids(target_prefix)
-        job = Job(0, len(ids), self._new_search(ids, gen, speculative, drafter, self._statics([ids], 1)[0],
-                                                forced_bos, prefix,
-                                                lexical.parse(constraints, self._prefix_ids, self._decode,
-                                                              self._eos_of(gen))))
+        request = Request(tuple(ids), gen, speculative, drafter, self._statics([ids], 1)[0], forced_bos,
+                          tuple(prefix), lexical.parse(constraints, self._prefix_ids, self._decode, self._eos_of(gen)))
+        job = Job(0, len(ids), self._new_search(request))
         for _, progress, finished in Scheduler(self.target, max_batch_size=1).run([job]):
             if not finished:
                 yield progress.state, progress.stats
@@ -266,8 +267,8 @@ class Engine(PromptMixin, SearchSetup):
                                    lambda c: lexical.parse(c, self._prefix_ids, self._decode,
                                                                      self._eos_of(gen)))
         statics = self._statics(sources, max_batch_size)
-        jobs = [Job(i, len(ids), self._new_search(ids, gen, speculative, drafter, statics[i], forced_bos,
-                                                  prefixes[i], lexicon[i]))
+        jobs = [Job(i, len(ids), self._new_search(Request(tuple(ids), gen, speculative, drafter, statics[i],
+                                                          forced_bos, tuple(prefixes[i] or ()), lexicon[i])))
                 for i, ids in enumerate(sources)]
         sched = Scheduler(self.target, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens)
         for i, progress, finished in sched.run(jobs):
@@ -341,7 +342,7 @@ class Engine(PromptMixin, SearchSetup):
             banned = (len(self.encoder.suppressed) if self.encoder is not None else 0) + len(self.eos) + \
                 len(np.atleast_1d(gen.eos_token_id if gen.eos_token_id is not None else []))
             k = min(n + banned, self.target.cfg.vocab_size) if self.target.cfg.output == "topk" else None
-            out = cache.score(nodes, k).take([len(nodes) - 1])
+            out = score_one(cache, nodes, k).take([len(nodes) - 1])
         finally:
             cache.release()
         V = self.target.cfg.vocab_size

@@ -111,42 +111,9 @@ class OnnxCausalLM:
             raise ModelFolderError(f"{self.folder}: layer streaming (max_memory/placement) needs the split layout; "
                                    f"export with --layout split")
         if cfg.layout == "whole":
-            self.sess = _session(self.folder / cfg.files["model"], threads, providers, spin)
-            self.needs_key_positions = _declares(self.sess, KEY_POSITIONS)
-            # a graph whose head the config does not name (an attach killed between its two renames) runs
-            # with the head off
-            self.ahead_input = bool(self.ahead) or _declares(self.sess, AHEAD_INPUT)
-            want_in = {*TOKEN_INPUTS, *[n for p in self.past_names for n in p],
-                       *([KEY_POSITIONS] if self.needs_key_positions else []), *self.static_inputs,
-                       *([AHEAD_INPUT] if self.ahead_input else [])}
-            self._check_io(self.sess, want_in | set(head_inputs), {*all_heads, *self.present_flat, *self.ahead_outputs},
-                           cfg.files["model"])
+            self._load_whole(threads, providers, spin, head_inputs, all_heads)
         else:
-            # the embedding: a table mapped from its file (a pass reads only its tokens' rows, so it costs no
-            # memory budget), or an embed graph in older exports
-            table = cfg.files.get("embed_table")
-            self.embed = None if table else _session(self.folder / cfg.files["embed"], threads, providers, spin)
-            self.embed_table = None if not table else np.memmap(
-                self.folder / table["file"], dtype=table["dtype"], mode="r", shape=tuple(table["shape"]))
-            self.layer = _session(self.folder / cfg.files["layer"], threads, providers, spin)
-            self.head = _session(self.folder / cfg.files["head"], threads, providers, spin)
-            manifest = cfg.files["layer_manifest"]
-            if self.embed is not None:
-                self._check_io(self.embed, {"input_ids"}, {HIDDEN}, cfg.files["embed"])
-            self.needs_key_positions = _declares(self.layer, KEY_POSITIONS)
-            self._check_io(self.layer, {HIDDEN, "position_ids", "attention_mask", *LAYER_PAST,
-                                        *[m["name"] for m in manifest],
-                                        *([KEY_POSITIONS] if self.needs_key_positions else [])},
-                           {LAYER_HIDDEN_OUT, *LAYER_PRESENT}, cfg.files["layer"])
-            self._check_io(self.head, {HIDDEN, *head_inputs}, set(all_heads), cfg.files["head"])
-            fixed = sum((self.folder / cfg.files[k]).stat().st_size for k in ("head",) + (() if table else ("embed",)))
-            self.placement = plan(L, layer_nbytes(manifest), fixed, max_memory, host_memory, placement)
-            self.device = "cuda" if "CUDAExecutionProvider" in self.layer.get_providers() else "cpu"
-            self.store = LayerStore(self.folder, cfg.files["layer_weights"], manifest, self.placement, self.device)
-            nxt = {}
-            for k, i in enumerate(self.store.streamed[:-1]):
-                nxt.update({j: self.store.streamed[k + 1] for j in range(i, self.store.streamed[k + 1])})
-            self._next_streamed = nxt
+            self._load_split(threads, providers, spin, head_inputs, all_heads, max_memory, host_memory, placement)
         self._check_shapes()
         first = self.sess if cfg.layout == "whole" else self.layer
         self.kv_device = "cuda" if CUDA in first.get_providers() else "cpu"
@@ -157,6 +124,51 @@ class OnnxCausalLM:
         self.kv_resident = (self.kv_device == "cuda") if kv_resident is None else bool(kv_resident)
         # the streamed layers share two buffers: one pass at a time per model (threads sharing an Engine)
         self._lock = threading.Lock()
+
+    def _load_whole(self, threads, providers, spin, head_inputs, all_heads) -> None:
+        """The whole layout: one graph for every layer and the head."""
+        cfg = self.cfg
+        self.sess = _session(self.folder / cfg.files["model"], threads, providers, spin)
+        self.needs_key_positions = _declares(self.sess, KEY_POSITIONS)
+        # a graph whose head the config does not name (an attach killed between its two renames) runs
+        # with the head off
+        self.ahead_input = bool(self.ahead) or _declares(self.sess, AHEAD_INPUT)
+        want_in = {*TOKEN_INPUTS, *[n for p in self.past_names for n in p],
+                   *([KEY_POSITIONS] if self.needs_key_positions else []), *self.static_inputs,
+                   *([AHEAD_INPUT] if self.ahead_input else [])}
+        self._check_io(self.sess, want_in | set(head_inputs), {*all_heads, *self.present_flat, *self.ahead_outputs},
+                       cfg.files["model"])
+
+    def _load_split(self, threads, providers, spin, head_inputs, all_heads, max_memory, host_memory,
+                    placement) -> None:
+        """The split layout: the embedding, one layer graph fed each layer's weights (resident or streamed:
+        offload.py) and the head."""
+        cfg, L = self.cfg, self.cfg.num_layers
+        # the embedding: a table mapped from its file (a pass reads only its tokens' rows, so it costs no
+        # memory budget), or an embed graph in older exports
+        table = cfg.files.get("embed_table")
+        self.embed = None if table else _session(self.folder / cfg.files["embed"], threads, providers, spin)
+        self.embed_table = None if not table else np.memmap(
+            self.folder / table["file"], dtype=table["dtype"], mode="r", shape=tuple(table["shape"]))
+        self.layer = _session(self.folder / cfg.files["layer"], threads, providers, spin)
+        self.head = _session(self.folder / cfg.files["head"], threads, providers, spin)
+        manifest = cfg.files["layer_manifest"]
+        if self.embed is not None:
+            self._check_io(self.embed, {"input_ids"}, {HIDDEN}, cfg.files["embed"])
+        self.needs_key_positions = _declares(self.layer, KEY_POSITIONS)
+        self._check_io(self.layer, {HIDDEN, "position_ids", "attention_mask", *LAYER_PAST,
+                                    *[m["name"] for m in manifest],
+                                    *([KEY_POSITIONS] if self.needs_key_positions else [])},
+                       {LAYER_HIDDEN_OUT, *LAYER_PRESENT}, cfg.files["layer"])
+        self._check_io(self.head, {HIDDEN, *head_inputs}, set(all_heads), cfg.files["head"])
+        fixed = sum((self.folder / cfg.files[k]).stat().st_size for k in ("head",) + (() if table else ("embed",)))
+        self.placement = plan(L, layer_nbytes(manifest), fixed, max_memory, host_memory, placement)
+        self.device = "cuda" if "CUDAExecutionProvider" in self.layer.get_providers() else "cpu"
+        self.store = LayerStore(self.folder, cfg.files["layer_weights"], manifest, self.placement, self.device)
+        nxt = {}
+        for k, i in enumerate(self.store.streamed[:-1]):
+            nxt.update({j: self.store.streamed[k + 1] for j in range(i, self.store.streamed[k + 1])})
+        self._next_streamed = nxt
 
     def head_names(self, topk: int | None, ahead: bool = False) -> list[str]:
         """The head outputs a run returns: a top-k head's (log-probs, ids), a logits head's logits, and a 'both'

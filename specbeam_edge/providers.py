@@ -39,7 +39,7 @@ CUDA_KERNEL_SINCE: dict[str, str | None] = {
     "MatMulInteger": None,        # CUDA has int8 x int8 only; dynamic quantization feeds uint8 activations
 }
 _NO_KERNEL_REMEDY = ("the dynamic int8 graphs (export -p int8, layout whole) need them: export the model with "
-                     "-p fp16, or -p int8 --layout split (weights dequantized by DequantizeLinear)")
+                     "-p fp16, or -p int8w --layout split (weights dequantized by DequantizeLinear)")
 
 
 class ProviderError(RuntimeError):

@@ -5,7 +5,7 @@ all calls waiting on it: draft models first (so every request's draft level k is
 (one pass scores the trees of all requests); after a target pass the beam steps the searches then ask for
 (`BeamStep`) are taken together, one array computation for all of them (beam.step_many), until every search
 waits on its next pass again. A finished request leaves at once and the next queued one joins,
-its prefill sharing the next target pass.
+its prefill sharing the next target pass. The messages and their order: protocol.py.
 """
 from __future__ import annotations
 
@@ -13,15 +13,8 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 from . import beam
-from .batch import ScoreCall, score_batch
-from .search import BeamStep, PassContext, Progress
-
-
-@dataclass
-class Job:
-    tag: object          # the caller's name for the request (e.g. its index)
-    tokens: int          # its prompt tokens (counted against max_batch_tokens)
-    search: object       # ExactSearch or SamplingSearch
+from .batch import StaticStacks, score_batch
+from .protocol import BeamStep, Job, PassContext, Progress, ScoreCall
 
 
 @dataclass
@@ -51,6 +44,7 @@ class Scheduler:
         nxt = next(queue, None)
         running: list[_Running] = []
         upcoming = PassContext((id(self), 0), 1)        # what the running requests were told about the next pass
+        stacks = StaticStacks()                          # the running requests' stacked encoder outputs
         while running or nxt is not None:
             tokens = sum(r.job.tokens for r in running)
             joining: list[Job] = []
@@ -70,7 +64,7 @@ class Scheduler:
             models = {id(r.call.cache.model): r.call.cache.model for r in running}
             model = next((m for m in models.values() if m is not self.target), self.target)
             group = [r for r in running if r.call.cache.model is model]
-            outs = score_batch([r.call for r in group])
+            outs = score_batch([r.call for r in group], stacks)
             if model is self.target:
                 self.target_passes += 1
                 upcoming = PassContext((id(self), self.target_passes), len(running))

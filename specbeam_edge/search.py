@@ -3,50 +3,25 @@
 Each search is a coroutine with the same phases per target pass: grow a draft tree -> score (one target pass
 over every unscored node) -> replay/verify -> commit. It never runs a model itself: it yields a `ScoreCall`
 for every pass it needs and receives the pass's output, a `BeamStep` for every exact beam step (taken with
-the other requests' steps), and a `Progress` after every target pass. The
-scheduler (scheduler.py) packs the calls of many requests into one batched pass per model; a request alone is
-the batch of one, so there is one code path.
+the other requests' steps), and a `Progress` after every target pass (the messages and their order:
+protocol.py). The scheduler (scheduler.py) packs the calls of many requests into one batched pass per model; a
+request alone is the batch of one, so there is one code path.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Callable
 
 import numpy as np
 
 from .beam import BeamRows, BeamSearch
-from .batch import ScoreCall
 from .cache import TreeCache
 from .constraints import ConstrainedBeamSearch, Constraints
+from .protocol import BeamStep, PassContext, Progress, ScoreCall
 from .results import Stats, peak_rss_mb
 from .sampling import SampleState, choose_width, draw, verify_level
 from .tree import TokenTree
-
-
-@dataclass
-class Progress:
-    """After a target pass: the request's search state (BeamSearch or SampleState) and its live statistics."""
-    state: object
-    stats: Stats
-
-
-@dataclass
-class BeamStep:
-    """A beam step a search asks for: its BeamSearch and the running beams' rows. The scheduler takes the steps
-    of every search waiting on one at once (beam.step_many, one array computation over the requests of a
-    pass) and sends None back once the state has moved."""
-    state: BeamSearch
-    rows: BeamRows
-
-
-@dataclass(frozen=True)
-class PassContext:
-    """What the scheduler tells a search about the shared target pass it takes part in next: `pass_id` (requests
-    of one pass get one adaptive choice) and `load` (the requests sharing it, as far as known: the size of the
-    pass just run, which a search records as its batch size). A search gets one when it starts (`run(ctx)`) and
-    one in reply to every Progress it yields."""
-    pass_id: object = None
-    load: int = 1
 
 
 def _finish(*caches) -> float:
@@ -80,60 +55,100 @@ class HeadTree:
                    min_log_prob=spec.min_log_prob)
 
 
+@dataclass(frozen=True)
+class BeamSettings:
+    """What beam search takes from a request (BeamSearch's settings): its GenerationConfig's, with the new
+    tokens that fit the context and the EOS ids in force."""
+    num_beams: int
+    max_new_tokens: int
+    eos_token_ids: tuple[int, ...]
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    min_new_tokens: int = 0
+    no_repeat_ngram_size: int = 0
+    repetition_penalty: float = 1.0
+
+    @classmethod
+    def of(cls, gen, max_new_tokens: int, eos) -> "BeamSettings":
+        return cls(gen.num_beams, max_new_tokens, tuple(int(e) for e in eos), gen.length_penalty,
+                   gen.early_stopping, gen.min_new_tokens, gen.no_repeat_ngram_size, gen.repetition_penalty)
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """How exact search drafts: a drafter (`grow`, draft.Drafter) or the target's lookahead head (`ahead`);
+    `budget_for(load)`: the draft nodes the request may add to a pass shared by `load` requests; `chooser`:
+    ChoosersByLoad, whose PassChooser for the pass's load decides whether drafting pays (None: always)."""
+    budget_for: Callable[[int], int] | None
+    grow: object = None
+    ahead: HeadTree | None = None
+    chooser: object = None
+
+
+@dataclass(frozen=True)
+class EncoderDecoder:
+    """An encoder-decoder request: `ids` is the decoder's start (decoder start token, maybe a forced BOS) of which
+    the first `prompt_len` tokens are the prompt (the rest count as generated, with log-prob 0, as transformers'
+    forced-BOS processor makes them); `static(with_draft)` returns the target's and the draft's static inputs
+    (cross K/V, source mask; the draft's None unless asked), called when the request starts; `process(logp,
+    cur_len)` applies extra logits processors (banned pad, forced EOS) to the log-probs."""
+    prompt_len: int
+    static: Callable | None = None
+    process: Callable | None = None
+
+
 class ExactSearch:
     """Exact beam search (K >= 1), speculative when `grow` is given: output identical to plain beam search.
 
     target/draft: TreeCaches over one TokenTree (draft None without speculation; a cache without a model for
-    prompt lookup). grow: a drafter (draft.Drafter). chooser: ChoosersByLoad, whose PassChooser for the pass's
-    load decides whether drafting pays (None: always draft). budget_for(load): the draft nodes this request may
-    add to a pass shared by `load` requests.
-    Encoder-decoder requests: `ids` is the decoder's start (decoder start token, maybe a forced BOS) of which
-    the first `prompt_len` tokens are the prompt (the rest count as generated, with log-prob 0, as transformers'
-    forced-BOS processor makes them); `static(with_draft)` returns the target's and the draft's static inputs
-    (cross K/V, source mask; the draft's None unless asked), called when the request starts; `process(logp, cur_len)`
-    applies extra logits processors (banned pad, forced EOS) to the beams' log-probs. constraints (terminology,
-    constraints.Constraints): the search is a ConstrainedBeamSearch, grown, scored and replayed the same way."""
+    prompt lookup). beam: the beam-search settings; speculation: how it drafts (None: plain search); topk: the
+    k a top-k head returns per node (None: full rows); encdec: an encoder-decoder request's parts. constraints
+    (terminology, constraints.Constraints): the search is a ConstrainedBeamSearch, grown, scored and replayed
+    the same way, and ends once `min_finished` hypotheses meet them."""
 
-    def __init__(self, ids: list[int], target_lm, draft_lm, *, num_beams: int, max_new_tokens: int, eos,
-                 length_penalty: float, early_stopping, min_new_tokens: int, no_repeat_ngram_size: int = 0,
-                 repetition_penalty: float = 1.0, grow=None, chooser=None,
-                 topk: int | None = None, prompt_len: int | None = None, static=None, process=None,
-                 budget_for=None, constraints: Constraints | None = None, min_finished: int = 1,
-                 ahead: HeadTree | None = None):
+    def __init__(self, ids: list[int], target_lm, draft_lm, beam: BeamSettings, *,
+                 speculation: Speculation | None = None, topk: int | None = None,
+                 encdec: EncoderDecoder | None = None, constraints: Constraints | None = None,
+                 min_finished: int = 1):
         self.tree = TokenTree()
         self.chain_len = len(ids)
         kind, extra = (BeamSearch, {}) if constraints is None else \
             (ConstrainedBeamSearch, {"constraints": constraints, "min_finished": min_finished})
-        self.bs = kind(self.tree, self.tree.add_chain(ids)[-1], num_beams=num_beams,
-                       prompt_len=self.chain_len if prompt_len is None else prompt_len,
-                       max_new_tokens=max_new_tokens, eos_token_ids=eos, length_penalty=length_penalty,
-                       early_stopping=early_stopping, min_new_tokens=min_new_tokens,
-                       no_repeat_ngram_size=no_repeat_ngram_size, repetition_penalty=repetition_penalty, **extra)
-        self.target = TreeCache(target_lm, self.tree)
-        self.draft = TreeCache(draft_lm, self.tree) if grow is not None else None
-        self.grow, self.chooser, self.topk = grow, chooser, topk
+        prompt_len = self.chain_len if encdec is None else encdec.prompt_len
+        self.bs = kind(self.tree, self.tree.add_chain(ids)[-1], prompt_len=prompt_len, **asdict(beam), **extra)
+        spec = speculation or Speculation(budget_for=None)
+        self.grow, self.chooser, self.budget_for = spec.grow, spec.chooser, spec.budget_for
         # ahead: the tree of the target's own lookahead head (export/ahead.py), instead of a drafter
-        self.ahead = ahead
-        self.speculative = grow is not None or ahead is not None
-        self.static, self.process = static, process
+        self.ahead = spec.ahead
+        self.speculative = self.grow is not None or self.ahead is not None
+        self.target = TreeCache(target_lm, self.tree)
+        self.draft = TreeCache(draft_lm, self.tree) if self.grow is not None else None
+        self.topk = topk
+        self.static, self.process = (None, None) if encdec is None else (encdec.static, encdec.process)
         self.rows: dict[int, tuple[object, int]] = {}     # scored node -> (pass output, row)
         self.stats = Stats(prompt_tokens=self.chain_len)
-        self.budget_for = budget_for
 
     @property
     def state(self) -> BeamSearch:
         return self.bs
+
+    def _start(self) -> None:
+        """An encoder-decoder request's caches take its static inputs (encoder outputs) when it starts: the
+        encoders run for the requests about to start, not for a whole job at once."""
+        if self.static is None:
+            return
+        with_draft = self.draft is not None and self.draft.model is not None
+        target_static, draft_static = self.static(with_draft)
+        self.target = TreeCache(self.target.model, self.tree, target_static)
+        if with_draft:
+            self.draft = TreeCache(self.draft.model, self.tree, draft_static)
 
     def run(self, ctx: PassContext = PassContext()):
         """The search, pass by pass: grow, score, replay, commit; yields ScoreCalls (receiving their outputs) and
         a Progress after every target pass (receiving the next pass's PassContext)."""
         stats, bs = self.stats, self.bs
         t0 = time.perf_counter()
-        if self.static is not None:
-            with_draft = self.draft is not None and self.draft.model is not None
-            self.target.static, draft_static = self.static(with_draft)
-            if with_draft:
-                self.draft.static = draft_static
+        self._start()
         while not bs.done:
             tp = time.perf_counter()
             chooser = self.chooser.at(ctx.load) if self.chooser is not None else None
@@ -251,24 +266,25 @@ class ExactSearch:
 class SamplingSearch:
     """Beam sampling (spec None) or speculative beam sampling with dynamic width (DSBD, DESIGN section 8).
     The request's own seeded generator makes its output independent of the requests it shares passes with.
-    Encoder-decoder requests: prompt_len/static/process as in ExactSearch; `process` applies to the target's
-    and the draft's log-probs as they are stored, so scores, p and q all see the banned pad and forced EOS."""
+    gen: the request's GenerationConfig (beams, temperature, top_k, top_p, seed). Encoder-decoder requests:
+    `encdec` as in ExactSearch; its `process` applies to the target's and the draft's log-probs as they are
+    stored, so scores, p and q all see the banned pad and forced EOS."""
 
-    def __init__(self, ids: list[int], target_lm, draft_lm, *, num_beams: int, max_new_tokens: int, eos,
-                 min_new_tokens: int, temperature: float, top_k, top_p, seed, spec=None,
-                 prompt_len: int | None = None, static=None, process=None):
+    def __init__(self, ids: list[int], target_lm, draft_lm, gen, *, max_new_tokens: int, eos, spec=None,
+                 encdec: EncoderDecoder | None = None):
         self.tree = tree = TokenTree()
         self.chain_len = len(ids)
+        num_beams = gen.num_beams
         self.st = SampleState(tree, tree.add_chain(ids)[-1], max_new_tokens=max_new_tokens,
-                              prompt_len=self.chain_len if prompt_len is None else prompt_len,
-                              eos=eos, min_new_tokens=min_new_tokens, temperature=temperature, top_k=top_k,
-                              top_p=top_p)
-        self.static, self.process = static, process
+                              prompt_len=self.chain_len if encdec is None else encdec.prompt_len,
+                              eos=eos, min_new_tokens=gen.min_new_tokens, temperature=gen.temperature,
+                              top_k=gen.top_k, top_p=gen.top_p)
+        self.static, self.process = (None, None) if encdec is None else (encdec.static, encdec.process)
         self.target = TreeCache(target_lm, tree)
         self.draft = TreeCache(draft_lm, tree) if spec else None
         self.spec, self.num_beams = spec, num_beams
         self.width = (spec.draft_width or max(num_beams, spec.max_branch_width)) if spec else num_beams
-        self.rng = np.random.default_rng(seed)
+        self.rng = np.random.default_rng(gen.seed)
         self.t_rows: dict[int, np.ndarray] = {}
         self.d_rows: dict[int, np.ndarray] = {}
         self.stats = Stats(prompt_tokens=self.chain_len)
@@ -292,10 +308,11 @@ class SamplingSearch:
         """As ExactSearch.run (sampling has no adaptive choice: of the context it records the batch sizes)."""
         st, stats, spec = self.st, self.stats, self.spec
         t0 = time.perf_counter()
-        if self.static is not None:
-            self.target.static, draft_static = self.static(self.draft is not None)
+        if self.static is not None:       # as ExactSearch._start
+            target_static, draft_static = self.static(self.draft is not None)
+            self.target = TreeCache(self.target.model, self.tree, target_static)
             if self.draft is not None:
-                self.draft.static = draft_static
+                self.draft = TreeCache(self.draft.model, self.tree, draft_static)
         while not st.done:
             levels = yield from self._grow()
             # 2. one target pass over the pending beams and every drafted node

@@ -3,7 +3,7 @@ cost curve behind budget "auto", the pass choosers of adaptive speculation, and 
 (a part of `Engine`, generate.py, kept in a file of its own job)."""
 from __future__ import annotations
 
-from dataclasses import fields, replace
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
@@ -14,7 +14,26 @@ from .contract import probe_source
 from .draft import custom_drafter, make_drafter
 from .encdec import EncoderQueue, logits_processor, shared_statics
 from .model import OnnxCausalLM
-from .search import ExactSearch, HeadTree, SamplingSearch
+from .search import BeamSettings, EncoderDecoder, ExactSearch, HeadTree, SamplingSearch, Speculation
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request, normalised (Engine builds it from the API's arguments): `ids` the prompt's token ids (an
+    encoder-decoder's: the source), its settings, `drafter` a custom tree-growth callable (draft.py) overriding
+    the policy spec names, `static(with_draft)` an encoder-decoder request's encoder outputs when it starts,
+    `forced_bos` the target language code, `prefix` the target prefix's token ids, forced after the prompt
+    (decoder-only) or the decoder start and forced BOS (encoder-decoder): they count as prompt, as transformers
+    counts `input_ids` / `decoder_input_ids` (the length penalty, min_new_tokens and max_new_tokens apply to
+    the tokens after them), `constraints` its terminology."""
+    ids: tuple[int, ...]
+    gen: GenerationConfig
+    spec: SpeculativeConfig | None = None
+    drafter: object = None
+    static: object = None
+    forced_bos: int | None = None
+    prefix: tuple[int, ...] = ()
+    constraints: lexical.Constraints | None = None
 
 
 class SearchSetup:
@@ -84,117 +103,129 @@ class SearchSetup:
         with self._lock:
             return self._choosers.setdefault(key, ChoosersByLoad(**settings))
 
-    def _new_search(self, ids: list[int], gen: GenerationConfig, spec: SpeculativeConfig | None, drafter=None,
-                    static=None, forced_bos: int | None = None, prefix: list[int] | None = None,
-                    constraints: lexical.Constraints | None = None):
-        """Validate one request and build its search object (search.py). `drafter` overrides the policy named
-        in spec (any callable with the Drafter signature; see draft.py). Encoder-decoder models: ids are the
-        source; static(with_draft) gives the request's encoder outputs when it starts (see _statics).
-        prefix: target prefix token ids, forced after the prompt (decoder-only) or the decoder start and forced
-        BOS (encoder-decoder); they count as prompt, as transformers counts `input_ids` / `decoder_input_ids`
-        (the length penalty, min_new_tokens and max_new_tokens apply to the tokens after them)."""
-        ctx = self.target.cfg.context_length
-        source, prefix = None, list(prefix or [])
+    def _new_search(self, req: Request):
+        """Validate one request and build its search object (search.py)."""
+        source, ids = self._decoder_chain(req)
+        gen = req.gen
+        max_new = min(gen.max_new_tokens, self.target.cfg.context_length - len(ids))
+        eos = self._request_eos(gen)
+        use_draft = self._uses_draft(req)
+        encdec = None
+        if source is not None:    # the decoder start is the prompt; a forced BOS counts as generated (a target
+            #                        prefix and the forced BOS before it count as prompt: decoder_input_ids)
+            prompt_len = len(ids) if req.prefix else 1
+            encdec = EncoderDecoder(prompt_len, req.static, logits_processor(
+                self.encoder.suppressed, self.encoder.forced_eos, prompt_len + max_new))
+        if req.constraints is not None and gen.do_sample:
+            raise ValueError("constraints are for beam search (do_sample=False): a sample cannot be steered to "
+                             "contain them without changing its distribution")
+        if gen.do_sample:
+            return self._sampling_search(req, ids, max_new, eos, use_draft, encdec)
+        speculation = self._speculation(req, eos, source) if use_draft else None
+        return ExactSearch(ids, self.target, self.draft, BeamSettings.of(gen, max_new, eos),
+                           speculation=speculation, topk=self._beam_head_k(req, eos, source is not None),
+                           encdec=encdec, constraints=_after_prefix(req.constraints, req.prefix),
+                           min_finished=gen.num_return_sequences)
+
+    def _decoder_chain(self, req: Request) -> tuple[list[int] | None, list[int]]:
+        """(the source, or None for a decoder-only model; the token chain the decoder starts from: the prompt
+        and target prefix, or the decoder start, forced BOS and prefix), checked against the context lengths."""
+        ctx, prefix = self.target.cfg.context_length, list(req.prefix)
+        source = None
         if self.encoder is not None:
-            if len(ids) > self.encoder.context_length:
-                raise ValueError(f"the source has {len(ids)} tokens; the encoder's context length is "
+            if len(req.ids) > self.encoder.context_length:
+                raise ValueError(f"the source has {len(req.ids)} tokens; the encoder's context length is "
                                  f"{self.encoder.context_length}")
-            source, ids = ids, self.encoder.decoder_prompt(forced_bos) + prefix
+            source, ids = list(req.ids), self.encoder.decoder_prompt(req.forced_bos) + prefix
         else:
-            ids = list(ids) + prefix
+            ids = list(req.ids) + prefix
         if len(ids) >= ctx:
             what = "the prompt" if source is None and not prefix else \
                 "the target prefix" if source is not None else "the prompt and target prefix"
             raise ValueError(f"{what} {'have' if 'and' in what else 'has'} {len(ids)} tokens; the model's context "
                              f"length is {ctx}")
-        max_new = min(gen.max_new_tokens, ctx - len(ids))
+        return source, ids
+
+    def _request_eos(self, gen: GenerationConfig) -> list[int]:
+        """The EOS ids in force: the request's eos_token_id, else the model's; each inside the vocabulary."""
         eos = self.eos if gen.eos_token_id is None else list(np.atleast_1d(gen.eos_token_id))
         outside = [int(t) for t in eos if int(t) >= self.target.cfg.vocab_size]
         if outside:
             raise ValueError(f"eos_token_id {outside[0]} is outside the model's vocabulary "
                              f"(0-{self.target.cfg.vocab_size - 1}): generation could never stop on it")
+        return eos
+
+    def _uses_draft(self, req: Request) -> bool:
+        """Whether the request speculates (a draft model, prompt lookup or a lookahead head), its settings checked
+        against the search; exact speculation needs an invariant target (refused with the fix otherwise)."""
+        spec, gen = req.spec, req.gen
         use_draft = spec is not None and (self.draft is not None or spec.drafter in ("lookup", "ahead"))
-        if use_draft and spec.drafter == "ahead" and not self.target.ahead:
+        if not use_draft:
+            return False
+        if spec.drafter == "ahead" and not self.target.ahead:
             raise ValueError(f"drafter='ahead' needs a target with a lookahead head; {self.target.folder} has none "
                              f"(attach one with export.ahead.attach, as `specbeam fetch smollm2` does)")
-        if use_draft:
-            spec.check_against(gen.num_beams)
-            if gen.do_sample != (spec.drafter == "sample"):
-                raise ValueError("do_sample=True needs drafter='sample': trees grown by draft beam search or "
-                                 "best-first are not samples, and the p/q rule would bias the output"
-                                 if gen.do_sample else "drafter='sample' is for do_sample=True")
-            if not gen.do_sample:
-                self._require_invariant()
-        extra = {}
-        if source is not None:    # the decoder start is the prompt; a forced BOS counts as generated (a target
-            #                        prefix and the forced BOS before it count as prompt: decoder_input_ids)
-            prompt_len = len(ids) if prefix else 1
-            extra = dict(prompt_len=prompt_len, static=static, process=logits_processor(
-                self.encoder.suppressed, self.encoder.forced_eos, prompt_len + max_new))
-        if constraints is not None and gen.do_sample:
-            raise ValueError("constraints are for beam search (do_sample=False): a sample cannot be steered to "
-                             "contain them without changing its distribution")
-        if gen.do_sample:
-            topk = [str(m.folder) for m in (self.target, self.draft if use_draft else None)
-                    if m is not None and m.cfg.output == "topk"]
-            if topk:
-                raise ValueError(f"do_sample=True needs full distributions; {', '.join(topk)} has a top-k "
-                                 "head (export with the default output 'logits' for sampling)")
-            if use_draft and self.draft is None:
-                raise ValueError("do_sample=True with speculation needs a draft model (drafter='sample')")
-            return SamplingSearch(ids, self.target, self.draft if use_draft else None, num_beams=gen.num_beams,
-                                  max_new_tokens=max_new, eos=eos, min_new_tokens=gen.min_new_tokens,
-                                  temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p, seed=gen.seed,
-                                  spec=spec if use_draft else None, **extra)
-        grow = chooser = budget_for = None
-        ahead = None
-        if use_draft and spec.drafter == "ahead":
+        spec.check_against(gen.num_beams)
+        if gen.do_sample != (spec.drafter == "sample"):
+            raise ValueError("do_sample=True needs drafter='sample': trees grown by draft beam search or "
+                             "best-first are not samples, and the p/q rule would bias the output"
+                             if gen.do_sample else "drafter='sample' is for do_sample=True")
+        if not gen.do_sample:
+            self._require_invariant()
+        return True
+
+    def _sampling_search(self, req: Request, ids, max_new: int, eos, use_draft: bool, encdec) -> SamplingSearch:
+        topk = [str(m.folder) for m in (self.target, self.draft if use_draft else None)
+                if m is not None and m.cfg.output == "topk"]
+        if topk:
+            raise ValueError(f"do_sample=True needs full distributions; {', '.join(topk)} has a top-k "
+                             "head (export with the default output 'logits' for sampling)")
+        if use_draft and self.draft is None:
+            raise ValueError("do_sample=True with speculation needs a draft model (drafter='sample')")
+        return SamplingSearch(ids, self.target, self.draft if use_draft else None, req.gen, max_new_tokens=max_new,
+                              eos=eos, spec=req.spec if use_draft else None, encdec=encdec)
+
+    def _speculation(self, req: Request, eos, source) -> Speculation:
+        """How an exact request drafts: the target's lookahead head, or a drafter (draft model, prompt lookup, or
+        the caller's) with its per-pass budget; a pass chooser when adaptive."""
+        spec, gen, K = req.spec, req.gen, req.gen.num_beams
+        adaptive = spec.adaptive and req.drafter is None
+        if spec.drafter == "ahead":
             # the target's own lookahead head guesses the tokens after each beam's next one: no draft model
-            ahead = HeadTree.of(self.target.ahead, spec)
-            budget_for = lambda load, total=spec.budget: max(gen.num_beams, total // load)   # noqa: E731
-            chooser = self._chooser(gen, spec) if spec.adaptive and drafter is None else None
-        elif use_draft:
-            # the budget is per target pass, shared by the requests in it: a lone request drafts a big tree, a busy
-            # batch small ones (a batch of 32 with 48 nodes each made 1,500-node passes, and adaptive speculation's
-            # probes of them cost 40% of a 64-line job); "auto" takes the largest pass the measured cost curve
-            # affords at this load (K beams per running request)
-            K = gen.num_beams
-            if spec.budget == "auto":
-                budget_for = lambda load: max(K, self.auto_budget(K * load, spec.auto_slack) // load)   # noqa: E731
-                spec = replace(spec, budget=budget_for(1))
-            else:
-                budget_for = lambda load, total=spec.budget: max(K, total // load)   # noqa: E731
-            dctx = self.draft.cfg.context_length if self.draft is not None else ctx
-            # prompt lookup of an encoder-decoder request searches its source (source-side spans)
-            grow = custom_drafter(drafter) if drafter else make_drafter(spec, gen.num_beams, eos, min(ctx, dctx),
-                                                                        source=source)
-            chooser = self._chooser(gen, spec) if spec.adaptive and drafter is None else None
-        # the beam head (a top-k or 'both' head) returns each node's best log-probs only: 2K + #EOS + 1 per beam
-        # always hold the 2K candidates beam search keeps, even with EOS masked by min_new_tokens; beam search
-        # then reads [beams, k], never a vocabulary-sized row (beam.BeamRows)
-        n_banned = len(self.encoder.suppressed) if source is not None else 0
+            return Speculation(budget_for=lambda load, total=spec.budget: max(K, total // load),
+                               ahead=HeadTree.of(self.target.ahead, spec),
+                               chooser=self._chooser(gen, spec) if adaptive else None)
+        # the budget is per target pass, shared by the requests in it: a lone request drafts a big tree, a busy
+        # batch small ones (a batch of 32 with 48 nodes each made 1,500-node passes, and adaptive speculation's
+        # probes of them cost 40% of a 64-line job); "auto" takes the largest pass the measured cost curve
+        # affords at this load (K beams per running request)
+        if spec.budget == "auto":
+            budget_for = lambda load: max(K, self.auto_budget(K * load, spec.auto_slack) // load)   # noqa: E731
+            spec = replace(spec, budget=budget_for(1))
+        else:
+            budget_for = lambda load, total=spec.budget: max(K, total // load)   # noqa: E731
+        ctx = self.target.cfg.context_length
+        dctx = self.draft.cfg.context_length if self.draft is not None else ctx
+        # prompt lookup of an encoder-decoder request searches its source (source-side spans)
+        grow = custom_drafter(req.drafter) if req.drafter else make_drafter(spec, K, eos, min(ctx, dctx),
+                                                                            source=source)
+        return Speculation(budget_for=budget_for, grow=grow, chooser=self._chooser(gen, spec) if adaptive else None)
+
+    def _beam_head_k(self, req: Request, eos, encdec: bool) -> int | None:
+        """The k a top-k (or 'both') head returns per node, or None for full rows. Its best 2K + #EOS + 1 log-probs
+        per beam always hold the 2K candidates beam search keeps, even with EOS masked by min_new_tokens; beam
+        search then reads [beams, k], never a vocabulary-sized row (beam.BeamRows). Logits processors that move
+        tokens (repetition, n-gram bans) and constraints need full rows."""
+        gen = req.gen
+        n_banned = len(self.encoder.suppressed) if encdec else 0
         history = bool(gen.no_repeat_ngram_size) or gen.repetition_penalty != 1.0
-        dense = history or constraints is not None
-        beam_head = self.target.cfg.output in ("topk", "both") and not dense
+        dense = history or req.constraints is not None
         if dense and self.target.cfg.output == "topk":
-            what = "constraints need the log-probs of their tokens" if constraints is not None else \
+            what = "constraints need the log-probs of their tokens" if req.constraints is not None else \
                 "no_repeat_ngram_size / repetition_penalty move tokens a top-k head may need beyond its k"
             raise ValueError(f"{self.target.folder}: {what}; export with --output_kind both (or logits) to use them")
-        topk = 2 * gen.num_beams + len(eos) + 1 + n_banned if beam_head else None
-        if constraints is not None and prefix:
-            # the output includes the target prefix: what it holds counts (a term in it is met, a span in it is
-            # copied once), so the search neither forces a term again nor doubles the markup
-            start = constraints.start
-            for t in prefix:
-                start = constraints.advance(start, t)
-            constraints.start = start
-        return ExactSearch(ids, self.target, self.draft, num_beams=gen.num_beams, max_new_tokens=max_new, eos=eos,
-                           length_penalty=gen.length_penalty, early_stopping=gen.early_stopping,
-                           min_new_tokens=gen.min_new_tokens, no_repeat_ngram_size=gen.no_repeat_ngram_size,
-                           repetition_penalty=gen.repetition_penalty,
-                           grow=grow, chooser=chooser, topk=topk,
-                           budget_for=budget_for, constraints=constraints,
-                           min_finished=gen.num_return_sequences, ahead=ahead, **extra)
+        beam_head = self.target.cfg.output in ("topk", "both") and not dense
+        return 2 * gen.num_beams + len(eos) + 1 + n_banned if beam_head else None
 
     def _statics(self, sources: list[list[int]], batch: int) -> list:
         """Per request, static(with_draft) -> (target's, draft's) encoder outputs, or None for decoder-only
@@ -212,3 +243,14 @@ class SearchSetup:
                 return t, shared_statics(t, self.draft_cross)
             return t, (dq.get(i) if dq is not None else None)
         return [lambda with_draft, i=i: static(i, with_draft) for i in range(len(sources))]
+
+
+def _after_prefix(constraints: lexical.Constraints | None, prefix) -> lexical.Constraints | None:
+    """The output includes the target prefix: what it holds counts (a term in it is met, a span in it is copied
+    once), so the search neither forces a term again nor doubles the markup."""
+    if constraints is not None and prefix:
+        start = constraints.start
+        for t in prefix:
+            start = constraints.advance(start, t)
+        constraints.start = start
+    return constraints

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from specbeam_edge.batch import score_one
 from specbeam_edge import Engine, SpeculativeConfig
 from specbeam_edge.scheduler import Scheduler
 from helpers import assert_same_hypotheses
@@ -106,10 +107,11 @@ def test_arrival_order_and_limits_do_not_change_outputs(engine, order, size, tok
 def test_batch_limits_hold(engine):
     """max_batch_size and max_batch_tokens bound what is in flight (a request over the token limit runs alone)."""
     from specbeam_edge.config import GenerationConfig
-    from specbeam_edge.scheduler import Job
+    from specbeam_edge.protocol import Job
+    from specbeam_edge.search_setup import Request
 
     gen = GenerationConfig(num_beams=2, max_new_tokens=6)
-    jobs = [Job(i, len(p), engine._new_search(p, gen, None)) for i, p in enumerate(PROMPTS)]
+    jobs = [Job(i, len(p), engine._new_search(Request(tuple(p), gen))) for i, p in enumerate(PROMPTS)]
     sched = Scheduler(engine.target, max_batch_size=3, max_batch_tokens=45)
     live, peak_n, peak_tokens = set(), 0, 0
     for i, _, finished in sched.run(jobs):
@@ -137,11 +139,11 @@ def test_passes_longer_than_the_context_are_chunked(exported):
     root = tree.add_chain([5, 6, 7])[-1]
     kids = [tree.add(root, t) for t in range(ctx + 20)]   # ctx + 20 siblings: one pass would overflow rotary
     cache = TreeCache(eng.target, tree)
-    out = cache.score(cache.missing_ancestors(kids)).logits
+    out = score_one(cache, cache.missing_ancestors(kids)).logits
     assert out.shape == (3 + ctx + 20, eng.target.cfg.vocab_size)
     ref = TreeCache(eng.target, tree)
-    ref.score(ref.missing_ancestors([root]))
-    np.testing.assert_allclose(ref.score(kids[-3:]).logits, out[-3:], atol=1e-4)
+    score_one(ref, ref.missing_ancestors([root]))
+    np.testing.assert_allclose(score_one(ref, kids[-3:]).logits, out[-3:], atol=1e-4)
 
 
 def test_threads_sharing_one_engine(models):
@@ -250,7 +252,8 @@ def test_batch_rows_never_outgrow_the_context(phi4mini):
     """Batch rows keep padding slots, so a row can grow past context_length while every request's own slots stay
     below it; rows are then packed afresh (as long caches, they would only cost attention). Two requests alone
     reach 62 and 63 slots; batched they must too."""
-    from specbeam_edge.batch import ScoreCall, score_batch
+    from specbeam_edge.batch import score_batch
+    from specbeam_edge.protocol import ScoreCall
     from specbeam_edge.cache import TreeCache
     from specbeam_edge.model import OnnxCausalLM
     from specbeam_edge.tree import TokenTree

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from specbeam_edge.batch import ScoreCall
+from specbeam_edge.batch import score_one
+from specbeam_edge.protocol import ScoreCall
 from specbeam_edge.cache import TreeCache
 from specbeam_edge.tree import TokenTree
 from specbeam_edge.model import OnnxCausalLM
@@ -32,7 +33,7 @@ def test_cache_matches_recomputation(lm, prompt, steps):
     tree = TokenTree()
     cache = TreeCache(lm, tree)
     nodes = tree.add_chain(prompt)
-    cache.score(nodes)
+    score_one(cache, nodes)
     live = [nodes[-1]]
     for pick, width, tok, compact, frac in steps:
         # grow: `width` children below a random live node, and a grandchild below the first of them
@@ -42,7 +43,7 @@ def test_cache_matches_recomputation(lm, prompt, steps):
         new = [n for n in dict.fromkeys(new) if n not in cache]
         if not new:
             continue
-        logits = cache.score(new).logits
+        logits = score_one(cache, new).logits
         for j, n in enumerate(new):
             np.testing.assert_allclose(logits[j], from_scratch(lm, tree.path(n)), atol=2e-5)
         live = list(dict.fromkeys(live + new))
@@ -151,11 +152,12 @@ def test_batched_static_inputs_are_reused_only_for_the_same_requests():
     def static(n, v):
         return {"x": (np.full((1, 2, n), v, np.float32), 2)}
     a, b, c = static(3, 1.0), static(5, 2.0), static(4, 3.0)
-    model = object()
-    first = batch._batched_static(model, [a, b])
-    assert batch._batched_static(model, [a, b]) is first
+    model, stacks = object(), batch.StaticStacks()
+    first = stacks.get(model, [a, b])
+    assert stacks.get(model, [a, b]) is first
     for other in ([b, a], [a, c], [a, b, c], [a]):
-        out = batch._batched_static(model, other)
+        out = stacks.get(model, other)
         assert out is not first
         np.testing.assert_array_equal(out["x"], batch._stack_static(other)["x"])
-    assert batch._batched_static(object(), [a, b]) is not first          # another model has its own entry
+    assert stacks.get(object(), [a, b]) is not first          # another model has its own entry
+    assert batch.StaticStacks().get(model, [a, b]) is not first    # another run (scheduler) its own

@@ -7,6 +7,7 @@ import pytest
 
 from export import ExportError, export
 from helpers import torch_path_logits
+from specbeam_edge.batch import score_one
 from specbeam_edge.cache import TokenTree, TreeCache
 from specbeam_edge.config import ModelFolderError
 from specbeam_edge.model import OnnxCausalLM
@@ -26,17 +27,17 @@ def tree_scenario(folder):
     tree = TokenTree()
     prompt_nodes = tree.add_chain(PROMPT)
     cache = TreeCache(lm, tree)
-    phases = [(cache.score(prompt_nodes).logits, [PROMPT[:i + 1] for i in range(len(PROMPT))])]
+    phases = [(score_one(cache, prompt_nodes).logits, [PROMPT[:i + 1] for i in range(len(PROMPT))])]
     nodes = []
     for p, t in zip(TREE_PARENTS, TREE_TOKENS):
         nodes.append(tree.add(prompt_nodes[-1] if p < 0 else nodes[p], t))
-    phases.append((cache.score(nodes).logits, [tree.path(n) for n in nodes]))
+    phases.append((score_one(cache, nodes).logits, [tree.path(n) for n in nodes]))
     keep = nodes[5]                       # path prompt -> 12 -> 15 -> 16
     assert cache.compact([keep], min_dead_fraction=0.0)
     assert len(cache) == len(PROMPT) + 3
     nxt = [tree.add(keep, 40), tree.add(keep, 41)]
     nxt.append(tree.add(nxt[0], 42))
-    phases.append((cache.score(nxt).logits, [tree.path(n) for n in nxt]))
+    phases.append((score_one(cache, nxt).logits, [tree.path(n) for n in nxt]))
     return phases
 
 
@@ -65,7 +66,7 @@ def test_tree_pass_equals_single_paths(precision, exported):
     lm = OnnxCausalLM(folder)
     for row, path in zip(tree_logits, paths):
         tree = TokenTree()
-        alone = TreeCache(lm, tree).score(tree.add_chain(path)).logits[-1]
+        alone = score_one(TreeCache(lm, tree), tree.add_chain(path)).logits[-1]
         np.testing.assert_allclose(row, alone, atol=1e-5 * np.abs(alone).max(), rtol=0)
     if precision == "int8w":
         size = (folder / "model.onnx").stat().st_size

@@ -6,6 +6,7 @@ import onnxruntime as ort
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from specbeam_edge.batch import score_one
 from specbeam_edge import Engine, SpeculativeConfig
 from specbeam_edge.cache import TreeCache
 from specbeam_edge.model import OnnxCausalLM
@@ -43,7 +44,7 @@ def test_resident_cache_is_ortvalues_and_host_cache_is_numpy(models):
         cuda = "CUDAExecutionProvider" in lm.sess.get_providers()    # SPECBEAM_PROVIDER=cuda (the GPU check)
         assert lm.kv_resident is resident and lm.kv_device == ("cuda" if cuda else "cpu")
         cache = TreeCache(lm, TokenTree())
-        cache.score(cache.tree.add_chain(PROMPTS[0]))
+        score_one(cache, cache.tree.add_chain(PROMPTS[0]))
         assert all(isinstance(k, kind) and isinstance(v, kind) for k, v in cache.past)
         if resident:
             assert cache.past[0][0].device_name() == lm.kv_device
@@ -92,12 +93,12 @@ def test_resident_compaction_equals_host(models, steps):
     caches = [TreeCache(lm, tree) for lm in lms]
     live = tree.add_chain(PROMPTS[1][:5])
     for c in caches:
-        c.score(live)
+        score_one(c, live)
     for pick, width, frac in steps:
         parent = live[pick % len(live)]
         new = list(dict.fromkeys(tree.add(parent, (pick + 7 * i) % 300 + 1) for i in range(width)))
         new = [n for n in new if n not in caches[0]]
-        outs = [c.score(new).logits for c in caches]
+        outs = [score_one(c, new).logits for c in caches]
         np.testing.assert_array_equal(outs[0], outs[1])
         live = list(dict.fromkeys(live + new))
         keep = live[: max(1, int(frac * len(live)))]
