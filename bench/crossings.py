@@ -7,8 +7,8 @@ Runs the translate tool's code path (specbeam_apps.translate: Settings, prepare,
 scheduler -> search -> cache/batch -> model -> InferenceSession.run) on the shipped en->de pair under
 sys.setprofile, and counts Python calls whose caller and callee live in different modules of the project
 (specbeam_edge, apps, export), plus the calls into onnxruntime's InferenceSession.run. Prints crossings per target
-pass, for the whole job and for `Engine.generate` on one prompt, and the distinct module hops seen (the list
-DESIGN section 10 gives). Counts, not times: the machine's load does not change them.
+pass, for the whole job and for `Engine.generate` on one prompt, and the distinct module hops seen (docs/HISTORY.md
+"Module crossings of the main job" lists them). Counts, not times: the machine's load does not change them.
 """
 from __future__ import annotations
 

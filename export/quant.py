@@ -1,4 +1,4 @@
-"""int8 compute with one activation scale per row: batch-invariant quantized MatMuls (DESIGN "Per-row int8").
+"""int8 compute with one activation scale per row: batch-invariant quantized MatMuls (DESIGN "Quantized targets" point 1).
 
 Every weight MatMul `y = x @ W` (W an fp32 [K, N] initializer, or the int8 weights of a split layer behind a
 DequantizeLinear) becomes

@@ -97,7 +97,7 @@ def test_speculation_with_the_head_equals_plain_search(folders, K):
         [a] = ref.generate(prompt, num_beams=K, max_new_tokens=14, num_return_sequences=K)
         [b] = fast.generate(prompt, num_beams=K, max_new_tokens=14, num_return_sequences=K, speculative=spec)
         # tokens exactly; scores to 1e-5: an fp32 graph's sums round by the rows in a pass in the last bit on
-        # CPUs with AVX-512 (as with a draft model; DESIGN "Per-row int8")
+        # CPUs with AVX-512 (as with a draft model; DESIGN "Quantized targets" point 1)
         assert_same_hypotheses(a, b)
         if K == 1:
             assert b.stats.draft_tokens_proposed > 0 and b.stats.draft_passes == 0

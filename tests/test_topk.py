@@ -119,7 +119,7 @@ def test_a_both_head_target_answers_exact_search_in_one_kind(both, K):
 
     target = both["both"]
     ref, fast = Engine(target), Engine(target, draft=both["logits"])
-    # every pass scores two rows or more (as int8 graphs once did, DESIGN "Per-row int8"): on CPUs with AVX-512
+    # every pass scores two rows or more (as int8 graphs once did, DESIGN "Quantized targets" point 1): on CPUs with AVX-512
     # onnxruntime's one-row fp32 MatMul (GEMV) rounds the last bit differently from two rows and more, which
     # would hide the difference under test (scores from the graph vs from Python's log-softmax, same size)
     ref.target.min_rows = fast.target.min_rows = 2
