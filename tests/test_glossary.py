@@ -188,3 +188,91 @@ def test_a_line_whose_terms_do_not_fit_is_retried_at_once(pair, files, tmp_path,
     assert run(pair, inp, tmp_path / "short.txt", "--glossary", str(gloss), "--batch_size", "1", max_len=1) == 0
     assert events.count("retry start") >= 1
     assert events.index("retry start") < events.index("run end"), events
+
+
+def test_a_term_joined_to_its_neighbours_is_found():
+    """Issue 49 item 4: 'The spreadsheet contains 3 sheets.' came out as '3-Arbeitsmappeder': the constraint was met,
+    the words around the term were damaged, and nothing said so. A term with a letter or digit right before or
+    after it is reported (one message per term); a whole word, punctuation around it, a form listed beside it and
+    scripts written without spaces are not."""
+    from apps.translate.job import joined_terms
+
+    term = [("Arbeitsmappe",)]
+    [why] = joined_terms(term, "Die 3-Arbeitsmappeder enthält 3 Blätter.")
+    assert why.startswith("term 'Arbeitsmappe' is joined to the neighbouring text ('3-Arbeitsmappeder'); check"), why
+    assert joined_terms(term, "Die Arbeitsmappe enthält 3 Blätter.") == []
+    assert joined_terms(term, "(Arbeitsmappe), 3-Arbeitsmappe, «Arbeitsmappe»") == []
+    assert joined_terms(term, "DieArbeitsmappe enthält") != []                 # joined on the left
+    assert joined_terms(term, "Die Arbeitsmappe3 und die Arbeitsmappe") != []   # one of two occurrences joined
+    # inflected and compound forms are joined too: reported unless listed as forms of the term
+    assert joined_terms([("Dialogfenster",)], "Titel des Dialogfensters") != []
+    assert joined_terms([("Dialogfenster", "Dialogfensters")], "Titel des Dialogfensters") == []
+    [why] = joined_terms([("Dialogfenster", "Dialogfensters")], "des Dialogfenstersder und Dialogfensterx")
+    assert "('Dialogfenstersder', 'Dialogfensterx')" in why, why
+    # --jsonl terms (strings), multi-word terms, terms that start or end with punctuation, markup specs
+    assert joined_terms(["world", ("tiny test",)], "worlds apart, a tiny testen") == [
+        "term 'world' is joined to the neighbouring text ('worlds'); check the line (if that form is right, list "
+        "it as another target form of the term)",
+        "term 'tiny test' is joined to the neighbouring text ('tiny testen'); check the line (if that form is "
+        "right, list it as another target form of the term)"]
+    assert joined_terms([(".NET",), ("C++",)], "ASP.NET und C++17") == []
+    assert joined_terms([{"text": "%s", "count": 1, "exact": True}], "x%sy") == []
+    assert joined_terms([("Datei",)], "Datei\u0308") != []                   # a combining mark continues the word
+    assert joined_terms([("文件",), ("ファイル",)], "打开文件夹。ファイルを開く") == []   # no spaces between words
+    assert joined_terms([("Datei",)], "Keine") == [] and joined_terms(None, "x") == []
+    [why] = joined_terms([("Arbeitsmappe",)], "x" * 40 + "Arbeitsmappe" + "y" * 40)     # 12 characters each side
+    assert f"('{'x' * 12}Arbeitsmappe{'y' * 12}')" in why, why
+
+
+def glued_by_the_model(monkeypatch, capsys, texts):
+    """Engine.generate_iter whose best hypothesis of a line with constraints met reads texts[the constraints]
+    (a stand-in for a model that glues the forced term to its neighbours); returns the stderr seen each time the
+    tool asks for the next result (what was reported by then)."""
+    from specbeam_edge.generate import Engine
+
+    real, seen = Engine.generate_iter, []
+
+    def glued(self, prompts, *a, **kw):
+        for k, res in real(self, prompts, *a, **kw):
+            c = (kw.get("constraints") or [None] * len(prompts))[k]
+            if c and res.hypotheses[0].constraints_met:
+                res.hypotheses[0].text = texts[tuple(x if isinstance(x, str) else tuple(x) for x in c)]
+            yield k, res
+            seen.append(capsys.readouterr().err)
+    monkeypatch.setattr(Engine, "generate_iter", glued)
+    return seen
+
+
+def test_a_joined_term_is_reported_as_its_line_ends(pair, files, tmp_path, monkeypatch, capsys):
+    """The line is kept (a warning, not a failure) and reported on stderr with its number before the next line's
+    result is taken; a term written as a whole word is not reported."""
+    inp, gloss = files
+    inp.write_text("the quick brown fox\nhello world\nthis is a lazy dog\nthe fox is here\n")
+    seen = glued_by_the_model(monkeypatch, capsys, {(("world", "worlds"),): "Die 3-worldder hier",
+                                                     (("tiny test",),): "a tiny test."})
+    out = tmp_path / "out.txt"
+    assert run(pair, inp, out, "--glossary", str(gloss), "--batch_size", "1") == 0
+    got = out.read_text().splitlines()
+    assert got[0] == got[3] == "Die 3-worldder hier" and got[2] == "a tiny test.", got
+    err = "".join(seen) + capsys.readouterr().err
+    want = "line 1: term 'world' is joined to the neighbouring text ('3-worldder'); check the line"
+    assert want in err and "line 4: term 'world' is joined" in err, err
+    assert "line 3:" not in err and "line 2:" not in err, err
+    k = next(n for n, e in enumerate(seen) if "line 1: term" in e)       # reported as line 1 ended, not at the end
+    assert k < len(seen) - 1 and "line 4: term" not in "".join(seen[:k + 1]), seen
+
+
+def test_a_joined_term_is_in_the_jsonl_problems(pair, tmp_path, monkeypatch, capsys):
+    import json
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"text": "hello world", "terms": ["world"], "id": 1}) + "\n"
+                   + json.dumps({"text": "the fox", "terms": [["fox", "foxes"]]}) + "\n")
+    glued_by_the_model(monkeypatch, capsys, {("world",): "3-worldder", (("fox", "foxes"),): "foxes"})
+    out = tmp_path / "out.jsonl"
+    assert main(translate_args(pair, inp, out, "--jsonl", "--beam_size", "4", max_len=10)) == 0
+    a, b = [json.loads(line) for line in out.read_text().splitlines()]
+    assert a["translations"][0]["text"] == "3-worldder"
+    assert a["problems"] == ["term 'world' is joined to the neighbouring text ('3-worldder'); check the line (if "
+                             "that form is right, list it as another target form of the term)"], a
+    assert "problems" not in b, b

@@ -19,7 +19,8 @@ tokens at the position after the prefix (or at the start), with their log-probs 
 --jsonl reads and writes JSON objects, a line each, with per-line prefix, terms and id (README "Batch translation").
 --glossary TSV makes terminology appear: a line whose source contains a glossary term is translated with
 lexically constrained beam search, so that one of the term's target forms appears (a line where it could not
-fit is reported on stderr, never silently left out).
+fit is reported on stderr, never silently left out; so is, as a warning, a term joined to a neighbouring word,
+'3-Arbeitsmappeder': list an inflected or compound form that is right as another target form).
 --engine ray spreads the same work over a Ray cluster, one engine per actor, with the same output and resume
 guarantee per shard (ray_engine.py).
 Exit codes: 0 done, 1 failed (--on_error fail, I/O error while running), 2 usage or unusable input/model,
@@ -91,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--glossary", default=None, metavar="TSV",
                     help="terminology that must appear: 'source term<TAB>target term[<TAB>another form...]' a line; "
                          "a line whose source contains a source term (as a whole word) is translated with "
-                         "constrained beam search so that one of its target forms appears (beam size >= 2)")
+                         "constrained beam search so that one of its target forms appears (beam size >= 2); a "
+                         "term joined to a neighbouring word is reported")
     ap.add_argument("--glossary_case", choices=("insensitive", "sensitive"), default="insensitive",
                     help="how source terms are matched in the source lines")
     ap.add_argument("--keep_markup", action=argparse.BooleanOptionalAction, default=None,

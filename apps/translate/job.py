@@ -13,6 +13,7 @@ import os
 import re
 import stat
 import sys
+import unicodedata
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -417,6 +418,61 @@ def glossary_constraints(terms, sources: list[str], case: str) -> list[list[tupl
     return out
 
 
+# scripts written without spaces between words: there a term always touches its neighbours (no check)
+_UNSPACED = ((0x0E00, 0x0EFF), (0x0F00, 0x0FFF), (0x1000, 0x109F), (0x1780, 0x17FF), (0x3040, 0x30FF),
+             (0x31F0, 0x31FF), (0x3400, 0x4DBF), (0x4E00, 0x9FFF), (0xF900, 0xFAFF), (0xFF66, 0xFF9F),
+             (0x20000, 0x3FFFF))       # Thai, Lao, Tibetan, Myanmar, Khmer, kana, CJK ideographs
+
+
+def _glues(a: str, b: str) -> bool:
+    """Whether two adjacent characters are parts of one word: both letters, digits or combining marks, and
+    neither of a script written without spaces."""
+    return all((c.isalnum() or unicodedata.category(c).startswith("M"))
+               and not any(lo <= ord(c) <= hi for lo, hi in _UNSPACED) for c in (a, b))
+
+
+def joined_terms(constraints, output: str) -> list[str]:
+    """Per term of `constraints` (glossary and --jsonl terms; markup specs are skipped) that appears in `output`
+    joined to a neighbouring word, one warning: a letter or digit right before or after an occurrence, as in
+    '3-Arbeitsmappeder' for 'Arbeitsmappe', where forcing the term damaged the words around it. The check is
+    on both sides: a glossary term matches its source as a whole word (glossary_constraints), so a joined copy
+    is not the source's shape (a --jsonl term has no source term to compare: the same check). Inflected and
+    compound forms are joined too ('Dialogfensters'), hence a warning, the line is kept; an occurrence inside a
+    whole-word occurrence of another of the term's forms is not reported (list 'Dialogfensters' as a form)."""
+    out = []
+    for c in constraints or ():
+        forms = [f for f in ((c,) if isinstance(c, str) else c if isinstance(c, (tuple, list)) else ())
+                 if isinstance(f, str) and f.strip()]
+        hits = [(k, k + len(f)) for f in forms for k in _occurrences(output, f)]
+        whole = [(a, b) for a, b in hits if not (a > 0 and _glues(output[a - 1], output[a]))
+                 and not (b < len(output) and _glues(output[b - 1], output[b]))]
+        glued = [_word_around(output, a, b) for a, b in hits
+                 if not any(x <= a and b <= y for x, y in whole)]
+        if glued:
+            words = ", ".join(map(repr, dict.fromkeys(glued)))
+            out.append(f"term {forms[0]!r} is joined to the neighbouring text ({words}); check the line (if that "
+                       f"form is right, list it as another target form of the term)")
+    return out
+
+
+def _occurrences(text: str, sub: str) -> list[int]:
+    out, k = [], text.find(sub)
+    while k >= 0:
+        out.append(k)
+        k = text.find(sub, k + 1)
+    return out
+
+
+def _word_around(text: str, a: int, b: int, most: int = 12) -> str:
+    """The whitespace-delimited text around text[a:b], with at most `most` characters either side of it."""
+    left, right = a, b
+    while left > max(0, a - most) and not text[left - 1].isspace():
+        left -= 1
+    while right < min(len(text), b + most) and not text[right].isspace():
+        right += 1
+    return text[left:right]
+
+
 def _utf8(b: bytes) -> str | None:
     try:
         return b.decode("utf-8")
@@ -545,7 +601,8 @@ def translate(s: Settings, engine, todo, on_line, progress, first: int = 0, repo
     """Decode `todo` [(index, ids)] in batches; on_line(index, outputs) as each line completes. A translation
     that ran into the model's context (not --max_decoding_length) is reported: report(line number, why).
     lines: the source lines `todo` indexes (for glossary terms and spans to copy). A line whose constraints did
-    not all fit is translated again without them and reported; a copied span that did not survive is reported."""
+    not all fit is translated again without them and reported; a copied span that did not survive is reported, and
+    so is a term joined to the neighbouring word (joined_terms), as each line ends."""
     ctx = engine.target.cfg.context_length
     total = Stats()
     by_tokens = s.batch_type == "tokens"
@@ -592,6 +649,9 @@ def translate(s: Settings, engine, todo, on_line, progress, first: int = 0, repo
             problems += emptied(lines[i].decode("utf-8", "replace"), res.hypotheses[0].text, s.markup_patterns)
             if problems:
                 say(i, "markup not kept: " + "; ".join(problems))
+        if terms and terms[i] and res.hypotheses[0].constraints_met:
+            for why in joined_terms(terms[i], res.hypotheses[0].text):
+                say(i, why)
         if s.jsonl:
             on_line(i, [jsonl_line(s, first + i, [
                 {"text": h.text, "score": round(h.score, 6) if math.isfinite(h.score) else None,
