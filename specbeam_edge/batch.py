@@ -72,13 +72,16 @@ def score_batch(calls: list[ScoreCall], stacks: StaticStacks | None = None) -> l
     use_topk = model.cfg.output != "both" or (all(calls[i].topk is not None for i, _ in todo) and (
         sum(len(n) for _, n in todo) >= 2 or any(calls[i].replayed for i, _ in todo)))
     while todo:
+        todo_of = dict(todo)
         chunk = [(i, nodes[:limit]) for i, nodes in todo]
         for group in _buckets([(len(calls[i].cache), len(part)) for i, part in chunk]):
             sub = [chunk[g] for g in group]
             k = (max((calls[i].topk or 0) for i, _ in sub) or None) if use_topk else None
             ahead = k is not None and any(calls[i].ahead for i, _ in sub)
+            # rows no caller of the sub-batch reads (the leading rows of a prompt) skip the head where it can
+            skip = min(max(calls[i].head_from - (len(calls[i].nodes) - len(todo_of[i])), 0) for i, _ in sub)
             for (i, part), out in zip(sub, _one_pass(model, [(calls[i].cache, part) for i, part in sub], k, ahead,
-                                                           stacks)):
+                                                           stacks, skip)):
                 outs[i].append(out.limit(calls[i].topk))
         todo = [(i, nodes[limit:]) for i, nodes in todo if len(nodes) > limit]
     return [type(o[0]).join(o) if o else heads.empty(c.cache.model) for o, c in zip(outs, calls)]
@@ -111,13 +114,15 @@ def _buckets(shapes: list[tuple[int, int]], min_split: int = 4) -> list[list[int
 
 
 def _one_pass(model, work: list[tuple[TreeCache, list[int]]], topk: int | None, ahead: bool = False,
-              stacks: StaticStacks | None = None) -> list:
+              stacks: StaticStacks | None = None, head_from: int = 0) -> list:
     """The model forward for a batch; appends every request's new KV; returns per-request head outputs."""
     if len(work) == 1 and len(work[0][1]) >= model.min_rows:   # the batch of one: exactly the unpadded pass
         cache, new = work[0]
         cache.drop_padding()
         ids, pos, mask = cache.pass_inputs(new)
         kw = {"key_positions": np.concatenate([cache.positions, pos])[None]} if model.needs_key_positions else {}
+        if head_from and getattr(model.cfg, "layout", "whole") == "split":   # the whole layout scores every row
+            kw["head_from"] = head_from
         if cache.static:
             kw["static"] = {name: a for name, (a, _) in cache.static.items()}
         out, presents = model.forward(ids[None], pos[None], mask[None, None], cache.past, topk=topk, ahead=ahead,
@@ -139,7 +144,7 @@ def _one_pass(model, work: list[tuple[TreeCache, list[int]]], topk: int | None, 
     Qm = max(model.min_rows, max(len(new) for _, new in work))
     Nm = max(len(cache.nodes) for cache, _ in work)
     results = _one_pass_rows(model, work, inputs, topk, Nm, Qm, shared.presents if shared is not None else None,
-                             gathers, ahead, stacks)
+                             gathers, ahead, stacks, head_from)
     return results if shared is None else [results[i] for i in np.argsort(order)]
 
 
@@ -165,7 +170,7 @@ def _same_batch(caches: list[TreeCache], max_padding: float = 0.10, slack: int =
 
 
 def _one_pass_rows(model, work, inputs, topk, Nm, Qm, shared_past, gathers, ahead: bool = False,
-                   stacks: StaticStacks | None = None) -> list:
+                   stacks: StaticStacks | None = None, head_from: int = 0) -> list:
     """The batched pass proper; shared_past: the batch arrays to feed as they are (rows in work's order); else
     gathers: per request (its arrays, the slots to take or None for all), packed into new padded arrays."""
     B = len(work)
@@ -185,6 +190,8 @@ def _one_pass_rows(model, work, inputs, topk, Nm, Qm, shared_past, gathers, ahea
     if work[0][0].static:
         statics = [cache.static for cache, _ in work]
         kw["static"] = stacks.get(model, statics) if stacks is not None else _stack_static(statics)
+    if head_from and getattr(model.cfg, "layout", "whole") == "split":
+        kw["head_from"] = head_from
     out, presents = model.forward(ids, pos, mask, past, topk=topk, ahead=ahead, **kw)
     if model.kv_resident:         # else the presents are host arrays already
         presents = [(host(k), host(v)) for k, v in presents]

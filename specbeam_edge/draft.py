@@ -60,7 +60,7 @@ class _Expansions:
             index = {n: j for j, n in enumerate(need)}
             fresh = [f for f in frontier if f in index]
             rows = [index[f] for f in fresh]
-            out = yield ScoreCall(dcache, need, topk=self.width)
+            out = yield ScoreCall(dcache, need, topk=self.width, head_from=min(rows))
             top, lps = out.top(rows, self.width)
             self.memo.update((f, (t, v)) for f, t, v in zip(fresh, top, lps))
         nodes = [f for f in frontier if f in self.memo]

@@ -212,7 +212,8 @@ class OnnxCausalLM:
 
     def forward(self, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray,
                 past: list[tuple[np.ndarray, np.ndarray]], topk: int | None = None,
-                key_positions: np.ndarray | None = None, static: dict | None = None, ahead: bool = False):
+                key_positions: np.ndarray | None = None, static: dict | None = None, ahead: bool = False,
+                head_from: int = 0):
         """Score `n_new` tokens.
 
         input_ids, position_ids: int64 [B, n_new]; tree_mask: bool [B, 1, n_new, n_past + n_new] (True = may
@@ -220,7 +221,9 @@ class OnnxCausalLM:
         ahead: also return a lookahead head's guesses (a model with one, read with a top-k; its head runs only
         then). key_positions: int64 [B, n_past + n_new], the position of every key column; needed (and only accepted)
         when the graph declares `key_position_ids` (sliding-window layers). static: the graph's `static_inputs`
-        (config), batched like input_ids.
+        (config), batched like input_ids. head_from: the caller reads no head output of the rows before it (a
+        prompt's rows): the split layout runs its head on the rows from there (a prompt of 300 tokens cost 300
+        rows of logits over the vocabulary) and returns zeros in the others; the whole layout scores every row.
         Returns (logits [B, n_new, V] fp32, or (topk_logprobs, topk_ids) for a top-k head and for a 'both' head
         given `topk`, followed by (ahead_logprobs, ahead_ids) when `ahead`; presents per layer
         [B, kv_heads, n_past + n_new, head_dim], OrtValues on the session's device when kv_resident).
@@ -250,7 +253,7 @@ class OnnxCausalLM:
             presents = [(outs[n + 2 * i], outs[n + 2 * i + 1]) for i in range(self.cfg.num_layers)]
             return head, presents
         with self._lock:
-            return self._forward_layers(ids, pos, mask, past, kpos, extra, names)
+            return self._forward_layers(ids, pos, mask, past, kpos, extra, names, head_from)
 
     def _run_bound(self, sess, feed: dict, host_outputs: list[str], device_outputs: list[str]) -> list:
         """One run with IOBinding: inputs are host arrays or OrtValues already on the device (bound as they
@@ -315,7 +318,7 @@ class OnnxCausalLM:
             raise ValueError(f"token id out of range [0, {self.embed_table.shape[0]}) for the embedding table")
         return np.asarray(self.embed_table[ids], dtype=np.float32)
 
-    def _forward_layers(self, ids, pos, mask, past, kpos, extra, names):
+    def _forward_layers(self, ids, pos, mask, past, kpos, extra, names, head_from: int = 0):
         """The split layout: embed, each layer with its weights (streamed ones double-buffered), head."""
         store = self.store
         if store.streamed:
@@ -343,8 +346,13 @@ class OnnxCausalLM:
         store.stats.passes += 1
         for i in store.streamed[:2]:   # both buffers are free: the next pass's first layers load during the
             store.prefetch(i)          # head, the replay and the drafting of the next tree
+        skip = max(min(int(head_from), ids.shape[1] - 1), 0)   # one row at least: the head's shapes stay sane
+        if skip:
+            hidden = host(hidden)[:, skip:]
         if self.kv_resident:
             outs = self._run_bound(self.head, {HIDDEN: hidden, **extra}, names, [])
         else:
             outs = self.head.run(names, {HIDDEN: hidden, **extra})
+        if skip:        # the skipped rows read as zeros: nobody reads them
+            outs = [np.concatenate([np.zeros((o.shape[0], skip) + o.shape[2:], o.dtype), o], axis=1) for o in outs]
         return (outs[0] if len(outs) == 1 else tuple(outs)), presents

@@ -39,12 +39,14 @@ class ScoreCall:
     """A request's demand for one model pass: score `nodes` (parents before children) in `cache`. replayed: the
     caller keeps the rows and reads rows of several passes together (exact beam search's target), so a 'both'
     head answers it in one kind in every pass (its top-k, even over one row: mixing kinds broke beam steps, and
-    a one-row pass's log-softmax in Python rounds differently from the graph's)."""
+    a one-row pass's log-softmax in Python rounds differently from the graph's). head_from: the rows before it
+    are not read (their head outputs may come back as zeros: OnnxCausalLM.forward)."""
     cache: TreeCache
     nodes: list[int]
     topk: int | None = None
     replayed: bool = False
     ahead: bool = False      # a target with a lookahead head also returns its guesses (export/ahead.py)
+    head_from: int = 0       # the caller reads no head output of nodes[:head_from] (a prompt's rows)
 
 
 @dataclass

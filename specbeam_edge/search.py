@@ -24,6 +24,15 @@ from .sampling import SampleState, choose_width, draw, verify_level
 from .tree import TokenTree
 
 
+def _unread(tree: TokenTree, new: list[int], chain_len: int) -> int:
+    """How many leading nodes of a pass are prompt tokens before the last: no search reads their rows (the row of a
+    node at depth d predicts the token at d + 1)."""
+    n = 0
+    while n < len(new) and tree.depths[new[n]] < chain_len - 1:
+        n += 1
+    return n
+
+
 def _finish(*caches) -> float:
     """A finished request's KV peak (MB); its caches then let go of their KV: with batch rows a cache is a view of
     its batch's arrays, and finished requests stay referenced until the whole job ends (300 lines at K=4 peaked
@@ -228,7 +237,8 @@ class ExactSearch:
     # 2. one target pass over every node that is not scored yet (pending beams and the tree)
     def _score(self, drafted: list[int], ahead: bool = False):
         new = self.target.missing_ancestors(list(self.bs.running) + drafted)
-        out = yield ScoreCall(self.target, new, self.topk, replayed=True, ahead=ahead)
+        out = yield ScoreCall(self.target, new, self.topk, replayed=True, ahead=ahead,
+                              head_from=_unread(self.tree, new, self.chain_len))
         for j, n in enumerate(new):
             if self.tree.depths[n] >= self.chain_len - 1:
                 self.rows[n] = (out, j)
@@ -297,7 +307,7 @@ class SamplingSearch:
         """Log-probs of `nodes` (and any missing ancestors) in `rows`, by one pass; returns how many were new."""
         new = cache.missing_ancestors(nodes)
         if new:
-            logp = (yield ScoreCall(cache, new)).log_probs()
+            logp = (yield ScoreCall(cache, new, head_from=_unread(self.tree, new, self.chain_len))).log_probs()
             for j, n in enumerate(new):
                 d = self.tree.depths[n]
                 if d >= self.chain_len - 1:     # the row of a node at depth d predicts the token at length d + 1

@@ -231,3 +231,36 @@ def test_generate_and_chat_say_when_layers_stream(split4, capsys, monkeypatch):
     assert "stream" not in capsys.readouterr().err
     assert cli.main(["generate", "hello", *flags]) == 0                            # all resident
     assert "stream" not in capsys.readouterr().err
+
+
+def test_head_runs_only_on_the_rows_a_caller_reads(split4):
+    """A prompt's rows before its last are read by nobody: the split layout's head skips them (a 300-token
+    prompt cost 300 rows of logits over the vocabulary, time and a peak of memory), the other rows unchanged."""
+    lm = OnnxCausalLM(split4)
+    P = len(PROMPT)
+    mask = np.tril(np.ones((P, P), bool))[None, None]
+    full, _ = lm.forward(np.array([PROMPT]), np.arange(P)[None], mask, lm.empty_past())
+    cut, _ = lm.forward(np.array([PROMPT]), np.arange(P)[None], mask, lm.empty_past(), head_from=P - 2)
+    np.testing.assert_array_equal(cut[:, P - 2:], full[:, P - 2:])
+    assert not cut[:, :P - 2].any()
+
+
+def test_searches_ask_for_the_rows_they_read(split4, monkeypatch):
+    """The prompt pass of exact search and of sampling asks for rows from the prompt's last token on, and the
+    output stays that of the whole head (speculative == plain suites cover the rest)."""
+    asked = []
+    forward = OnnxCausalLM.forward
+
+    def spy(self, *a, head_from=0, **kw):
+        asked.append((a[0].shape[1], head_from))
+        return forward(self, *a, head_from=head_from, **kw)
+    engine = Engine(split4)
+    ref = engine.generate(PROMPT, num_beams=2, max_new_tokens=4)[0]
+    monkeypatch.setattr(OnnxCausalLM, "forward", spy)
+    for sample in (False, True):
+        asked.clear()
+        got = engine.generate(PROMPT, num_beams=2, max_new_tokens=4, do_sample=sample, seed=1)[0]
+        assert asked[0] == (len(PROMPT), len(PROMPT) - 1) and all(h == 0 for _, h in asked[1:])
+        if not sample:
+            assert got.hypotheses[0].tokens == ref.hypotheses[0].tokens
+            assert got.hypotheses[0].score == ref.hypotheses[0].score
