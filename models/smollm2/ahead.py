@@ -21,7 +21,6 @@ import argparse
 import json
 import math
 import os
-import random
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from models.smollm2 import recipe  # noqa: E402
 from models.smollm2.draft import _sequences, head_tokens, target_folder  # noqa: E402
 
 OUT = ROOT / "models" / "smollm2" / "ahead"
@@ -236,9 +236,7 @@ def train(args) -> None:
     log = open(work / "ahead_log.jsonl", "a")
     while step < total:
         rows = rng.integers(0, N, args.batch)
-        lr = args.lr * min(1.0, (step + 1) / args.warmup) * 0.5 * (1 + math.cos(math.pi * step / total))
-        for g in opt.param_groups:
-            g["lr"] = lr
+        lr = recipe.cosine_lr(opt, args.lr, step, args.warmup, total)
         h = T(tr["h"][rows], np.float32)
         loss, ces = 0.0, []
         for k in range(D):
@@ -266,10 +264,8 @@ def train(args) -> None:
             log.write(json.dumps(rec) + "\n")
             log.flush()
         if time.time() - last > 60 * args.ckpt_minutes or step == total:
-            tmp = ckpt.with_suffix(".tmp")
-            torch.save({"head": head.state(), "opt": opt.state_dict(), "step": step, "token_ids": tokens,
-                        "eps": eps, "depth": D, "val": evaluate()}, tmp)
-            os.replace(tmp, ckpt)
+            recipe.save_checkpoint({"head": head.state(), "opt": opt.state_dict(), "step": step, "token_ids": tokens,
+                                    "eps": eps, "depth": D, "val": evaluate()}, ckpt)
             last = time.time()
 
 
@@ -277,31 +273,23 @@ def save(args) -> None:
     """models/smollm2/ahead/: ahead.safetensors (fp16 weights and the head's token ids) and card.json."""
     import numpy as np
     import torch
-    from safetensors.numpy import save_file
 
     work, out = Path(args.work), Path(args.out)
     st = torch.load(work / "ahead_ckpt.pt", weights_only=False)
     out.mkdir(parents=True, exist_ok=True)
     weights = {k: v.to(torch.float16).numpy() for k, v in st["head"].items()}
     weights["token_ids"] = np.asarray(st["token_ids"], np.int64)
-    save_file(weights, str(out / "ahead.safetensors"), metadata={"embedding": "the target's (not stored)"})
-    log = [json.loads(l) for l in open(work / "ahead_log.jsonl")]
-    card = {"guesses": args.guesses, "depth": args.depth or st.get("depth", 1), "eps": st["eps"],
-            "tokens": len(st["token_ids"]), "steps": st["step"],
-            "held_out": st["val"], "log": log}
-    (out / "card.json").write_text(json.dumps(card, indent=1) + "\n")
+    recipe.save_weights(weights, out / "ahead.safetensors")
+    recipe.write_json(out / "card.json", {"guesses": args.guesses, "depth": args.depth or st.get("depth", 1),
+                                          "eps": st["eps"], "tokens": len(st["token_ids"]), "steps": st["step"],
+                                          "held_out": st["val"], "log": recipe.read_log(work / "ahead_log.jsonl")})
     print(f"{out}: {sum(v.nbytes for v in weights.values()) / 1e6:.1f} MB; held out {st['val']}")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    f = sub.add_parser("features")
-    f.add_argument("--work", required=True)
-    f.add_argument("--threads", type=int, default=2)
-    t = sub.add_parser("train")
-    t.add_argument("--work", required=True)
-    t.add_argument("--threads", type=int, default=2)
+    ap, sub = recipe.parser(__doc__)
+    recipe.subcommand(sub, "features", threads=2)
+    t = recipe.subcommand(sub, "train", threads=2)
     t.add_argument("--head", type=int, default=8192, help="tokens in the head's output rows")
     t.add_argument("--epochs", type=int, default=4)
     t.add_argument("--batch", type=int, default=1024)
@@ -313,8 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "first guess)")
     t.add_argument("--level_decay", type=float, default=0.8, help="loss weight of level k: level_decay ** (k - 1)")
     t.add_argument("--init", help="start from a saved head's folder (e.g. models/smollm2/ahead)")
-    s = sub.add_parser("save")
-    s.add_argument("--work", required=True)
+    s = recipe.subcommand(sub, "save")
     s.add_argument("--out", default=str(OUT))
     s.add_argument("--guesses", type=int, default=2)
     s.add_argument("--depth", type=int, help="levels the graph runs (default: the levels trained)")
@@ -322,9 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    {"features": features, "train": train, "save": save}[args.cmd](args)
-    return 0
+    return recipe.run(build_parser(), {"features": features, "train": train, "save": save}, argv)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import re
@@ -36,6 +35,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+
+from models.smollm2 import recipe  # noqa: E402
 
 SYSTEM_PACKAGES = {"python3.11-doc": "deb", "wordnet-base": "deb"}
 TASKS_DOC = ["Summarize the following paragraph in one or two sentences.\n\n{p}",
@@ -507,10 +508,8 @@ def train(args) -> None:
           f"from step {step}", flush=True)
 
     def save():
-        tmp = ckpt.with_suffix(".tmp")
-        torch.save({"draft": draft.state(), "opt": opt.state_dict(), "step": step, "token_ids": token_ids,
-                    "layers": ",".join(map(str, layers))}, tmp)
-        os.replace(tmp, ckpt)
+        recipe.save_checkpoint({"draft": draft.state(), "opt": opt.state_dict(), "step": step,
+                                "token_ids": token_ids, "layers": ",".join(map(str, layers))}, ckpt)
 
     def evaluate() -> dict:
         top1 = n = over = 0
@@ -531,9 +530,7 @@ def train(args) -> None:
     if step == 0:
         print(json.dumps({"step": 0, **evaluate()}), file=log, flush=True)
     while step < total:
-        lr = args.lr * min(1.0, (step + 1) / args.warmup) * 0.5 * (1 + math.cos(math.pi * step / total))
-        for g in opt.param_groups:
-            g["lr"] = lr
+        lr = recipe.cosine_lr(opt, args.lr, step, args.warmup, total)
         x, am, rows, labels, tids, tlp = _tensors(flat[step], draft.index, args.topk)
         ce, kd, al = _losses(draft.logits(x, am, rows), labels, tids, tlp, args.margin)
         loss = ce + args.kd_weight * kd + args.align_weight * al
@@ -560,14 +557,13 @@ def write_weights(state: dict, out: Path) -> dict:
     """out/draft.safetensors from a checkpoint's state (fp16; no embedding); returns the arrays written."""
     import numpy as np
     import torch
-    from safetensors.numpy import save_file
 
     out.mkdir(parents=True, exist_ok=True)
     weights = {k: v.to(torch.float16).numpy() for k, v in state["draft"]["model"].items()
                if k != "model.embed_tokens.weight" and v.is_floating_point()}
     weights["lm_head.weight"] = state["draft"]["head"]["weight"].to(torch.float16).numpy()
     weights["lm_head.token_ids"] = np.asarray(state["token_ids"], np.int64)
-    save_file(weights, str(out / "draft.safetensors"), metadata={"embedding": "the target's (not stored)"})
+    recipe.save_weights(weights, out / "draft.safetensors")
     return weights
 
 
@@ -591,32 +587,24 @@ def save(args) -> None:
     cfg.update(num_hidden_layers=len(layers), tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
     if cfg.get("layer_types"):
         cfg["layer_types"] = [cfg["layer_types"][i] for i in layers]
-    (out / "config.json").write_text(json.dumps(cfg, indent=1, default=str) + "\n")
-    log = [json.loads(l) for l in open(work / "train_log.jsonl")]
-    (out / "train_log.json").write_text(json.dumps({"layers_from_target": layers, "head_tokens": len(state["token_ids"]),
-                                                    "steps": state["step"], "log": log}, indent=1) + "\n")
+    recipe.write_json(out / "config.json", cfg, default=str)
+    log = recipe.read_log(work / "train_log.jsonl")
+    recipe.write_json(out / "train_log.json", {"layers_from_target": layers, "head_tokens": len(state["token_ids"]),
+                                               "steps": state["step"], "log": log})
     print(f"{out}: {sum(v.nbytes for v in weights.values()) / 1e6:.1f} MB of weights")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("prompts")
-    p.add_argument("--work", required=True)
-    a = sub.add_parser("answers")
-    a.add_argument("--work", required=True)
-    a.add_argument("--threads", type=int, default=1)
+    ap, sub = recipe.parser(__doc__)
+    recipe.subcommand(sub, "prompts")
+    a = recipe.subcommand(sub, "answers", threads=1)
     a.add_argument("--batch", type=int, default=16)
     a.add_argument("--max_new", type=int, default=160)
     a.add_argument("--beam_every", type=int, default=4, help="every N-th prompt also gets a K=4 beam answer")
     a.add_argument("--limit", type=int, default=None)
-    t = sub.add_parser("teacher")
-    t.add_argument("--work", required=True)
-    t.add_argument("--threads", type=int, default=1)
+    t = recipe.subcommand(sub, "teacher", threads=1)
     t.add_argument("--topk", type=int, default=8)
-    r = sub.add_parser("train")
-    r.add_argument("--work", required=True)
-    r.add_argument("--threads", type=int, default=2)
+    r = recipe.subcommand(sub, "train", threads=2)
     r.add_argument("--layers", default="0,1", help="target layers the draft starts from")
     r.add_argument("--init", default=None, help="start from a saved draft folder (its layers, head and head tokens) "
                    "instead of the target's layers, e.g. models/smollm2/draft")
@@ -630,16 +618,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--kd_weight", type=float, default=1.0)
     r.add_argument("--align_weight", type=float, default=0.5)
     r.add_argument("--ckpt_minutes", type=float, default=5)
-    v = sub.add_parser("save")
-    v.add_argument("--work", required=True)
+    v = recipe.subcommand(sub, "save")
     v.add_argument("--out", default=str(ROOT / "models" / "smollm2" / "draft"))
     return ap
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    {"prompts": build_prompts, "answers": answers, "teacher": teacher, "train": train, "save": save}[args.cmd](args)
-    return 0
+    return recipe.run(build_parser(), {"prompts": build_prompts, "answers": answers, "teacher": teacher,
+                                       "train": train, "save": save}, argv)
 
 
 if __name__ == "__main__":
