@@ -13,7 +13,7 @@ import onnx
 
 from specbeam_edge.contract import CONFIG_FILE, FORMAT_VERSION, LAYOUTS, MASK_VALUE, OUTPUT_KINDS, graph_io
 
-from . import graph
+from . import graph, resident
 from .graph import quantize_int8
 from .encdec import export_encdec, family_of
 from .gguf_input import is_gguf, unpack
@@ -210,6 +210,7 @@ def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str
             files.update(layer="layer.onnx", head="head.onnx",
                          layer_weights="weights/layer_{i}.bin")
             files["layer_manifest"] = _write_layer_weights(tmp, layers, arch, precision, reduce_range)
+            files["layer_resident"] = resident.write(tmp, onnx.load(tmp / "layer.onnx"), files["layer_manifest"])
             files["layer_sha256"] = _layer_checksums(tmp, arch.layers)
             prog.step("write layer weights")
         for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):

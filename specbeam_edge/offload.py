@@ -209,6 +209,10 @@ class LayerStore:
             best = min(best, time.perf_counter() - t0)
         return best
 
+    def release(self, i: int) -> None:
+        """Let go of resident layer i's weights (a session of its own holds them: OnnxCausalLM)."""
+        del self.resident[i]
+
     def prefetch(self, i: int) -> None:
         """Start loading streamed layer i (if it is one) in the background."""
         with self.lock:

@@ -264,3 +264,55 @@ def test_searches_ask_for_the_rows_they_read(split4, monkeypatch):
         if not sample:
             assert got.hypotheses[0].tokens == ref.hypotheses[0].tokens
             assert got.hypotheses[0].score == ref.hypotheses[0].score
+
+
+def _without_resident_graph(folder, dst):
+    """A copy of the split export `folder` as exports before export/resident.py were: no files.layer_resident."""
+    import shutil
+
+    shutil.copytree(folder, dst)
+    cfg = json.loads((dst / "specbeam_config.json").read_text())
+    entry = cfg["files"].pop("layer_resident")
+    (dst / entry["graph"]).unlink()
+    (dst / entry["tables"]).unlink()
+    (dst / "specbeam_config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "int8w", "int8"])
+def test_resident_layers_run_their_own_sessions_bit_for_bit(exported, tmp_path, precision):
+    """A resident layer runs a session of its own with its weights as initializers (files.layer_resident,
+    export/resident.py): the same outputs, bit for bit, as the one layer graph fed its weights, which an export
+    without the graph still uses; the store keeps no copy of the weights onnxruntime holds. fp16 and int8w keep
+    feeding them (as constants onnxruntime widens them to fp32: more memory than the plan gave them)."""
+    folder = exported("llama", precision, "split", layers=4, std=0.3, seed=3)
+    old = _without_resident_graph(folder, tmp_path / "old")
+    new_lm, old_lm = OnnxCausalLM(folder), OnnxCausalLM(old)
+    if precision in ("fp16", "int8w"):      # widened to fp32 at load as constants: they stay fed
+        assert new_lm.layer_sessions == {} and len(new_lm.store.resident) == 4
+        return
+    assert sorted(new_lm.layer_sessions) == [0, 1, 2, 3] and not new_lm.store.resident
+    assert old_lm.layer_sessions == {} and len(old_lm.store.resident) == 4
+    for x, y in zip(run_tree(old_lm), run_tree(new_lm)):
+        np.testing.assert_array_equal(x, y)
+    mixed = OnnxCausalLM(folder, placement=["resident", "disk", "resident", "host"])
+    assert sorted(mixed.layer_sessions) == [0, 2]
+    for x, y in zip(run_tree(old_lm), run_tree(mixed)):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_resident_graph_added_to_an_older_export(exported, tmp_path):
+    """python -m export.resident FOLDER gives an export made before the resident graph existed its sessions; a
+    config naming a missing graph file fails by name."""
+    from export import resident
+
+    folder = _without_resident_graph(exported("llama", "int8", "split", layers=4, std=0.3, seed=3), tmp_path / "f")
+    before = run_tree(OnnxCausalLM(folder))
+    assert resident.main([str(folder)]) == 0
+    lm = OnnxCausalLM(folder)
+    assert len(lm.layer_sessions) == 4
+    for x, y in zip(before, run_tree(lm)):
+        np.testing.assert_array_equal(x, y)
+    (folder / "layer_resident.onnx").unlink()
+    with pytest.raises(ModelFolderError, match="layer_resident.onnx"):
+        OnnxCausalLM(folder)
