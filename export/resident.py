@@ -41,16 +41,22 @@ def write(folder: Path, layer: onnx.ModelProto, manifest: list[dict], min_table_
     entry."""
     folder = Path(folder)
     model = onnx.ModelProto.FromString(layer.SerializeToString())
-    names = {m["name"] for m in manifest}
-    inputs = [i for i in model.graph.input if i.name not in names]
-    if len(inputs) != len(model.graph.input) - len(names):
+    def nbytes(m):
+        return int(np.prod(m["shape"])) * np.dtype(m["dtype"]).itemsize
+    # small per-layer tensors (a layer's sliding-window flag) stay inputs: as constants onnxruntime folds what
+    # they select and drops them, and then cannot take the layer's own values for them
+    fed = [m["name"] for m in manifest if nbytes(m) < min_table_bytes]
+    names = {m["name"] for m in manifest} - set(fed)
+    if not {m["name"] for m in manifest} <= {i.name for i in model.graph.input}:
         raise ValueError(f"{folder}: the layer graph does not take every manifest tensor as an input")
+    inputs = [i for i in model.graph.input if i.name not in names]
     del model.graph.input[:]
     model.graph.input.extend(inputs)
     for m in manifest:         # placeholders: the runtime supplies every layer's own (never read from this file)
-        t = onnx.TensorProto(name=m["name"], data_type=_DTYPES[m["dtype"]], dims=m["shape"])
-        _external(t, "weights/layer_0.bin", m["offset"], int(np.prod(m["shape"])) * np.dtype(m["dtype"]).itemsize)
-        model.graph.initializer.append(t)
+        if m["name"] in names:
+            t = onnx.TensorProto(name=m["name"], data_type=_DTYPES[m["dtype"]], dims=m["shape"])
+            _external(t, "weights/layer_0.bin", m["offset"], nbytes(m))
+            model.graph.initializer.append(t)
     tables, parts, offset = [], [], 0
     for t in model.graph.initializer:
         if t.name in names or t.data_location == onnx.TensorProto.EXTERNAL:
@@ -72,7 +78,7 @@ def write(folder: Path, layer: onnx.ModelProto, manifest: list[dict], min_table_
     (folder / "weights").mkdir(exist_ok=True)
     (folder / TABLES).write_bytes(b"".join(parts))
     onnx.save(model, folder / GRAPH)
-    return {"graph": GRAPH, "tables": TABLES, "tables_manifest": tables}
+    return {"graph": GRAPH, "tables": TABLES, "tables_manifest": tables, "fed": fed}
 
 
 def add_to(folder: Path) -> None:

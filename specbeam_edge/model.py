@@ -165,18 +165,22 @@ class OnnxCausalLM:
         self.placement = plan(L, layer_nbytes(manifest), fixed, max_memory, host_memory, placement)
         self.device = "cuda" if "CUDAExecutionProvider" in self.layer.get_providers() else "cpu"
         self.store = LayerStore(self.folder, cfg.files["layer_weights"], manifest, self.placement, self.device)
-        self.layer_sessions = self._resident_sessions(threads, spin)
+        whole = max_memory is None and placement is None     # every layer held in memory, no budget to keep
+        self.layer_sessions = self._resident_sessions(threads, spin) if whole else {}
         nxt = {}
         for k, i in enumerate(self.store.streamed[:-1]):
             nxt.update({j: self.store.streamed[k + 1] for j in range(i, self.store.streamed[k + 1])})
         self._next_streamed = nxt
 
     def _resident_sessions(self, threads, spin) -> dict[int, ort.InferenceSession]:
-        """Per resident layer, a session of its own with the layer's weights as initializers (files.layer_resident,
-        export/resident.py), on the CPU, fp32 and int8 exports: onnxruntime prepacks them once instead of taking them as inputs every pass
-        (1.2-1.4x a layer, bit for bit the same outputs). The layer's buffer is let go (onnxruntime keeps its own
-        copy); the graph's tables are read once and shared by every such session. Other layouts, providers and
-        older exports: none (every layer runs the one layer graph with its weights fed)."""
+        """Per layer, a session of its own with the layer's weights as initializers (files.layer_resident,
+        export/resident.py): onnxruntime prepacks them once instead of taking them as inputs every pass (1.2-1.6x a
+        pass, bit for bit the same outputs). On the CPU, for fp32 and int8 exports held wholly in memory: a session
+        holds its layer in about 1.4x the file's bytes, more than a memory budget counts, so a budget or a
+        placement keeps every layer fed. The layer's buffer is let go (onnxruntime keeps its own copy); the graph's
+        tables are read once and shared by every such session. Other layouts, providers and older exports: none
+        (every layer runs the one layer graph with its weights fed)."""
+        self.layer_feeds: dict[int, dict] = {}
         spec = self.cfg.files.get("layer_resident")
         # fp32 and per-row int8 only: constant fp16 / int8w weights are widened to fp32 at load (twice or four
         # times the memory the plan gave them), and int8w's DequantizeLinear + MatMul get fused into a quantized
@@ -188,19 +192,29 @@ class OnnxCausalLM:
             tables, dtype=t["dtype"], count=int(np.prod(t["shape"], dtype=np.int64)), offset=t["offset"]).reshape(
             t["shape"]))) for t in spec["tables_manifest"]]
         self._shared_tables = (tables, shared)     # alive as long as the sessions that use them
-        sessions = {}
-        for i in list(self.store.resident):
+        fed = set(spec.get("fed", ()))             # small per-layer tensors the graph still takes as inputs
+        sessions, feeds = {}, {}
+        for i in list(self.store.resident):        # keys only: a list of the views would hold every buffer
+            views = self.store.resident[i]
             # no busy-waiting: 28 sessions run one after another, and each one's spinning threads took the cores
             # from the next (3x slower a pass than the one layer graph)
             so = session_options(threads, spin=False)
             for name, value in shared:
                 so.add_initializer(name, value)
-            views = self.store.resident[i]
-            so.add_external_initializers(list(views), [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a))
-                                                       for a in views.values()])
-            sessions[i] = ort.InferenceSession(str(self.folder / spec["graph"]), so,
-                                               providers=["CPUExecutionProvider"])
-            self.store.release(i)
+            own = [n for n in views if n not in fed]
+            so.add_external_initializers(own, [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(views[n]))
+                                               for n in own])
+            try:
+                sessions[i] = ort.InferenceSession(str(self.folder / spec["graph"]), so,
+                                                   providers=["CPUExecutionProvider"])
+            except Exception:       # (onnxruntime's Fail) a graph this path cannot take: every layer stays fed
+                if sessions:        # the first layer's went through: the same graph cannot fail for another
+                    raise
+                return {}
+            feeds[i] = {n: views[n].copy() for n in views if n in fed}
+            del so, views
+            self.store.release(i)   # one layer at a time: the peak holds one layer twice, not the model
+        self.layer_feeds = feeds
         return sessions
 
     def head_names(self, topk: int | None, ahead: bool = False) -> list[str]:
@@ -339,7 +353,7 @@ class OnnxCausalLM:
 
         with self._lock:        # the stream buffers are this measurement's
             sess = self.layer_sessions.get(i, self.layer)
-            feed.update({} if i in self.layer_sessions else store.get(i))
+            feed.update(self.layer_feeds[i] if i in self.layer_sessions else store.get(i))
             layer = best(lambda: sess.run([LAYER_HIDDEN_OUT], feed))
             head = best(lambda: self.head.run(names, head_feed))
         return layer, head
@@ -362,7 +376,7 @@ class OnnxCausalLM:
         presents = []
         for i, (k, v) in enumerate(past):
             own = self.layer_sessions.get(i)      # a resident layer with its weights inside its session
-            weights = {} if own is not None else store.get(i)
+            weights = self.layer_feeds[i] if own is not None else store.get(i)
             sess = own if own is not None else self.layer
             if i in self._next_streamed:
                 store.prefetch(self._next_streamed[i])   # the next streamed layer loads while this one computes

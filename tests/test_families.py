@@ -54,6 +54,10 @@ def test_export_parity_fp32(name, family):
 def test_split_layout_parity(name, family):
     folder, model = family(name, layout="split")
     check_parity(folder, model, TOL["fp32"])
+    # every family's resident layers run sessions of their own (export/resident.py), none falls back to feeding
+    from specbeam_edge.model import OnnxCausalLM
+    lm = OnnxCausalLM(folder)
+    assert len(lm.layer_sessions) == lm.cfg.num_layers
 
 
 @pytest.mark.parametrize("name", ["qwen3", "phi4mini", "gemma3"])

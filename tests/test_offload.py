@@ -295,10 +295,9 @@ def test_resident_layers_run_their_own_sessions_bit_for_bit(exported, tmp_path, 
     assert old_lm.layer_sessions == {} and len(old_lm.store.resident) == 4
     for x, y in zip(run_tree(old_lm), run_tree(new_lm)):
         np.testing.assert_array_equal(x, y)
+    # under a budget or a placement every layer stays fed (a session holds its layer in more than the plan counts)
     mixed = OnnxCausalLM(folder, placement=["resident", "disk", "resident", "host"])
-    assert sorted(mixed.layer_sessions) == [0, 2]
-    for x, y in zip(run_tree(old_lm), run_tree(mixed)):
-        np.testing.assert_array_equal(x, y)
+    assert mixed.layer_sessions == {} and sorted(mixed.store.resident) == [0, 2]
 
 
 def test_resident_graph_added_to_an_older_export(exported, tmp_path):
