@@ -29,12 +29,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from . import common
 from .common import save_figure
-from .stream import PROMPTS, ROOT, _llama_runner, _ours_runner, hwm_mb
+from .stream import (PROMPTS, ROOT, Arm, _llama_runner, _ours_runner, hwm_mb, median_ratio, pair_arguments,
+                     run_alternated)
 
 ARMS = ("plain K=1", "spec K=1", "plain K=4", "spec K=4", "llama.cpp", "llama.cpp speculative")
 LLAMA_TOOL = "llama-speculative-simple"
@@ -131,31 +131,6 @@ def worker(arm: str, args) -> None:
         print(json.dumps(res), flush=True)
 
 
-class Arm:
-    def __init__(self, name: str, args):
-        cmd = [sys.executable, "-m", "bench.pair", "--worker", name, "--target", str(args.target), "--draft",
-               str(args.draft), "--gguf", str(args.gguf), "--draft_gguf", str(args.draft_gguf), "--threads",
-               str(args.threads), "--tool", str(args.tool)]
-        self.name = name
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.info = self._read()
-
-    def _read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"arm {self.name!r} ended (exit status {self.proc.wait()})")
-        return json.loads(line)
-
-    def run(self, job: dict) -> dict:
-        self.proc.stdin.write(json.dumps(job) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
-
-    def close(self):
-        self.proc.stdin.close()
-        self.proc.wait()
-
-
 def bench(args) -> dict:
     from specbeam_edge.tokenizer import Tokenizer
 
@@ -163,21 +138,16 @@ def bench(args) -> dict:
     texts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS[:args.prompts]]
     jobs = [{"ids": tok.encode_prompt(t), "text": t, "max_new": args.max_new} for t in texts]
     names = [a for a in ARMS if a in args.arms]
-    arms, rows = {}, {n: [] for n in names}
+    arms = {}
     report = {"machine": common.machine(), "prompts": len(jobs), "max_new": args.max_new, "threads": args.threads,
               "target": Path(args.target).name, "draft": Path(args.draft).name}
     try:
         for n in names:
-            arms[n] = Arm(n, args)
+            arms[n] = Arm(n, [sys.executable, "-m", "bench.pair", "--worker", n, "--target", str(args.target),
+                              "--draft", str(args.draft), "--gguf", str(args.gguf), "--draft_gguf",
+                              str(args.draft_gguf), "--threads", str(args.threads), "--tool", str(args.tool)])
             print(f"{n}: {arms[n].info}", file=sys.stderr, flush=True)
-        for i, job in enumerate(jobs):
-            for n in (names if i % 2 == 0 else names[::-1]):
-                r = arms[n].run(job)
-                if "tokens" in r:
-                    r["text"] = tok.decode(r["tokens"])
-                rows[n].append(r)
-                print(f"prompt {i} {n}: {r['n']} tokens {r['seconds']:.1f} s, {r['steps'] / max(1, r['passes']):.2f}"
-                      f" steps a pass", file=sys.stderr, flush=True)
+        rows = run_alternated(arms, jobs, lambda r: r.update(text=tok.decode(r["tokens"])) if "tokens" in r else None)
     finally:
         for a in arms.values():
             a.close()
@@ -207,13 +177,10 @@ def summarize(rows: dict) -> dict:
 
 def ratios(rows: dict) -> dict:
     """Median over prompts of tokens/s of one arm over another's."""
-    def med(a, b):
-        return round(statistics.median((x["n"] / x["seconds"]) / (y["n"] / y["seconds"])
-                                       for x, y in zip(rows[a], rows[b])), 3)
     pairs = [("spec K=1", "plain K=1"), ("spec K=4", "plain K=4"), ("plain K=1", "llama.cpp"),
              ("spec K=1", "llama.cpp"), ("spec K=1", "llama.cpp speculative"),
              ("llama.cpp speculative", "llama.cpp")]
-    return {f"{a} / {b}": med(a, b) for a, b in pairs if a in rows and b in rows}
+    return {f"{a} / {b}": median_ratio(rows, a, b) for a, b in pairs if a in rows and b in rows}
 
 
 def identical(rows: dict) -> dict:
@@ -255,16 +222,11 @@ def plot(report: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", type=Path, default=None, help="the target's folder (default: the fetched 1.5B)")
-    ap.add_argument("--draft", type=Path, default=None, help="the draft's folder (default: the fetched 0.5B)")
-    ap.add_argument("--gguf", type=Path, default=None, help="the target's GGUF (default: the fetched one)")
+    pair_arguments(ap)
     ap.add_argument("--draft_gguf", type=Path, default=None, help="the draft's GGUF (default: the fetched one)")
     ap.add_argument("--tool", type=Path, default=None, help=f"llama.cpp's {LLAMA_TOOL} (default: the one "
                                                             f"--build_llama built)")
     ap.add_argument("--build_llama", action="store_true", help=f"build {LLAMA_TOOL} and exit")
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--max_new", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {', '.join(ARMS)}")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--tag", default="pair")

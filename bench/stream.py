@@ -156,10 +156,9 @@ def worker(arm: str, target: Path, draft: Path, gguf: Path, budget: int, threads
 
 
 class Arm:
-    def __init__(self, name: str, args):
-        cmd = [sys.executable, "-m", "bench.stream", "--worker", name, "--target", str(args.target), "--draft",
-               str(args.draft), "--gguf", str(args.gguf), "--budget", str(args.budget), "--threads",
-               str(args.threads)]
+    """An arm's worker process (`cmd`): one JSON line when ready, then one result line per job line sent."""
+
+    def __init__(self, name: str, cmd: list[str]):
         self.name = name
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.info = self._read()
@@ -170,14 +169,30 @@ class Arm:
             raise RuntimeError(f"arm {self.name!r} ended (exit status {self.proc.wait()})")
         return json.loads(line)
 
-    def run(self, ids, max_new) -> dict:
-        self.proc.stdin.write(json.dumps({"ids": ids, "max_new": max_new}) + "\n")
+    def run(self, job: dict) -> dict:
+        self.proc.stdin.write(json.dumps(job) + "\n")
         self.proc.stdin.flush()
         return self._read()
 
     def close(self):
         self.proc.stdin.close()
         self.proc.wait()
+
+
+def run_alternated(arms: dict, jobs: list[dict], each=None) -> dict[str, list[dict]]:
+    """Every job to every arm (its worker process), the arms' order reversed every other job; the results per arm,
+    `each(result)` applied to each as it comes."""
+    names = list(arms)
+    rows = {n: [] for n in names}
+    for i, job in enumerate(jobs):
+        for n in (names if i % 2 == 0 else names[::-1]):
+            r = arms[n].run(job)
+            if each is not None:
+                each(r)
+            rows[n].append(r)
+            print(f"prompt {i} {n}: {r['n']} tokens {r['seconds']:.1f} s, {r['steps'] / max(1, r['passes']):.2f}"
+                  f" steps a pass", file=sys.stderr, flush=True)
+    return rows
 
 
 def bench(args) -> dict:
@@ -193,18 +208,14 @@ def bench(args) -> dict:
     cfg = json.loads((Path(args.target) / "specbeam_config.json").read_text())
     layer_files = [Path(args.target) / cfg["files"]["layer_weights"].format(i=i) for i in range(cfg["num_layers"])]
     disk = {"before": {"gguf_mb_s": direct_read_mb_s([args.gguf]), "layers_mb_s": direct_read_mb_s(layer_files)}}
-    arms, rows = {}, {n: [] for n in names}
+    arms = {}
     try:
         for n in names:
-            arms[n] = Arm(n, args)
+            arms[n] = Arm(n, [sys.executable, "-m", "bench.stream", "--worker", n, "--target", str(args.target),
+                              "--draft", str(args.draft), "--gguf", str(args.gguf), "--budget", str(args.budget),
+                              "--threads", str(args.threads)])
             print(f"{n}: {arms[n].info}", file=sys.stderr, flush=True)
-        for i, x in enumerate(ids):
-            order = names if i % 2 == 0 else names[::-1]
-            for n in order:
-                r = arms[n].run(x, args.max_new)
-                rows[n].append(r)
-                print(f"prompt {i} {n}: {r['n']} tokens {r['seconds']:.1f} s, {r['steps'] / max(1, r['passes']):.2f}"
-                      f" steps a pass", file=sys.stderr, flush=True)
+        rows = run_alternated(arms, [{"ids": x, "max_new": args.max_new} for x in ids])
     finally:
         for a in arms.values():
             a.close()
@@ -245,11 +256,16 @@ def summarize(rows: dict, arms_info: dict) -> dict:
     return out
 
 
+def median_ratio(rows: dict, a: str, b: str) -> float:
+    """Median over prompts of arm a's tokens/s over arm b's on the same prompt."""
+    return round(statistics.median((x["n"] / x["seconds"]) / (y["n"] / y["seconds"])
+                                   for x, y in zip(rows[a], rows[b])), 3)
+
+
 def ratios(rows: dict) -> dict:
     """Median over prompts of each arm's tokens/s over its plain arm's and over llama.cpp evicted's."""
     def med(a, b):
-        return round(statistics.median((x["n"] / x["seconds"]) / (y["n"] / y["seconds"])
-                                       for x, y in zip(rows[a], rows[b])), 3)
+        return median_ratio(rows, a, b)
     out = {}
     for k in (1, 4):
         if f"spec K={k}" in rows and f"plain K={k}" in rows:
@@ -292,14 +308,19 @@ def plot(report: dict, path: Path) -> None:
     save_figure(fig, path)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def pair_arguments(ap: argparse.ArgumentParser) -> None:
+    """The flags every benchmark of the fetched pair takes (bench.stream, bench.pair)."""
     ap.add_argument("--target", type=Path, default=None, help="the target's folder (default: the fetched 1.5B)")
     ap.add_argument("--draft", type=Path, default=None, help="the draft's folder (default: the fetched 0.5B)")
     ap.add_argument("--gguf", type=Path, default=None, help="the target's GGUF (default: the fetched one)")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max_new", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    pair_arguments(ap)
     ap.add_argument("--budget", type=int, default=None, help="memory budget in bytes (default: 1/4 of the "
                                                              "target's weights: layers and head)")
     ap.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {', '.join(ARMS)}")
