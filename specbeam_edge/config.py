@@ -149,8 +149,8 @@ class ModelConfig:
             resident = cfg.files.get("layer_resident")     # the resident layers' graph (export/resident.py)
             if resident is not None:
                 if not (isinstance(resident, dict) and {"graph", "tables", "tables_manifest"} <= resident.keys()):
-                    raise ModelFolderError(f"files.layer_resident must be {{graph, tables, tables_manifest}}; "
-                                           f"write it again with python -m export.resident FOLDER")
+                    raise ModelFolderError("files.layer_resident must be {graph, tables, tables_manifest}; "
+                                           "write it again with python -m export.resident FOLDER")
                 needed += [resident["graph"], resident["tables"]]
         needed += [cfg.files["layer_weights"].format(i=i) for i in range(cfg.num_layers)] if cfg.layout == "split" else []
         needed.append("tokenizer.json")
