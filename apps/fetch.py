@@ -144,13 +144,32 @@ def missing_export_modules() -> list[str]:
     return [m for m in mods if importlib.util.find_spec(m) is None]
 
 
-def run_export(gguf: Path, dst: Path, precision: str, output: str, quiet: bool, layout: str = "whole") -> None:
-    """The project's exporter (installed as specbeam_export; `export` in a checkout)."""
+def _exporter(part: str = ""):
+    """The project's exporter package (installed as specbeam_export; `export` in a checkout), or one of its
+    modules."""
     try:
-        mod = importlib.import_module("specbeam_export")
+        return importlib.import_module("specbeam_export" + part)
     except ModuleNotFoundError:
-        mod = importlib.import_module("export")
-    mod.export(gguf, dst, precision=precision, output=output, quiet=quiet, layout=layout)
+        return importlib.import_module("export" + part)
+
+
+def run_export(gguf: Path, dst: Path, precision: str, output: str, quiet: bool, layout: str = "whole") -> None:
+    _exporter().export(gguf, dst, precision=precision, output=output, quiet=quiet, layout=layout)
+
+
+def add_resident_graph(dst: Path, log) -> None:
+    """A split-layout folder fetched before exports wrote layer_resident.onnx gets it (a second, no re-export;
+    export/resident.py): in memory its layers then run on prepacked weights. Without the export extra, as is."""
+    try:
+        cfg = json.loads((dst / "specbeam_config.json").read_text())
+    except (OSError, ValueError):
+        return
+    files = cfg.get("files") if isinstance(cfg, dict) else None
+    if (not isinstance(files, dict) or cfg.get("layout") != "split" or "layer_resident" in files
+            or cfg.get("precision") not in ("fp32", "int8") or missing_export_modules()):
+        return
+    _exporter(".resident").add_to(dst)
+    log(f"added the resident-layer graph to {dst} (its layers run faster in memory)")
 
 
 def _disk_check(where: Path, src: Source, have_gguf: bool) -> None:
@@ -283,6 +302,7 @@ def _fetch_one(name: str, *, force: bool, quiet: bool, log, from_file=None) -> P
     head = _shipped_ahead(src)
     head_ok = head is None or ahead_is_current(src.name)
     if is_complete(dst) and not force and draft_ok and head_ok:
+        add_resident_graph(dst, log)
         log(f"{src.name} is already fetched: {dst} (--force exports it again)")
         return dst
     missing = missing_export_modules()

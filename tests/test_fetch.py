@@ -576,3 +576,26 @@ def test_specbeam_fetch_is_the_fetch_app(data, capsys):
     assert all(name in out for name in fetch.SOURCES) and "not fetched" in out
     assert launch.specbeam(["fetch", "nope"]) == 2
     assert "no fetchable model named 'nope'" in capsys.readouterr().err
+
+
+def test_an_older_split_folder_gets_the_resident_graph_when_fetched_again(data, exported, capsys):
+    """A split folder fetched before exports wrote layer_resident.onnx gets it from `specbeam fetch` (a second,
+    no download, no export), and its layers then run their own sessions; a whole-layout folder is left as it is."""
+    from specbeam_edge.model import OnnxCausalLM
+
+    dst = run()
+    src = exported("llama", "int8", "split", layers=2, std=0.3, seed=3)
+    for p in src.iterdir():
+        if p.name not in ("layer_resident.onnx",):
+            (shutil.copytree if p.is_dir() else shutil.copy2)(p, dst / p.name)
+    (dst / "weights" / "layer_tables.bin").unlink()
+    cfg = json.loads((dst / "specbeam_config.json").read_text())
+    del cfg["files"]["layer_resident"]
+    (dst / "specbeam_config.json").write_text(json.dumps(cfg))
+    assert OnnxCausalLM(dst).layer_sessions == {}
+    assert pipeline.main(["smollm2"]) == 0
+    err = capsys.readouterr().err
+    assert "added the resident-layer graph" in err and "already fetched" in err
+    assert len(OnnxCausalLM(dst).layer_sessions) == 2
+    assert (data["download"], data["export"]) == (1, 1)
+    assert pipeline.main(["smollm2"]) == 0 and "added" not in capsys.readouterr().err      # once
