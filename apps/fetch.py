@@ -157,6 +157,25 @@ def run_export(gguf: Path, dst: Path, precision: str, output: str, quiet: bool, 
     _exporter().export(gguf, dst, precision=precision, output=output, quiet=quiet, layout=layout)
 
 
+def set_tree(dst: Path, src: Source) -> bool:
+    """The tree measured best for the model's draft in memory (Source.tree) into its folder's config
+    ("speculative", read by Engine.speculative_for); True when the config changed."""
+    if not src.tree:
+        return False
+    path = dst / "specbeam_config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(cfg, dict) or cfg.get("speculative") == dict(src.tree):
+        return False
+    cfg["speculative"] = dict(src.tree)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(cfg, indent=2))
+    tmp.replace(path)
+    return True
+
+
 def add_resident_graph(dst: Path, log) -> None:
     """A split-layout folder fetched before exports wrote layer_resident.onnx gets it (a second, no re-export;
     export/resident.py): in memory its layers then run on prepacked weights. Without the export extra, as is."""
@@ -303,6 +322,8 @@ def _fetch_one(name: str, *, force: bool, quiet: bool, log, from_file=None) -> P
     head_ok = head is None or ahead_is_current(src.name)
     if is_complete(dst) and not force and draft_ok and head_ok:
         add_resident_graph(dst, log)
+        if set_tree(dst, src):
+            log(f"set {src.name}'s draft tree to the one measured best in memory ({dict(src.tree)})")
         log(f"{src.name} is already fetched: {dst} (--force exports it again)")
         return dst
     missing = missing_export_modules()
@@ -373,6 +394,7 @@ def _fetch_locked(src: Source, dst: Path, quiet: bool, log, from_file=None) -> P
                 f"{src.export_minutes} minutes and about {src.export_gb:g} GB of memory)")
             t0 = time.perf_counter()
             run_export(gguf, staged, src.precision, src.output, quiet, src.layout)
+            set_tree(staged, src)
             (staged / MARKER).write_text(json.dumps({
                 "name": src.name, "package": src.package, "version": src.version, "member": src.member,
                 "sha256": src.sha256, "license": src.license, "precision": src.precision,

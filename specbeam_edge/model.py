@@ -330,9 +330,9 @@ class OnnxCausalLM:
         a streamed pass's cost without streaming every layer for every tree size (adaptive.streamed_cost_curve)."""
         c, rng = self.cfg, np.random.default_rng(0)
         store = self.store
-        # the first streamed layer in its own buffer (as a pass gets it; the next pass loads it again), else a
-        # resident one
-        i = store.streamed[0] if store.streamed else next(iter(self.layer_sessions or store.resident), 0)
+        # a resident layer (fed, as streamed layers run), else the first streamed one in its own buffer (as a pass
+        # gets it; the next pass loads it again), else a layer with its own session (nothing streams)
+        i = next(iter(store.resident), store.streamed[0] if store.streamed else next(iter(self.layer_sessions), 0))
         mask = np.zeros((1, 1, q, past + q), np.float32)
         kv = np.zeros((1, c.num_kv_heads, past, c.head_dim), self.kv_dtype)
         feed = {HIDDEN: rng.standard_normal((1, q, c.hidden_size)).astype(np.float32),

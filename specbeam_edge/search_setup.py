@@ -57,13 +57,21 @@ class SearchSetup:
         return spec
 
     def speculative_for(self, spec: SpeculativeConfig) -> SpeculativeConfig:
-        """The tree settings a request runs with: its own, except that a target streaming layers with a draft
-        model takes config.STREAMED_TREE when every tree knob is at its default (adaptive as asked). A streamed
-        pass costs a read of the weights whatever the tree, so a tree sized for resident passes wastes it."""
-        streams = isinstance(self.target, OnnxCausalLM) and self.target.streamed_layers() > 0
-        if not streams or self.draft is None or replace(spec, adaptive=True) != SpeculativeConfig():
+        """The tree settings a request runs with: its own, except when every tree knob is at its default (adaptive
+        as asked) and a draft model drafts: a target streaming layers takes config.STREAMED_TREE (a streamed pass
+        costs a read of the weights whatever the tree, so a tree sized for resident passes wastes it), a resident
+        one the tree its folder names (config key `speculative`), if any."""
+        if not isinstance(self.target, OnnxCausalLM) or self.draft is None or \
+                replace(spec, adaptive=True) != SpeculativeConfig():
             return spec
-        return replace(spec, **STREAMED_TREE)
+        if self.target.streamed_layers() > 0:
+            return replace(spec, **STREAMED_TREE)
+        # a model folder's own tree for its draft in memory (`speculative` in its config: written by fetch for a
+        # pair whose tree was measured, e.g. Qwen2.5-Coder's chain of 6)
+        tree = self.target.cfg.raw.get("speculative")
+        if isinstance(tree, dict) and tree:
+            return replace(spec, **{k: v for k, v in tree.items() if k != "adaptive"})
+        return spec
 
     def check_widths(self, max_branch_width: int | None, draft_width: int | None, flags: bool = False) -> None:
         """Tree widths within the vocabulary (the draft's, when it has a smaller one); `flags`: name them as the

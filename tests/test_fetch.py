@@ -599,3 +599,19 @@ def test_an_older_split_folder_gets_the_resident_graph_when_fetched_again(data, 
     assert len(OnnxCausalLM(dst).layer_sessions) == 2
     assert (data["download"], data["export"]) == (1, 1)
     assert pipeline.main(["smollm2"]) == 0 and "added" not in capsys.readouterr().err      # once
+
+
+def test_fetch_writes_the_measured_tree_into_the_config(data, monkeypatch, capsys):
+    """Source.tree (the tree measured best for the pair's draft in memory) goes into the fetched folder's config,
+    at the export and, for a folder fetched before, when fetched again."""
+    tree = (("drafter", "best_first"), ("budget", 6), ("max_depth", 6), ("max_branch_width", 1))
+    monkeypatch.setitem(fetch.SOURCES, "smollm2", replace(fetch.SOURCES["smollm2"], tree=tree))
+    dst = run()
+    cfg = json.loads((dst / "specbeam_config.json").read_text())
+    assert cfg["speculative"] == dict(tree)
+    del cfg["speculative"]
+    (dst / "specbeam_config.json").write_text(json.dumps(cfg))
+    assert pipeline.main(["smollm2"]) == 0
+    assert "draft tree" in capsys.readouterr().err
+    assert json.loads((dst / "specbeam_config.json").read_text())["speculative"] == dict(tree)
+    assert data["export"] == 1

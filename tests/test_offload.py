@@ -315,3 +315,27 @@ def test_resident_graph_added_to_an_older_export(exported, tmp_path):
     (folder / "layer_resident.onnx").unlink()
     with pytest.raises(ModelFolderError, match="layer_resident.onnx"):
         OnnxCausalLM(folder)
+
+
+def test_a_folder_names_its_own_tree_for_a_resident_target(pair, tmp_path):
+    """A model folder's `speculative` (written by fetch for a pair whose tree was measured) is the tree a request
+    with default tree knobs gets when the target is resident; a knob the caller sets wins; output = plain."""
+    import shutil
+
+    target, draft = pair
+    folder = tmp_path / "t"
+    shutil.copytree(target, folder)
+    cfg = json.loads((folder / "specbeam_config.json").read_text())
+    cfg["speculative"] = {"drafter": "best_first", "budget": 6, "max_depth": 6, "max_branch_width": 1}
+    (folder / "specbeam_config.json").write_text(json.dumps(cfg))
+    engine = Engine(folder, draft=draft)
+    got = engine.speculative_for(SpeculativeConfig())
+    assert (got.drafter, got.budget, got.max_depth, got.max_branch_width, got.adaptive) == ("best_first", 6, 6, 1,
+                                                                                              True)
+    assert engine.speculative_for(SpeculativeConfig(adaptive=False)).adaptive is False
+    assert engine.speculative_for(SpeculativeConfig(budget=24)).budget == 24         # the caller's knob
+    assert Engine(target, draft=draft).speculative_for(SpeculativeConfig()) == SpeculativeConfig()
+    plain = engine.generate(PROMPT, num_beams=1, max_new_tokens=10)[0]
+    spec = engine.generate(PROMPT, num_beams=1, max_new_tokens=10, speculative=SpeculativeConfig(adaptive=False))[0]
+    assert spec.hypotheses[0].tokens == plain.hypotheses[0].tokens
+    assert spec.stats.draft_tokens_proposed > 0
