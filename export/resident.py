@@ -22,8 +22,6 @@ from specbeam_edge.contract import CONFIG_FILE
 
 GRAPH = "layer_resident.onnx"
 TABLES = "weights/layer_tables.bin"
-_DTYPES = {"float32": onnx.TensorProto.FLOAT, "float16": onnx.TensorProto.FLOAT16, "int8": onnx.TensorProto.INT8,
-           "uint8": onnx.TensorProto.UINT8, "int64": onnx.TensorProto.INT64, "int32": onnx.TensorProto.INT32}
 ALIGN = 64
 
 
@@ -54,7 +52,7 @@ def write(folder: Path, layer: onnx.ModelProto, manifest: list[dict], min_table_
     model.graph.input.extend(inputs)
     for m in manifest:         # placeholders: the runtime supplies every layer's own (never read from this file)
         if m["name"] in names:
-            t = onnx.TensorProto(name=m["name"], data_type=_DTYPES[m["dtype"]], dims=m["shape"])
+            t = onnx.TensorProto(name=m["name"], data_type=onnx.helper.np_dtype_to_tensor_dtype(np.dtype(m["dtype"])), dims=m["shape"])
             _external(t, "weights/layer_0.bin", m["offset"], nbytes(m))
             model.graph.initializer.append(t)
     tables, parts, offset = [], [], 0

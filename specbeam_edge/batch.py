@@ -71,19 +71,20 @@ def score_batch(calls: list[ScoreCall], stacks: StaticStacks | None = None) -> l
     # top-k of the logits is the cheaper) or a call's rows are replayed (DESIGN section 11, "Head outputs")
     use_topk = model.cfg.output != "both" or (all(calls[i].topk is not None for i, _ in todo) and (
         sum(len(n) for _, n in todo) >= 2 or any(calls[i].replayed for i, _ in todo)))
+    start = 0                  # the first node of this round's chunks in every call's nodes
     while todo:
-        todo_of = dict(todo)
         chunk = [(i, nodes[:limit]) for i, nodes in todo]
         for group in _buckets([(len(calls[i].cache), len(part)) for i, part in chunk]):
             sub = [chunk[g] for g in group]
             k = (max((calls[i].topk or 0) for i, _ in sub) or None) if use_topk else None
             ahead = k is not None and any(calls[i].ahead for i, _ in sub)
             # rows no caller of the sub-batch reads (the leading rows of a prompt) skip the head where it can
-            skip = min(max(calls[i].head_from - (len(calls[i].nodes) - len(todo_of[i])), 0) for i, _ in sub)
+            skip = min(max(calls[i].head_from - start, 0) for i, _ in sub)
             for (i, part), out in zip(sub, _one_pass(model, [(calls[i].cache, part) for i, part in sub], k, ahead,
                                                            stacks, skip)):
                 outs[i].append(out.limit(calls[i].topk))
         todo = [(i, nodes[limit:]) for i, nodes in todo if len(nodes) > limit]
+        start += limit
     return [type(o[0]).join(o) if o else heads.empty(c.cache.model) for o, c in zip(outs, calls)]
 
 

@@ -198,9 +198,10 @@ class SearchSetup:
         the caller's) with its per-pass budget; a pass chooser when adaptive."""
         spec, gen, K = req.spec, req.gen, req.gen.num_beams
         adaptive = spec.adaptive and req.drafter is None
+        fixed = lambda load, total=spec.budget: max(K, total // load)   # noqa: E731  (a share of the pass's budget)
         if spec.drafter == "ahead":
             # the target's own lookahead head guesses the tokens after each beam's next one: no draft model
-            return Speculation(budget_for=lambda load, total=spec.budget: max(K, total // load),
+            return Speculation(budget_for=fixed,
                                ahead=HeadTree.of(self.target.ahead, spec),
                                chooser=self._chooser(gen, spec) if adaptive else None)
         # the budget is per target pass, shared by the requests in it: a lone request drafts a big tree, a busy
@@ -211,7 +212,7 @@ class SearchSetup:
             budget_for = lambda load: max(K, self.auto_budget(K * load, spec.auto_slack) // load)   # noqa: E731
             spec = replace(spec, budget=budget_for(1))
         else:
-            budget_for = lambda load, total=spec.budget: max(K, total // load)   # noqa: E731
+            budget_for = fixed
         ctx = self.target.cfg.context_length
         dctx = self.draft.cfg.context_length if self.draft is not None else ctx
         # prompt lookup of an encoder-decoder request searches its source (source-side spans)
