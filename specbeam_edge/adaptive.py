@@ -18,15 +18,22 @@ class PassChooser:
     follow a tree pass (the first one after plain passes also pays the draft's catch-up over the context), is
     slower per step than plain search, the tree cannot pay on this machine at any acceptance rate, so
     speculation's remaining warm-up is skipped and it is probed only every `hopeless_every` passes (why these
-    numbers: docs/HISTORY.md "Adaptive speculation")."""
+    numbers: docs/HISTORY.md "Adaptive speculation").
+
+    catch_up (a draft model's tree): the first tree pass after plain passes also runs the draft over every token
+    it sat out, a cost of switching, not of drafting: that pass is left out of the rates (a probe goes on to the
+    next pass). Measured once in a probe's single sample, the catch-up made the coder pair's tree look slower
+    than plain search on every probe, and the chooser stopped drafting for good after four requests."""
 
     def __init__(self, warmup: int = 3, probe_every: int = 16, max_interval: int = 512, smoothing: float = 0.25,
-                 hopeless_every: int = 4096, probe_len: int = 1):
+                 hopeless_every: int = 4096, probe_len: int = 1, catch_up: bool = False):
         self.warmup, self.probe_every, self.max_interval, self.smoothing = warmup, probe_every, max_interval, smoothing
         self.hopeless_every = hopeless_every
         # passes per probe, averaged (1: one pass decides): a lookahead head's pass gives 1 step or 2, so one pass
         # alone said "plain" half the time on prompts where the head paid
         self.probe_len = probe_len
+        self.catch_up = catch_up
+        self._request_probe = None              # the pass of the last probe a request's start asked for
         self._probe: tuple[bool, bool] | None = None     # a probe under way: (arm probed, best choice before it)
         self._probe_taken = 0
         self.rate: dict[bool, float] = {}      # seconds per beam step of each choice
@@ -50,11 +57,15 @@ class PassChooser:
     def new_request(self, after: int = 2) -> None:
         """A request starts: new text, on which the choice that lost may win (a lookahead head's guesses are
         taken on 0-87% of a prompt's passes, by its text): the other choice is probed `after` passes
-        into it, and the interval starts again from probe_every (a tree that cannot pay keeps its long one)."""
+        into it, and the interval starts again from probe_every (a tree that cannot pay keeps its long one).
+        Requests that start within probe_every passes of such a probe (a busy batch) ask for no other."""
         if len(self.rate) < 2 or min(self.count.values()) < self.warmup or self.cannot_pay():
             return
-        self.interval = self.probe_every
         nxt = self.passes + after
+        if self._request_probe is not None and nxt - self._request_probe < self.probe_every:
+            return
+        self._request_probe = nxt
+        self.interval = self.probe_every
         self.next_probe = nxt if self.next_probe is None else min(self.next_probe, nxt)
 
     def peek(self) -> bool:
@@ -104,6 +115,8 @@ class PassChooser:
     def update(self, speculated: bool, seconds: float, steps: int, max_steps: int | None = None) -> None:
         """One pass's measurement; max_steps (tree passes): the beam steps it would have given had every drafted
         level been accepted (the tree's depth + 1)."""
+        if speculated and self.catch_up and not self.after_tree:
+            return                   # the draft's catch-up after plain passes: not a sample of either choice
         if speculated and max_steps and self.after_tree:
             best = seconds / max(max_steps, steps)
             self.best_case = best if self.best_case is None else min(self.best_case, best)

@@ -161,8 +161,8 @@ class ExactSearch:
         while not bs.done:
             tp = time.perf_counter()
             chooser = self.chooser.at(ctx.load) if self.chooser is not None else None
-            if chooser is not None and self.ahead is not None and stats.target_passes == 1:   # the pass after the prompt's
-                chooser.new_request()     # (a lookahead head's tree costs little: probed once per request)
+            if chooser is not None and stats.target_passes == 1:   # the pass after the prompt's: new text, on
+                chooser.new_request()     # which the choice that lost may win (probed once per request)
             speculate = self.speculative and (chooser is None or chooser.choose(ctx.pass_id))
             steps0, depth0 = stats.beam_steps, self.tree.depths[self.bs.running[0]]
             drafted = (yield from self._grow(self.budget_for(ctx.load))) if speculate else []

@@ -107,7 +107,8 @@ class SearchSetup:
         earlier prompts carries over (a batch job decides after a few lines)."""
         key = (gen.num_beams, gen.length_penalty, replace(spec, adaptive=False))
         # a lookahead head's pass gives 1 or 2 steps: its probes average 4 passes (docs/DESIGN "Lookahead head")
-        settings = {"probe_len": 4} if spec.drafter == "ahead" else {}
+        # a draft model catches up over the tokens it sat out when drafting resumes (adaptive.PassChooser)
+        settings = {"probe_len": 4} if spec.drafter == "ahead" else {"catch_up": spec.drafter != "lookup"}
         with self._lock:
             return self._choosers.setdefault(key, ChoosersByLoad(**settings))
 

@@ -220,6 +220,76 @@ def test_pass_chooser_stops_trying_a_tree_that_cannot_pay():
     assert empty.count == {True: 3, False: 3} and not empty.cannot_pay()
 
 
+def _requests(ch, n_requests, passes, tree_cost, tree_steps=2, catch_up_cost=3.0):
+    """Simulated requests of `passes` passes each (the engine's order: new_request at a request's second pass):
+    a plain pass costs 1 s for 1 step, a tree pass `tree_cost` s for `tree_steps` steps, plus `catch_up_cost` s
+    when it follows plain passes (the draft model runs over the tokens it sat out). The choices, per request."""
+    out, last = [], False
+    for _ in range(n_requests):
+        seen = []
+        for p in range(passes):
+            if p == 1:
+                ch.new_request()
+            arm = ch.choose()
+            cost = tree_cost + (catch_up_cost if not last else 0.0) if arm else 1.0
+            ch.update(arm, seconds=cost, steps=tree_steps if arm else 1)
+            seen.append(arm)
+            last = arm
+        out.append(seen)
+    return out
+
+
+@pytest.mark.parametrize("catch_up", [True, False])
+def test_pass_chooser_leaves_a_draft_models_catch_up_out(catch_up):
+    """The coder pair's defect: after requests where plain search won, a probe of the tree was one pass that
+    also paid the draft's catch-up over the tokens it sat out, so the tree always lost its probes and the
+    chooser stopped drafting for good (1.02x over 16 prompts, where every prompt it drafted on ran 1.5-1.8x).
+    With catch_up the switching pass is not a sample: a tree that now pays (0.75 s a step against 1) is taken
+    again within the next request; without it (planted) the tree is never taken again."""
+    from specbeam_edge.adaptive import PassChooser
+
+    ch = PassChooser(warmup=3, probe_every=16, max_interval=512, catch_up=catch_up)
+    _requests(ch, 4, 128, tree_cost=4.0)              # the tree loses: 2 s a step
+    assert ch.best() is False
+    later = _requests(ch, 2, 128, tree_cost=1.5)      # now it pays: 0.75 s a step
+    share = sum(later[1]) / len(later[1])
+    assert (share > 0.8) if catch_up else (share < 0.1), (share, ch.rate)
+
+
+def test_pass_chooser_probes_each_request_but_not_each_request_of_a_batch():
+    """A request's start asks for a probe of the losing choice two passes in (any drafter: the coder pair's
+    draft model was probed only at the doubling interval, up to 512 passes, so its tree was not tried on the
+    next prompts); requests starting together (a batch) share one such probe per probe_every passes."""
+    from specbeam_edge.adaptive import PassChooser
+
+    ch = PassChooser(warmup=2, probe_every=8, max_interval=512)
+    for _ in range(600):                      # the tree loses everywhere: the interval grows to 512
+        arm = ch.choose()
+        ch.update(arm, seconds=3.0 if arm else 1.0, steps=1)
+    assert ch.interval == 512
+    ch.new_request()
+    assert [ch.choose() for _ in range(3)][1] is True       # probed at the request's second pass
+    ch.update(True, seconds=3.0, steps=1)
+    start = ch.passes
+    for _ in range(4):                        # four more requests start within probe_every passes
+        ch.new_request()
+    assert ch.next_probe - start >= 8, (ch.next_probe, start)
+
+
+def test_draft_model_searches_start_each_request_with_the_chooser(engines, monkeypatch):
+    """ExactSearch tells its chooser of every request, a draft model's as a lookahead head's (was: the head's
+    only)."""
+    from specbeam_edge.adaptive import PassChooser
+
+    starts = []
+    real = PassChooser.new_request
+    monkeypatch.setattr(PassChooser, "new_request", lambda self, after=2: (starts.append(self), real(self, after)))
+    spec = SpeculativeConfig(budget=8, max_depth=3, adaptive=True)
+    for prompt in PROMPTS:
+        engines["same"].generate(prompt, num_beams=2, max_new_tokens=12, speculative=spec)
+    assert len(starts) == len(PROMPTS) and starts[0].catch_up
+
+
 def test_tree_passes_report_their_best_case(engines, monkeypatch):
     """ExactSearch tells the chooser each tree pass's best case: drafted depth + 1 steps (at least the steps it
     gave, at most max_depth + 1), and none when the drafter proposed nothing (prompt lookup without a match)."""
