@@ -118,8 +118,9 @@ def _llama_runner(arm: str, target: Path, gguf: Path, threads: int):
 
 def _ours_runner(arm: str, target: Path, draft: Path, budget: int, threads: int):
     """(ready line, run(job) -> result) of one of our arms: plain or speculative (the engine's defaults), K=1 or 4."""
-    from specbeam_edge import Engine, SpeculativeConfig
+    from specbeam_edge import Engine, SpeculativeConfig, share_threads
 
+    share_threads(threads)          # as the tools run (model.share_threads)
     K, speculative = (4 if "K=4" in arm else 1), arm.startswith("spec")
     engine = Engine(target, draft=draft if speculative else None, threads=threads, max_memory=budget)
     spec = SpeculativeConfig() if speculative else None

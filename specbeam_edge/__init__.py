@@ -8,8 +8,8 @@ except ModuleNotFoundError as e:
                       "'specbeam-edge[cpu]', or 'specbeam-edge[gpu]' for CUDA (never both)") from None
 from .config import GenerationConfig, ModelConfig, ModelFolderError, SpeculativeConfig
 from .generate import Alternative, Engine, Hypothesis, Result, Stats, StreamChunk
-from .model import OnnxCausalLM
+from .model import OnnxCausalLM, share_threads
 
 __all__ = ["Engine", "GenerationConfig", "SpeculativeConfig", "ModelConfig", "ModelFolderError", "OnnxCausalLM",
-           "Result", "Hypothesis", "Alternative", "Stats", "StreamChunk"]
+           "Result", "Hypothesis", "Alternative", "Stats", "StreamChunk", "share_threads"]
 __version__ = "0.1.0"

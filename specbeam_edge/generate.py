@@ -23,7 +23,7 @@ from .cache import TreeCache
 from .config import GenerationConfig, ModelFolderError, SpeculativeConfig
 from .encdec import Encoder, is_encoder_decoder, shared_cross_layers
 from .invariance import Invariance, NotInvariantError, QuantizationWarning, saturation_warning
-from .model import OnnxCausalLM
+from .model import OnnxCausalLM, threads_shared
 from .prompting import PromptMixin
 from .results import Alternative, Hypothesis, Result, Stats, StreamChunk, answer_tokens, peak_rss_mb
 from .protocol import Job
@@ -69,9 +69,10 @@ class Engine(PromptMixin, SearchSetup):
         if draft is not None:
             if not Path(draft).is_dir():
                 raise ModelFolderError(f"draft model folder {draft} does not exist")
-            # the draft is small: one thread and no busy-waiting, so it does not steal the target's cores; with a
-            # streaming target those cores wait for the disk while the tree grows, so the draft takes them all
-            draft_threads = threads if self.target.streamed_layers() else 1
+            # with a pool of its own the draft is small: one thread and no busy-waiting, so it does not steal the
+            # target's cores; with a streaming target those cores wait for the disk while the tree grows, so the
+            # draft takes them all, as it does on the pool the process shares (model.share_threads)
+            draft_threads = threads if self.target.streamed_layers() or threads_shared() else 1
             self.draft = OnnxCausalLM(draft, threads=draft_threads, providers=providers, spin=False,
                                       kv_resident=kv_resident, min_rows=1)
             draft_tokenizer = Tokenizer(draft)

@@ -26,6 +26,9 @@ def _private_cache(tmp_path_factory):
     import os
 
     os.environ.setdefault("SPECBEAM_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+    # tools run every session on one shared thread pool (model.share_threads), after which onnxruntime refuses
+    # sessions with pools of their own, which tests make: a pool per session here (test_threads.py runs shared)
+    os.environ["SPECBEAM_SHARED_POOL"] = "0"
 
 
 @pytest.fixture(scope="session")

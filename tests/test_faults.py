@@ -248,10 +248,15 @@ def test_unreadable_pid_file_names_nobody(held_lock, monkeypatch):
 
 def test_two_processes_on_one_output_do_not_tear_the_journal(pair, tmp_path):
     inp = tmp_path / "in.txt"
-    inp.write_text("\n".join(corpus(60, seed=8)) + "\n")   # long enough to overlap
+    inp.write_text("\n".join(corpus(150, seed=8)) + "\n")   # long enough to overlap
     out = tmp_path / "out.txt"
     cmd = [sys.executable, "-m", "apps.translate", *args_for(pair, inp, out)]
-    procs = [subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    first = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    pid_file = out.with_name("out.txt.lock.pid")        # the first holds the lock before the second starts (both
+    deadline = time.monotonic() + 120                    # started together, a loaded machine let the first finish
+    while not pid_file.exists() and first.poll() is None and time.monotonic() < deadline:   # before the second
+        time.sleep(0.05)                                                                     # began: both exit 0)
+    procs = [first, subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)]
     results = [(p.wait(), p.stderr.read()) for p in procs]
     codes = sorted(rc for rc, _ in results)
     assert codes == [0, 2], results

@@ -125,8 +125,12 @@ def main(argv=None) -> int:
     if problem:
         print(f"specbeam chat: {problem}", file=sys.stderr)
         return 2
+    from specbeam_edge import share_threads
+
     from .store import ChatStore
     from .window import ChatWindow
+
+    share_threads()                     # the app's process is ours: one thread pool for every model it loads
 
     app = QApplication.instance() or QApplication(sys.argv[:1])
     keep = install_signal_handlers(app)
