@@ -17,23 +17,17 @@ SPEC = SpeculativeConfig(drafter="best_first", budget=12, max_depth=4, adaptive=
 
 RUN = """
 import json, sys
-from specbeam_edge import Engine, SpeculativeConfig, share_threads
+from specbeam_edge import share_threads
 from specbeam_edge.model import threads_shared
 assert share_threads(2) and threads_shared()
-target, draft, spec = sys.argv[1], sys.argv[2], SpeculativeConfig(**json.loads(sys.argv[3]))
-prompts = json.loads(sys.argv[4])
-eng = Engine(target, draft=draft, threads=2)
-out = []
-for K in (1, 3):
-    for s in (None, spec):
-        for p in prompts:
-            [r] = eng.generate(p, num_beams=K, max_new_tokens=12, num_return_sequences=K, speculative=s)
-            out.append([[list(h.tokens), h.score] for h in r.hypotheses])
+from test_threads import answers
+eng, out = answers(sys.argv[1], sys.argv[2])
 print(json.dumps({"out": out, "layer_sessions": len(getattr(eng.target, "layer_sessions", {}))}))
 """
 
 
-def answers(target, draft) -> list:
+def answers(target, draft) -> tuple[Engine, list]:
+    """The engine and its hypotheses (tokens, score) for plain and speculative search, K = 1 and 3."""
     eng = Engine(target, draft=draft, threads=2)
     out = []
     for K in (1, 3):
@@ -41,19 +35,18 @@ def answers(target, draft) -> list:
             for p in PROMPTS:
                 [r] = eng.generate(p, num_beams=K, max_new_tokens=12, num_return_sequences=K, speculative=s)
                 out.append([[list(h.tokens), h.score] for h in r.hypotheses])
-    return out
+    return eng, out
 
 
 @pytest.mark.parametrize("layout", ["split", "whole"])
 def test_a_shared_pool_answers_as_a_pool_per_session(exported, layout):
     target = str(exported("llama", "int8", layout, std=0.3, seed=3, layers=3))
     draft = str(exported("llama", std=0.3, seed=11, layers=1))
-    spec = {k: getattr(SPEC, k) for k in ("drafter", "budget", "max_depth", "adaptive")}
-    env = {**os.environ, "SPECBEAM_SHARED_POOL": "1", "PYTHONPATH": str(ROOT)}
-    p = subprocess.run([sys.executable, "-c", RUN, target, draft, json.dumps(spec), json.dumps(PROMPTS)],
+    env = {**os.environ, "SPECBEAM_SHARED_POOL": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    p = subprocess.run([sys.executable, "-c", RUN, target, draft],
                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     shared = json.loads(p.stdout.strip().splitlines()[-1])
     if layout == "split":
         assert shared["layer_sessions"] == 3          # the resident layers' own sessions ran on the shared pool
-    assert shared["out"] == json.loads(json.dumps(answers(target, draft)))
+    assert shared["out"] == json.loads(json.dumps(answers(target, draft)[1]))
