@@ -67,7 +67,7 @@ class SearchSetup:
         if self.target.streamed_layers() > 0:
             return replace(spec, **STREAMED_TREE)
         # a model folder's own tree for its draft in memory (`speculative` in its config: written by fetch for a
-        # pair whose tree was measured, e.g. Qwen2.5-Coder's chain of 6)
+        # pair whose tree was measured, e.g. Qwen2.5-Coder's chain of 4)
         tree = self.target.cfg.raw.get("speculative")
         if isinstance(tree, dict) and tree:
             return replace(spec, **{k: v for k, v in tree.items() if k != "adaptive"})

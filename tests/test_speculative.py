@@ -274,6 +274,17 @@ def test_pass_chooser_probes_each_request_but_not_each_request_of_a_batch():
     for _ in range(4):                        # four more requests start within probe_every passes
         ch.new_request()
     assert ch.next_probe - start >= 8, (ch.next_probe, start)
+    # a draft model's chooser probes each request once but keeps its long interval (a probe costs two tree passes)
+    draft = PassChooser(warmup=2, probe_every=8, max_interval=512, catch_up=True)
+    last = False
+    for _ in range(600):
+        arm = draft.choose()
+        draft.update(arm, seconds=(3.0 + (0 if last else 2.0)) if arm else 1.0, steps=1)
+        last = arm
+    interval = draft.interval
+    draft.new_request()
+    seen = [draft.choose() for _ in range(3)]
+    assert seen[1] is True and draft.interval == interval == 512
 
 
 def test_draft_model_searches_start_each_request_with_the_chooser(engines, monkeypatch):
