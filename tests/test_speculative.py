@@ -287,6 +287,23 @@ def test_pass_chooser_probes_each_request_but_not_each_request_of_a_batch():
     assert seen[1] is True and draft.interval == interval == 512
 
 
+def test_a_draft_models_chooser_probes_a_request_only_while_the_tree_loses():
+    """The chosen arm is measured on every pass, so only a losing tree goes stale: a streamed target, where every
+    plain pass costs a whole read of the weights, is not probed with plain search at each request (it was: 28 of
+    142 passes at K=4). Where plain search is the choice, each request still probes the tree."""
+    from specbeam_edge.adaptive import PassChooser
+
+    wins = PassChooser(warmup=2, probe_every=8, max_interval=512, catch_up=True)
+    loses = PassChooser(warmup=2, probe_every=8, max_interval=512, catch_up=True)
+    plain = {}
+    for name, ch, tree_cost in (("wins", wins, 1.0), ("loses", loses, 6.0)):
+        seen = _requests(ch, 6, 128, tree_cost=tree_cost, tree_steps=3, catch_up_cost=1.0)
+        plain[name] = [s.count(False) for s in seen[2:]]       # after the warm-up's requests
+    assert wins.best() is True and loses.best() is False
+    assert sum(plain["wins"]) <= 2, plain       # no plain probe per request, only the interval's (it was 1 each)
+    assert all(n <= 126 for n in plain["loses"]), plain       # the tree is tried on every request
+
+
 def test_draft_model_searches_start_each_request_with_the_chooser(engines, monkeypatch):
     """ExactSearch tells its chooser of every request, a draft model's as a lookahead head's (was: the head's
     only)."""
