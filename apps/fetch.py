@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
-from specbeam_edge.contract import file_sha256
+from specbeam_edge.contract import file_sha256, write_json_object
 from specbeam_edge.fetch import (ENV, MARKER, SOURCES, FetchError, Part, Source, _fetched_ahead, data_dir, draft_folder,
                                  draft_path, fetched, folder, is_complete, models_dir, source, sources_dir)
 from specbeam_edge.shipped import shipped_asset
@@ -170,9 +170,7 @@ def set_tree(dst: Path, src: Source) -> bool:
     if not isinstance(cfg, dict) or cfg.get("speculative") == dict(src.tree):
         return False
     cfg["speculative"] = dict(src.tree)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(cfg, indent=2))
-    tmp.replace(path)
+    write_json_object(path, cfg)
     return True
 
 

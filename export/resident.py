@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from specbeam_edge.contract import CONFIG_FILE
+from specbeam_edge.contract import CONFIG_FILE, write_json_object
 
 GRAPH = "layer_resident.onnx"
 TABLES = "weights/layer_tables.bin"
@@ -88,9 +88,7 @@ def add_to(folder: Path) -> None:
         raise ValueError(f"{folder} is not a split-layout export (layout {cfg.get('layout')!r})")
     cfg["files"]["layer_resident"] = write(folder, onnx.load(folder / cfg["files"]["layer"]),
                                            cfg["files"]["layer_manifest"])
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(cfg, indent=2))
-    tmp.replace(path)
+    write_json_object(path, cfg)
 
 
 def main(argv=None) -> int:

@@ -118,6 +118,18 @@ def read_json_object(path: Path, error: type[Exception], default: dict | None = 
     return data
 
 
+def write_json_object(path: Path, data: dict) -> None:
+    """Replace a model folder's JSON file whole: written beside it, then renamed over it (an interruption or a full
+    disk leaves the old file and no temporary one)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(json.dumps(data, indent=2), encoding="utf-8")
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def file_sha256(path: Path) -> str:
     """SHA-256 of a file, read in 1 MiB blocks (tokenizer.json as exported; a fetched GGUF; a model's files)."""
     h = hashlib.sha256()
