@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
-from specbeam_edge.contract import file_sha256, write_json_object
+from specbeam_edge.contract import CONFIG_FILE, file_sha256, write_json_object
 from specbeam_edge.fetch import (ENV, MARKER, SOURCES, FetchError, Part, Source, _fetched_ahead, data_dir, draft_folder,
                                  draft_path, fetched, folder, is_complete, models_dir, source, sources_dir)
 from specbeam_edge.shipped import shipped_asset
@@ -157,31 +157,31 @@ def run_export(gguf: Path, dst: Path, precision: str, output: str, quiet: bool, 
     _exporter().export(gguf, dst, precision=precision, output=output, quiet=quiet, layout=layout)
 
 
+def _config(dst: Path) -> dict | None:
+    """A fetched folder's config, or None when it is missing or damaged (the caller then leaves the folder as is)."""
+    try:
+        cfg = json.loads((dst / CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return cfg if isinstance(cfg, dict) else None
+
+
 def set_tree(dst: Path, src: Source) -> bool:
     """The tree measured best for the model's draft in memory (Source.tree) into its folder's config
     ("speculative", read by Engine.speculative_for); True when the config changed."""
-    if not src.tree:
-        return False
-    path = dst / "specbeam_config.json"
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return False
-    if not isinstance(cfg, dict) or cfg.get("speculative") == dict(src.tree):
+    cfg = _config(dst) if src.tree else None
+    if cfg is None or cfg.get("speculative") == dict(src.tree):
         return False
     cfg["speculative"] = dict(src.tree)
-    write_json_object(path, cfg)
+    write_json_object(dst / CONFIG_FILE, cfg)
     return True
 
 
 def add_resident_graph(dst: Path, log) -> None:
     """A split-layout folder fetched before exports wrote layer_resident.onnx gets it (a second, no re-export;
     export/resident.py): in memory its layers then run on prepacked weights. Without the export extra, as is."""
-    try:
-        cfg = json.loads((dst / "specbeam_config.json").read_text())
-    except (OSError, ValueError):
-        return
-    files = cfg.get("files") if isinstance(cfg, dict) else None
+    cfg = _config(dst)
+    files = cfg.get("files") if cfg is not None else None
     if (not isinstance(files, dict) or cfg.get("layout") != "split" or "layer_resident" in files
             or cfg.get("precision") not in ("fp32", "int8") or missing_export_modules()):
         return

@@ -265,16 +265,14 @@ def median_ratio(rows: dict, a: str, b: str) -> float:
 
 def ratios(rows: dict) -> dict:
     """Median over prompts of each arm's tokens/s over its plain arm's and over llama.cpp evicted's."""
-    def med(a, b):
-        return median_ratio(rows, a, b)
     out = {}
     for k in (1, 4):
         if f"spec K={k}" in rows and f"plain K={k}" in rows:
-            out[f"spec K={k} / plain K={k}"] = med(f"spec K={k}", f"plain K={k}")
+            out[f"spec K={k} / plain K={k}"] = median_ratio(rows, f"spec K={k}", f"plain K={k}")
     if "llama.cpp evicted" in rows:
         for n in ("spec K=1", "plain K=1"):
             if n in rows:
-                out[f"{n} / llama.cpp evicted"] = med(n, "llama.cpp evicted")
+                out[f"{n} / llama.cpp evicted"] = median_ratio(rows, n, "llama.cpp evicted")
     return out
 
 

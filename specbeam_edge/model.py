@@ -32,6 +32,11 @@ def _session(path: Path, threads: int | None, providers, spin: bool = True) -> o
 _POOL: list[int] = []      # the size of the process's shared thread pool, once made
 
 
+def default_threads(threads: int | None) -> int:
+    """The onnxruntime threads of a session that names none: the cores, at most 8."""
+    return threads or min(os.cpu_count() or 1, 8)
+
+
 def share_threads(threads: int | None = None) -> bool:
     """Run every onnxruntime session of this process on one shared thread pool of `threads` threads (default
     min(cores, 8)); call it before the first Engine. Sessions that run one after another (28 resident layer
@@ -45,7 +50,7 @@ def share_threads(threads: int | None = None) -> bool:
     if os.environ.get("SPECBEAM_SHARED_POOL", "1") == "0":
         return False
     if not _POOL:
-        n = threads or min(os.cpu_count() or 1, 8)
+        n = default_threads(threads)
         ort.set_global_thread_pool_sizes(n, 1)
         _POOL.append(n)
     return True
@@ -60,12 +65,11 @@ def session_options(threads: int | None, spin: bool = True, fold_limit_bytes: in
     """The CPU/CUDA session options of every graph; fold_limit_bytes other than 0 only for tests."""
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    threads = threads or min(os.cpu_count() or 1, 8)
     so.log_severity_level = 3
     if _POOL:
         so.use_per_session_threads = False
     else:
-        so.intra_op_num_threads = threads
+        so.intra_op_num_threads = default_threads(threads)
         so.inter_op_num_threads = 1
         # a session with a pool of its own must not busy-wait between runs when another alternates with it:
         # its spinning threads steal the cores from the other (measured: target pass 16.6 ms instead of 6.9 ms)
@@ -227,8 +231,9 @@ class OnnxCausalLM:
         sessions, feeds = {}, {}
         for i in list(self.store.resident):        # keys only: a list of the views would hold every buffer
             views = self.store.resident[i]
-            # no busy-waiting: 28 sessions run one after another, and each one's spinning threads took the cores
-            # from the next (3x slower a pass than the one layer graph)
+            # no busy-waiting on pools of their own: 28 sessions run one after another, and each one's spinning
+            # threads took the cores from the next (3x slower a pass than the one layer graph); a shared pool
+            # (share_threads) spins for all of them
             so = session_options(threads, spin=False)
             for name, value in shared:
                 so.add_initializer(name, value)
