@@ -153,8 +153,19 @@ def _exporter(part: str = ""):
         return importlib.import_module("export" + part)
 
 
-def run_export(gguf: Path, dst: Path, precision: str, output: str, quiet: bool, layout: str = "whole") -> None:
-    _exporter().export(gguf, dst, precision=precision, output=output, quiet=quiet, layout=layout)
+def run_export(gguf: Path, dst: Path, precision: str, output: str, quiet: bool, layout: str = "whole",
+               **options) -> None:
+    _exporter().export(gguf, dst, precision=precision, output=output, quiet=quiet, layout=layout, **options)
+
+
+def export_is_current(dst: Path, src: Source) -> bool:
+    """The folder was exported with the Source's export options (recorded in its marker; none before they
+    existed): a draft exported before its head was cut is exported again from the kept GGUF."""
+    try:
+        info = json.loads((dst / MARKER).read_text())
+    except (OSError, ValueError):
+        return True         # no readable marker: is_complete already says so
+    return not isinstance(info, dict) or info.get("export_options", {}) == dict(src.export_options)
 
 
 def _config(dst: Path) -> dict | None:
@@ -318,7 +329,8 @@ def _fetch_one(name: str, *, force: bool, quiet: bool, log, from_file=None) -> P
     draft_ok = not shipped or draft_is_current(src.name)
     head = _shipped_ahead(src)
     head_ok = head is None or ahead_is_current(src.name)
-    if is_complete(dst) and not force and draft_ok and head_ok:
+    current = export_is_current(dst, src)
+    if is_complete(dst) and not force and draft_ok and head_ok and current:
         add_resident_graph(dst, log)
         if set_tree(dst, src):
             log(f"set {src.name}'s draft tree to the one measured best in memory ({dict(src.tree)})")
@@ -334,8 +346,11 @@ def _fetch_one(name: str, *, force: bool, quiet: bool, log, from_file=None) -> P
         raise FetchError(_os_message(e, data_dir())) from None
     with _only_fetch(log):
         _remove_stale()
-        if not is_complete(dst) or force:          # (another fetch may have finished it while this one waited)
-            _fetch_locked(src, dst, quiet, log, from_file)
+        if is_complete(dst) and not export_is_current(dst, src) and not force:
+            log(f"{src.name} was exported with other settings than this version's "
+                f"({', '.join(f'{k}={v}' for k, v in src.export_options) or 'the defaults'}); exporting it again")
+        if not is_complete(dst) or force or not export_is_current(dst, src):   # (another fetch may have
+            _fetch_locked(src, dst, quiet, log, from_file)                       # finished it meanwhile)
         else:
             log(f"{src.name} is ready: {dst}")
         if shipped and (force or not draft_is_current(src.name)):
@@ -388,15 +403,16 @@ def _fetch_locked(src: Source, dst: Path, quiet: bool, log, from_file=None) -> P
         gguf = _checked_gguf(src, log, from_file, quiet)
         with tempfile.TemporaryDirectory(prefix=f".{src.folder}.partial-", dir=models_dir()) as tmp:
             staged = Path(tmp) / src.folder
-            log(f"exporting {src.member} (-p {src.precision} --output_kind {src.output} --layout {src.layout}; "
+            flags = "".join(f" --{k} {v}" for k, v in src.export_options)
+            log(f"exporting {src.member} (-p {src.precision} --output_kind {src.output} --layout {src.layout}{flags}; "
                 f"{src.export_minutes} minutes and about {src.export_gb:g} GB of memory)")
             t0 = time.perf_counter()
-            run_export(gguf, staged, src.precision, src.output, quiet, src.layout)
+            run_export(gguf, staged, src.precision, src.output, quiet, src.layout, **dict(src.export_options))
             set_tree(staged, src)
             (staged / MARKER).write_text(json.dumps({
                 "name": src.name, "package": src.package, "version": src.version, "member": src.member,
                 "sha256": src.sha256, "license": src.license, "precision": src.precision,
-                "output_kind": src.output, "layout": src.layout,
+                "output_kind": src.output, "layout": src.layout, "export_options": dict(src.export_options),
                 "parts": [f"{p.package}=={p.version}" for p in src.parts] or None,
                 "from_file": from_file is not None, "export_seconds": round(time.perf_counter() - t0, 1),
                 "fetched": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}, indent=1) + "\n")

@@ -64,6 +64,10 @@ def main(argv=None) -> int:
     ap.add_argument("--attention", choices=("fp32", "fp64"), default=None,
                     help="attention arithmetic (default: fp64 for int8 and int4, whose int8 activations would turn "
                          "fp32 rounding that depends on the cache layout into different tokens; fp32 otherwise)")
+    ap.add_argument("--head_tokens", type=int, default=None, metavar="N",
+                    help="for a draft: its head scores only the token ids below N and the tokenizer's added tokens "
+                         "(a smaller head, a cheaper draft level; the target still scores every token, so output "
+                         "is unchanged). Never for a target: it could not produce the other tokens")
     ap.add_argument("--overwrite", action="store_true", help="replace the output folder if it holds a previous export "
                     "(never the input, a folder around it, or other files)")
     ap.add_argument("-q", "--quiet", action="store_true", help="no progress display")
@@ -71,7 +75,8 @@ def main(argv=None) -> int:
     try:
         out = export(args.input, args.output, precision=args.precision, layout=args.layout,
                      output=args.output_kind, overwrite=args.overwrite, block_size=args.block_size, quiet=args.quiet,
-                     compute=args.compute, reduce_range=not args.full_range, attention=args.attention)
+                     compute=args.compute, reduce_range=not args.full_range, attention=args.attention,
+                     head_tokens=args.head_tokens)
     except ExportError as e:
         print(f"specbeam-export: error: {e}", file=sys.stderr)
         return 2

@@ -18,7 +18,7 @@ from .graph import quantize_int8
 from .encdec import export_encdec, family_of
 from .gguf_input import is_gguf, unpack
 from .families import layer_weights, read_arch
-from .hf import Arch, ExportError, check_layer_count, global_weights, read_json, read_weights
+from .hf import HEAD_TOKEN_IDS, Arch, ExportError, check_layer_count, global_weights, read_json, read_weights
 from .quant import quantize_columns, rowwise_int8
 from .safety import check_output, file_sha256
 from .save import (ATTENTION, GEN_KEYS, INT8W, INVARIANT, PRECISIONS, ExportProgress, _save,  # noqa: F401
@@ -92,7 +92,8 @@ def _layer_checksums(folder: Path, num_layers: int) -> list[str]:
 
 def export(src: str | Path, dst: str | Path, *, precision: str = "fp32", layout: str = "whole",
            output: str = "logits", overwrite: bool = False, block_size: int = 32, quiet: bool = False,
-           compute: str = "fp32", reduce_range: bool = True, attention: str | None = None) -> Path:
+           compute: str = "fp32", reduce_range: bool = True, attention: str | None = None,
+           head_tokens: int | None = None) -> Path:
     """Export the HF folder `src` into the specbeam model folder `dst`; returns dst.
 
     attention: "fp32" or "fp64" (attention computed in double, so a node's result does not depend on where the
@@ -101,6 +102,8 @@ def export(src: str | Path, dst: str | Path, *, precision: str = "fp32", layout:
     bandwidth, tensor cores on CUDA), logits and the tree mask still fp32 at the graph's edge (`_to_fp16`).
     reduce_range: int8 weights in 7 bits (the default), so CPUs without VNNI never saturate their int16 sums
     (export/quant.py); False: 8 bits, half the weight rounding error, only for CPUs with VNNI.
+    head_tokens: for a draft: its head scores only the ids below this and the tokenizer's added tokens
+    (head_subset); the target still scores every token, so output is unchanged and a level costs less.
     The folder is written to a temporary sibling and renamed at the end, so a failure leaves nothing behind.
     """
     src, dst = Path(src), Path(dst)
@@ -125,11 +128,15 @@ def export(src: str | Path, dst: str | Path, *, precision: str = "fp32", layout:
     if (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 16
             or block_size & (block_size - 1)):
         raise ExportError(f"block_size must be a power of two >= 16 (int4 blocks), got {block_size!r}")
+    if head_tokens is not None and (isinstance(head_tokens, bool) or not isinstance(head_tokens, int)
+                                    or head_tokens < 1):
+        raise ExportError(f"head_tokens must be a positive number of token ids, got {head_tokens!r}")
     if not src.exists():
         raise ExportError(f"input {src} does not exist (pass a Hugging Face model folder or a .gguf file)")
     check_output(src, dst, overwrite)      # before the long work: never the input, a file or a link (safety.py)
     opts = dict(precision="fp16" if compute == "fp16" else precision, layout=layout, output=output,
-                block_size=block_size, quiet=quiet, compute=compute, reduce_range=reduce_range, attention=attention)
+                block_size=block_size, quiet=quiet, compute=compute, reduce_range=reduce_range, attention=attention,
+                head_tokens=head_tokens)
     if is_gguf(src):             # transformers dequantizes the file; its config and tokenizer go to a side folder
         with tempfile.TemporaryDirectory(prefix="specbeam-gguf-") as side:
             return _export_decoder(Path(side), dst, unpack(src, Path(side), quiet), src.name, **opts)
@@ -139,6 +146,8 @@ def export(src: str | Path, dst: str | Path, *, precision: str = "fp32", layout:
     if family_of(src):           # Marian / M2M100 / NLLB: encoder graph + decoder graph (export/encdec.py)
         if compute != "fp32":
             raise ExportError("compute fp16 is not available for encoder-decoder models yet (export fp32 compute)")
+        if head_tokens is not None:
+            raise ExportError("head_tokens is for decoder-only drafts, not encoder-decoder models")
         return export_encdec(src, dst, family_of(src), precision=precision, layout=layout, output=output,
                              overwrite=overwrite, quiet=quiet, reduce_range=reduce_range, attention=attention)
     return _export_decoder(src, dst, None, src.name, **opts)
@@ -162,9 +171,31 @@ def _to_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
                                         op_block_list=["LogSoftmax", "TopK"])
 
 
+def head_subset(weights: dict, arch: Arch, tokenizer: Path, below: int) -> dict:
+    """The weights with a head over the ids below `below` and the tokenizer's added tokens (chat markers, end of
+    text): lm_head rows and `lm_head.token_ids` (hf.global_weights). For a draft: Qwen2.5's 151,936-token head
+    was a fifth of a 0.5B draft level; byte-pair ids are numbered by merge order, so low ids are the frequent
+    tokens (the first 65,536 covered 98% of this repository's code and README)."""
+    if HEAD_TOKEN_IDS in weights:
+        raise ExportError(f"the model's head already scores a token subset ({HEAD_TOKEN_IDS}); export it without "
+                          f"head_tokens")
+    try:
+        added = [int(t["id"]) for t in read_json(tokenizer).get("added_tokens", [])]
+    except (TypeError, KeyError, ValueError) as e:
+        raise ExportError(f"{tokenizer}: cannot read its added tokens ({e})") from None
+    ids = np.unique(np.concatenate([np.arange(min(below, arch.vocab_size), dtype=np.int64),
+                                    np.array([i for i in added if 0 <= i < arch.vocab_size], np.int64)]))
+    if len(ids) >= arch.vocab_size:
+        return weights      # every token: the full head
+    head = weights.get("lm_head.weight", weights.get("model.embed_tokens.weight") if arch.tied else None)
+    if head is None:
+        raise ExportError("weight lm_head.weight is missing and tie_word_embeddings is false")
+    return {**weights, "lm_head.weight": np.asarray(head)[ids], HEAD_TOKEN_IDS: ids}
+
+
 def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str, *, precision: str, layout: str,
                     output: str, block_size: int, quiet: bool, compute: str = "fp32",
-                    reduce_range: bool = True, attention: str = "fp32") -> Path:
+                    reduce_range: bool = True, attention: str = "fp32", head_tokens: int | None = None) -> Path:
     """A decoder-only model from the HF-style folder `src` (weights: read from it when None)."""
     if not (src / "tokenizer.json").is_file():
         raise ExportError(f"{src}: no tokenizer.json (a `tokenizers` fast tokenizer is required)")
@@ -172,6 +203,8 @@ def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str
     arch = read_arch(src)
     weights = read_weights(src) if weights is None else weights
     check_layer_count(weights, arch.layers, source_name)
+    if head_tokens is not None:
+        weights = head_subset(weights, arch, src / "tokenizer.json", head_tokens)
     prog = ExportProgress(arch.layers + 3, quiet)   # read each layer, build, write, config
     g = global_weights(weights, arch)
     layers = []
@@ -230,6 +263,9 @@ def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str
             "batch_invariant": INVARIANT[precision],
             "mask": "additive_float32", "mask_value": MASK_VALUE, "present": "concat",
             "output": output, "files": files, **_layer_info(arch),
+            **({"head_tokens": {"below": head_tokens, "count": int(len(g["head_ids"])),
+                                "rule": "the ids below `below` and the tokenizer's added tokens"}}
+               if head_tokens is not None else {}),
             "io": graph_io(output, key_positions=graph.needs_key_positions(arch)),
             "generation": _generation_defaults(src),
             "source": {"folder_name": source_name, "export_seconds": round(time.time() - t0, 2)},

