@@ -148,7 +148,7 @@ class Engine(PromptMixin, SearchSetup):
         generate (the state's hypotheses and stable prefix then start after it); constraints: this request's
         (see generate_iter)."""
         gen = self.generation_config(generation, **overrides)
-        speculative = self._speculative(speculative)
+        speculative = self._speculative(speculative, gen.num_beams)
         forced_bos = self._forced_bos(tgt_lang)
         ids = self.encode(prompt, src_lang, raw)
         prefix = self._prefix_ids(target_prefix)
@@ -247,7 +247,7 @@ class Engine(PromptMixin, SearchSetup):
         does (Hypothesis.constraints_met: False only when the length limit came first). Exact and speculative
         search give the same output, as without constraints."""
         gen = self.generation_config(generation, **overrides)
-        speculative = self._speculative(speculative)
+        speculative = self._speculative(speculative, gen.num_beams)
         forced_bos = self._forced_bos(tgt_lang)
         if prompts is None or isinstance(prompts, (str, bytes, bytearray, dict)):
             raise TypeError(f"prompts must be a list of prompts (strings or token-id lists), got "

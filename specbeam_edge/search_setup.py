@@ -9,7 +9,7 @@ import numpy as np
 
 from . import constraints as lexical
 from .adaptive import ChoosersByLoad, auto_budget, cost_curve, streamed_cost_curve
-from .config import STREAMED_TREE, GenerationConfig, SpeculativeConfig
+from .config import GenerationConfig, SpeculativeConfig, streamed_tree
 from .contract import probe_source
 from .draft import custom_drafter, make_drafter
 from .encdec import EncoderQueue, logits_processor, shared_statics
@@ -39,9 +39,9 @@ class Request:
 class SearchSetup:
     """Engine's search construction; uses the engine's models, tokenizer, encoder and learnt state."""
 
-    def _speculative(self, spec) -> SpeculativeConfig | None:
-        """A SpeculativeConfig, or a dict of its fields, or None; tree widths are checked against the vocabulary
-        (a TopK wider than it fails deep inside onnxruntime)."""
+    def _speculative(self, spec, num_beams: int = 1) -> SpeculativeConfig | None:
+        """A SpeculativeConfig, or a dict of its fields, or None, for requests of `num_beams`; tree widths are
+        checked against the vocabulary (a TopK wider than it fails deep inside onnxruntime)."""
         if isinstance(spec, dict):
             unknown = set(spec) - {f.name for f in fields(SpeculativeConfig)}
             if unknown:
@@ -52,20 +52,21 @@ class SearchSetup:
         if not isinstance(spec, SpeculativeConfig):
             raise TypeError(f"speculative must be a SpeculativeConfig, a dict of its fields or None, got "
                             f"{type(spec).__name__}")
-        spec = self.speculative_for(spec)
+        spec = self.speculative_for(spec, num_beams)
         self.check_widths(spec.max_branch_width, spec.draft_width)
         return spec
 
-    def speculative_for(self, spec: SpeculativeConfig) -> SpeculativeConfig:
-        """The tree settings a request runs with: its own, except when every tree knob is at its default (adaptive
-        as asked) and a draft model drafts: a target streaming layers takes config.STREAMED_TREE (a streamed pass
-        costs a read of the weights whatever the tree, so a tree sized for resident passes wastes it), a resident
-        one the tree its folder names (config key `speculative`), if any."""
+    def speculative_for(self, spec: SpeculativeConfig, num_beams: int = 1) -> SpeculativeConfig:
+        """The tree settings a request of `num_beams` runs with: its own, except when every tree knob is at its
+        default (adaptive as asked) and a draft model drafts: a target streaming layers takes
+        config.streamed_tree(num_beams) (a streamed pass costs a read of the weights whatever the tree, so a tree
+        sized for resident passes wastes it), a resident one the tree its folder names (config key
+        `speculative`), if any."""
         if not isinstance(self.target, OnnxCausalLM) or self.draft is None or \
                 replace(spec, adaptive=True) != SpeculativeConfig():
             return spec
         if self.target.streamed_layers() > 0:
-            return replace(spec, **STREAMED_TREE)
+            return replace(spec, **streamed_tree(num_beams))
         # a model folder's own tree for its draft in memory (`speculative` in its config: written by fetch for a
         # pair whose tree was measured, e.g. Qwen2.5-Coder's chain of 4)
         tree = self.target.cfg.raw.get("speculative")

@@ -173,7 +173,7 @@ def test_streamed_target_grows_the_streamed_tree_and_stays_exact(split4):
     """A target that streams layers, with a draft and every tree knob at its default, runs config.STREAMED_TREE
     (best-first, budget from the modelled pass cost, deeper); its output is plain search's, K=1 and K=4."""
     from dataclasses import replace
-    from specbeam_edge.config import STREAMED_TREE
+    from specbeam_edge.config import STREAMED_BEAM_TREE, STREAMED_TREE
     plain = Engine(split4)
     off = Engine(split4, draft=split4, placement=["disk", "host", "disk", "resident"])
     default = SpeculativeConfig(adaptive=False)
@@ -181,6 +181,11 @@ def test_streamed_target_grows_the_streamed_tree_and_stays_exact(split4):
     assert (chosen.drafter, chosen.budget, chosen.max_depth) == tuple(STREAMED_TREE[k] for k in
                                                                        ("drafter", "budget", "max_depth"))
     assert chosen.adaptive is False
+    # beam search gets the shallower, wider streamed tree (a pass keeps 3-4 of its levels)
+    beams = off.speculative_for(default, num_beams=4)
+    assert (beams.max_depth, beams.max_branch_width) == (STREAMED_BEAM_TREE["max_depth"],
+                                                         STREAMED_BEAM_TREE["max_branch_width"]) != \
+        (STREAMED_TREE["max_depth"], STREAMED_TREE["max_branch_width"])
     mine = replace(default, budget=7)                        # a knob the user set is kept as given
     assert off.speculative_for(mine) == mine
     resident = Engine(split4, draft=split4)
