@@ -158,29 +158,28 @@ def run_export(gguf: Path, dst: Path, precision: str, output: str, quiet: bool, 
     _exporter().export(gguf, dst, precision=precision, output=output, quiet=quiet, layout=layout, **options)
 
 
-def export_is_current(dst: Path, src: Source) -> bool:
-    """The folder was exported with the Source's export options (recorded in its marker; none before they
-    existed): a draft exported before its head was cut is exported again from the kept GGUF."""
+def _json_object(path: Path) -> dict | None:
+    """A fetched folder's JSON file (its config or marker), or None when it is missing or damaged (the caller
+    then leaves the folder as is)."""
     try:
-        info = json.loads((dst / MARKER).read_text())
-    except (OSError, ValueError):
-        return True         # no readable marker: is_complete already says so
-    return not isinstance(info, dict) or info.get("export_options", {}) == dict(src.export_options)
-
-
-def _config(dst: Path) -> dict | None:
-    """A fetched folder's config, or None when it is missing or damaged (the caller then leaves the folder as is)."""
-    try:
-        cfg = json.loads((dst / CONFIG_FILE).read_text())
+        data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return cfg if isinstance(cfg, dict) else None
+    return data if isinstance(data, dict) else None
+
+
+def export_is_current(dst: Path, src: Source) -> bool:
+    """The folder was exported with the Source's export options (recorded in its marker; none before they
+    existed): a draft exported before its head was cut is exported again from the kept GGUF. No readable
+    marker: is_complete already says so."""
+    info = _json_object(dst / MARKER)
+    return info is None or info.get("export_options", {}) == dict(src.export_options)
 
 
 def set_tree(dst: Path, src: Source) -> bool:
     """The tree measured best for the model's draft in memory (Source.tree) into its folder's config
     ("speculative", read by Engine.speculative_for); True when the config changed."""
-    cfg = _config(dst) if src.tree else None
+    cfg = _json_object(dst / CONFIG_FILE) if src.tree else None
     if cfg is None or cfg.get("speculative") == dict(src.tree):
         return False
     cfg["speculative"] = dict(src.tree)
@@ -191,7 +190,7 @@ def set_tree(dst: Path, src: Source) -> bool:
 def add_resident_graph(dst: Path, log) -> None:
     """A split-layout folder fetched before exports wrote layer_resident.onnx gets it (a second, no re-export;
     export/resident.py): in memory its layers then run on prepacked weights. Without the export extra, as is."""
-    cfg = _config(dst)
+    cfg = _json_object(dst / CONFIG_FILE)
     files = cfg.get("files") if cfg is not None else None
     if (not isinstance(files, dict) or cfg.get("layout") != "split" or "layer_resident" in files
             or cfg.get("precision") not in ("fp32", "int8") or missing_export_modules()):
@@ -346,11 +345,13 @@ def _fetch_one(name: str, *, force: bool, quiet: bool, log, from_file=None) -> P
         raise FetchError(_os_message(e, data_dir())) from None
     with _only_fetch(log):
         _remove_stale()
-        if is_complete(dst) and not export_is_current(dst, src) and not force:
+        # (another fetch may have finished it while this one waited)
+        stale = is_complete(dst) and not export_is_current(dst, src)
+        if stale and not force:
             log(f"{src.name} was exported with other settings than this version's "
                 f"({', '.join(f'{k}={v}' for k, v in src.export_options) or 'the defaults'}); exporting it again")
-        if not is_complete(dst) or force or not export_is_current(dst, src):   # (another fetch may have
-            _fetch_locked(src, dst, quiet, log, from_file)                       # finished it meanwhile)
+        if not is_complete(dst) or force or stale:
+            _fetch_locked(src, dst, quiet, log, from_file)
         else:
             log(f"{src.name} is ready: {dst}")
         if shipped and (force or not draft_is_current(src.name)):
@@ -455,11 +456,8 @@ def draft_is_current(name: str) -> bool:
     path, shipped = draft_path(name), _shipped_draft(source(name))
     if path is None or shipped is None:
         return path is not None
-    try:
-        built = json.loads((path / MARKER).read_text()).get("weights_sha256")
-    except (OSError, ValueError):
-        return False
-    return built == draft_digest(shipped)
+    info = _json_object(path / MARKER)
+    return info is not None and info.get("weights_sha256") == draft_digest(shipped)
 
 
 def _shipped_ahead(src: Source) -> Path | None:

@@ -171,12 +171,12 @@ def _to_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
                                         op_block_list=["LogSoftmax", "TopK"])
 
 
-def head_subset(weights: dict, arch: Arch, tokenizer: Path, below: int) -> dict:
-    """The weights with a head over the ids below `below` and the tokenizer's added tokens (chat markers, end of
-    text): lm_head rows and `lm_head.token_ids` (hf.global_weights). For a draft: Qwen2.5's 151,936-token head
-    was a fifth of a 0.5B draft level; byte-pair ids are numbered by merge order, so low ids are the frequent
+def head_subset(g: dict, arch: Arch, tokenizer: Path, below: int) -> dict:
+    """The global weights (hf.global_weights) with a head over the ids below `below` and the tokenizer's added
+    tokens (chat markers, end of text): lm_head's columns and `head_ids`. For a draft: Qwen2.5's 151,936-token
+    head was a fifth of a 0.5B draft level; byte-pair ids are numbered by merge order, so low ids are the frequent
     tokens (the first 65,536 covered 98% of this repository's code and README)."""
-    if HEAD_TOKEN_IDS in weights:
+    if g["head_ids"] is not None:
         raise ExportError(f"the model's head already scores a token subset ({HEAD_TOKEN_IDS}); export it without "
                           f"head_tokens")
     try:
@@ -186,11 +186,8 @@ def head_subset(weights: dict, arch: Arch, tokenizer: Path, below: int) -> dict:
     ids = np.unique(np.concatenate([np.arange(min(below, arch.vocab_size), dtype=np.int64),
                                     np.array([i for i in added if 0 <= i < arch.vocab_size], np.int64)]))
     if len(ids) >= arch.vocab_size:
-        return weights      # every token: the full head
-    head = weights.get("lm_head.weight", weights.get("model.embed_tokens.weight") if arch.tied else None)
-    if head is None:
-        raise ExportError("weight lm_head.weight is missing and tie_word_embeddings is false")
-    return {**weights, "lm_head.weight": np.asarray(head)[ids], HEAD_TOKEN_IDS: ids}
+        return g            # every token: the full head
+    return {**g, "lm_head": np.ascontiguousarray(g["lm_head"][:, ids]), "head_ids": ids}
 
 
 def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str, *, precision: str, layout: str,
@@ -203,10 +200,10 @@ def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str
     arch = read_arch(src)
     weights = read_weights(src) if weights is None else weights
     check_layer_count(weights, arch.layers, source_name)
-    if head_tokens is not None:
-        weights = head_subset(weights, arch, src / "tokenizer.json", head_tokens)
     prog = ExportProgress(arch.layers + 3, quiet)   # read each layer, build, write, config
     g = global_weights(weights, arch)
+    if head_tokens is not None:
+        g = head_subset(g, arch, src / "tokenizer.json", head_tokens)
     layers = []
     for i in range(arch.layers):
         layers.append(layer_weights(weights, arch, i))
@@ -263,7 +260,8 @@ def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str
             "batch_invariant": INVARIANT[precision],
             "mask": "additive_float32", "mask_value": MASK_VALUE, "present": "concat",
             "output": output, "files": files, **_layer_info(arch),
-            **({"head_tokens": {"below": head_tokens, "count": int(len(g["head_ids"])),
+            **({"head_tokens": {"below": head_tokens,
+                                "count": arch.vocab_size if g["head_ids"] is None else int(len(g["head_ids"])),
                                 "rule": "the ids below `below` and the tokenizer's added tokens"}}
                if head_tokens is not None else {}),
             "io": graph_io(output, key_positions=graph.needs_key_positions(arch)),

@@ -295,15 +295,15 @@ def test_a_draft_models_chooser_probes_a_request_only_while_the_tree_loses():
 
     wins = PassChooser(warmup=2, probe_every=8, max_interval=512, catch_up=True)
     loses = PassChooser(warmup=2, probe_every=8, max_interval=512, catch_up=True)
-    plain = {}
-    for name, ch, tree_cost in (("wins", wins, 1.0), ("loses", loses, 6.0)):
-        seen = _requests(ch, 6, 128, tree_cost=tree_cost, tree_steps=3, catch_up_cost=1.0)
-        plain[name] = [s.count(False) for s in seen[2:]]       # after the warm-up's requests
-    loses_seen = seen
+    # each request's choices, after the warm-up's requests
+    seen = {name: _requests(ch, 6, 128, tree_cost=tree_cost, tree_steps=3, catch_up_cost=1.0)[2:]
+            for name, ch, tree_cost in (("wins", wins, 1.0), ("loses", loses, 6.0))}
+    plain = {name: [s.count(False) for s in requests] for name, requests in seen.items()}
+    loses_seen = seen["loses"]
     assert wins.best() is True and loses.best() is False
     assert sum(plain["wins"]) <= 2, plain       # no plain probe per request, only the interval's (it was 1 each)
     assert all(n <= 126 for n in plain["loses"]), plain       # the tree is tried on every request,
-    assert all(True in s[:4] for s in loses_seen[2:]), loses_seen   # at its start (its probe, two passes in)
+    assert all(True in s[:4] for s in loses_seen), loses_seen   # at its start (its probe, two passes in)
 
 
 def test_draft_model_searches_start_each_request_with_the_chooser(engines, monkeypatch):
