@@ -171,21 +171,23 @@ def test_embedding_table_is_mapped_and_checked(split4, tmp_path):
 
 def test_streamed_target_grows_the_streamed_tree_and_stays_exact(split4):
     """A target that streams layers, with a draft and every tree knob at its default, runs config.STREAMED_TREE
-    (best-first, budget from the modelled pass cost, deeper); its output is plain search's, K=1 and K=4."""
+    (best-first, deeper, with a path-probability floor); its output is plain search's, K=1 and K=4."""
     from dataclasses import replace
     from specbeam_edge.config import STREAMED_BEAM_TREE, STREAMED_TREE
     plain = Engine(split4)
     off = Engine(split4, draft=split4, placement=["disk", "host", "disk", "resident"])
     default = SpeculativeConfig(adaptive=False)
     chosen = off.speculative_for(default)
-    assert (chosen.drafter, chosen.budget, chosen.max_depth) == tuple(STREAMED_TREE[k] for k in
-                                                                       ("drafter", "budget", "max_depth"))
+    assert (chosen.drafter, chosen.budget, chosen.max_depth, chosen.min_path_prob) == tuple(
+        STREAMED_TREE[k] for k in ("drafter", "budget", "max_depth", "min_path_prob"))
+    assert chosen.min_path_prob > 0          # K=1 grows deep only where the draft is sure
     assert chosen.adaptive is False
     # beam search gets the shallower, wider streamed tree (a pass keeps 3-4 of its levels)
     beams = off.speculative_for(default, num_beams=4)
-    assert (beams.max_depth, beams.max_branch_width) == (STREAMED_BEAM_TREE["max_depth"],
-                                                         STREAMED_BEAM_TREE["max_branch_width"]) != \
-        (STREAMED_TREE["max_depth"], STREAMED_TREE["max_branch_width"])
+    assert (beams.max_depth, beams.max_branch_width, beams.budget) == (
+        STREAMED_BEAM_TREE["max_depth"], STREAMED_BEAM_TREE["max_branch_width"], "auto") != \
+        (STREAMED_TREE["max_depth"], STREAMED_TREE["max_branch_width"], STREAMED_TREE["budget"])
+    assert beams.min_path_prob == 0
     mine = replace(default, budget=7)                        # a knob the user set is kept as given
     assert off.speculative_for(mine) == mine
     resident = Engine(split4, draft=split4)
