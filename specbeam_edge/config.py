@@ -350,10 +350,10 @@ class SpeculativeConfig:
 # leaves every tree knob at its default (Engine.speculative_for). K=1: best-first, narrow (2 children a node: a draft
 # level's cost grows with its rows), up to 24 levels deep but only below nodes the draft gives a path probability of
 # 5% or more (min_path_prob): deep where the draft is sure, no levels spent where it is not; 96 nodes at most (4 a
-# draft level). Qwen2.5-Coder-1.5B streamed under 1/4 of its weights with the 0.5B drafting, 16 prompts x 64 tokens
-# alternated: 7.90 / 7.66 tok/s (10.9 / 9.9 tokens a pass) against the earlier depth 16, no floor, 64 nodes: 6.76 /
-# 7.13 (9.5 / 9.5); a 10% floor 7.65 tok/s but 9.5 tokens a pass; depth 32 or 128 nodes no better
-# (bench/README "A model larger than its memory")
+# draft level). Qwen2.5-Coder-1.5B streamed under 1/4 of its weights with the 0.5B drafting, prompts 0-7 / 8-15
+# x 64 tokens, arms alternated in one engine: 7.90 / 7.66 tok/s (10.9 / 9.9 tokens a pass) against the earlier depth
+# 16, no floor, 64 nodes: 6.76 / 7.13 (9.5 / 9.5); a 10% floor 7.65 tok/s but 9.5 tokens a pass; depth 32 or 128
+# nodes no better (docs/HISTORY.md "A streamed target's greedy tree")
 STREAMED_TREE = dict(drafter="best_first", budget=96, max_depth=24, max_branch_width=2, min_path_prob=0.05)
 # beam search (num_beams > 1) keeps a level only when it holds all K next beams, so a pass gives 3-4 steps, not 10:
 # levels past that only cost drafting, and each beam needs its alternatives. Depth 6 with 3 children a node gave
