@@ -12,12 +12,15 @@ import onnxruntime as ort
 from .config import ModelConfig, ModelFolderError
 from .contract import (HIDDEN, KEY_POSITIONS, LAYER_HIDDEN_OUT, LAYER_PAST, LAYER_PRESENT, LOGITS, TOKEN_INPUTS,
                        TOPK_INPUT, TOPK_OUTPUTS, AHEAD_INPUT, AHEAD_OUTPUTS, head_io, past_names, present_names)
-from .offload import LayerStore, layer_nbytes, plan
+from .offload import LayerStore, TableRows, layer_nbytes, plan
 from .providers import CUDA, ProviderError, cuda_session, default_providers, wants_cuda
 
 
-def _session(path: Path, threads: int | None, providers, spin: bool = True) -> ort.InferenceSession:
+def _session(path: Path, threads: int | None, providers, spin: bool = True, arena: bool = True) -> ort.InferenceSession:
+    """arena False: the session's CPU tensors come from malloc and go back after each run instead of staying in
+    onnxruntime's arena, which keeps its largest run's memory for good (OnnxCausalLM's `arena`)."""
     so = session_options(threads, spin)
+    so.enable_cpu_mem_arena = arena
     providers = list(providers or default_providers())
     try:
         if wants_cuda(providers):   # every node on CUDA, or ProviderError naming the ones that would not be
@@ -106,7 +109,8 @@ class OnnxCausalLM:
 
     def __init__(self, folder: str | Path, *, threads: int | None = None, providers=None,
                  max_memory: int | None = None, host_memory: int | None = 0, placement: list[str] | None = None,
-                 spin: bool = True, kv_resident: bool | None = None, min_rows: int | None = None):
+                 spin: bool = True, kv_resident: bool | None = None, min_rows: int | None = None,
+                 arena: bool | None = None):
         """max_memory (bytes): budget for weights held in memory; in the split layout, layers that do not fit
         are streamed per pass from host memory (up to host_memory bytes, None = unlimited) or from disk.
         placement: an explicit list of 'resident' / 'host' / 'disk' per layer instead of the planner.
@@ -119,7 +123,12 @@ class OnnxCausalLM:
         kernels score one row bit for bit as they score it among others (DESIGN "Quantized targets" point 2).
         Default (None): 1 for fp32/fp16 graphs, 2 for int8/int4/int8dyn graphs. The engine that owns a target
         decides its floor once (Engine: invariance.row_floor, measured per model file, onnxruntime version and
-        CPU); a draft needs no invariance (Engine passes 1)."""
+        CPU); a draft needs no invariance (Engine passes 1).
+        arena: whether the sessions keep onnxruntime's CPU memory arena. The arena keeps the memory of every
+        session's largest run for good: under a budget that is RSS no budget counts (a streamed Qwen2.5-Coder-1.5B
+        with its 0.5B draft, spec K=4: 1,286 MB after two 128-token requests with arenas, 1,070 without, same
+        speed: docs/HISTORY.md "Arenas under a budget"). Default (None): on, off when layers stream; Engine turns
+        it off for the draft of a streaming target."""
         self.cfg = cfg = ModelConfig.load(folder)
         self.folder = Path(folder)
         self.min_rows = (2 if cfg.precision in QUANTIZED_ACTIVATIONS else 1) if min_rows is None else min_rows
@@ -145,6 +154,7 @@ class OnnxCausalLM:
         if cfg.layout == "whole" and (max_memory is not None or placement is not None):
             raise ModelFolderError(f"{self.folder}: layer streaming (max_memory/placement) needs the split layout; "
                                    f"export with --layout split")
+        self.arena = arena
         if cfg.layout == "whole":
             self._load_whole(threads, providers, spin, head_inputs, all_heads)
         else:
@@ -163,7 +173,7 @@ class OnnxCausalLM:
     def _load_whole(self, threads, providers, spin, head_inputs, all_heads) -> None:
         """The whole layout: one graph for every layer and the head."""
         cfg = self.cfg
-        self.sess = _session(self.folder / cfg.files["model"], threads, providers, spin)
+        self.sess = _session(self.folder / cfg.files["model"], threads, providers, spin, self.arena is not False)
         self.needs_key_positions = _declares(self.sess, KEY_POSITIONS)
         # a graph whose head the config does not name (an attach killed between its two renames) runs
         # with the head off
@@ -179,15 +189,20 @@ class OnnxCausalLM:
         """The split layout: the embedding, one layer graph fed each layer's weights (resident or streamed:
         offload.py) and the head."""
         cfg, L = self.cfg, self.cfg.num_layers
-        # the embedding: a table mapped from its file (a pass reads only its tokens' rows, so it costs no
-        # memory budget), or an embed graph in older exports
+        # the embedding: a table read a row at a time from its file (a pass reads only its tokens' rows, so it
+        # costs no memory budget: offload.TableRows), or an embed graph in older exports
         table = cfg.files.get("embed_table")
-        self.embed = None if table else _session(self.folder / cfg.files["embed"], threads, providers, spin)
-        self.embed_table = None if not table else np.memmap(
-            self.folder / table["file"], dtype=table["dtype"], mode="r", shape=tuple(table["shape"]))
-        self.layer = _session(self.folder / cfg.files["layer"], threads, providers, spin)
-        self.head = _session(self.folder / cfg.files["head"], threads, providers, spin)
         manifest = cfg.files["layer_manifest"]
+        fixed = sum((self.folder / cfg.files[k]).stat().st_size for k in ("head",) + (() if table else ("embed",)))
+        self.placement = plan(L, layer_nbytes(manifest), fixed, max_memory, host_memory, placement)
+        if self.arena is None:          # under a budget, nothing the budget does not count stays behind a run
+            self.arena = all(p == "resident" for p in self.placement.places)
+        self.embed = None if table else _session(self.folder / cfg.files["embed"], threads, providers, spin,
+                                                 self.arena)
+        self.embed_table = None if not table else TableRows(self.folder / table["file"], table["dtype"],
+                                                                 tuple(table["shape"]))
+        self.layer = _session(self.folder / cfg.files["layer"], threads, providers, spin, self.arena)
+        self.head = _session(self.folder / cfg.files["head"], threads, providers, spin, self.arena)
         if self.embed is not None:
             self._check_io(self.embed, {"input_ids"}, {HIDDEN}, cfg.files["embed"])
         self.needs_key_positions = _declares(self.layer, KEY_POSITIONS)
@@ -196,8 +211,6 @@ class OnnxCausalLM:
                                     *([KEY_POSITIONS] if self.needs_key_positions else [])},
                        {LAYER_HIDDEN_OUT, *LAYER_PRESENT}, cfg.files["layer"])
         self._check_io(self.head, {HIDDEN, *head_inputs}, set(all_heads), cfg.files["head"])
-        fixed = sum((self.folder / cfg.files[k]).stat().st_size for k in ("head",) + (() if table else ("embed",)))
-        self.placement = plan(L, layer_nbytes(manifest), fixed, max_memory, host_memory, placement)
         self.device = "cuda" if "CUDAExecutionProvider" in self.layer.get_providers() else "cpu"
         self.store = LayerStore(self.folder, cfg.files["layer_weights"], manifest, self.placement, self.device)
         whole = max_memory is None and placement is None     # every layer held in memory, no budget to keep
@@ -395,12 +408,12 @@ class OnnxCausalLM:
         return layer, head
 
     def _embed(self, ids: np.ndarray) -> np.ndarray:
-        """hidden [B, n_new, H] fp32 for input_ids [B, n_new]: the mapped table's rows, or the embed graph."""
+        """hidden [B, n_new, H] fp32 for input_ids [B, n_new]: the table's rows, or the embed graph."""
         if self.embed_table is None:
             return self.embed.run([HIDDEN], {"input_ids": ids})[0]
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.embed_table.shape[0]):
             raise ValueError(f"token id out of range [0, {self.embed_table.shape[0]}) for the embedding table")
-        return np.asarray(self.embed_table[ids], dtype=np.float32)
+        return self.embed_table[ids].astype(np.float32, copy=False)
 
     def _forward_layers(self, ids, pos, mask, past, kpos, extra, names, head_from: int = 0):
         """The split layout: embed, each layer with its weights (streamed ones double-buffered), head."""

@@ -149,14 +149,19 @@ def test_memory_budget_holds(hf_models, tmp_path):
     assert saved >= (10 - 3 - 2) * full["layer_mb"] - 12, (full, budgeted)
 
 
-def test_embedding_table_is_mapped_and_checked(split4, tmp_path):
-    """The split layout's embedding is a table mapped from weights/embed.bin (no graph holding it whole): a pass
-    reads only its rows; a truncated table or an id outside it fails by name instead of giving wrong text."""
+def test_embedding_table_is_read_by_row_and_checked(split4, tmp_path):
+    """The split layout's embedding is a table read a row at a time from weights/embed.bin (no graph holding it
+    whole, no mapping whose touched pages stay in the process): a pass reads only its rows, the same rows as the
+    file's; a truncated table or an id outside it fails by name instead of giving wrong text."""
     import shutil
     cfg = json.loads((split4 / "specbeam_config.json").read_text())
     assert "embed" not in cfg["files"] and not (split4 / "embed.onnx").exists()
     lm = OnnxCausalLM(split4)
-    assert isinstance(lm.embed_table, np.memmap)
+    t = cfg["files"]["embed_table"]
+    whole = np.fromfile(split4 / t["file"], dtype=t["dtype"]).reshape(t["shape"])
+    ids = np.array([[5, 3, 5, 0], [cfg["vocab_size"] - 1, 3, 2, 2]])
+    np.testing.assert_array_equal(lm._embed(ids), whole[ids].astype(np.float32))
+    assert str((split4 / t["file"]).resolve()) not in open("/proc/self/maps").read()     # nothing mapped
     with pytest.raises(ValueError, match="out of range"):
         lm._embed(np.array([[cfg["vocab_size"]]]))
     with pytest.raises(ValueError, match="out of range"):
@@ -167,6 +172,22 @@ def test_embedding_table_is_mapped_and_checked(split4, tmp_path):
     table.write_bytes(table.read_bytes()[:-4])
     with pytest.raises(ModelFolderError, match="embed.bin: .*bytes, the embedding table needs"):
         OnnxCausalLM(bad)
+
+
+def test_a_budget_keeps_no_arena_and_stays_exact(split4):
+    """Under a budget (layers stream) the target's sessions and its draft's run without onnxruntime's arena (the
+    memory of their largest run goes back instead of staying as RSS no budget counts); a model held wholly in
+    memory keeps it; the logits are the same either way."""
+    arena = lambda sess: sess.get_session_options().enable_cpu_mem_arena
+    ids, pos, mask = np.array([[3, 7, 1]]), np.arange(3)[None], np.tril(np.ones((3, 3), bool))[None, None]
+    whole = OnnxCausalLM(split4)
+    streamed = OnnxCausalLM(split4, placement=["disk", "resident", "resident", "resident"])
+    assert arena(whole.head) and arena(whole.layer)
+    assert not arena(streamed.head) and not arena(streamed.layer)
+    np.testing.assert_array_equal(whole.forward(ids, pos, mask, whole.empty_past(1))[0],
+                                  streamed.forward(ids, pos, mask, streamed.empty_past(1))[0])
+    assert arena(Engine(split4, draft=split4).draft.head)
+    assert not arena(Engine(split4, draft=split4, placement=["disk"] + ["resident"] * 3).draft.head)
 
 
 def test_streamed_target_grows_the_streamed_tree_and_stays_exact(split4):
