@@ -124,11 +124,8 @@ class OnnxCausalLM:
         Default (None): 1 for fp32/fp16 graphs, 2 for int8/int4/int8dyn graphs. The engine that owns a target
         decides its floor once (Engine: invariance.row_floor, measured per model file, onnxruntime version and
         CPU); a draft needs no invariance (Engine passes 1).
-        arena: whether the sessions keep onnxruntime's CPU memory arena. The arena keeps the memory of every
-        session's largest run for good: under a budget that is RSS no budget counts (a streamed Qwen2.5-Coder-1.5B
-        with its 0.5B draft, spec K=4: 1,286 MB after two 128-token requests with arenas, 1,070 without, same
-        speed: docs/HISTORY.md "Arenas under a budget"). Default (None): on, off when layers stream; Engine turns
-        it off for the draft of a streaming target."""
+        arena: keep onnxruntime's CPU arena, which holds each session's largest run for good (default: off when
+        layers stream, RSS no budget counts; Engine turns it off for their draft; docs/HISTORY.md "Arenas")."""
         self.cfg = cfg = ModelConfig.load(folder)
         self.folder = Path(folder)
         self.min_rows = (2 if cfg.precision in QUANTIZED_ACTIVATIONS else 1) if min_rows is None else min_rows
