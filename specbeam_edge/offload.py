@@ -235,11 +235,11 @@ class LayerStore:
 
 
 class TableRows:
-    """A table file of fixed-size rows (the split layout's embedding, weights/embed.bin) read a row at a time with
-    pread: the process maps nothing, so rows it has read do not stay in its memory. A mapped table kept every
-    page it touched, and the kernel maps up to 16 pages around each fault: a speculative pass embeds dozens of
-    drafted tokens, and Qwen2.5-Coder-1.5B's 933 MB table took 50-250 MB of peak RSS over 16 streamed requests
-    (spec K=4 ended 76 MB over its bound). The page cache still keeps recent rows, as it keeps any file."""
+    """A table file of fixed-size rows (the split layout's embedding, weights/embed.bin) read a row at a time: the
+    process maps nothing, so rows it has read do not stay in its memory. A mapped table kept every page a pass
+    touched (and the kernel maps up to 16 pages around a fault), so a streamed model's RSS grew with every tree of
+    drafted tokens it embedded, outside its budget (docs/HISTORY.md "Arenas under a budget"). The page cache
+    still keeps recent rows, as it keeps any file."""
 
     def __init__(self, path: Path, dtype: str, shape: tuple[int, int]):
         self.path, self.dtype, self.shape = Path(path), np.dtype(dtype), tuple(shape)
@@ -251,14 +251,12 @@ class TableRows:
         ids = np.asarray(ids)
         uniq, inverse = np.unique(ids.reshape(-1), return_inverse=True)
         rows = np.empty((len(uniq), self.shape[1]), self.dtype)
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
+        with open(self.path, "rb", buffering=0) as f:
             for k, i in enumerate(uniq.tolist()):
-                if os.preadv(fd, [memoryview(rows[k]).cast("B")], i * self.row_bytes) != self.row_bytes:
+                f.seek(i * self.row_bytes)
+                if f.readinto(memoryview(rows[k]).cast("B")) != self.row_bytes:
                     raise ModelFolderError(f"{self.path}: short read at row {i} (the table was truncated after "
                                            f"loading); restore it or re-export the model")
-        finally:
-            os.close(fd)
         return rows[inverse].reshape(ids.shape + (self.shape[1],))
 
 
