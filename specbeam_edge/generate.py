@@ -72,11 +72,11 @@ class Engine(PromptMixin, SearchSetup):
             # with a pool of its own the draft is small: one thread and no busy-waiting, so it does not steal the
             # target's cores; with a streaming target those cores wait for the disk while the tree grows, so the
             # draft takes them all, as it does on the pool the process shares (model.share_threads)
-            draft_threads = threads if self.target.streamed_layers() or threads_shared() else 1
+            streams = bool(self.target.streamed_layers())
+            draft_threads = threads if streams or threads_shared() else 1
             # a streaming target's budget holds for its draft's runs too: no arena keeps their largest run's memory
             self.draft = OnnxCausalLM(draft, threads=draft_threads, providers=providers, spin=False,
-                                      kv_resident=kv_resident, min_rows=1,
-                                      arena=False if self.target.streamed_layers() else None)
+                                      kv_resident=kv_resident, min_rows=1, arena=False if streams else None)
             draft_tokenizer = Tokenizer(draft)
             check_compatible(self.tokenizer, draft_tokenizer, self.draft.cfg.vocab_size, self.target.cfg.vocab_size)
             check_vocabulary(draft_tokenizer, self.draft.cfg)

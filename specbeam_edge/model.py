@@ -16,7 +16,8 @@ from .offload import LayerStore, TableRows, layer_nbytes, plan
 from .providers import CUDA, ProviderError, cuda_session, default_providers, wants_cuda
 
 
-def _session(path: Path, threads: int | None, providers, spin: bool = True, arena: bool = True) -> ort.InferenceSession:
+def _session(path: Path, threads: int | None, providers, spin: bool = True,
+             arena: bool = True) -> ort.InferenceSession:
     """arena False: the session's CPU tensors come from malloc and go back after each run instead of staying in
     onnxruntime's arena, which keeps its largest run's memory for good (OnnxCausalLM's `arena`)."""
     so = session_options(threads, spin)
@@ -170,7 +171,8 @@ class OnnxCausalLM:
     def _load_whole(self, threads, providers, spin, head_inputs, all_heads) -> None:
         """The whole layout: one graph for every layer and the head."""
         cfg = self.cfg
-        self.sess = _session(self.folder / cfg.files["model"], threads, providers, spin, self.arena is not False)
+        self.arena = self.arena is not False          # nothing streams: the arena unless the caller says no
+        self.sess = _session(self.folder / cfg.files["model"], threads, providers, spin, self.arena)
         self.needs_key_positions = _declares(self.sess, KEY_POSITIONS)
         # a graph whose head the config does not name (an attach killed between its two renames) runs
         # with the head off
