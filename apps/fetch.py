@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 import zipfile
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import replace
 from pathlib import Path
 
@@ -330,6 +330,7 @@ def _fetch_one(name: str, *, force: bool, quiet: bool, log, from_file=None) -> P
     head_ok = head is None or ahead_is_current(src.name)
     current = export_is_current(dst, src)
     if is_complete(dst) and not force and draft_ok and head_ok and current:
+        _remove_stale_if_idle()
         add_resident_graph(dst, log)
         if set_tree(dst, src):
             log(f"set {src.name}'s draft tree to the one measured best in memory ({dict(src.tree)})")
@@ -390,12 +391,36 @@ def _only_fetch(log):
 
 
 def _remove_stale() -> None:
-    """Staged folders left by a fetch that was killed (SIGKILL, power loss): no fetch holds them now."""
+    """Staged folders and files left by a fetch that was killed (SIGKILL, power loss): no fetch holds them now.
+    A join stages a file (`_staged_file`), not a folder: rmtree alone left it (up to a model's size)."""
     for parent, pattern in ((models_dir(), ".*.partial-*"), (models_dir(), ".*.old-*"),
                             (sources_dir(), ".download-*")):
         if parent.is_dir():
             for p in parent.glob(pattern):
-                shutil.rmtree(p, ignore_errors=True)
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    with suppress(OSError):
+                        p.unlink()
+
+
+def _remove_stale_if_idle() -> None:
+    """`_remove_stale` when no fetch runs now: a fetch of a model already there takes no lock, and would
+    otherwise never clean up after a killed one."""
+    from filelock import FileLock, Timeout
+
+    path = models_dir() / LOCK
+    if not models_dir().is_dir() or path.is_symlink():
+        return
+    lock = FileLock(str(path))
+    try:
+        lock.acquire(timeout=0)
+    except (Timeout, OSError):
+        return
+    try:
+        _remove_stale()
+    finally:
+        lock.release()
 
 
 def _fetch_locked(src: Source, dst: Path, quiet: bool, log, from_file=None) -> Path:

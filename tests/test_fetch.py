@@ -146,6 +146,17 @@ def test_staged_folders_of_a_killed_fetch_are_removed_by_the_next(data):
     assert leftovers() == []
 
 
+def test_a_file_staged_by_a_killed_join_is_removed_by_the_next_fetch(data):
+    # _staged_file stages a file, not a folder: rmtree alone left it behind
+    fetch.sources_dir().mkdir(parents=True)
+    (fetch.sources_dir() / ".download-k1ll3d").write_bytes(b"half a joined gguf")
+    run()
+    assert leftovers() == []
+    (fetch.sources_dir() / ".download-k1ll3d").write_bytes(b"half a joined gguf")
+    run()                                           # already fetched: it still cleans up, under the lock
+    assert leftovers() == []
+
+
 def test_a_second_fetch_waits_for_the_first_and_reuses_its_folder(data):
     import threading
     import time
