@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -34,10 +35,23 @@ _MODEL_INTS = {"vocab_size": 1, "hidden_size": 1, "num_layers": 1, "num_heads": 
                "head_dim": 1, "context_length": 2}
 
 
+def short(value, limit: int = 60) -> str:
+    """repr(value), cut to `limit` characters: a message quotes what it found, never a megabyte of it."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def few(names, limit: int = 4) -> str:
+    """The first `limit` names, then how many more: a listing in a message stays one short line."""
+    names = list(names)
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(map(str, names[:limit])) + more
+
+
 def _model_fields(raw: dict, path: Path) -> dict:
     """The typed fields of specbeam_config.json; a wrong value names the file, the key and the value."""
     def bad(key, want):
-        return ModelFolderError(f"{path}: {key} must be {want}, got {raw[key]!r}; re-export the model")
+        return ModelFolderError(f"{path}: {key} must be {want}, got {short(raw[key])}; re-export the model")
 
     out = {}
     for key, low in _MODEL_INTS.items():
@@ -123,12 +137,14 @@ class ModelConfig:
         if cfg.layout not in LAYOUTS:
             raise ModelFolderError(f"{path}: unknown layout {cfg.layout!r}")
         try:
+            if cfg.layout == "split":
+                _check_layer_count(cfg, path)
             needed = cls._needed_files(cfg)
         except KeyError as e:
             raise ModelFolderError(f"{path}: missing key files.{e.args[0]}; re-export the model") from None
         missing = [n for n in needed if not (folder / n).is_file()]
         if missing:
-            raise ModelFolderError(f"{folder}: missing file(s) {', '.join(missing)}")
+            raise ModelFolderError(f"{folder}: missing file(s) {few(missing)}")
         if (folder / "tokenizer_config.json").is_file():      # read later by the tokenizer: fail here, named
             read_json_object(folder / "tokenizer_config.json", ModelFolderError)
         if cfg.layout == "split":
@@ -155,6 +171,24 @@ class ModelConfig:
         needed += [cfg.files["layer_weights"].format(i=i) for i in range(cfg.num_layers)] if cfg.layout == "split" else []
         needed.append("tokenizer.json")
         return needed
+
+
+def _check_layer_count(cfg: "ModelConfig", path: Path) -> None:
+    """num_layers within what the folder holds, before any per-layer list is built: a count of a million took
+    seconds and wrote a 14 MB error. files.layer_weights must name each layer's file by "{i}"."""
+    template = cfg.files["layer_weights"]
+    try:
+        first = template.format(i=0) if "{i}" in template else None
+    except (AttributeError, TypeError, IndexError, KeyError, ValueError):
+        first = None
+    if first is None:
+        raise ModelFolderError(f"{path}: files.layer_weights must be a file name with {{i}} for the layer number "
+                               f"(e.g. weights/layer_{{i}}.bin), got {short(template)}; re-export the model")
+    parent = (cfg.folder / first).parent
+    held = sum(1 for _ in os.scandir(parent)) if parent.is_dir() else 0
+    if cfg.num_layers > held:
+        raise ModelFolderError(f"{path}: num_layers is {cfg.num_layers}, but {parent} holds {held} files; set it "
+                               f"to the model's layer count or re-export the model")
 
 
 def _check_manifest(manifest, path: Path) -> None:

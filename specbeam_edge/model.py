@@ -9,9 +9,10 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from .config import ModelConfig, ModelFolderError
-from .contract import (HIDDEN, KEY_POSITIONS, LAYER_HIDDEN_OUT, LAYER_PAST, LAYER_PRESENT, LOGITS, TOKEN_INPUTS,
-                       TOPK_INPUT, TOPK_OUTPUTS, AHEAD_INPUT, AHEAD_OUTPUTS, head_io, past_names, present_names)
+from .config import ModelConfig, ModelFolderError, few
+from .contract import (CONFIG_FILE, HIDDEN, KEY_POSITIONS, LAYER_HIDDEN_OUT, LAYER_PAST, LAYER_PRESENT, LOGITS,
+                       TOKEN_INPUTS, TOPK_INPUT, TOPK_OUTPUTS, AHEAD_INPUT, AHEAD_OUTPUTS, head_io, past_names,
+                       present_names)
 from .offload import LayerStore, TableRows, layer_nbytes, plan
 from .providers import CUDA, ProviderError, cuda_session, default_providers, wants_cuda
 
@@ -105,6 +106,18 @@ def kv_nbytes(x) -> int:
     return x.nbytes
 
 
+def _graph_layers(sess, cfg: ModelConfig, folder: Path) -> int:
+    """num_layers, once the whole graph declares as many layers' past inputs: checked before a list per layer
+    is built (a config's count of a million took seconds and wrote a 100 MB error)."""
+    head, tail = past_names("{i}")[0].split("{i}")
+    held = sum(1 for i in sess.get_inputs() if i.name.startswith(head) and i.name.endswith(tail))
+    if held != cfg.num_layers:
+        raise ModelFolderError(f"{folder / CONFIG_FILE}: num_layers is {cfg.num_layers}, but "
+                               f"{cfg.files['model']} has {held} layers; set it to the model's layer count or "
+                               f"re-export the model")
+    return held
+
+
 class OnnxCausalLM:
     """Loads and validates a model folder; `forward` scores new tokens given a tree mask and past KV."""
 
@@ -130,10 +143,7 @@ class OnnxCausalLM:
         self.cfg = cfg = ModelConfig.load(folder)
         self.folder = Path(folder)
         self.min_rows = (2 if cfg.precision in QUANTIZED_ACTIVATIONS else 1) if min_rows is None else min_rows
-        L = cfg.num_layers
-        self.past_names = [past_names(i) for i in range(L)]
-        self.present_names = [present_names(i) for i in range(L)]
-        self.present_flat = [n for p in self.present_names for n in p]
+        self._name_layers(cfg.num_layers if cfg.layout == "split" else 0)     # whole: once the graph agrees
         # head outputs: 'both' graphs (a draft for exact search and sampling) answer a run that gives a top-k with
         # their top-k outputs and any other with their logits; onnxruntime returns only the outputs asked for
         head_inputs, all_heads = head_io(cfg.output)
@@ -173,6 +183,7 @@ class OnnxCausalLM:
         cfg = self.cfg
         self.arena = self.arena is not False          # nothing streams: the arena unless the caller says no
         self.sess = _session(self.folder / cfg.files["model"], threads, providers, spin, self.arena)
+        self._name_layers(_graph_layers(self.sess, cfg, self.folder))
         self.needs_key_positions = _declares(self.sess, KEY_POSITIONS)
         # a graph whose head the config does not name (an attach killed between its two renames) runs
         # with the head off
@@ -182,6 +193,12 @@ class OnnxCausalLM:
                    *([AHEAD_INPUT] if self.ahead_input else [])}
         self._check_io(self.sess, want_in | set(head_inputs), {*all_heads, *self.present_flat, *self.ahead_outputs},
                        cfg.files["model"])
+
+    def _name_layers(self, layers: int) -> None:
+        """Each layer's past and present names (a whole graph's)."""
+        self.past_names = [past_names(i) for i in range(layers)]
+        self.present_names = [present_names(i) for i in range(layers)]
+        self.present_flat = [n for p in self.present_names for n in p]
 
     def _load_split(self, threads, providers, spin, head_inputs, all_heads, max_memory, host_memory,
                     placement) -> None:
@@ -278,8 +295,9 @@ class OnnxCausalLM:
         got_out = {o.name for o in sess.get_outputs()}
         if got_in != want_in or not want_out <= got_out:
             raise ModelFolderError(f"{name}: graph I/O does not match specbeam_config.json "
-                                   f"(missing inputs {sorted(want_in - got_in)}, unexpected inputs "
-                                   f"{sorted(got_in - want_in)}, missing outputs {sorted(want_out - got_out)})")
+                                   f"(missing inputs [{few(sorted(want_in - got_in))}], unexpected inputs "
+                                   f"[{few(sorted(got_in - want_in))}], missing outputs "
+                                   f"[{few(sorted(want_out - got_out))}]); re-export the model")
 
     def _check_shapes(self):
         c = self.cfg

@@ -216,5 +216,5 @@ def test_loader_validation(exported, tmp_path):
     cfg = json.loads((wrong / "specbeam_config.json").read_text())
     cfg["num_layers"] = 3
     (wrong / "specbeam_config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelFolderError, match="I/O does not match"):
+    with pytest.raises(ModelFolderError, match="num_layers is 3, but model.onnx has 2 layers"):
         OnnxCausalLM(wrong)
