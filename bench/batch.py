@@ -67,7 +67,7 @@ def bench(pair: Path, *, n_prompts=200, max_new=128, reps=2, threads=2, sizes=SI
     prompts, ids = [prompts[i] for i in order], [ids[i] for i in order]
     gen, why = ct2_generator(pair / "hf" / "target", threads)
     toks = [[engine.tokenizer.id_to_token(i) for i in x] for x in ids]
-    engine.generate(prompts[:4], num_beams=4, max_new_tokens=8, max_batch_size=4)   # warm-up
+    engine.generate(prompts[:4], num_beams=4, max_new_tokens=8, max_batch_size=4, speculative=None)  # warm-up
     rows, curves = [], {}
     for K, n_best in settings:
         ours = {s: [] for s in sizes}

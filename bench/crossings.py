@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     args = parse_args(["--beam_size", str(a.beams), "--threads", "2", "-q"])
     s = job.resolve(args)
     engine = job.open_engine(args, s)
-    engine.generate("warm up", num_beams=a.beams, max_new_tokens=4)
+    engine.generate("warm up", num_beams=a.beams, max_new_tokens=4, speculative=None)
 
     def translate():
         items, _, _ = job.prepare(s, engine, lines)

@@ -108,7 +108,7 @@ def bench(pair: Path, *, n_prompts=64, max_new=128, K=4, reps=2, threads=2) -> d
     toks = [[tok.id_to_token(i) for i in engines["host"].encode(p)] for p in prompts]
     gen, why = ct2_generator(pair / "hf" / "target", threads)
     for eng in engines.values():
-        eng.generate(prompts[:2], num_beams=K, max_new_tokens=16, max_batch_size=1)   # warm-up
+        eng.generate(prompts[:2], num_beams=K, max_new_tokens=16, max_batch_size=1, speculative=None)  # warm-up
     for name in engines:
         if spec[name] is not None:   # the adaptive chooser's probes belong to the run, not to the warm-up
             engines[name]._init_state()

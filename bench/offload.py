@@ -68,7 +68,7 @@ def bench(pair: Path, *, providers=None, n_prompts=8, reps=2, max_new=96, Ks=(1,
             ratios, res = [], []
             for _ in range(reps):
                 t0 = time.perf_counter()
-                a = engine.generate(prompts, num_beams=K, max_new_tokens=max_new)
+                a = engine.generate(prompts, num_beams=K, max_new_tokens=max_new, speculative=None)
                 ta = time.perf_counter() - t0
                 t0 = time.perf_counter()
                 b = engine.generate(prompts, num_beams=K, max_new_tokens=max_new, speculative=spec)

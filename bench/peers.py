@@ -56,7 +56,7 @@ def bench(pair: Path, *, K=4, n_prompts=16, max_new=128, threads=None) -> dict:
     engine = Engine(pair / "target", draft=pair / "draft", threads=threads)
     prompts = [engine.tokenizer.format_prompt(p) for p in load_prompts(pair, n_prompts)]
     ids_list = [engine.encode(p) for p in prompts]
-    engine.generate(prompts[:2], num_beams=K, max_new_tokens=8)
+    engine.generate(prompts[:2], num_beams=K, max_new_tokens=8, speculative=None)
     spec = SpeculativeConfig(adaptive=False)
     rows = {}
     rows["specbeam plain"], _ = _ours(engine, prompts, K, None, max_new)

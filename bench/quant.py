@@ -51,8 +51,9 @@ def exactness(folders: dict, draft: Path, lines: list[str], *, K=4, max_new=96, 
         eng = Engine(folder, draft=draft, threads=threads)
         check = invariance.check(eng.target, use_cache=False)
         prompts = _ids(eng, lines)
-        alone = [eng.generate(x, num_beams=K, max_new_tokens=max_new)[0] for x in prompts]
-        batched = eng.generate(prompts, num_beams=K, max_new_tokens=max_new, max_batch_size=len(prompts))
+        alone = [eng.generate(x, num_beams=K, max_new_tokens=max_new, speculative=None)[0] for x in prompts]
+        batched = eng.generate(prompts, num_beams=K, max_new_tokens=max_new, max_batch_size=len(prompts),
+                           speculative=None)
         row = {"precision": p, "invariance": check.max_diff, "lines": len(lines),
                "batched_eq_alone": sum(a.hypotheses[0].tokens == b.hypotheses[0].tokens
                                        for a, b in zip(alone, batched))}
@@ -156,7 +157,7 @@ def opus_mt(work: Path, *, K=4, n=32, length=48, batches=(1, 4, 16, 32), reps=2,
                      "top1_eq_ct2_float32": sum(a == r for a, r in zip(tops[f"ctranslate2 int8 b{b}"], ref))})
     # exactness of the new int8 target: speculative (drafting for itself, trees forced) == plain
     eng = Engine(work / "sb_int8_beam_head", draft=work / "sb_int8", threads=threads)
-    plain = eng.generate(sources, num_beams=K, max_new_tokens=length + 1, max_batch_size=1)
+    plain = eng.generate(sources, num_beams=K, max_new_tokens=length + 1, max_batch_size=1, speculative=None)
     fast = eng.generate(sources, num_beams=K, max_new_tokens=length + 1, max_batch_size=1,
                         speculative=SpeculativeConfig(drafter="beam", budget=32, max_depth=4, adaptive=False))
     same = sum(a.hypotheses[0].tokens == f.hypotheses[0].tokens for a, f in zip(plain, fast))

@@ -42,7 +42,7 @@ def _row(engine, prompts, W, t, reps, max_new, setup) -> dict:
     ratios, lp_a, lp_b, widths, bspp = [], [], [], [], []
     for r in range(reps):
         t0 = time.perf_counter()
-        a = engine.generate(prompts, num_beams=W, do_sample=True, seed=r, max_new_tokens=max_new)
+        a = engine.generate(prompts, num_beams=W, do_sample=True, seed=r, max_new_tokens=max_new, speculative=None)
         ta = time.perf_counter() - t0
         t0 = time.perf_counter()
         b = engine.generate(prompts, num_beams=W, do_sample=True, seed=r, max_new_tokens=max_new, speculative=spec)

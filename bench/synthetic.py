@@ -116,7 +116,7 @@ def plain_run(engine: Engine, prompt: list[int], K: int, max_new: int):
     steps = [[()]]
     t0 = time.perf_counter()
     bs = None
-    for bs, _ in engine.generate_passes(prompt, gen):
+    for bs, _ in engine.generate_passes(prompt, gen, None):
         steps.append([tuple(bs.tree.path(n)[bs.prompt_len:]) for n in bs.running])
     seconds = time.perf_counter() - t0
     return steps, seconds, bs.hypotheses(1)[0][0]

@@ -143,9 +143,8 @@ def engine_from_args(args, model: str, draft: str | None):
     """An Engine from the memory flags of add_memory_args plus --threads. (The engine's module loads here, not with
     the flags: parsing them, and --help, need no onnxruntime.)"""
     from .generate import Engine
-    from .model import share_threads
 
-    share_threads(args.threads)        # a tool's process is ours: one thread pool for all its sessions
+    # the Engine puts every session of the process on one thread pool of --threads threads (shared_pool)
     placement = args.placement.split(",") if args.placement else None
     return Engine(model, draft=draft, threads=args.threads, max_memory=args.max_memory,
                   host_memory=args.host_memory, placement=placement, providers=PROVIDERS[args.provider])

@@ -23,12 +23,12 @@ from .cache import TreeCache
 from .config import GenerationConfig, ModelFolderError, SpeculativeConfig
 from .encdec import Encoder, is_encoder_decoder, shared_cross_layers
 from .invariance import Invariance, NotInvariantError, QuantizationWarning, saturation_warning
-from .model import OnnxCausalLM, threads_shared
+from .model import OnnxCausalLM, share_threads, threads_shared
 from .prompting import PromptMixin
 from .results import Alternative, Hypothesis, Result, Stats, StreamChunk, answer_tokens, peak_rss_mb
 from .protocol import Job
 from .scheduler import Scheduler
-from .search_setup import Request, SearchSetup
+from .search_setup import DEFAULT, Request, SearchSetup
 from .tokenizer import Tokenizer, check_compatible, check_vocabulary
 from .tree import TokenTree
 
@@ -50,11 +50,17 @@ class Engine(PromptMixin, SearchSetup):
 
     def __init__(self, target: str | Path, draft: str | Path | None = None, *, threads: int | None = None,
                  max_memory: int | None = None, host_memory: int | None = 0, placement: list[str] | None = None,
-                 providers: list[str] | None = None, kv_resident: bool | None = None, min_rows: int | None = None):
+                 providers: list[str] | None = None, kv_resident: bool | None = None, min_rows: int | None = None,
+                 shared_pool: bool = True):
         """max_memory/host_memory/placement stream the target's layers (split layout; see offload.py);
         providers: onnxruntime execution providers (default CPU); kv_resident: keep KV caches on the session's
         device between passes (default: on CUDA only; see OnnxCausalLM); min_rows: the target's row floor
-        (default: measured for a quantized target, see OnnxCausalLM)."""
+        (default: measured for a quantized target, see OnnxCausalLM). shared_pool: run every session of the
+        process on one onnxruntime thread pool of `threads` threads, as the tools do (model.share_threads: the
+        first engine sizes it; afterwards onnxruntime refuses sessions with pools of their own); False keeps a
+        pool per session, unless the process already shares one."""
+        if shared_pool:
+            share_threads(threads)
         self.target = OnnxCausalLM(target, threads=threads, max_memory=max_memory, host_memory=host_memory,
                                    placement=placement, providers=providers, kv_resident=kv_resident,
                                    min_rows=min_rows)
@@ -141,16 +147,16 @@ class Engine(PromptMixin, SearchSetup):
 
     # -- public API: generate_passes -> stream (one request); generate_iter -> generate (batches) -------------
     def generate_passes(self, prompt: str | list[int], generation: GenerationConfig | None = None,
-                        speculative: SpeculativeConfig | None = None, *, drafter=None, src_lang: str | None = None,
-                        tgt_lang: str | None = None, raw: bool = False, target_prefix=None, constraints=None,
-                        **overrides):
+                        speculative: SpeculativeConfig | str | None = DEFAULT, *, drafter=None,
+                        src_lang: str | None = None, tgt_lang: str | None = None, raw: bool = False,
+                        target_prefix=None, constraints=None, **overrides):
         """One request alone (a batch of one): yields (search state, live stats) after every target pass; the
         state is a BeamSearch (`running`, `scores`, `hypotheses(n)`, `stable_prefix()`) or, when sampling, a
         SampleState. drafter: a custom tree-growth callable (exact beam search only). target_prefix: see
         generate (the state's hypotheses and stable prefix then start after it); constraints: this request's
         (see generate_iter)."""
         gen = self.generation_config(generation, **overrides)
-        speculative = self._speculative(speculative, gen.num_beams)
+        speculative = self._speculative(speculative, gen)
         forced_bos = self._forced_bos(tgt_lang)
         ids = self.encode(prompt, src_lang, raw)
         prefix = self._prefix_ids(target_prefix)
@@ -162,7 +168,7 @@ class Engine(PromptMixin, SearchSetup):
                 yield progress.state, progress.stats
 
     def stream(self, prompt: str | list[int], generation: GenerationConfig | None = None,
-               speculative: SpeculativeConfig | None = None, *, src_lang: str | None = None,
+               speculative: SpeculativeConfig | str | None = DEFAULT, *, src_lang: str | None = None,
                tgt_lang: str | None = None, raw: bool = False, target_prefix=None, constraints=None,
                **overrides) -> Iterator[StreamChunk]:
         """Yield text as soon as it is final (the prefix shared by all live and finished beams), one chunk per
@@ -193,12 +199,14 @@ class Engine(PromptMixin, SearchSetup):
         yield StreamChunk(final[len(shown):] if final.startswith(shown) else "", stats, result)
 
     def generate(self, prompts, generation: GenerationConfig | None = None,
-                 speculative: SpeculativeConfig | None = None, drafter=None, *, max_batch_size: int = 32,
+                 speculative: SpeculativeConfig | str | None = DEFAULT, drafter=None, *, max_batch_size: int = 32,
                  max_batch_tokens: int | None = None, src_lang: str | None = None, tgt_lang: str | None = None,
                  raw: bool = False, target_prefix=None, constraints=None, **overrides) -> list[Result]:
         """Generate for one prompt (str or token ids) or a list of them; returns one Result per prompt, in order.
         A list is decoded in batches (continuous batching; see generate_iter). A text is put into the model
-        folder's prompt format unless raw=True (see encode). drafter: a custom tree-growth callable (exact beam
+        folder's prompt format unless raw=True (see encode). speculative: a SpeculativeConfig (or a dict of its
+        fields); by default ("default") adaptive speculation when a draft model is loaded, as the tools run
+        (default_speculative); None: plain search. drafter: a custom tree-growth callable (exact beam
         search only). target_prefix: the start of the output, forced (CTranslate2's target_prefix): one prefix
         (a text or token ids) for one prompt, a list of them (None or '' for none) for a list of prompts; see
         generate_iter. constraints: terminology that must appear in the output (lexically constrained beam
@@ -226,7 +234,7 @@ class Engine(PromptMixin, SearchSetup):
         return out
 
     def generate_iter(self, prompts, generation: GenerationConfig | None = None,
-                      speculative: SpeculativeConfig | None = None, drafter=None, *, max_batch_size: int = 32,
+                      speculative: SpeculativeConfig | str | None = DEFAULT, drafter=None, *, max_batch_size: int = 32,
                       max_batch_tokens: int | None = None, src_lang: str | None = None, tgt_lang: str | None = None,
                       raw: bool = False, target_prefix=None, constraints=None,
                       **overrides) -> Iterator[tuple[int, Result]]:
@@ -249,7 +257,7 @@ class Engine(PromptMixin, SearchSetup):
         does (Hypothesis.constraints_met: False only when the length limit came first). Exact and speculative
         search give the same output, as without constraints."""
         gen = self.generation_config(generation, **overrides)
-        speculative = self._speculative(speculative, gen.num_beams)
+        speculative = self._speculative(speculative, gen)
         forced_bos = self._forced_bos(tgt_lang)
         if prompts is None or isinstance(prompts, (str, bytes, bytearray, dict)):
             raise TypeError(f"prompts must be a list of prompts (strings or token-id lists), got "
@@ -281,8 +289,9 @@ class Engine(PromptMixin, SearchSetup):
 
     # -- alternatives at a position (interactive translation) ----------------------------------------------
     def alternatives(self, prompt: str | list[int], target_prefix=None, n: int = 5,
-                     generation: GenerationConfig | None = None, speculative: SpeculativeConfig | None = None, *,
-                     drafter=None, src_lang: str | None = None, tgt_lang: str | None = None, raw: bool = False,
+                     generation: GenerationConfig | None = None,
+                     speculative: SpeculativeConfig | str | None = DEFAULT, *, drafter=None,
+                     src_lang: str | None = None, tgt_lang: str | None = None, raw: bool = False,
                      max_batch_size: int = 32, **overrides) -> list[Alternative]:
         """The n most probable tokens after `target_prefix` (a text or token ids; None: the output's first
         position), best first, each with its log-prob there and its best continuation: beam search (these

@@ -48,10 +48,11 @@ def share_threads(threads: int | None = None) -> bool:
     sessions, a draft and its target) then share warm threads that may spin. With a pool each, spinning threads
     of one session took the cores from the next, and without spinning every small node waited for a thread to
     wake (Qwen2.5-Coder-1.5B resident, 2 threads: 8.8 -> 11.0 tok/s plain, its 0.5B draft's chain 280 -> 180 ms
-    a pass, same tokens). Process-wide, so the tools call it and the library does not by default: afterwards
-    onnxruntime refuses sessions made with a pool of their own (your own InferenceSession needs
-    `SessionOptions.use_per_session_threads = False`), and an Engine's `threads` no longer changes anything.
-    Returns whether the pool is shared (SPECBEAM_SHARED_POOL=0 keeps a pool per session)."""
+    a pass, same tokens). Every Engine calls it unless made with shared_pool=False, so the library runs as the
+    tools do. Process-wide: afterwards onnxruntime refuses sessions made with a pool of their own (your own
+    InferenceSession needs `SessionOptions.use_per_session_threads = False`), and a later Engine's `threads` no
+    longer changes anything. Returns whether the pool is shared (SPECBEAM_SHARED_POOL=0 keeps a pool per
+    session)."""
     if os.environ.get("SPECBEAM_SHARED_POOL", "1") == "0":
         return False
     if not _POOL:

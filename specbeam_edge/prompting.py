@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from .config import GenerationConfig, SpeculativeConfig
+from .search_setup import DEFAULT
 from .tokenizer import PromptText
 
 
@@ -51,7 +52,7 @@ class PromptMixin:
         return self.tokenizer.format_prompt(text)
 
     def chat(self, messages: list[dict], generation: GenerationConfig | None = None,
-             speculative: SpeculativeConfig | None = None, *, stream: bool = False, **overrides):
+             speculative: SpeculativeConfig | str | None = DEFAULT, *, stream: bool = False, **overrides):
         """Answer a conversation (a list of {"role", "content"} messages, the last one the user's), as `specbeam
         chat` does: the messages in the model's chat template with the assistant's turn opened; when the
         conversation is longer than the context less room for the answer (max_new_tokens, at most a quarter of

@@ -17,6 +17,11 @@ from .model import OnnxCausalLM
 from .search import BeamSettings, EncoderDecoder, ExactSearch, HeadTree, SamplingSearch, Speculation
 
 
+# `speculative`'s default in Engine's calls: the engine's own choice (SearchSetup.default_speculative); None runs
+# plain search
+DEFAULT = "default"
+
+
 @dataclass(frozen=True)
 class Request:
     """One request, normalised (Engine builds it from the API's arguments): `ids` the prompt's token ids (an
@@ -39,9 +44,12 @@ class Request:
 class SearchSetup:
     """Engine's search construction; uses the engine's models, tokenizer, encoder and learnt state."""
 
-    def _speculative(self, spec, num_beams: int = 1) -> SpeculativeConfig | None:
-        """A SpeculativeConfig, or a dict of its fields, or None, for requests of `num_beams`; tree widths are
-        checked against the vocabulary (a TopK wider than it fails deep inside onnxruntime)."""
+    def _speculative(self, spec, gen: GenerationConfig) -> SpeculativeConfig | None:
+        """A SpeculativeConfig, or a dict of its fields, DEFAULT (default_speculative) or None (plain search), for
+        requests of `gen`; tree widths are checked against the vocabulary (a TopK wider than it fails deep inside
+        onnxruntime)."""
+        if isinstance(spec, str) and spec == DEFAULT:
+            spec = self.default_speculative(gen)
         if isinstance(spec, dict):
             unknown = set(spec) - {f.name for f in fields(SpeculativeConfig)}
             if unknown:
@@ -50,11 +58,20 @@ class SearchSetup:
         if spec is None:
             return None
         if not isinstance(spec, SpeculativeConfig):
-            raise TypeError(f"speculative must be a SpeculativeConfig, a dict of its fields or None, got "
-                            f"{type(spec).__name__}")
-        spec = self.speculative_for(spec, num_beams)
+            raise TypeError(f"speculative must be a SpeculativeConfig, a dict of its fields, {DEFAULT!r} (the "
+                            f"engine's default) or None (plain search), got {spec!r:.60}")
+        spec = self.speculative_for(spec, gen.num_beams)
         self.check_widths(spec.max_branch_width, spec.draft_width)
         return spec
+
+    def default_speculative(self, gen: GenerationConfig) -> SpeculativeConfig | None:
+        """What a request that names no speculative settings runs, as the tools do: with a draft model loaded,
+        adaptive speculation with the default tree (drafter 'sample' when sampling; speculative_for then picks a
+        streaming target's tree or the folder's own), else plain search (None). The output is plain search's
+        either way; without this default a loaded draft sat idle (1.00 tokens a pass)."""
+        if self.draft is None:
+            return None
+        return SpeculativeConfig(drafter="sample" if gen.do_sample else "beam")
 
     def speculative_for(self, spec: SpeculativeConfig, num_beams: int = 1) -> SpeculativeConfig:
         """The tree settings a request of `num_beams` runs with: its own, except when every tree knob is at its

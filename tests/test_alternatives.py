@@ -94,7 +94,7 @@ def test_alternatives_speculative_equal_plain(pair):
     eng = Engine(target, draft=draft)
     spec = SpeculativeConfig(adaptive=False, drafter="beam", budget=24, max_depth=4, max_branch_width=3)
     for prompt in PROMPTS:
-        plain = eng.alternatives(prompt, [5], n=4, num_beams=4, max_new_tokens=10)
+        plain = eng.alternatives(prompt, [5], n=4, num_beams=4, max_new_tokens=10, speculative=None)
         fast = eng.alternatives(prompt, [5], n=4, num_beams=4, max_new_tokens=10, speculative=spec)
         assert [(a.token_id, a.logprob, a.hypothesis.tokens) for a in plain] == \
             [(a.token_id, a.logprob, a.hypothesis.tokens) for a in fast]
@@ -105,7 +105,7 @@ def test_alternatives_nllb_speculative_equal_plain(encdec):
     other, _ = encdec("nllb", seed=11, decoder_layers=1, encoder_layers=1)
     eng = Engine(target, draft=other)
     for src in SOURCES["nllb"]:
-        plain = eng.alternatives(src, [7], n=4, num_beams=4, max_new_tokens=10)
+        plain = eng.alternatives(src, [7], n=4, num_beams=4, max_new_tokens=10, speculative=None)
         fast = eng.alternatives(src, [7], n=4, num_beams=4, max_new_tokens=10, speculative=SPEC)
         assert [a.hypothesis.tokens for a in plain] == [a.hypothesis.tokens for a in fast]
 

@@ -154,7 +154,7 @@ def test_speculative_equals_plain(encdec, kind, K):
     for draft in (target, other):
         eng = Engine(target, draft=draft)
         for src in SOURCES[kind]:
-            [plain] = eng.generate(src, num_beams=K, max_new_tokens=14, num_return_sequences=K)
+            [plain] = eng.generate(src, num_beams=K, max_new_tokens=14, num_return_sequences=K, speculative=None)
             [fast] = eng.generate(src, num_beams=K, max_new_tokens=14, num_return_sequences=K, speculative=SPEC)
             _same_or_near_tie(plain, fast)
             assert fast.stats.beam_steps == plain.stats.beam_steps
@@ -230,7 +230,7 @@ def test_int8_draft_and_fp16_target(encdec, kind):
     for tgt, draft in ((target, int8), (fp16, fp16), (int8w, int8)):
         eng = Engine(tgt, draft=draft)
         for src in SOURCES[kind]:
-            [plain] = eng.generate(src, num_beams=4, max_new_tokens=14, num_return_sequences=2)
+            [plain] = eng.generate(src, num_beams=4, max_new_tokens=14, num_return_sequences=2, speculative=None)
             [fast] = eng.generate(src, num_beams=4, max_new_tokens=14, num_return_sequences=2, speculative=SPEC)
             _same_or_near_tie(plain, fast)
 
@@ -422,14 +422,14 @@ def test_draft_sharing_the_target_encoder(encdec, kind, tmp_path):
             np.testing.assert_allclose(shared[name][0], arr, atol=1e-5)
             assert shared[name][1] == axis
         for K in (1, 4):
-            [plain] = eng.generate(src, num_beams=K, max_new_tokens=14, num_return_sequences=K)
+            [plain] = eng.generate(src, num_beams=K, max_new_tokens=14, num_return_sequences=K, speculative=None)
             [fast] = eng.generate(src, num_beams=K, max_new_tokens=14, num_return_sequences=K, speculative=SPEC)
             _same_or_near_tie(plain, fast)
             assert fast.stats.draft_tokens_proposed > 0
     # batched requests share it too
     together = eng.generate(SOURCES[kind], num_beams=4, max_new_tokens=14, speculative=SPEC, max_batch_size=2)
     for src, b in zip(SOURCES[kind], together):
-        [a] = eng.generate(src, num_beams=4, max_new_tokens=14)
+        [a] = eng.generate(src, num_beams=4, max_new_tokens=14, speculative=None)
         assert_same_hypotheses(a, b, scores=False)
 def test_draft_sharing_another_encoder_is_refused(encdec, tmp_path):
     target, _ = encdec("m2m100")
@@ -527,7 +527,7 @@ def test_auto_budget_measures_the_decoder_with_a_source(encdec):
     assert sorted(curve) == [1, 2, 4] and all(t > 0 for t in curve.values())
     auto = SpeculativeConfig(adaptive=False, budget="auto", max_depth=3)
     for src in SOURCES["m2m100"]:
-        [plain] = eng.generate(src, num_beams=2, max_new_tokens=10)
+        [plain] = eng.generate(src, num_beams=2, max_new_tokens=10, speculative=None)
         [fast] = eng.generate(src, num_beams=2, max_new_tokens=10, speculative=auto)
         _same_or_near_tie(plain, fast)
 
@@ -540,7 +540,7 @@ def test_both_head_draft_equals_plain_and_drafts_from_its_topk(encdec, kind, top
     draft, _ = encdec(kind, seed=11, decoder_layers=1, encoder_layers=1, output="both")
     eng = Engine(target, draft=draft)
     for src in SOURCES[kind]:
-        [plain] = eng.generate(src, num_beams=4, max_new_tokens=14, num_return_sequences=4)
+        [plain] = eng.generate(src, num_beams=4, max_new_tokens=14, num_return_sequences=4, speculative=None)
         [fast] = eng.generate(src, num_beams=4, max_new_tokens=14, num_return_sequences=4, speculative=SPEC)
         _same_or_near_tie(plain, fast)
         assert fast.stats.draft_passes > 0

@@ -181,7 +181,7 @@ def test_speculative_equals_plain(family, name, K):
     for draft in (target, other):
         eng = Engine(target, draft=draft)
         for prompt in BEAM_PROMPTS:
-            [plain] = eng.generate(prompt, num_beams=K, max_new_tokens=14, num_return_sequences=K)
+            [plain] = eng.generate(prompt, num_beams=K, max_new_tokens=14, num_return_sequences=K, speculative=None)
             [fast] = eng.generate(prompt, num_beams=K, max_new_tokens=14, num_return_sequences=K, speculative=spec)
             a, b = [h.tokens for h in plain.hypotheses], [h.tokens for h in fast.hypotheses]
             if a != b:     # only a demonstrated near-tie may flip

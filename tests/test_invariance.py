@@ -88,7 +88,7 @@ def test_encoder_decoder_int8_is_invariant_and_exact(kind, tmp_path):
     eng = Engine(int8, draft=int8)
     src = [5, 17, 33, 8, 0 if kind == "marian" else 2]
     for K in (1, 4):
-        [plain] = eng.generate(src, num_beams=K, max_new_tokens=10, num_return_sequences=K)
+        [plain] = eng.generate(src, num_beams=K, max_new_tokens=10, num_return_sequences=K, speculative=None)
         [fast] = eng.generate(src, num_beams=K, max_new_tokens=10, num_return_sequences=K, speculative=SPEC)
         assert_same_hypotheses(plain, fast, scores=False)
 def test_dynamic_int8_is_measured_not_invariant(exported):
@@ -102,7 +102,7 @@ def test_engine_refuses_a_target_that_is_not_invariant_for_exact_speculation(exp
     difference and the fix; the per-row int8 export of the same weights is accepted."""
     dyn = exported("llama", "int8dyn", std=0.3, seed=3)
     eng = Engine(dyn, draft=dyn)
-    [plain] = eng.generate([3, 17, 33], num_beams=2, max_new_tokens=4)
+    [plain] = eng.generate([3, 17, 33], num_beams=2, max_new_tokens=4, speculative=None)
     # plain search runs, and as it does without a draft loaded (it asserted only that some token came out)
     assert plain.hypotheses[0].tokens == Engine(dyn).generate([3, 17, 33], num_beams=2, max_new_tokens=4)[0] \
         .hypotheses[0].tokens

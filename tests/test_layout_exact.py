@@ -75,5 +75,5 @@ def test_an_int8_target_with_fp32_attention_is_refused_for_exact_speculation(exp
         engine.generate(PROMPT[:6], num_beams=2, max_new_tokens=4, speculative=SpeculativeConfig(adaptive=False))
     [plain] = Engine(old).generate(PROMPT[:6], num_beams=2, max_new_tokens=4)    # plain search still runs
     # ...and gives the search the refused engine gives without speculation (it asserted only a non-empty output)
-    [same] = engine.generate(PROMPT[:6], num_beams=2, max_new_tokens=4)
+    [same] = engine.generate(PROMPT[:6], num_beams=2, max_new_tokens=4, speculative=None)
     assert plain.hypotheses[0].tokens == same.hypotheses[0].tokens

@@ -363,7 +363,7 @@ def test_a_folder_names_its_own_tree_for_a_resident_target(pair, tmp_path):
     assert engine.speculative_for(SpeculativeConfig(adaptive=False)).adaptive is False
     assert engine.speculative_for(SpeculativeConfig(budget=24)).budget == 24         # the caller's knob
     assert Engine(target, draft=draft).speculative_for(SpeculativeConfig()) == SpeculativeConfig()
-    plain = engine.generate(PROMPT, num_beams=1, max_new_tokens=10)[0]
+    plain = engine.generate(PROMPT, num_beams=1, max_new_tokens=10, speculative=None)[0]
     spec = engine.generate(PROMPT, num_beams=1, max_new_tokens=10, speculative=SpeculativeConfig(adaptive=False))[0]
     assert spec.hypotheses[0].tokens == plain.hypotheses[0].tokens
     assert spec.stats.draft_tokens_proposed > 0

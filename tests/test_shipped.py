@@ -79,7 +79,7 @@ def test_golden_greedy(engine):
 def test_speculative_equals_plain_on_shipped_pair(engine, K):
     src = (PAIR / "test_sample.en").read_text("utf-8").splitlines()[:6]
     prompts = [engine.tokenizer.format_prompt(s) for s in src]
-    plain = engine.generate(prompts, num_beams=K, max_new_tokens=96)
+    plain = engine.generate(prompts, num_beams=K, max_new_tokens=96, speculative=None)
     # one request at a time, as the main job runs (a batch shares the tree budget among its requests)
     fast = engine.generate(prompts, num_beams=K, max_new_tokens=96, speculative=SpeculativeConfig(adaptive=False),
                            max_batch_size=1)

@@ -36,7 +36,7 @@ SPECS = [SpeculativeConfig(adaptive=False, drafter="beam", budget=8, max_depth=2
 def test_speculative_equals_plain(engines, draft, K, spec):
     eng = engines[draft]
     for prompt in PROMPTS:
-        [plain] = eng.generate(prompt, num_beams=K, max_new_tokens=MAX_NEW, num_return_sequences=K)
+        [plain] = eng.generate(prompt, num_beams=K, max_new_tokens=MAX_NEW, num_return_sequences=K, speculative=None)
         if spec.budget < K:
             continue
         [fast] = eng.generate(prompt, num_beams=K, max_new_tokens=MAX_NEW, num_return_sequences=K, speculative=spec)
@@ -369,7 +369,7 @@ def test_adaptive_speculation_equals_plain(engines, draft, monkeypatch):
     seen = []
     for K in (1, 3):
         for prompt in PROMPTS:
-            [plain] = eng.generate(prompt, num_beams=K, max_new_tokens=24)
+            [plain] = eng.generate(prompt, num_beams=K, max_new_tokens=24, speculative=None)
             choices.clear()
             [fast] = eng.generate(prompt, num_beams=K, max_new_tokens=24, speculative=spec)
             assert_same_hypotheses(fast, plain, scores=False)
@@ -419,7 +419,7 @@ def test_merged_lookup_tree_equals_plain(engines, draft, K, drafter, monkeypatch
     eng = engines[draft]
     prompt = [3, 17, 33, 8, 99, 41, 7, 3, 17, 33, 8]
     spec = SpeculativeConfig(adaptive=False, drafter=drafter, budget=24, max_depth=4, with_lookup=True)
-    [plain] = eng.generate(prompt, num_beams=K, max_new_tokens=20, num_return_sequences=K)
+    [plain] = eng.generate(prompt, num_beams=K, max_new_tokens=20, num_return_sequences=K, speculative=None)
     [fast] = eng.generate(prompt, num_beams=K, max_new_tokens=20, num_return_sequences=K, speculative=spec)
     assert_same_hypotheses(fast, plain, scores=False)
     assert len(looked) == len(merged) == fast.stats.target_passes     # one merged tree per pass (no adaptivity)
@@ -504,7 +504,7 @@ def test_default_budget_deepens_K4_and_leaves_K1_K2_trees_alone():
 
 def test_default_tree_at_K4_is_exact_and_uses_its_width(engines):
     spec = SpeculativeConfig(budget=48, max_depth=6, adaptive=False)
-    [plain] = engines["random"].generate(PROMPTS[0], num_beams=4, max_new_tokens=MAX_NEW)
+    [plain] = engines["random"].generate(PROMPTS[0], num_beams=4, max_new_tokens=MAX_NEW, speculative=None)
     [fast] = engines["random"].generate(PROMPTS[0], num_beams=4, max_new_tokens=MAX_NEW, speculative=spec)
     assert_same_hypotheses(fast, plain, scores=False)
     # 16 nodes per level, three levels: 48 per pass (a pass near the end may stop early at the length limit)
@@ -548,3 +548,21 @@ def test_level_picks_equal_the_list_reference(F, w, K, take, min_p, n_eos, coars
         assert got is None
     else:
         assert got is not None and got[0].tolist() == ref[0] and got[1] == ref[1]
+
+
+def test_a_loaded_draft_drafts_by_default_as_the_tools_do(exported):
+    """Engine(target, draft=...) with no speculative settings speculates adaptively, as `specbeam generate` does
+    (a request's first tree passes are the chooser's warm-up: no timing decides that they run), and its output is
+    plain search's; speculative=None runs plain. The draft is the target, so every tree pass pays."""
+    target = exported("llama", std=0.3, seed=3)
+    eng = Engine(target, draft=target)          # its own: choosers learnt in other tests do not carry over
+    for K in (1, 3):
+        [plain] = eng.generate(PROMPTS[0], num_beams=K, max_new_tokens=24, speculative=None)
+        [default] = eng.generate(PROMPTS[0], num_beams=K, max_new_tokens=24)
+        assert_same_hypotheses(default, plain, scores=False)
+        assert plain.stats.draft_passes == 0 and plain.stats.beam_steps_per_pass == 1.0
+        assert default.stats.draft_passes > 0 and default.stats.beam_steps_per_pass > 1, default.stats
+    [sampled] = eng.generate(PROMPTS[0], num_beams=2, do_sample=True, seed=1, max_new_tokens=8)
+    assert sampled.stats.draft_passes > 0          # sampling drafts with the 'sample' drafter
+    with pytest.raises(TypeError, match="speculative must be a SpeculativeConfig.*'default'"):
+        eng.generate(PROMPTS[0], speculative="fast")

@@ -50,3 +50,24 @@ def test_a_shared_pool_answers_as_a_pool_per_session(exported, layout):
     if layout == "split":
         assert shared["layer_sessions"] == 3          # the resident layers' own sessions ran on the shared pool
     assert shared["out"] == json.loads(json.dumps(answers(target, draft)[1]))
+
+
+POOL = """
+import sys
+from specbeam_edge import Engine
+from specbeam_edge.model import threads_shared
+Engine(sys.argv[1]) if sys.argv[2] == "default" else Engine(sys.argv[1], shared_pool=False)
+print(threads_shared())
+"""
+
+
+@pytest.mark.parametrize("how", ["default", "shared_pool=False"])
+def test_an_engine_shares_one_pool_by_default_as_the_tools_do(exported, how):
+    """The library runs on the tools' thread setup unless told not to (its own pools were slower)."""
+    target = str(exported("llama", std=0.3, seed=3))
+    env = {k: v for k, v in os.environ.items() if k != "SPECBEAM_SHARED_POOL"}
+    env["PYTHONPATH"] = str(ROOT)
+    p = subprocess.run([sys.executable, "-c", POOL, target, how], capture_output=True, text=True, env=env,
+                       cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split()[-1] == str(how == "default")
