@@ -20,13 +20,24 @@ VARIANTS = {
 }
 
 
+# every per-user location the package and its apps read or write: the fetched models and kept sources
+# (specbeam_edge.fetch), the engine's measurement cache (invariance.py), the chat app's conversations
+# (apps/chat/store.py) and the translate tool's checksum cache (apps/translate/fingerprint.py)
+USER_FOLDERS = {"SPECBEAM_DATA_DIR": "data", "SPECBEAM_CACHE_DIR": "cache", "SPECBEAM_CHAT_DB": "chat/chat.sqlite",
+                "XDG_CACHE_HOME": "xdg_cache"}
+
+
 @pytest.fixture(scope="session", autouse=True)
-def _private_cache(tmp_path_factory):
-    """The engine's measurement cache (invariance.py) in a folder of this test session, not the user's."""
+def _private_folders(tmp_path_factory):
+    """Every per-user folder in this test session's temporary folder, never the user's: a test that read the real
+    data folder failed once a model had been fetched, and others would have written into it. Set in os.environ, so
+    the commands the tests start as subprocesses inherit them; a test that needs another sets its own."""
     import os
 
-    os.environ.setdefault("SPECBEAM_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-    # tools run every session on one shared thread pool (model.share_threads), after which onnxruntime refuses
+    base = tmp_path_factory.mktemp("user")
+    for name, rel in USER_FOLDERS.items():
+        os.environ[name] = str(base / rel)
+    # an Engine runs every session on one shared thread pool (model.share_threads), after which onnxruntime refuses
     # sessions with pools of their own, which tests make: a pool per session here (test_threads.py runs shared)
     os.environ["SPECBEAM_SHARED_POOL"] = "0"
 

@@ -1,0 +1,16 @@
+"""The tests never read or write the user's folders (conftest.USER_FOLDERS): every per-user location the package
+and its apps use resolves into this test session's temporary folder."""
+from pathlib import Path
+
+
+def test_per_user_folders_are_this_sessions(tmp_path_factory):
+    from apps.chat.store import default_path
+    from apps.translate.fingerprint import cache_path
+    from specbeam_edge import fetch, invariance
+
+    base = Path(tmp_path_factory.getbasetemp()).resolve()
+    where = {"fetched models": fetch.data_dir(), "kept sources": fetch.sources_dir(),
+             "measurement cache": invariance.cache_dir(), "chat store": default_path(),
+             "translate checksum cache": cache_path()}
+    outside = {what: str(path) for what, path in where.items() if base not in Path(path).resolve().parents}
+    assert not outside, outside
