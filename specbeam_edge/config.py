@@ -136,6 +136,8 @@ class ModelConfig:
             raise ModelFolderError(f"{path}: missing key {e}") from None
         if cfg.layout not in LAYOUTS:
             raise ModelFolderError(f"{path}: unknown layout {cfg.layout!r}")
+        _check_file_names(cfg.files, path)
+        _check_tree(raw.get("speculative"), path)
         try:
             if cfg.layout == "split":
                 _check_layer_count(cfg, path)
@@ -171,6 +173,43 @@ class ModelConfig:
         needed += [cfg.files["layer_weights"].format(i=i) for i in range(cfg.num_layers)] if cfg.layout == "split" else []
         needed.append("tokenizer.json")
         return needed
+
+
+# files.* entries that name one file each, and those that hold {key: file name}
+_FILE_KEYS = ("model", "embed", "layer", "head", "encoder", "layer_weights")
+_NESTED_FILE_KEYS = {"embed_table": ("file", "scale_file"), "layer_resident": ("graph", "tables")}
+
+
+def _check_file_names(files: dict, path: Path) -> dict[str, str]:
+    """Every file name files.* holds is a non-empty string ({name: its key} for messages): an int or a list
+    failed as a traceback deep in the loader."""
+    named = [(k, files[k]) for k in _FILE_KEYS if k in files]
+    named += [(f"{k}.{sub}", files[k][sub]) for k, subs in _NESTED_FILE_KEYS.items()
+              if isinstance(files.get(k), dict) for sub in subs if sub in files[k]]
+    for key, name in named:
+        if not isinstance(name, str) or not name:
+            raise ModelFolderError(f"{path}: files.{key} must be a file name in the model folder (a string), got "
+                                   f"{short(name)}; re-export the model")
+    return {name: f"files.{key}" for key, name in named}
+
+
+def _check_tree(tree, path: Path) -> None:
+    """`speculative` (the folder's own draft tree, written by fetch): SpeculativeConfig's fields with valid
+    values; an unknown key raised a TypeError deep in the Engine."""
+    if tree is None:
+        return
+    if not isinstance(tree, dict):
+        raise ModelFolderError(f"{path}: speculative must be a JSON object of tree settings, got {short(tree)}; "
+                               f"fix or remove it")
+    known = [f.name for f in fields(SpeculativeConfig)]
+    unknown = [k for k in tree if k not in known]
+    if unknown:
+        raise ModelFolderError(f"{path}: speculative.{unknown[0][:40]} is not a tree setting (known: "
+                               f"{few(known, len(known))}); remove it")
+    try:
+        SpeculativeConfig(**tree)
+    except ValueError as e:
+        raise ModelFolderError(f"{path}: speculative: {str(e)[:120]}; fix or remove it") from None
 
 
 def _check_layer_count(cfg: "ModelConfig", path: Path) -> None:
