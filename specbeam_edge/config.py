@@ -136,7 +136,7 @@ class ModelConfig:
             raise ModelFolderError(f"{path}: missing key {e}") from None
         if cfg.layout not in LAYOUTS:
             raise ModelFolderError(f"{path}: unknown layout {cfg.layout!r}")
-        _check_file_names(cfg.files, path)
+        keys = _check_file_names(cfg.files, path)
         _check_tree(raw.get("speculative"), path)
         try:
             if cfg.layout == "split":
@@ -144,11 +144,13 @@ class ModelConfig:
             needed = cls._needed_files(cfg)
         except KeyError as e:
             raise ModelFolderError(f"{path}: missing key files.{e.args[0]}; re-export the model") from None
+        for name in needed + [f"{n}.data" for n in needed if (folder / f"{n}.data").exists()]:
+            inside(folder, name, keys.get(name), path)
         missing = [n for n in needed if not (folder / n).is_file()]
         if missing:
             raise ModelFolderError(f"{folder}: missing file(s) {few(missing)}")
         if (folder / "tokenizer_config.json").is_file():      # read later by the tokenizer: fail here, named
-            read_json_object(folder / "tokenizer_config.json", ModelFolderError)
+            read_json_object(inside(folder, "tokenizer_config.json"), ModelFolderError)
         if cfg.layout == "split":
             _check_manifest(cfg.files.get("layer_manifest"), path)
             _check_checksums(cfg.files.get("layer_sha256"), cfg.num_layers, path)
@@ -191,6 +193,22 @@ def _check_file_names(files: dict, path: Path) -> dict[str, str]:
             raise ModelFolderError(f"{path}: files.{key} must be a file name in the model folder (a string), got "
                                    f"{short(name)}; re-export the model")
     return {name: f"files.{key}" for key, name in named}
+
+
+def inside(folder: Path, name: str, what: str | None = None, config: Path | None = None) -> Path:
+    """folder / name, refused unless it stays inside the folder with links followed: an absolute or ../ name in
+    the config, or a file linked from elsewhere, made the runtime read files outside the model folder."""
+    folder = Path(folder)
+    root = folder.resolve()
+    target = (root / name).resolve()
+    if target == root or target.is_relative_to(root):
+        return folder / name
+    if Path(name).is_absolute() or ".." in Path(name).parts:
+        what = f"{what} is {short(name, 200)}," if what else f"{short(name, 200)} is"
+        raise ModelFolderError(f"{config or folder}: {what} outside the model folder; name a file inside the folder "
+                               f"(re-export the model)")
+    raise ModelFolderError(f"{folder / name} links outside the model folder (to {short(str(target), 200)}); put a "
+                           f"copy of the file in the folder instead of a link")
 
 
 def _check_tree(tree, path: Path) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from .beam import BeamRows
-from .config import ModelFolderError
+from .config import ModelFolderError, inside
 from .contract import ENCODER_INPUTS, SOURCE_MASK, all_cross_names, cross_names
 from .model import OnnxCausalLM, _session
 
@@ -61,17 +61,21 @@ class Encoder:
                                        f"(target_cross_layers); run it as the draft of that target") from None
             raise ModelFolderError(f"{path}: encoder_decoder/files.encoder incomplete ({e}); re-export the model") \
                 from None
-        if not (folder / name).is_file():
+        if not inside(folder, name, "files.encoder", path).is_file():
             raise ModelFolderError(f"{folder}: missing file {name}")
         self.language_codes = {str(c): int(i) for c, i in (facts.get("language_codes") or {}).items()}
         self.source_language = facts.get("source_language", "prefix")
         self.eos = list(cfg.eos_token_ids)
         self.source_tokenizer = None
         if facts.get("source_tokenizer"):       # Marian: the source side has its own SentencePiece model
+            if not isinstance(facts["source_tokenizer"], str):
+                raise ModelFolderError(f"{path}: encoder_decoder.source_tokenizer must be a file name in the model "
+                                       f"folder; re-export the model")
+            source = inside(folder, facts["source_tokenizer"], "encoder_decoder.source_tokenizer", path)
             try:
-                self.source_tokenizer = _text_only_tokenizer(folder / facts["source_tokenizer"])
+                self.source_tokenizer = _text_only_tokenizer(source)
             except Exception as e:  # tokenizers raises its own exception types
-                raise ModelFolderError(f"{folder / facts['source_tokenizer']}: cannot be read ({e})") from None
+                raise ModelFolderError(f"{source}: cannot be read ({e})") from None
         self.sess = _session(folder / name, threads, providers, spin)
         self.pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
         self.context_length = cfg.context_length

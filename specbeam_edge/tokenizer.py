@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
 
-from .config import ModelFolderError
+from .config import ModelFolderError, inside
 from .contract import file_sha256, read_json_object
 
 
@@ -54,11 +54,13 @@ class Tokenizer:
     def __init__(self, folder: str | Path):
         folder = Path(folder)
         try:
-            self._tok = _HFTokenizer.from_file(str(folder / "tokenizer.json"))
+            self._tok = _HFTokenizer.from_file(str(inside(folder, "tokenizer.json")))
+        except ModelFolderError:
+            raise
         except Exception as e:
             raise ModelFolderError(f"{folder}/tokenizer.json: cannot be read ({e})") from None
-        self.config = _read_json(folder / "tokenizer_config.json")
-        self.special_tokens = _special_tokens(self.config, _read_json(folder / "special_tokens_map.json"))
+        self.config = _read_json(inside(folder, "tokenizer_config.json"))
+        self.special_tokens = _special_tokens(self.config, _read_json(inside(folder, "special_tokens_map.json")))
         self.chat_template = _chat_template(folder, self.config)
         self.chat_template_file = folder / ("chat_template.jinja" if (folder / "chat_template.jinja").is_file()
                                             else "tokenizer_config.json")
@@ -293,7 +295,7 @@ def _special_tokens(config: dict, legacy_map: dict) -> dict:
 def _chat_template(folder: Path, config: dict) -> str | None:
     """chat_template.jinja wins over tokenizer_config.json (transformers saves it there since v4.50); a list of
     named templates yields the one named "default"."""
-    jinja = folder / "chat_template.jinja"
+    jinja = inside(folder, "chat_template.jinja")
     if jinja.is_file():
         return jinja.read_text(encoding="utf-8")
     t = config.get("chat_template")

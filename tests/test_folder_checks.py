@@ -80,3 +80,49 @@ def test_a_bad_tree_in_the_folder_is_named(pair, tmp_path, tree, message):
     with pytest.raises(ModelFolderError) as e:
         Engine(folder, draft=pair[1]).generate("hello", max_new_tokens=2)
     assert str(e.value).startswith(f"{path}: {message}") and "\n" not in str(e.value)
+
+
+# -- nothing outside the model folder is read ----------------------------------------------------------------------
+@pytest.mark.parametrize("layout, key", [("whole", "model"), ("split", "head"), ("split", "layer")])
+@pytest.mark.parametrize("where", ["absolute", "parent"])
+def test_a_file_entry_outside_the_folder_is_refused(exported, tmp_path, layout, key, where):
+    """Before: an absolute or ../ files.model loaded a graph from another folder."""
+    folder = copy(exported, tmp_path, layout)
+    name = json.loads((folder / "specbeam_config.json").read_text())["files"][key]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.copy(folder / name, elsewhere / name)
+    value = str(elsewhere / name) if where == "absolute" else f"../elsewhere/{name}"
+    path = edit(folder, lambda c: c["files"].update({key: value}))
+    assert refusal(folder) == (f"{path}: files.{key} is {value!r}, outside the model folder; name a file inside "
+                               f"the folder (re-export the model)")
+
+
+@pytest.mark.parametrize("name", ["chat_template.jinja", "tokenizer.json", "tokenizer_config.json"])
+def test_a_tokenizer_file_linked_from_outside_is_refused(exported, tmp_path, name):
+    """Before: a chat_template.jinja linked to any file was read (and rendered) as the model's template."""
+    from specbeam_edge.generate import Engine
+    from specbeam_edge.tokenizer import Tokenizer
+
+    folder = copy(exported, tmp_path, "whole")
+    secret = tmp_path / "secret.txt"
+    secret.write_text((folder / name).read_text() if (folder / name).is_file() else "{{ 'secret' }}")
+    (folder / name).unlink(missing_ok=True)
+    (folder / name).symlink_to(secret)
+    for load in (Tokenizer, Engine):
+        with pytest.raises(ModelFolderError) as e:
+            load(folder)
+        assert str(e.value) == (f"{folder / name} links outside the model folder (to {str(secret)!r}); put a copy "
+                                f"of the file in the folder instead of a link")
+
+
+def test_links_within_the_folder_and_a_linked_folder_still_load(exported, tmp_path):
+    from specbeam_edge.tokenizer import Tokenizer
+
+    folder = copy(exported, tmp_path, "whole")
+    (folder / "templates").mkdir()
+    (folder / "templates" / "chat.jinja").write_text("{{ messages[0]['content'] }}")
+    (folder / "chat_template.jinja").symlink_to(folder / "templates" / "chat.jinja")
+    (tmp_path / "linked").symlink_to(folder, target_is_directory=True)
+    assert Tokenizer(tmp_path / "linked").apply_chat_template([{"role": "user", "content": "hi"}]) == "hi"
+    OnnxCausalLM(tmp_path / "linked")
