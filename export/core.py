@@ -1,7 +1,6 @@
 """Export a local Hugging Face folder to a specbeam model folder (DESIGN sections 3-5)."""
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import tempfile
@@ -13,13 +12,12 @@ import onnx
 
 from specbeam_edge.contract import CONFIG_FILE, FORMAT_VERSION, LAYOUTS, MASK_VALUE, OUTPUT_KINDS, graph_io
 
-from . import graph, resident
-from .graph import quantize_int8
+from . import graph, resident, split
 from .encdec import export_encdec, family_of
 from .gguf_input import is_gguf, unpack
 from .families import layer_weights, read_arch
-from .hf import HEAD_TOKEN_IDS, Arch, ExportError, check_layer_count, global_weights, read_json, read_weights
-from .quant import quantize_columns, rowwise_int8
+from .hf import (HEAD_TOKEN_IDS, Arch, ExportError, check_layer_count, global_names, global_weights, read_json,
+                 read_weights)
 from .safety import check_output, file_sha256
 from .save import (ATTENTION, GEN_KEYS, INT8W, INVARIANT, PRECISIONS, ExportProgress, _save,  # noqa: F401
                    save_precision, staged)
@@ -27,49 +25,6 @@ from .save import (ATTENTION, GEN_KEYS, INT8W, INVARIANT, PRECISIONS, ExportProg
 def _generation_defaults(src: Path) -> dict:
     gen = read_json(src / "generation_config.json", {})
     return {k: gen[k] for k in GEN_KEYS if k in gen}
-
-
-def _write_layer_weights(folder: Path, layers: list[dict], arch: Arch, precision: str,
-                         reduce_range: bool = True) -> list[dict]:
-    """weights/layer_{i}.bin: each layer's tensors back to back (64-byte aligned); the manifest is shared."""
-    manifest = None
-    for i, w in enumerate(layers):
-        parts, entries, off = [], [], 0
-        for name in graph.layer_weight_names(arch):
-            arrays = [(name, w[name])]
-            if precision in ("int8", "int8w") and name in graph.MATMULS:
-                # 7 bits only where the CPU sums int8 products (int8 compute); int8w computes in fp32
-                q, s = quantize_columns(w[name], reduce_range and precision == "int8")
-                arrays = [(name, q), (name + ".scale", s)]
-            elif precision == "fp16":
-                arrays = [(name, w[name].astype(np.float16))]
-            for n, a in arrays:
-                a = np.ascontiguousarray(a)
-                pad = (-off) % 64
-                parts.append(b"\0" * pad)
-                off += pad
-                entries.append({"name": n, "dtype": str(a.dtype), "shape": list(a.shape), "offset": off})
-                parts.append(a.tobytes())
-                off += a.nbytes
-        (folder / "weights" / f"layer_{i}.bin").write_bytes(b"".join(parts))
-        manifest = entries
-    return manifest
-
-
-def _write_embed_table(folder: Path, table: np.ndarray, precision: str) -> dict:
-    """weights/embed.bin: the split layout's embedding table, raw and row-major, which the runtime maps from the
-    file and reads a few rows of per pass (a 151,936 x 1536 table is 933 MB in fp32 but costs ~6 KB a token; as
-    an onnx graph it was held whole in memory). fp16 stores half floats (the whole graph's fp16 storage casts
-    them to fp32 the same way); every other precision the fp32 values the graph's Gather gave."""
-    dtype = np.float16 if precision == "fp16" else np.float32
-    if precision == "int8w":        # what stored_weight's Cast and Mul give: int8 codes times each row's scale
-        q, s = quantize_int8(table.T)
-        table = q.T.astype(np.float32) * s[:, None]
-    a = np.ascontiguousarray(table, dtype=dtype)
-    with open(folder / "weights" / "embed.bin", "wb") as f:
-        f.write(memoryview(a.reshape(-1).view(np.uint8)))
-    return {"file": "weights/embed.bin", "dtype": np.dtype(dtype).name, "shape": list(a.shape),
-            "sha256": file_sha256(folder / "weights" / "embed.bin")}
 
 
 def _layer_info(arch: Arch) -> dict:
@@ -81,13 +36,6 @@ def _layer_info(arch: Arch) -> dict:
     if any(arch.layer_sliding):
         info["sliding_window"] = arch.sliding_window
     return info
-
-
-def _layer_checksums(folder: Path, num_layers: int) -> list[str]:
-    """SHA-256 of each weights/layer_{i}.bin: the runtime verifies a file once, when it first reads it, so
-    corrupted bytes of the right size fail loudly instead of giving fluent wrong text."""
-    return [hashlib.sha256((folder / "weights" / f"layer_{i}.bin").read_bytes()).hexdigest()
-            for i in range(num_layers)]
 
 
 def export(src: str | Path, dst: str | Path, *, precision: str = "fp32", layout: str = "whole",
@@ -171,12 +119,12 @@ def _to_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
                                         op_block_list=["LogSoftmax", "TopK"])
 
 
-def head_subset(g: dict, arch: Arch, tokenizer: Path, below: int) -> dict:
-    """The global weights (hf.global_weights) with a head over the ids below `below` and the tokenizer's added
-    tokens (chat markers, end of text): lm_head's columns and `head_ids`. For a draft: Qwen2.5's 151,936-token
-    head was a fifth of a 0.5B draft level; byte-pair ids are numbered by merge order, so low ids are the frequent
-    tokens (the first 65,536 covered 98% of this repository's code and README)."""
-    if g["head_ids"] is not None:
+def head_subset(ids: np.ndarray | None, arch: Arch, tokenizer: Path, below: int) -> np.ndarray | None:
+    """The ids of a head over the ids below `below` and the tokenizer's added tokens (chat markers, end of text);
+    None when that is every token. For a draft: Qwen2.5's 151,936-token head was a fifth of a 0.5B draft level;
+    byte-pair ids are numbered by merge order, so low ids are the frequent tokens (the first 65,536 covered 98%
+    of this repository's code and README). ids: the checkpoint's own subset, which refuses another."""
+    if ids is not None:
         raise ExportError(f"the model's head already scores a token subset ({HEAD_TOKEN_IDS}); export it without "
                           f"head_tokens")
     try:
@@ -185,64 +133,60 @@ def head_subset(g: dict, arch: Arch, tokenizer: Path, below: int) -> dict:
         raise ExportError(f"{tokenizer}: cannot read its added tokens ({e})") from None
     ids = np.unique(np.concatenate([np.arange(min(below, arch.vocab_size), dtype=np.int64),
                                     np.array([i for i in added if 0 <= i < arch.vocab_size], np.int64)]))
-    if len(ids) >= arch.vocab_size:
-        return g            # every token: the full head
-    return {**g, "lm_head": np.ascontiguousarray(g["lm_head"][:, ids]), "head_ids": ids}
+    return None if len(ids) >= arch.vocab_size else ids
+
+
+def _memory() -> str:
+    mb = split.memory_mb()
+    return "" if mb is None else f" ({mb} MB in use)"
 
 
 def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str, *, precision: str, layout: str,
                     output: str, block_size: int, quiet: bool, compute: str = "fp32",
                     reduce_range: bool = True, attention: str = "fp32", head_tokens: int | None = None) -> Path:
-    """A decoder-only model from the HF-style folder `src` (weights: read from it when None)."""
+    """A decoder-only model from the HF-style folder `src` (weights: read from it when None). The weights are read a
+    tensor at a time (hf.Tensors); the split layout also writes them so (export/split.py)."""
     if not (src / "tokenizer.json").is_file():
         raise ExportError(f"{src}: no tokenizer.json (a `tokenizers` fast tokenizer is required)")
     t0 = time.time()
     arch = read_arch(src)
     weights = read_weights(src) if weights is None else weights
     check_layer_count(weights, arch.layers, source_name)
-    prog = ExportProgress(arch.layers + 3, quiet)   # read each layer, build, write, config
-    g = global_weights(weights, arch)
+    head, head_ids = global_names(weights, arch)
     if head_tokens is not None:
-        g = head_subset(g, arch, src / "tokenizer.json", head_tokens)
-    layers = []
-    for i in range(arch.layers):
-        layers.append(layer_weights(weights, arch, i))
-        prog.step(f"read layer {i}")
+        head_ids = head_subset(head_ids, arch, src / "tokenizer.json", head_tokens)
+    prog = ExportProgress(arch.layers + 3, quiet)
     with staged(dst, prog) as tmp:
         files: dict = {}
         quant = {"method": "none", "storage": precision}
         if layout == "whole":
+            g = global_weights(weights, arch)
+            if head_ids is not None and g["head_ids"] is None:
+                g = {**g, "lm_head": np.ascontiguousarray(g["lm_head"][:, head_ids]), "head_ids": head_ids}
+            layers = []
+            for i in range(arch.layers):
+                layers.append(layer_weights(weights, arch, i))
+                prog.step(f"read layer {i + 1}/{arch.layers}{_memory()}")
             base = precision if precision in ("fp16", "int8w") and compute == "fp32" else "fp32"
-            model = graph.whole_model(arch, g, layers, base, output, attention)
+            model = graph.whole_model(arch, g, layers, base, output, attention, int8_embedding=precision == "int8")
+            del g, layers
             if precision == "int8w":
                 quant = INT8W
             if compute == "fp16":
                 model = _to_fp16(model)
             prog.step("build graph")
             quant = save_precision(model, tmp / "model.onnx", precision, block_size, reduce_range) or quant
-            prog.step(f"write model.onnx ({precision})")
+            prog.step(f"write model.onnx ({precision}){_memory()}")
             files["model"] = "model.onnx"
         else:
-            (tmp / "weights").mkdir()
-            files["embed_table"] = _write_embed_table(tmp, g["embed"], precision)
-            layer = graph.layer_model(arch, layers[0], precision, attention)
-            head = graph.head_model(arch, g, precision, output)
-            if precision == "int8":     # the streamed int8 weights and lm_head compute per-row int8 (quant.py)
-                quant = rowwise_int8(layer, reduce_range=reduce_range)
-                rowwise_int8(head, reduce_range=reduce_range)
-            elif precision == "int8w":  # int8 weights, fp32 compute (DequantizeLinear + MatMul): CUDA has both
-                quant = {**INT8W, "method": "specbeam int8 weight storage: symmetric per output channel; streamed "
-                         "layers DequantizeLinear + MatMul each pass, embedding and lm_head folded at load; fp32 "
-                         "compute"}
-            _save(layer, tmp / "layer.onnx")
-            _save(head, tmp / "head.onnx")
-            prog.step("build graphs")
-            files.update(layer="layer.onnx", head="head.onnx",
-                         layer_weights="weights/layer_{i}.bin")
-            files["layer_manifest"] = _write_layer_weights(tmp, layers, arch, precision, reduce_range)
-            files["layer_resident"] = resident.write(tmp, onnx.load(tmp / "layer.onnx"), files["layer_manifest"])
-            files["layer_sha256"] = _layer_checksums(tmp, arch.layers)
-            prog.step("write layer weights")
+            step = lambda what: prog.step(what + _memory())
+            files, q = split.write_split(tmp, weights, arch, head, head_ids, precision, output, attention,
+                                         reduce_range, step)
+            if precision == "int8w":    # int8 weights, fp32 compute (DequantizeLinear + MatMul): CUDA has both
+                q = {**INT8W, "method": "specbeam int8 weight storage: symmetric per output channel; streamed "
+                     "layers DequantizeLinear + MatMul each pass, embedding and lm_head folded at load; fp32 "
+                     "compute"}
+            quant = q or quant
         for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
             if (src / f).is_file():
                 shutil.copy2(src / f, tmp / f)
@@ -261,7 +205,7 @@ def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str
             "mask": "additive_float32", "mask_value": MASK_VALUE, "present": "concat",
             "output": output, "files": files, **_layer_info(arch),
             **({"head_tokens": {"below": head_tokens,
-                                "count": arch.vocab_size if g["head_ids"] is None else int(len(g["head_ids"])),
+                                "count": arch.vocab_size if head_ids is None else int(len(head_ids)),
                                 "rule": "the ids below `below` and the tokenizer's added tokens"}}
                if head_tokens is not None else {}),
             "io": graph_io(output, key_positions=graph.needs_key_positions(arch)),

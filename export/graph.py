@@ -412,14 +412,31 @@ def _global_inits(b: Builder, g: dict, precision: str) -> tuple[str, str, str]:
     return emb, b.init("norm.weight", g["norm"]), head
 
 
+def _int8_rows_embedding(b: Builder, table: np.ndarray) -> str:
+    """The embedding as int8 rows with one fp32 scale a row (symmetric, 127 steps), looked up and scaled per
+    token: the split layout's int8 table (export/split.py) computes the same fp32 products from its file."""
+    q, s = quantize_int8(table.T)
+    rows = b.node("Cast", [b.node("Gather", [b.init("embed.weight.i8", q.T), "input_ids"], ["h0.i8"], axis=0)],
+                  ["h0.codes"], to=F32)
+    scale = b.node("Gather", [b.init("embed.weight.rowscale", s), "input_ids"], ["h0.scale"], axis=0)
+    scale = b.node("Unsqueeze", [scale, b.init("embed.last_axis", np.array([-1], np.int64))], ["h0.scale1"])
+    return b.node("Mul", [rows, scale], ["h0"])
+
+
 def whole_model(arch: Arch, g: dict, layers: list[dict], precision: str, output: str,
-                attention: str = "fp32") -> onnx.ModelProto:
+                attention: str = "fp32", int8_embedding: bool = False) -> onnx.ModelProto:
     """Precision here is the storage of weights in the graph: fp32, fp16 or int8w (int8/int4 are applied
-    afterwards by onnxruntime's quantizers on the fp32 graph). attention: "fp32" or "fp64" (_attention)."""
+    afterwards by onnxruntime's quantizers on the fp32 graph). attention: "fp32" or "fp64" (_attention).
+    int8_embedding: the table as int8 rows (the int8 precision's, as its split layout stores it)."""
     b = Builder(attention)
     _common_inputs(b, arch, with_ids=True)
-    emb, norm, head = _global_inits(b, g, precision)
-    x = b.node("Gather", [emb, "input_ids"], ["h0"], axis=0)
+    if int8_embedding:
+        x = _int8_rows_embedding(b, g["embed"])
+        norm = b.init("norm.weight", g["norm"])
+        head = stored_weight(b, "lm_head.weight", g["lm_head"], precision, axis=1)
+    else:
+        emb, norm, head = _global_inits(b, g, precision)
+        x = b.node("Gather", [emb, "input_ids"], ["h0"], axis=0)
     for i, w in enumerate(layers):
         (pk, pv), (ok, ov) = past_names(i), present_names(i)
         _kv_io(b, arch, i, (pk, pv), (ok, ov))
@@ -453,10 +470,17 @@ def layer_model(arch: Arch, sample: dict, precision: str, attention: str = "fp32
 
 
 def head_model(arch: Arch, g: dict, precision: str, output: str) -> onnx.ModelProto:
+    """The split layout's head. g["lm_head"]: the fp32 [hidden, S] matrix, or for int8 its per-column codes and
+    scales (int8 [hidden, S], fp32 [S]), behind a DequantizeLinear that quant.rowwise_int8 turns into its
+    MatMulInteger."""
     b = Builder()
     b.inputs.append(_vi(HIDDEN, F32, ["batch", "n_new", arch.hidden]))
-    _, norm, head = _global_inits(b, {**g, "embed": g["embed"][:1]}, precision)
-    b.inits = [t for t in b.inits if not t.name.startswith("embed")]
-    b.nodes = [n for n in b.nodes if not n.output[0].startswith("embed")]
+    norm = b.init("norm.weight", g["norm"])
+    if isinstance(g["lm_head"], tuple):
+        q, s = g["lm_head"]
+        head = b.node("DequantizeLinear", [b.init("lm_head.weight.q8", q), b.init("lm_head.weight.q8scale", s)],
+                      ["lm_head.weight"], axis=1)
+    else:
+        head = stored_weight(b, "lm_head.weight", g["lm_head"], precision, axis=1)
     _head(b, arch, HIDDEN, norm, head, output, precision, g.get("head_ids"))
     return b.model("specbeam_head")

@@ -3,8 +3,10 @@ default is the one transformers uses), weights (safetensors, parsed here), rope 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import struct
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -149,23 +151,67 @@ def _damaged(path: Path, why: str) -> ExportError:
                        f"fetch the file again")
 
 
-def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """Parse one .safetensors file (8-byte header size, JSON header, raw data); bf16 becomes fp32. A truncated or
-    garbage file is an ExportError naming it (every offset is checked against the file's size)."""
+class Tensors(Mapping):
+    """A checkpoint's tensors by name, each read from its file (and converted) when asked for and not kept: an
+    export holds one layer's tensors at a time, not the model (a 1.1 GB GGUF held as fp32 took 17 GB). `rows`
+    reads a slice of a tensor's leading axis (an embedding or head table in chunks)."""
+
+    def __init__(self, readers: dict[str, "Callable[[slice | None], np.ndarray]"],
+                 shapes: dict[str, tuple[int, ...]]):
+        self._readers, self.shapes = readers, shapes
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._readers[name](None)
+
+    def rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        return self._readers[name](slice(start, stop))
+
+    def __contains__(self, name) -> bool:         # (Mapping's own would read the tensor to find out)
+        return name in self._readers
+
+    def __iter__(self):
+        return iter(self._readers)
+
+    def __len__(self) -> int:
+        return len(self._readers)
+
+
+def read_rows(path: Path, offset: int, dtype, shape: tuple[int, ...], rows: slice | None) -> np.ndarray:
+    """The tensor of `shape` and `dtype` stored row-major at `offset` of the file, or the rows `rows` of its leading
+    axis; read into a new array (nothing stays mapped: an export's memory is what it holds)."""
+    dtype = np.dtype(dtype)
+    row = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+    start, stop, _ = (rows or slice(None)).indices(shape[0] if shape else 1)
+    out = np.empty(((stop - start),) + tuple(shape[1:]) if shape else (), dtype)
+    with open(path, "rb", buffering=0) as f:
+        f.seek(offset + start * row)
+        view = memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(b"")
+        got = f.readinto(view) if out.size else 0
+    if got != out.nbytes:
+        raise ExportError(f"{path}: short read at byte {offset + start * row} (the file was truncated while "
+                          f"exporting); fetch the file again")
+    return out
+
+
+def _read_safetensors(path: Path) -> tuple[dict, dict]:
+    """Parse one .safetensors file's header (8-byte header size, JSON header, raw data): a reader per tensor
+    (bf16 becomes fp32 when read) and its shape. A truncated or garbage file is an ExportError naming it (every
+    offset is checked against the file's size)."""
     size = path.stat().st_size
     if size < 8:
         raise _damaged(path, f"{size} bytes")
-    data = np.memmap(path, dtype=np.uint8, mode="r")
-    (n,) = struct.unpack("<Q", bytes(data[:8]))
-    if n > size - 8:
-        raise _damaged(path, f"its header claims {n} bytes, the file has {size}")
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > size - 8:
+            raise _damaged(path, f"its header claims {n} bytes, the file has {size}")
+        raw_header = f.read(n)
     try:
-        header = json.loads(bytes(data[8:8 + n]))
+        header = json.loads(raw_header)
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise _damaged(path, "its header is not JSON") from None
     if not isinstance(header, dict):
         raise _damaged(path, "its header is not a JSON object")
-    out = {}
+    readers, shapes = {}, {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
@@ -178,40 +224,32 @@ def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
         want = int(np.prod(shape, dtype=np.int64)) * np.dtype(_DTYPES[dtype]).itemsize
         if not (isinstance(a, int) and isinstance(b, int) and 0 <= a <= b <= size - 8 - n and b - a == want):
             raise _damaged(path, f"tensor {name} lies outside the file or has the wrong size")
-        raw = np.frombuffer(data[8 + n + a:8 + n + b], dtype=_DTYPES[dtype]).reshape(shape)
-        if dtype == "BF16":
-            raw = (raw.astype(np.uint32) << 16).view(np.float32)
-        out[name] = raw
-    return out
+        readers[name] = functools.partial(_safetensor, path, 8 + n + a, dtype, tuple(shape))
+        shapes[name] = tuple(shape)
+    return readers, shapes
+
+
+def _safetensor(path: Path, offset: int, dtype: str, shape: tuple, rows: slice | None) -> np.ndarray:
+    raw = read_rows(path, offset, _DTYPES[dtype], shape, rows)
+    return (raw.astype(np.uint32) << 16).view(np.float32) if dtype == "BF16" else raw
 
 
 def checkpoint_names(folder: Path) -> list[str]:
     """The tensor names in the folder's *.safetensors files (their headers only); [] when there are none."""
-    names = []
-    for path in sorted(folder.glob("*.safetensors")):
-        with open(path, "rb") as f:
-            head = f.read(8)
-            n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-            if not 0 <= n <= path.stat().st_size - 8:
-                raise _damaged(path, "its header size is wrong")
-            try:
-                header = json.loads(f.read(n))
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise _damaged(path, "its header is not JSON") from None
-        if not isinstance(header, dict):
-            raise _damaged(path, "its header is not a JSON object")
-        names += [k for k in header if k != "__metadata__"]
-    return names
+    return [name for path in sorted(folder.glob("*.safetensors")) for name in _read_safetensors(path)[0]]
 
 
-def read_weights(folder: Path) -> dict[str, np.ndarray]:
+def read_weights(folder: Path) -> Tensors:
+    """The folder's safetensors checkpoint, read a tensor at a time (Tensors)."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ExportError(f"{folder}: no *.safetensors weight files (only safetensors checkpoints are supported)")
-    weights: dict[str, np.ndarray] = {}
+    readers, shapes = {}, {}
     for f in files:
-        weights.update(_read_safetensors(f))
-    return weights
+        r, s = _read_safetensors(f)
+        readers.update(r)
+        shapes.update(s)
+    return Tensors(readers, shapes)
 
 
 def expected_layer_shapes(arch: Arch) -> dict[str, tuple]:
@@ -245,36 +283,59 @@ def layer_flags(arch: Arch, i: int) -> dict[str, np.ndarray]:
 HEAD_TOKEN_IDS = "lm_head.token_ids"
 
 
-def global_weights(w: dict[str, np.ndarray], arch: Arch) -> dict[str, np.ndarray]:
-    """Embedding (scaled), final norm, lm_head [hidden, S] and head_ids (None: the head scores every token)."""
-    emb = w.get("model.embed_tokens.weight")
-    if emb is None:
+def _shape(w, name: str) -> tuple:
+    shapes = getattr(w, "shapes", None)
+    return tuple(shapes[name]) if shapes is not None else tuple(np.shape(w[name]))
+
+
+def global_names(w, arch: Arch) -> tuple[str, np.ndarray | None]:
+    """Check the embedding, final norm and lm_head of the checkpoint `w` against the config without reading
+    them; returns (the head's tensor name, head_ids: None when the head scores every token)."""
+    emb = "model.embed_tokens.weight"
+    if emb not in w:
         raise ExportError("weight model.embed_tokens.weight is missing from the checkpoint")
-    if tuple(emb.shape) != (arch.vocab_size, arch.hidden):
-        raise ExportError(f"model.embed_tokens.weight has shape {tuple(emb.shape)} but config.json implies "
+    if _shape(w, emb) != (arch.vocab_size, arch.hidden):
+        raise ExportError(f"model.embed_tokens.weight has shape {_shape(w, emb)} but config.json implies "
                           f"{(arch.vocab_size, arch.hidden)}")
-    head = w.get("lm_head.weight", emb if arch.tied else None)
+    head = "lm_head.weight" if "lm_head.weight" in w else emb if arch.tied else None
     if head is None:
         raise ExportError("weight lm_head.weight is missing and tie_word_embeddings is false")
     if "model.norm.weight" not in w:
         raise ExportError("weight model.norm.weight is missing from the checkpoint")
-    ids = w.get(HEAD_TOKEN_IDS)
-    if ids is None and tuple(head.shape) != (arch.vocab_size, arch.hidden):
-        raise ExportError(f"lm_head.weight has shape {tuple(head.shape)} but config.json implies "
+    ids = w[HEAD_TOKEN_IDS] if HEAD_TOKEN_IDS in w else None
+    if ids is None and _shape(w, head) != (arch.vocab_size, arch.hidden):
+        raise ExportError(f"lm_head.weight has shape {_shape(w, head)} but config.json implies "
                           f"{(arch.vocab_size, arch.hidden)}")
     if ids is not None:        # a head over a token subset (a draft's): its rows score these vocabulary ids
         ids = np.asarray(ids).astype(np.int64).ravel()
-        if tuple(head.shape) != (len(ids), arch.hidden):
-            raise ExportError(f"lm_head.weight has shape {tuple(head.shape)} but {HEAD_TOKEN_IDS} names "
+        if _shape(w, head) != (len(ids), arch.hidden):
+            raise ExportError(f"lm_head.weight has shape {_shape(w, head)} but {HEAD_TOKEN_IDS} names "
                               f"{len(ids)} tokens: one row per named token is needed")
         if len(np.unique(ids)) != len(ids) or ids.min() < 0 or ids.max() >= arch.vocab_size:
             raise ExportError(f"{HEAD_TOKEN_IDS} must hold distinct token ids in 0..{arch.vocab_size - 1}")
-    emb = np.asarray(emb, np.float32)
-    if arch.embed_scale != 1.0:
-        # transformers multiplies the looked-up rows by the fp32 scale; scaling the table is the same product
-        emb = emb * np.float32(arch.embed_scale)
-    norm = np.asarray(w["model.norm.weight"], np.float32) + np.float32(arch.norm_offset)
-    return {"embed": emb, "norm": norm, "lm_head": np.asarray(head, np.float32).T.copy(), "head_ids": ids}
+    return head, ids
+
+
+def final_norm(w, arch: Arch) -> np.ndarray:
+    return np.asarray(w["model.norm.weight"], np.float32) + np.float32(arch.norm_offset)
+
+
+def embed_rows(w, arch: Arch, start: int, stop: int) -> np.ndarray:
+    """Rows start..stop of the embedding table as the graph uses them (scaled: transformers multiplies the
+    looked-up rows by the fp32 scale; scaling the table is the same product)."""
+    name = "model.embed_tokens.weight"
+    rows = w.rows(name, start, stop) if hasattr(w, "rows") else w[name][start:stop]
+    rows = np.asarray(rows, np.float32)
+    return rows * np.float32(arch.embed_scale) if arch.embed_scale != 1.0 else rows
+
+
+def global_weights(w: dict[str, np.ndarray], arch: Arch) -> dict[str, np.ndarray]:
+    """Embedding (scaled), final norm, lm_head [hidden, S] and head_ids (None: the head scores every token)."""
+    head, ids = global_names(w, arch)
+    emb = embed_rows(w, arch, 0, arch.vocab_size)
+    lm_head = emb if head == "model.embed_tokens.weight" and arch.embed_scale == 1.0 else w[head]
+    return {"embed": emb, "norm": final_norm(w, arch), "lm_head": np.asarray(lm_head, np.float32).T.copy(),
+            "head_ids": ids}
 
 
 @contextlib.contextmanager

@@ -216,8 +216,9 @@ class OnnxCausalLM:
             self.arena = all(p == "resident" for p in self.placement.places)
         self.embed = None if table else _session(self.folder / cfg.files["embed"], threads, providers, spin,
                                                  self.arena)
-        self.embed_table = None if not table else TableRows(self.folder / table["file"], table["dtype"],
-                                                                 tuple(table["shape"]))
+        self.embed_table = None if not table else TableRows(
+            self.folder / table["file"], table["dtype"], tuple(table["shape"]),
+            np.fromfile(self.folder / table["scale_file"], np.float32) if "scale_file" in table else None)
         self.layer = _session(self.folder / cfg.files["layer"], threads, providers, spin, self.arena)
         self.head = _session(self.folder / cfg.files["head"], threads, providers, spin, self.arena)
         if self.embed is not None:

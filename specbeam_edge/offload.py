@@ -241,9 +241,11 @@ class TableRows:
     drafted tokens it embedded, outside its budget (docs/HISTORY.md "Arenas under a budget"). The page cache
     still keeps recent rows, as it keeps any file."""
 
-    def __init__(self, path: Path, dtype: str, shape: tuple[int, int]):
+    def __init__(self, path: Path, dtype: str, shape: tuple[int, int], scales: np.ndarray | None = None):
+        """scales: for an int8 table, one fp32 scale per row (a row is codes x its scale, in fp32)."""
         self.path, self.dtype, self.shape = Path(path), np.dtype(dtype), tuple(shape)
         self.row_bytes = self.shape[1] * self.dtype.itemsize
+        self.scales = scales
 
     def __getitem__(self, ids: np.ndarray) -> np.ndarray:
         """The rows of `ids` (any shape of ints within the table), shape ids.shape + (columns,); each distinct
@@ -257,6 +259,8 @@ class TableRows:
                 if f.readinto(memoryview(rows[k]).cast("B")) != self.row_bytes:
                     raise ModelFolderError(f"{self.path}: short read at row {i} (the table was truncated after "
                                            f"loading); restore it or re-export the model")
+        if self.scales is not None:
+            rows = rows.astype(np.float32) * self.scales[uniq][:, None]
         return rows[inverse].reshape(ids.shape + (self.shape[1],))
 
 

@@ -142,7 +142,7 @@ def test_export_cli_and_config(hf_models, tmp_path):
 
     def widest(folder):
         q8 = [onnx.numpy_helper.to_array(t) for t in onnx.load(str(folder / "model.onnx")).graph.initializer
-              if t.data_type == onnx.TensorProto.INT8]
+              if t.data_type == onnx.TensorProto.INT8 and not t.name.startswith("embed.")]   # (a table: no sums)
         return q8 and max(int(np.abs(q.astype(np.int16)).max()) for q in q8)
     assert widest(out) == 64 and cfg["quantization"]["reduce_range"] is True
     assert main(["-i", str(src), "-o", str(tmp_path / "r"), "-p", "int8", "--full_range", "-q"]) == 0

@@ -215,3 +215,26 @@ def test_quiet_gguf_export_prints_no_progress_bars(tmp_path, capfd):
     export(tmp_path / "m.gguf", tmp_path / "sb", quiet=True)
     err = capfd.readouterr().err
     assert "%|" not in err and "it/s" not in err, err[-300:]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_gguf_tensors_read_one_at_a_time_are_transformers_own(gguf_model, name, tmp_path):
+    """The exporter reads a GGUF a tensor at a time (export.gguf_input.unpack): every tensor, and every chunk of
+    rows of one, is bit for bit what transformers' whole-model load gives (its dequantizer and its Llama q/k
+    row order), so the streamed export computes what the old one did."""
+    from export.gguf_input import unpack
+
+    path, _, ref, _ = gguf_model(name)
+    side = tmp_path / "side"
+    side.mkdir()
+    tensors = unpack(path, side, quiet=True)
+    expected = {k: v.float().numpy() for k, v in ref.state_dict().items()}
+    if ref.config.tie_word_embeddings:
+        expected.pop("lm_head.weight")          # the file holds one table; the exporter ties it (global_names)
+    assert sorted(tensors) == sorted(expected)
+    for k, v in expected.items():
+        assert tensors.shapes[k] == v.shape and np.array_equal(tensors[k], v), k
+    table = expected["model.embed_tokens.weight"]
+    assert np.array_equal(np.concatenate([tensors.rows("model.embed_tokens.weight", a, a + 7)
+                                          for a in range(0, len(table), 7)]), table)
+    assert json.loads((side / "config.json").read_text())["architectures"] == [type(ref).__name__]

@@ -1,0 +1,161 @@
+"""The split layout written a tensor at a time (DESIGN section 5): the embedding table and the head in chunks of
+rows, each layer's weights read, converted and written to its file before the next is read. What the export holds
+at once is one layer and one chunk (plus the head's int8 codes), whatever the model's depth or vocabulary: a
+1.1 GB GGUF held as an fp32 model took 17 GB."""
+from __future__ import annotations
+
+import hashlib
+import os
+import resource
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from . import graph, resident
+from .families import layer_weights
+from .hf import Arch, embed_rows, final_norm
+from .quant import quantize_columns, rowwise_int8
+
+ROWS = 4096          # table rows a chunk (151,936 x 1,536: 25 MB of fp32 a chunk)
+ALIGN = 64
+
+
+def memory_mb() -> int | None:
+    """This process's resident memory now (Linux), else its peak so far (other Unixes); None where neither is
+    known. For the export's progress line."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 2**20
+    except (OSError, ValueError, IndexError, AttributeError):
+        pass
+    try:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak // 2**20 if sys.platform == "darwin" else peak // 1024
+    except (AttributeError, ValueError):
+        return None
+
+
+def _chunks(n: int):
+    for start in range(0, n, ROWS):
+        yield start, min(n, start + ROWS)
+
+
+def write_embed_table(folder: Path, w, arch: Arch, precision: str) -> dict:
+    """weights/embed.bin: the embedding table row-major, read a few rows a pass by the runtime (offload.TableRows).
+    int8: each row as int8 codes with one fp32 scale per row in weights/embed_scale.bin (symmetric, 127 steps;
+    a quarter of fp32's bytes); fp16: half floats (the whole graph's fp16 storage casts them to fp32 the same
+    way); int8w: the fp32 values its Cast and Mul give; fp32: the fp32 values the graph's Gather gave."""
+    path = folder / "weights" / "embed.bin"
+    dtype = {"int8": np.int8, "fp16": np.float16}.get(precision, np.float32)
+    digest, scales = hashlib.sha256(), []
+    with open(path, "wb") as f:
+        for start, stop in _chunks(arch.vocab_size):
+            rows = embed_rows(w, arch, start, stop)
+            if precision in ("int8", "int8w"):
+                q, s = graph.quantize_int8(rows.T)           # per row of the table: symmetric, 127 steps
+                rows = q.T if precision == "int8" else q.T.astype(np.float32) * s[:, None]
+                scales.append(s)
+            data = np.ascontiguousarray(rows, dtype=dtype)
+            digest.update(memoryview(data.reshape(-1).view(np.uint8)))
+            f.write(memoryview(data.reshape(-1).view(np.uint8)))
+    entry = {"file": "weights/embed.bin", "dtype": np.dtype(dtype).name, "shape": [arch.vocab_size, arch.hidden],
+             "sha256": digest.hexdigest()}
+    if precision == "int8":
+        scale = np.concatenate(scales).astype(np.float32)
+        (folder / "weights" / "embed_scale.bin").write_bytes(scale.tobytes())
+        entry["scale_file"] = "weights/embed_scale.bin"
+    return entry
+
+
+def head_weights(w, arch: Arch, head: str, ids, precision: str, reduce_range: bool) -> dict:
+    """The head's global weights for graph.head_model: final norm, lm_head [hidden, S] and head_ids. For int8 the
+    head is quantized per column (per token) a chunk of tokens at a time, to (codes int8 [hidden, S], scales [S]):
+    the same codes quant.rowwise_int8 gives the fp32 matrix, without holding it (933 MB for a 151,936 x 1,536
+    head; its codes are 233 MB)."""
+    rows = w.shapes[head][0] if hasattr(w, "shapes") else np.shape(w[head])[0]
+    read = (lambda a, b: w.rows(head, a, b)) if hasattr(w, "rows") else (lambda a, b: np.asarray(w[head][a:b]))
+    pick = ids if ids is not None and len(ids) < rows else None     # head_tokens: some rows of a full head
+    n = rows if pick is None else len(pick)
+    if precision == "int8":
+        q, s = np.empty((arch.hidden, n), np.int8), np.empty(n, np.float32)
+    else:
+        lm_head = np.empty((arch.hidden, n), np.float32)
+    done = 0
+    for start, stop in _chunks(rows):
+        block = np.asarray(read(start, stop), np.float32)
+        if pick is not None:
+            block = block[pick[(pick >= start) & (pick < stop)] - start]
+        end = done + len(block)
+        if precision == "int8":
+            q[:, done:end], s[done:end] = quantize_columns(block.T, reduce_range)
+        else:
+            lm_head[:, done:end] = block.T
+        done = end
+    if precision == "int8":
+        lm_head = (q, s)
+    return {"norm": final_norm(w, arch), "lm_head": lm_head, "head_ids": ids}
+
+
+def write_layers(folder: Path, w, arch: Arch, precision: str, reduce_range: bool, step) -> tuple[list, list, dict]:
+    """weights/layer_{i}.bin for every layer, each read, converted and written before the next is read: each
+    layer's tensors back to back (64-byte aligned) in the order of graph.layer_weight_names; returns (the shared
+    manifest, each file's SHA-256, layer 0's weights as the layer graph's shape sample)."""
+    manifest, sums, sample = None, [], None
+    for i in range(arch.layers):
+        lw = layer_weights(w, arch, i)
+        entries, off, digest = [], 0, hashlib.sha256()
+        with open(folder / "weights" / f"layer_{i}.bin", "wb") as f:
+            for name in graph.layer_weight_names(arch):
+                arrays = [(name, lw[name])]
+                if precision in ("int8", "int8w") and name in graph.MATMULS:
+                    # 7 bits only where the CPU sums int8 products (int8 compute); int8w computes in fp32
+                    q, s = quantize_columns(lw[name], reduce_range and precision == "int8")
+                    arrays = [(name, q), (name + ".scale", s)]
+                elif precision == "fp16":
+                    arrays = [(name, lw[name].astype(np.float16))]
+                for n, a in arrays:
+                    a = np.ascontiguousarray(a)
+                    pad = b"\0" * ((-off) % ALIGN)
+                    off += len(pad)
+                    entries.append({"name": n, "dtype": str(a.dtype), "shape": list(a.shape), "offset": off})
+                    for part in (pad, memoryview(a.reshape(-1).view(np.uint8))):
+                        digest.update(part)
+                        f.write(part)
+                    off += a.nbytes
+        manifest = entries
+        sums.append(digest.hexdigest())
+        if i == 0:       # the layer graph needs shapes only: views of one zero each, no memory
+            sample = {k: np.broadcast_to(np.zeros((), v.dtype), v.shape) for k, v in lw.items()}
+        step(f"layer {i + 1}/{arch.layers}")
+    return manifest, sums, sample
+
+
+def write_split(tmp: Path, w, arch: Arch, head: str, ids, precision: str, output: str, attention: str,
+                reduce_range: bool, step) -> tuple[dict, dict | None]:
+    """Every file of the split layout into `tmp`; returns (the config's files entry, its quantization entry or
+    None for the caller's default)."""
+    (tmp / "weights").mkdir()
+    files: dict = {"embed_table": write_embed_table(tmp, w, arch, precision)}
+    step("write embedding table")
+    manifest, sums, sample = write_layers(tmp, w, arch, precision, reduce_range, step)
+    layer = graph.layer_model(arch, sample, precision, attention)
+    del sample
+    head_model = graph.head_model(arch, head_weights(w, arch, head, ids, precision, reduce_range), precision,
+                                  output)
+    quant = None
+    if precision == "int8":     # the streamed int8 weights and lm_head compute per-row int8 (quant.py)
+        quant = rowwise_int8(layer, reduce_range=reduce_range)
+        rowwise_int8(head_model, reduce_range=reduce_range)
+    from .save import _save
+
+    _save(layer, tmp / "layer.onnx")
+    _save(head_model, tmp / "head.onnx")
+    del head_model
+    step("write head")
+    files.update(layer="layer.onnx", head="head.onnx", layer_weights="weights/layer_{i}.bin",
+                 layer_manifest=manifest)
+    files["layer_resident"] = resident.write(tmp, onnx.load(tmp / "layer.onnx"), manifest)
+    files["layer_sha256"] = sums
+    return files, quant
