@@ -166,6 +166,8 @@ class ModelConfig:
             table = cfg.files.get("embed_table")
             embed = table["file"] if isinstance(table, dict) and "file" in table else cfg.files["embed"]
             needed = [embed, cfg.files["layer"], cfg.files["head"]]
+            if isinstance(table, dict) and isinstance(table.get("scale_file"), str):
+                needed.append(table["scale_file"])     # an int8 table's row scales
             resident = cfg.files.get("layer_resident")     # the resident layers' graph (export/resident.py)
             if resident is not None:
                 if not (isinstance(resident, dict) and {"graph", "tables", "tables_manifest"} <= resident.keys()):
@@ -258,19 +260,25 @@ def _check_manifest(manifest, path: Path) -> None:
 
 
 def _check_embed_table(cfg: "ModelConfig", path: Path) -> None:
-    """files.embed_table: {file, dtype (float32 | float16), shape [vocab_size, hidden_size]}, and a file of exactly
-    that many bytes (a truncated or replaced table fails here, by name, not as wrong text)."""
+    """files.embed_table: {file, dtype (float32 | float16 | int8), shape [vocab_size, hidden_size]} (int8: and
+    scale_file, one float32 per row), and files of exactly that many bytes (a truncated or replaced table fails
+    here, by name, not as wrong text)."""
     t = cfg.files["embed_table"]
-    ok = (isinstance(t, dict) and t.get("dtype") in ("float32", "float16")
-          and t.get("shape") == [cfg.vocab_size, cfg.hidden_size])
+    sizes = {"float32": 4, "float16": 2, "int8": 1}
+    ok = (isinstance(t, dict) and t.get("dtype") in sizes and isinstance(t.get("file"), str)
+          and t.get("shape") == [cfg.vocab_size, cfg.hidden_size]
+          and (t["dtype"] != "int8" or isinstance(t.get("scale_file"), str)))
     if not ok:
-        raise ModelFolderError(f"{path}: files.embed_table must be {{file, dtype float32|float16, shape "
-                               f"[{cfg.vocab_size}, {cfg.hidden_size}]}}; re-export the model")
-    want = cfg.vocab_size * cfg.hidden_size * (4 if t["dtype"] == "float32" else 2)
-    got = (cfg.folder / t["file"]).stat().st_size
-    if got != want:
-        raise ModelFolderError(f"{cfg.folder / t['file']}: {got} bytes, the embedding table needs {want} (truncated "
-                               f"or replaced after export); restore it or re-export the model")
+        raise ModelFolderError(f"{path}: files.embed_table must be {{file, dtype float32|float16|int8 (int8 with a "
+                               f"scale_file), shape [{cfg.vocab_size}, {cfg.hidden_size}]}}; re-export the model")
+    want = {t["file"]: cfg.vocab_size * cfg.hidden_size * sizes[t["dtype"]]}
+    if t["dtype"] == "int8":
+        want[t["scale_file"]] = cfg.vocab_size * 4
+    for name, size in want.items():
+        got = (cfg.folder / name).stat().st_size
+        if got != size:
+            raise ModelFolderError(f"{cfg.folder / name}: {got} bytes, the embedding table needs {size} (truncated "
+                                   f"or replaced after export); restore it or re-export the model")
 
 
 def _check_checksums(sums, num_layers: int, path: Path) -> None:
