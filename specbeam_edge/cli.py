@@ -17,6 +17,7 @@ from .flags import (DEFAULT_MODELS, PROVIDERS, DefaultsHelp, add_beam_arg,  # no
                     check_prompt_format, check_widths, decoding_constraints, engine_from_args, finite_float,
                     guard_std_streams, parse_size, positive_int, speculative_from_args, streaming_note)
 from .fetch import FetchError, default_ahead, default_draft, resolve_model
+from .flags import read_bounded
 from .providers import ProviderError
 from .shipped import shipped
 from .tokenizer import ChatTemplateError
@@ -94,8 +95,8 @@ def _read_prompts(args) -> list[str]:
         if os.path.isdir(args.file):
             raise ValueError(f"--file {args.file} is a directory; pass a text file, one prompt per line")
         try:
-            with open(args.file, encoding="utf-8") as f:
-                text = f.read()
+            with open(args.file, "rb") as f:
+                text = read_bounded(f, f"--file {args.file}", "split it into smaller files").decode("utf-8")
         except OSError as e:
             raise ValueError(f"--file {args.file}: cannot be read ({e.strerror})") from None
         except UnicodeDecodeError as e:
@@ -103,7 +104,7 @@ def _read_prompts(args) -> list[str]:
     else:
         if sys.stdin is None:
             raise ValueError("stdin is closed; pass prompts as arguments or --file")
-        text = sys.stdin.read()
+        text = read_bounded(sys.stdin, "stdin", "pass the prompts in smaller runs, or as arguments")
     lines = [line for line in text.splitlines() if line.strip()]
     if args.file and not lines:
         raise ValueError(f"--file {args.file} has no prompts (it is empty or only blank lines); put one prompt a "
@@ -254,7 +255,7 @@ def _read_message():
     (reported)."""
     print(">>> ", end="", file=sys.stderr, flush=True)      # the marker between turns (Ollama's)
     try:
-        raw = sys.stdin.buffer.readline()
+        raw = read_bounded(sys.stdin.buffer, "that message", "send shorter messages", line=True)
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return None

@@ -46,6 +46,30 @@ def guard_std_streams() -> None:
         sys.stderr = open(os.devnull, "w")
 
 
+# the most prompt text a tool reads from stdin or a file in one run: `< /dev/zero` read until memory ran out
+MAX_INPUT_BYTES = 64 << 20
+_INPUT_CHUNK = 1 << 20
+
+
+def read_bounded(f, what: str, fix: str, *, line: bool = False, limit: int = MAX_INPUT_BYTES):
+    """f's contents (bytes or str, as f gives), or its next line with `line`, read in chunks: more than `limit`
+    is refused in one line naming the limit and `fix`, before the rest of an endless stream is read."""
+    read = f.readline if line else f.read
+    chunks, size = [], 0
+    while size <= limit:
+        chunk = read(min(_INPUT_CHUNK, limit + 1 - size))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+        if line and chunk[-1:] in ("\n", b"\n"):
+            break
+    if size > limit:
+        raise ValueError(f"{what} is longer than {limit >> 20} MiB, the most a tool reads at once (an endless "
+                         f"stream such as /dev/zero?); {fix}")
+    return chunks[0][:0].join(chunks) if chunks else b""
+
+
 def check_widths(engine, max_branch_width: int | None, draft_width: int | None) -> None:
     """Tree widths beyond the vocabulary (a TopK k larger than the vocabulary fails deep inside onnxruntime)."""
     engine.check_widths(max_branch_width, draft_width, flags=True)

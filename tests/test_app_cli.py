@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 ENDE = ROOT / "models" / "ende"
 
@@ -72,6 +74,43 @@ def test_empty_prompt_and_unreadable_file_are_one_line(tmp_path):
     for args, message in cases:
         proc = specbeam(*args)
         assert proc.returncode == 2 and proc.stdout == "" and proc.stderr == message, (args, proc.stderr)
+
+
+def _capped_memory():
+    """A run that reads without a bound fails with MemoryError here instead of filling the machine."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+
+
+@pytest.mark.parametrize("how", ["--file", "stdin"])
+def test_an_endless_prompt_input_is_refused_at_the_limit(how):
+    """Before: `generate --file /dev/zero` or `generate < /dev/zero` read until memory ran out."""
+    args = ("--file", "/dev/zero") if how == "--file" else ()
+    with open(os.devnull if args else "/dev/zero", "rb") as stdin:
+        proc = subprocess.run([sys.executable, "-m", "specbeam_edge.cli", "generate", *args], capture_output=True,
+                              text=True, stdin=stdin, timeout=120, cwd=ROOT, preexec_fn=_capped_memory,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    what, fix = (("--file /dev/zero", "split it into smaller files") if args else
+                 ("stdin", "pass the prompts in smaller runs, or as arguments"))
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr == (f"specbeam: error: {what} is longer than 64 MiB, the most a tool reads at once (an endless "
+                           f"stream such as /dev/zero?); {fix}\n")
+
+
+def test_an_endless_chat_message_is_refused_at_the_limit(monkeypatch):
+    """Before: `specbeam chat < /dev/zero` read one endless line until memory ran out."""
+    from types import SimpleNamespace
+
+    from specbeam_edge import cli
+
+    class Endless:
+        def readline(self, size=-1):
+            assert size >= 0, "a line read without a bound"
+            return b"\0" * size
+    monkeypatch.setattr(sys, "stdin", SimpleNamespace(buffer=Endless()))
+    with pytest.raises(ValueError, match=r"^that message is longer than 64 MiB, .*; send shorter messages$"):
+        cli._read_message()
 
 
 def test_cuda_without_the_gpu_build_and_widths_over_the_vocabulary_are_one_line():
