@@ -12,10 +12,11 @@ import sys
 
 from .config import AHEAD_MIN_PATH_PROB, ModelFolderError, SpeculativeConfig
 # shared with the apps (they import the runtime, never the reverse); re-exported for existing callers
-from .flags import (DEFAULT_MODELS, PROVIDERS, DefaultsHelp, add_beam_arg,  # noqa: F401
+from .flags import (DEFAULT_MODELS, PROVIDERS, DefaultsHelp, Status, add_beam_arg,  # noqa: F401
                     add_decoding_constraint_args, add_length_penalty_arg, add_memory_args, add_speculation_args,
-                    check_prompt_format, check_widths, decoding_constraints, engine_from_args, finite_float,
-                    guard_std_streams, parse_size, positive_int, speculative_from_args, streaming_note)
+                    check_prompt_format, check_widths, decoding_constraints, end_line, engine_from_args,
+                    finite_float, guard_std_streams, is_terminal, parse_size, positive_int, speculative_from_args,
+                    streaming_note)
 from .fetch import FetchError, default_ahead, default_draft, resolve_model
 from .flags import read_bounded
 from .providers import ProviderError
@@ -26,7 +27,9 @@ from .tokenizer import ChatTemplateError
 def add_search_args(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("search")
     add_beam_arg(g, None)
-    g.add_argument("--max_new_tokens", type=positive_int, default=None, help="maximum generated tokens")
+    g.add_argument("--max_new_tokens", type=positive_int, default=None,
+                   help=f"maximum generated tokens (default: the model folder's; else {CHAT_MAX_NEW_TOKENS} for a "
+                        f"chat model, 128 for others)")
     add_decoding_constraint_args(g)
     add_length_penalty_arg(g)
     g.add_argument("--early_stopping", default=None, choices=("true", "false", "never"),
@@ -43,7 +46,8 @@ def add_search_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--threads", type=positive_int, default=None, help="onnxruntime intra-op threads")
     ap.add_argument("--stats", action="store_true", help="print statistics (JSON) to stderr")
     ap.add_argument("-q", "--quiet", action="store_true",
-                    help="no notes on stderr before the answer (e.g. that layers stream from disk)")
+                    help="no notes on stderr (that the model loads, that layers stream from disk, the closing line "
+                         "of speed); a cut answer is still reported")
     add_memory_args(ap)
 
 
@@ -153,51 +157,108 @@ def say_streaming(engine, args) -> None:
         print(f"specbeam: {note}; the first answer token can take a few seconds", file=sys.stderr, flush=True)
 
 
-def cmd_generate(args) -> int:
-    overrides, spec = configs(args)
-    prompts = _read_prompts(args)
-    engine = open_engine(args, spec)
-    say_streaming(engine, args)
-    gen = engine.generation_config(**overrides)
-    ctx = engine.target.cfg.context_length
+# a chat model's answers run this long unless its folder or --max_new_tokens says otherwise: the search's own
+# default of 128 cut a function in the middle (llama.cpp and Ollama generate until the end-of-text token)
+CHAT_MAX_NEW_TOKENS = 512
+
+
+def length_default(engine, overrides: dict) -> dict:
+    """The overrides, with max_new_tokens CHAT_MAX_NEW_TOKENS for a decoder-only chat model whose folder and flags
+    name none."""
+    if ("max_new_tokens" in overrides or "max_new_tokens" in engine.target.cfg.generation
+            or engine.encoder is not None or not engine.tokenizer.chat_template):
+        return overrides
+    return {**overrides, "max_new_tokens": CHAT_MAX_NEW_TOKENS}
+
+
+def _loading(args) -> str:
+    """'specbeam: loading MODEL (with the draft DRAFT)...' in the names the user knows (a folder's own name)."""
+    name = lambda m: m if os.path.sep not in str(m) else os.path.basename(os.path.normpath(m))  # noqa: E731
+    draft = "" if args.no_draft or not args.draft else f" with the draft {name(args.draft)}"
+    return f"specbeam: loading {name(args.model) if args.model else 'the shipped en->de pair'}{draft}..."
+
+
+def _request_options(args) -> dict:
+    """--raw and --constraint as the engine's keyword arguments."""
     # --raw: the text is the model's input as written, special tokens included (the engine parses them only then);
     # else the engine puts it into the model folder's format (a chat model's chat template)
-    raw = {"raw": True} if args.raw else {}
+    options = {"raw": True} if args.raw else {}
     if args.constraint:
         if any(not alt for c in args.constraint for alt in c.split("|")):
             raise ValueError("--constraint: empty text (alternatives are separated by '|', e.g. 'Haus|Gebäude')")
-        raw["constraints"] = [tuple(c.split("|")) for c in args.constraint]
+        options["constraints"] = [tuple(c.split("|")) for c in args.constraint]
+    return options
+
+
+def cmd_generate(args) -> int:
+    overrides, spec = configs(args)
+    prompts = _read_prompts(args)
+    status = Status(not args.quiet and is_terminal(sys.stderr))
+    status.show(_loading(args))
+    engine = open_engine(args, spec)
+    status.clear()
+    say_streaming(engine, args)
+    gen = engine.generation_config(**length_default(engine, overrides))
+    # on a terminal one answer streams as it becomes final; a pipe gets each answer whole (or --stream)
+    stream = args.stream if args.stream is not None else \
+        is_terminal(sys.stdout) and gen.num_return_sequences == 1
+    options = _request_options(args)
     for n, prompt in enumerate(prompts):
-        # one stream in both modes: on Ctrl-C the text final so far (and --stats) is printed, not lost
-        shown, chunk = "", None
-        try:
-            for chunk in engine.stream(prompt, gen, spec, **raw):
-                shown += chunk.text
-                if args.stream:
-                    print(chunk.text, end="", flush=True)
-        except KeyboardInterrupt:
-            if not args.stream:
-                print(shown, end="")
-            print(flush=True)
-            if args.stats and chunk is not None:
-                print(json.dumps({**chunk.stats.as_dict(), "finish_reason": "interrupted"}), file=sys.stderr)
-            left = len(prompts) - n - 1
-            print("specbeam: interrupted; the answer so far is above"
-                  + (f"; {n} of {len(prompts)} prompts finished, {left} not started" if len(prompts) > 1 else ""),
-                  file=sys.stderr)
-            return 130
-        result = chunk.result
-        if args.stream:
-            print()
-        else:
-            for h in result.hypotheses:
-                print(f"{h.score:.4f} ||| {h.text}" if len(result.hypotheses) > 1 else h.text, flush=True)
-        note = cut_note(result, gen, ctx)
-        if note:
-            print(f"specbeam: {f'prompt {n + 1}: ' if len(prompts) > 1 else ''}{note}", file=sys.stderr)
-        if args.stats:
-            print(json.dumps({**result.stats.as_dict(), "finish_reason": result.finish_reason}), file=sys.stderr)
+        chunk, shown, stopped = _generate_one(engine, prompt, gen, spec, options, stream, status)
+        if stopped:                     # Ctrl-C: the text final so far (and --stats) is kept
+            return _interrupted(args, chunk, shown, stream, n, len(prompts))
+        _print_answer(chunk.result, stream)
+        _report_end(engine, args, gen, chunk.result, f"prompt {n + 1}: " if len(prompts) > 1 else "")
     return 0
+
+
+def _generate_one(engine, prompt, gen, spec, options: dict, stream: bool, status: Status):
+    """One prompt's stream: (its last chunk, the text final so far, whether Ctrl-C stopped it)."""
+    shown, chunk = "", None
+    status.show("specbeam: generating...")
+    try:
+        for chunk in engine.stream(prompt, gen, spec, **options):
+            shown += chunk.text
+            if stream and chunk.text:
+                status.clear()
+                print(chunk.text, end="", flush=True)
+            elif not stream and chunk.result is None:
+                status.show(f"specbeam: generating... {chunk.stats.generated_tokens} tokens final")
+    except KeyboardInterrupt:
+        status.clear()
+        return chunk, shown, True
+    status.clear()
+    return chunk, shown, False
+
+
+def _interrupted(args, chunk, shown: str, stream: bool, n: int, total: int) -> int:
+    if not stream:
+        print(shown, end="")
+    print(flush=True)
+    if args.stats and chunk is not None:
+        print(json.dumps({**chunk.stats.as_dict(), "finish_reason": "interrupted"}), file=sys.stderr)
+    left = total - n - 1
+    print("specbeam: interrupted; the answer so far is above"
+          + (f"; {n} of {total} prompts finished, {left} not started" if total > 1 else ""), file=sys.stderr)
+    return 130
+
+
+def _print_answer(result, stream: bool) -> None:
+    if stream:
+        print()
+        return
+    for h in result.hypotheses:
+        print(f"{h.score:.4f} ||| {h.text}" if len(result.hypotheses) > 1 else h.text, flush=True)
+
+
+def _report_end(engine, args, gen, result, label: str) -> None:
+    """The closing line on stderr (with -q only a cut), then --stats."""
+    ctx = engine.target.cfg.context_length
+    line = cut_note(result, gen, ctx) if args.quiet else end_line(result, gen, ctx)
+    if line:
+        print(f"specbeam: {label}{line}", file=sys.stderr, flush=True)
+    if args.stats:
+        print(json.dumps({**result.stats.as_dict(), "finish_reason": result.finish_reason}), file=sys.stderr)
 
 
 CHAT_KEYS = ("keys: Enter sends a message; Ctrl-C stops an answer (what it wrote so far is kept in the "
@@ -225,7 +286,7 @@ def cmd_chat(args) -> int:
     _chat_defaults(args)
     overrides, spec = configs(args)
     engine = open_engine(args, spec)
-    gen = engine.generation_config(**overrides)       # bad settings fail here, not on every message
+    gen = engine.generation_config(**length_default(engine, overrides))   # bad settings fail here, not per message
     messages = [{"role": "system", "content": args.system}] if args.system else []
     if sys.stdin is None:
         raise ValueError("stdin is closed; chat reads your messages from it")
@@ -335,7 +396,11 @@ def main(argv=None) -> int:
                    help="send prompts as they are; by default each is put in the model folder's format (its chat "
                         "template as one user message, else tokenizer_config.json's prompt_format)")
     g.add_argument("--format", action="store_true", help=argparse.SUPPRESS)   # the default now; kept for old scripts
-    g.add_argument("--stream", action="store_true", help="print text as soon as it is final")
+    g.add_argument("--stream", action="store_const", const=True, default=None,
+                   help="print text as soon as it is final (the default when stdout is a terminal and one answer "
+                        "is asked for)")
+    g.add_argument("--no_stream", dest="stream", action="store_const", const=False,
+                   help="print each answer whole when it is done (the default into a pipe or file)")
     g.add_argument("--constraint", action="append", default=None, metavar="TEXT",
                    help="text the output must contain (constrained beam search, --num_beams 2 or more); alternatives "
                         "separated by '|'; may be repeated")

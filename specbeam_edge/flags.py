@@ -163,6 +163,41 @@ def _megabytes(nbytes: int) -> str:
     return f"{mb:.0f}" if mb >= 10 else f"{mb:.2g}"
 
 
+class Status:
+    """One transient line on stderr while nothing else shows (the model loading, the search before its first text):
+    only on a terminal, each shown line replacing the last, erased before anything else prints."""
+
+    def __init__(self, on: bool):
+        self.on, self.shown = on, False
+
+    def show(self, text: str) -> None:
+        if self.on:
+            sys.stderr.write(f"\r\033[K{text}")
+            sys.stderr.flush()
+            self.shown = True
+
+    def clear(self) -> None:
+        if self.shown:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+            self.shown = False
+
+
+def is_terminal(stream) -> bool:
+    """Whether a standard stream is a terminal (None: closed)."""
+    return stream is not None and stream.isatty()
+
+
+def end_line(result, gen, context_length: int) -> str:
+    """The closing line of an answer: its tokens, speed, tokens a target pass and why it ended."""
+    s = result.stats
+    why = {"stop": "finished (the model's end token)",
+           "length": f"cut at --max_new_tokens {gen.max_new_tokens} (a larger one lets it finish)",
+           "context": f"cut by the model's context length ({context_length} tokens: prompt and answer fill it)"}
+    return (f"{s.generated_tokens} tokens in {s.seconds:.1f} s, {s.tokens_per_second:.1f} tok/s, "
+            f"{s.beam_steps_per_pass:.2f} tokens a pass; {why.get(result.finish_reason, 'ended')}")
+
+
 def engine_from_args(args, model: str, draft: str | None):
     """An Engine from the memory flags of add_memory_args plus --threads. (The engine's module loads here, not with
     the flags: parsing them, and --help, need no onnxruntime.)"""
