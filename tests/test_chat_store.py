@@ -13,7 +13,7 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 pytest.importorskip("PySide6")
 pytest.importorskip("pytestqt")
 
-from PySide6.QtCore import QSettings  # noqa: E402
+from PySide6.QtCore import QSettings, Qt  # noqa: E402
 
 from apps.chat.store import ChatStore  # noqa: E402
 from apps.chat.window import DAMAGED, ChatWindow  # noqa: E402
@@ -202,3 +202,30 @@ def test_bad_settings_are_reset_with_a_message(qtbot, tmp_path, pair, warnings, 
         assert widget.value() == pytest.approx(expected)
     assert len(warnings) == 1 and f"{key}={value}" in warnings[0] and "settings.ini" in warnings[0]
     send_and_wait(qtbot, win)
+
+
+def test_a_locked_database_keeps_every_change_and_says_so_in_one_line(qtbot, tmp_path, pair, warnings, monkeypatch):
+    """Before: a write while another program held the database's lock raised 'database is locked' out of the
+    app's action (a traceback) and the change was lost."""
+    monkeypatch.setattr("apps.chat.store.BUSY_SECONDS", 0.05)
+    monkeypatch.setattr("apps.chat.window.RETRY_MS", 50)
+    db = filled(tmp_path / "chat.sqlite", conversations=2, messages=1)
+    win = window(qtbot, tmp_path, db, pair)
+    cid, gone = win.current(), win.convs.item(1).data(Qt.ItemDataRole.UserRole)
+    other = sqlite3.connect(db)
+    other.execute("BEGIN IMMEDIATE")                # another program holds the write lock
+    win.rename_conversation(cid, "renamed while locked")
+    win.system.setText("be brief")
+    win._save_system()
+    win.delete_conversation(gone)
+    assert win.status.text() == (f"The conversation database {db} is locked by another program; the change is "
+                                 f"kept and saved once it is free")
+    win.input.setPlainText("a question")
+    win.send_btn.click()
+    assert win.input.toPlainText() == "a question" and win.status.text().endswith("your message stays in the box")
+    other.rollback()
+    other.close()
+    qtbot.waitUntil(lambda: not win.store.pending, timeout=5000)
+    saved = ChatStore(db)
+    assert saved.title(cid) == "renamed while locked" and saved.system(cid) == "be brief"
+    assert [c for c, _ in saved.conversations()] == [cid] and warnings == []

@@ -21,6 +21,8 @@ SCHEMA = """
     CREATE TABLE IF NOT EXISTS settings (key TEXT PRIMARY KEY, value TEXT);
 """
 ROLES = ("user", "assistant")
+# how long a write waits for another program's lock before it is kept pending (the app waits meanwhile)
+BUSY_SECONDS = 2.0
 
 
 def default_path() -> Path:
@@ -34,12 +36,18 @@ class ReadOnlyDatabase(Exception):
     pass
 
 
+class StoreLocked(sqlite3.OperationalError):
+    """Another program held the database's lock past the busy timeout; the message is one line for the user."""
+
+
 class ChatStore:
     def __init__(self, path: str | Path | None = None):
         self.path = Path(path) if path else default_path()
         self.notice = ""            # what was done to a database that could not be used as it was
         self.read_only = False      # True: changes live in memory for this session only
         self.damaged: set[int] = set()   # conversations whose rows could not all be read
+        # changes made while another program held the lock, in order: saved before the next change (`retry`)
+        self.pending: list[tuple[str, tuple]] = []
         if self.path.is_dir():
             folder = self.path
             self.path = folder / "chat.sqlite"
@@ -104,42 +112,63 @@ class ChatStore:
                             f"another file.")
 
     # -- conversations and messages -------------------------------------------------------------------------
+    # -- writes: a locked database keeps them pending instead of dropping them --------------------------------
+    def _write(self, *statements: tuple[str, tuple], keep: bool = True) -> int | None:
+        """Run the pending changes, then `statements`, in one transaction; the last row id. While the database is
+        locked: StoreLocked, and with `keep` the statements wait in `pending` (a change made in the app is never
+        dropped); without it (a caller that needs the new id) nothing is kept."""
+        todo = self.pending + list(statements)
+        try:
+            with self.db:                   # one transaction: all of it is saved, or none
+                cur = None
+                for sql, args in todo:
+                    cur = self.db.execute(sql, args)
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) and "busy" not in str(e):
+                raise
+            if keep:
+                self.pending = todo
+            raise StoreLocked(f"The conversation database {self.path} is locked by another program; "
+                              f"{'the change is kept and saved once it is free' if keep else 'try again'}") from None
+        self.pending = []
+        return cur.lastrowid if cur is not None else None
+
+    def retry(self) -> bool:
+        """Save the pending changes; True when none is left (StoreLocked while the lock is still held)."""
+        if self.pending:
+            self._write()
+        return not self.pending
+
     def new_conversation(self, title: str = "New chat", system: str = "") -> int:
-        cur = self.db.execute("INSERT INTO conversations (title, system, created) VALUES (?, ?, ?)",
-                              (title, system, time.time()))
-        self.db.commit()
-        return cur.lastrowid
+        return self._write(("INSERT INTO conversations (title, system, created) VALUES (?, ?, ?)",
+                            (title, system, time.time())), keep=False)
 
     def conversations(self) -> list[tuple[int, str]]:
         rows = _rows(self.db, "SELECT id, title FROM conversations ORDER BY created DESC, id DESC")[0]
         return [(cid, _text(title) or "Untitled") for cid, title in rows]
 
     def set_title(self, conv: int, title: str):
-        self.db.execute("UPDATE conversations SET title = ? WHERE id = ?", (title, conv))
-        self.db.commit()
+        self._write(("UPDATE conversations SET title = ? WHERE id = ?", (title, conv)))
 
     def title(self, conv: int) -> str:
         row = self.db.execute("SELECT title FROM conversations WHERE id = ?", (conv,)).fetchone()
         return (_text(row[0]) if row else "") or "Untitled"
 
     def delete_conversation(self, conv: int):
-        self.db.execute("DELETE FROM messages WHERE conv = ?", (conv,))
-        self.db.execute("DELETE FROM conversations WHERE id = ?", (conv,))
-        self.db.commit()
+        self._write(("DELETE FROM messages WHERE conv = ?", (conv,)),
+                    ("DELETE FROM conversations WHERE id = ?", (conv,)))
 
     def system(self, conv: int) -> str:
         row = self.db.execute("SELECT system FROM conversations WHERE id = ?", (conv,)).fetchone()
         return _text(row[0]) if row else ""
 
     def set_system(self, conv: int, system: str):
-        self.db.execute("UPDATE conversations SET system = ? WHERE id = ?", (system, conv))
-        self.db.commit()
+        self._write(("UPDATE conversations SET system = ? WHERE id = ?", (system, conv)))
 
-    def add(self, conv: int, role: str, content: str, stats: dict | None = None) -> int:
-        cur = self.db.execute("INSERT INTO messages (conv, role, content, stats, created) VALUES (?, ?, ?, ?, ?)",
-                              (conv, role, content, json.dumps(stats) if stats else None, time.time()))
-        self.db.commit()
-        return cur.lastrowid
+    def add(self, conv: int, role: str, content: str, stats: dict | None = None, keep: bool = False) -> int | None:
+        """Store a message; its id. keep: while the database is locked, keep it pending (see `_write`)."""
+        return self._write(("INSERT INTO messages (conv, role, content, stats, created) VALUES (?, ?, ?, ?, ?)",
+                            (conv, role, content, json.dumps(stats) if stats else None, time.time())), keep=keep)
 
     def messages(self, conv: int) -> list[dict]:
         """The conversation's messages, as far as they can be read: a row with invalid statistics keeps its text
@@ -159,8 +188,7 @@ class ChatStore:
         return out
 
     def delete_message(self, msg_id: int):
-        self.db.execute("DELETE FROM messages WHERE id = ?", (msg_id,))
-        self.db.commit()
+        self._write(("DELETE FROM messages WHERE id = ?", (msg_id,)))
 
     def get(self, key: str, default: str | None = None) -> str | None:
         try:
@@ -170,8 +198,7 @@ class ChatStore:
         return row[0] if row and isinstance(row[0], str) else default
 
     def put(self, key: str, value: str):
-        self.db.execute("INSERT OR REPLACE INTO settings (key, value) VALUES (?, ?)", (key, value))
-        self.db.commit()
+        self._write(("INSERT OR REPLACE INTO settings (key, value) VALUES (?, ?)", (key, value)))
 
     def export_markdown(self, conv: int) -> str:
         out = [f"# {self.title(conv)}", ""]
@@ -188,7 +215,7 @@ class ChatStore:
 def _open(path: Path) -> sqlite3.Connection:
     """A connection to a usable database at `path` (created when missing); raises sqlite3.DatabaseError for a
     file that is not one of ours or cannot be read, ReadOnlyDatabase when it cannot be written."""
-    db = sqlite3.connect(path)
+    db = sqlite3.connect(path, timeout=BUSY_SECONDS)
     try:
         _check(db)
         try:

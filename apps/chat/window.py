@@ -9,7 +9,7 @@ from pathlib import Path
 import re
 import sqlite3
 
-from PySide6.QtCore import QByteArray, QSettings, QStandardPaths, Qt, QUrl, Signal
+from PySide6.QtCore import QByteArray, QSettings, QStandardPaths, Qt, QTimer, QUrl, Signal
 from PySide6.QtGui import (QAction, QColor, QDesktopServices, QGuiApplication, QKeySequence, QTextCharFormat,
                            QTextCursor)
 from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog, QFormLayout, QHBoxLayout,
@@ -24,7 +24,7 @@ from specbeam_edge.shipped import missing_message, models_root
 from specbeam_edge.tokenizer import ChatTemplateError
 
 from .render import COPY_SCHEME, CURSOR, code_text, insert_answer
-from .store import ChatStore
+from .store import ChatStore, StoreLocked
 from .worker import Answer, Generation
 
 SPECULATION_DEFAULTS = SpeculativeConfig()     # the panel sets the budget; the rest are the engine's defaults
@@ -40,6 +40,7 @@ SPECULATE_TIP = "Off: plain beam search on the target alone (same output, for co
 MEMORY_TIP = ("Memory the target's weights may use, in MB (or with a unit: 400MB, 1.5GB). Empty: every layer "
               "resident. A split-layout model streams the layers that do not fit from disk on every pass (exact, "
               "slower per pass; speculation then pays most). Applied by Load models (or Enter here).")
+RETRY_MS = 2000                    # a change kept while another program locks the database is tried again this often
 CHAT_MODELS = ("qwen2.5-coder-1.5b", "smollm2")   # fetched chat models the app opens on, best first
 
 
@@ -212,6 +213,8 @@ class ChatWindow(QMainWindow):
         self.replacing: int | None = None    # the answer a running Regenerate replaces once it finishes
         self.partial, self.partial_steps = Answer(), 0
         self._answer_at = 0            # document position where the streaming answer starts
+        self.retry_timer = QTimer(self, singleShot=True, interval=RETRY_MS)     # a locked database, tried again
+        self.retry_timer.timeout.connect(self._retry_store)
         self.notices: list[str] = [self.store.notice] if self.store.notice else []
         self.setWindowTitle("specbeam chat")
         self.resize(980, 640)
@@ -573,8 +576,29 @@ class ChatWindow(QMainWindow):
     def current(self) -> int:
         return self.convs.currentItem().data(Qt.ItemDataRole.UserRole)
 
+    # -- a database another program holds locked: the change waits, the user is told in one line ----------------
+    def _stored(self, write, *args) -> bool:
+        """Run a store write; False when the database is locked (said in the status bar; a kept change is saved
+        by the next write or the retry timer)."""
+        try:
+            write(*args)
+            return True
+        except StoreLocked as e:
+            self.status.setText(str(e))
+            self.retry_timer.start()
+            return False
+
+    def _retry_store(self):
+        if self._stored(self.store.retry):
+            self.status.setText("the conversation database is free again; every change is saved")
+            self._show_conversation()
+
     def new_chat(self):
-        cid = self.store.new_conversation()
+        try:
+            cid = self.store.new_conversation()
+        except StoreLocked as e:        # nothing typed yet: nothing to keep; the user clicks again
+            self.status.setText(str(e))
+            return
         item = QListWidgetItem("New chat")
         item.setData(Qt.ItemDataRole.UserRole, cid)
         self.convs.insertItem(0, item)
@@ -599,7 +623,7 @@ class ChatWindow(QMainWindow):
         title = " ".join(title.split())[:200]
         if not title:
             return
-        self.store.set_title(cid, title)
+        self._stored(self.store.set_title, cid, title)
         item = self._item(cid)
         if item is not None:
             item.setText(title)
@@ -619,7 +643,7 @@ class ChatWindow(QMainWindow):
         if self.gen is not None and self.gen_conv == cid:
             self.gen.stop()
             self._collect()
-        self.store.delete_conversation(cid)
+        self._stored(self.store.delete_conversation, cid)
         item = self._item(cid)
         if item is not None:
             self.convs.takeItem(self.convs.row(item))
@@ -629,7 +653,7 @@ class ChatWindow(QMainWindow):
 
     def _save_system(self):
         if self.convs.currentItem():
-            self.store.set_system(self.current(), self.system.text())
+            self._stored(self.store.set_system, self.current(), self.system.text())
 
     def _show_conversation(self, *_):
         if not self.convs.currentItem():
@@ -728,13 +752,16 @@ class ChatWindow(QMainWindow):
     def send(self):
         text = self.input.toPlainText().strip()
         self.input.setFocus()
-        if not text or self.gen is not None:
+        if not text or self.gen is not None or not self.convs.currentItem():    # (none: a locked database)
             return
         cid = self.current()
         try:
             if not self.store.messages(cid):
                 self.rename_conversation(cid, text[:40])
             self.store.add(cid, "user", text)
+        except StoreLocked as e:                # the message stays in the box, to be sent again
+            self.status.setText(f"{e}; your message stays in the box")
+            return
         except sqlite3.DatabaseError as e:      # the message stays in the box
             QMessageBox.warning(self, "Cannot save the message", f"The conversation database {self.store.path} "
                                 f"refused it ({e}); start with --db another file.")
@@ -835,9 +862,9 @@ class ChatWindow(QMainWindow):
                 stats = dict(answer.stats, draft_spans=answer.spans)
                 if answer.error:
                     stats["error"] = answer.error
-                self.store.add(self.gen_conv, "assistant", answer.text, stats)
+                self._stored(lambda: self.store.add(self.gen_conv, "assistant", answer.text, stats, keep=True))
             if complete and replacing is not None:
-                self.store.delete_message(replacing)
+                self._stored(self.store.delete_message, replacing)
         except sqlite3.DatabaseError as e:      # say so, and show the answer where it can be copied
             QMessageBox.warning(self, "Cannot save the answer", f"The conversation database {self.store.path} "
                                 f"refused it ({e}). The answer:\n\n{answer.text}")
@@ -860,6 +887,9 @@ class ChatWindow(QMainWindow):
             self.gen.stop()
             self._collect()
         self.save_settings()
+        if self.store.pending and not self._stored(self.store.retry):
+            QMessageBox.warning(self, "Changes not saved", f"{self.status.text()}: {len(self.store.pending)} "
+                                f"change(s) made while it was locked could not be saved.")
         self.store.close()
         super().closeEvent(event)
 
