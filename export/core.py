@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from specbeam_edge.contract import CONFIG_FILE, FORMAT_VERSION, LAYOUTS, MASK_VALUE, OUTPUT_KINDS, graph_io
+from specbeam_edge.contract import (CONFIG_FILE, FORMAT_VERSION, LAYOUTS, MASK_VALUE, OUTPUT_KINDS, graph_io,
+                                    graph_sha256)
 
-from . import graph, resident, split
+from . import graph, resident, split, whole
 from .encdec import export_encdec, family_of
 from .gguf_input import is_gguf, unpack
 from .families import layer_weights, read_arch
@@ -159,7 +160,12 @@ def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str
     with staged(dst, prog) as tmp:
         files: dict = {}
         quant = {"method": "none", "storage": precision}
-        if layout == "whole":
+        if layout == "whole" and precision in whole.STREAMED and compute == "fp32":
+            step = lambda what: prog.step(what + _memory())
+            quant = whole.write_whole(tmp, weights, arch, head, head_ids, precision, output, attention, block_size,
+                                      reduce_range, step) or (INT8W if precision == "int8w" else quant)
+            files["model"] = "model.onnx"
+        elif layout == "whole":
             g = global_weights(weights, arch)
             if head_ids is not None and g["head_ids"] is None:
                 g = {**g, "lm_head": np.ascontiguousarray(g["lm_head"][:, head_ids]), "head_ids": head_ids}
@@ -187,6 +193,8 @@ def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str
                      "layers DequantizeLinear + MatMul each pass, embedding and lm_head folded at load; fp32 "
                      "compute"}
             quant = q or quant
+        if layout == "whole":      # the runtime checks the graph against it on load (integrity.py)
+            files["sha256"] = graph_sha256(tmp, "model.onnx")
         for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
             if (src / f).is_file():
                 shutil.copy2(src / f, tmp / f)

@@ -412,13 +412,27 @@ def _global_inits(b: Builder, g: dict, precision: str) -> tuple[str, str, str]:
     return emb, b.init("norm.weight", g["norm"]), head
 
 
-def _int8_rows_embedding(b: Builder, table: np.ndarray) -> str:
+def head_weight(b: Builder, lm_head, precision: str) -> str:
+    """lm_head as stored: the fp32 [hidden, S] matrix (stored_weight), or int8 codes and per-column scales (int8
+    [hidden, S], fp32 [S]) behind a DequantizeLinear that quant.rowwise_int8 turns into its MatMulInteger."""
+    if not isinstance(lm_head, tuple):
+        return stored_weight(b, "lm_head.weight", lm_head, precision, axis=1)
+    q, s = lm_head
+    return b.node("DequantizeLinear", [b.init("lm_head.weight.q8", q), b.init("lm_head.weight.q8scale", s)],
+                  ["lm_head.weight"], axis=1)
+
+
+def _int8_rows_embedding(b: Builder, table: np.ndarray | None) -> str:
     """The embedding as int8 rows with one fp32 scale a row (symmetric, 127 steps), looked up and scaled per
-    token: the split layout's int8 table (export/split.py) computes the same fp32 products from its file."""
-    q, s = quantize_int8(table.T)
-    rows = b.node("Cast", [b.node("Gather", [b.init("embed.weight.i8", q.T), "input_ids"], ["h0.i8"], axis=0)],
+    token: the split layout's int8 table (export/split.py) computes the same fp32 products from its file.
+    table None: the caller adds the initializers embed.weight.i8 and embed.weight.rowscale itself."""
+    if table is not None:
+        q, s = quantize_int8(table.T)
+        b.init("embed.weight.i8", q.T)
+        b.init("embed.weight.rowscale", s)
+    rows = b.node("Cast", [b.node("Gather", ["embed.weight.i8", "input_ids"], ["h0.i8"], axis=0)],
                   ["h0.codes"], to=F32)
-    scale = b.node("Gather", [b.init("embed.weight.rowscale", s), "input_ids"], ["h0.scale"], axis=0)
+    scale = b.node("Gather", ["embed.weight.rowscale", "input_ids"], ["h0.scale"], axis=0)
     scale = b.node("Unsqueeze", [scale, b.init("embed.last_axis", np.array([-1], np.int64))], ["h0.scale1"])
     return b.node("Mul", [rows, scale], ["h0"])
 
@@ -476,11 +490,5 @@ def head_model(arch: Arch, g: dict, precision: str, output: str) -> onnx.ModelPr
     b = Builder()
     b.inputs.append(_vi(HIDDEN, F32, ["batch", "n_new", arch.hidden]))
     norm = b.init("norm.weight", g["norm"])
-    if isinstance(g["lm_head"], tuple):
-        q, s = g["lm_head"]
-        head = b.node("DequantizeLinear", [b.init("lm_head.weight.q8", q), b.init("lm_head.weight.q8scale", s)],
-                      ["lm_head.weight"], axis=1)
-    else:
-        head = stored_weight(b, "lm_head.weight", g["lm_head"], precision, axis=1)
-    _head(b, arch, HIDDEN, norm, head, output, precision, g.get("head_ids"))
+    _head(b, arch, HIDDEN, norm, head_weight(b, g["lm_head"], precision), output, precision, g.get("head_ids"))
     return b.model("specbeam_head")

@@ -37,7 +37,7 @@ def memory_mb() -> int | None:
         return None
 
 
-def _chunks(n: int):
+def chunks(n: int):
     for start in range(0, n, ROWS):
         yield start, min(n, start + ROWS)
 
@@ -51,7 +51,7 @@ def write_embed_table(folder: Path, w, arch: Arch, precision: str) -> dict:
     dtype = {"int8": np.int8, "fp16": np.float16}.get(precision, np.float32)
     digest, scales = hashlib.sha256(), []
     with open(path, "wb") as f:
-        for start, stop in _chunks(arch.vocab_size):
+        for start, stop in chunks(arch.vocab_size):
             rows = embed_rows(w, arch, start, stop)
             if precision in ("int8", "int8w"):
                 q, s = graph.quantize_int8(rows.T)           # per row of the table: symmetric, 127 steps
@@ -83,7 +83,7 @@ def head_weights(w, arch: Arch, head: str, ids, precision: str, reduce_range: bo
     else:
         lm_head = np.empty((arch.hidden, n), np.float32)
     done = 0
-    for start, stop in _chunks(rows):
+    for start, stop in chunks(rows):
         block = np.asarray(read(start, stop), np.float32)
         if pick is not None:
             block = block[pick[(pick >= start) & (pick < stop)] - start]

@@ -1,0 +1,231 @@
+"""The whole layout written a piece at a time: the inputs and embedding, each decoder layer, then the head are built
+as graph pieces one after another; each piece's MatMul weights are quantized within it (quant.rowwise_int8,
+blocks.gguf_int4, or onnxruntime's round-to-nearest MatMulNBits quantizer, which all rewrite a weight's MatMul
+alone) and its tensors are appended to `model.onnx.data` before the next piece is read. The graph file keeps only
+the nodes and the tensors' places, so what the export holds at once is one piece, not the model (the 0.5B
+draft's int4 export took 12.5 GB whole)."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper as oh
+from onnx import numpy_helper as onh
+
+from specbeam_edge.contract import past_names, present_names
+
+from . import graph, split
+from .blocks import gguf_int4
+from .families import layer_weights
+from .graph import Builder
+from .hf import Arch, embed_rows
+from .quant import rowwise_int8
+from .resident import _external
+from .split import head_weights
+
+# precisions whose quantization rewrites each weight's MatMul on its own; the others (int8dyn's per-tensor
+# activation scales, fp16 compute's graph-wide conversion) keep the in-memory path (core.py)
+STREAMED = ("fp32", "fp16", "int8w", "int8", "int4")
+INLINE_BYTES = 1024      # smaller tensors (shapes, scalars) stay in the graph file
+ALIGN = 64
+
+
+class _OffGrid(Exception):
+    """A piece's weights lie on no GGUF block grid after earlier pieces' did: the export starts again with
+    round-to-nearest for every piece, as the whole graph's quantizer decided before (blocks.gguf_int4)."""
+
+
+class _DataFile:
+    """model.onnx.data, written as pieces come: each tensor's bytes appended (64-byte aligned) and the tensor
+    turned into a reference to them."""
+
+    def __init__(self, path: Path):
+        self.path, self.f, self.offset = path, open(path, "wb"), 0
+
+    def spill(self, tensors) -> None:
+        for t in tensors:
+            if t.data_location == onnx.TensorProto.EXTERNAL:
+                continue
+            if not t.raw_data:                     # a tensor made from a list of values: its bytes
+                t.CopyFrom(onh.from_array(onh.to_array(t), t.name))
+            if len(t.raw_data) < INLINE_BYTES:
+                continue
+            pad = (-self.offset) % ALIGN
+            self.f.write(b"\0" * pad)
+            self.offset += pad
+            n = len(t.raw_data)
+            self.f.write(t.raw_data)
+            t.ClearField("raw_data")
+            _external(t, self.path.name, self.offset, n)
+            self.offset += n
+
+    def table(self, name: str, dtype, shape: tuple, chunks) -> onnx.TensorProto:
+        """A tensor of `shape` written from the row chunks `chunks` straight to the file (never held whole)."""
+        pad = (-self.offset) % ALIGN
+        self.f.write(b"\0" * pad)
+        self.offset += pad
+        start = self.offset
+        for c in chunks:
+            c = np.ascontiguousarray(c, dtype)
+            self.f.write(memoryview(c.reshape(-1).view(np.uint8)))
+            self.offset += c.nbytes
+        t = onnx.TensorProto(name=name, data_type=oh.np_dtype_to_tensor_dtype(np.dtype(dtype)), dims=list(shape))
+        _external(t, self.path.name, start, self.offset - start)
+        return t
+
+    def close(self):
+        self.f.close()
+
+
+def _rtn_int4(piece: onnx.ModelProto, block_size: int) -> onnx.ModelProto:
+    """onnxruntime's round-to-nearest MatMulNBits quantizer (save._quantize's settings) on one piece."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+
+    logging.getLogger("onnxruntime.quantization").setLevel(logging.ERROR)
+    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.ERROR)
+    cfg = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=True, accuracy_level=4, bits=4)
+    q = MatMulNBitsQuantizer(piece, bits=4, block_size=block_size, is_symmetric=True, accuracy_level=4,
+                             algo_config=cfg)
+    q.process()
+    return q.model.model
+
+
+RTN = {"method": "onnxruntime MatMulNBitsQuantizer (RTN)", "bits": 4, "symmetric": True, "accuracy_level": 4,
+       "ops": "MatMulNBits (all weight MatMuls incl. lm_head)"}
+
+
+class _Quantizer:
+    """Quantizes piece after piece as the whole graph's quantizer would; `entry` is the config's quantization."""
+
+    def __init__(self, precision: str, block_size: int, reduce_range: bool, force_rtn: bool):
+        self.precision, self.block_size, self.reduce_range = precision, block_size, reduce_range
+        self.mode = "rtn" if force_rtn or block_size != 32 else None      # int4: None until a piece decides
+        self.entry = None
+
+    def __call__(self, piece: onnx.ModelProto) -> onnx.ModelProto:
+        if not any(n.op_type == "MatMul" for n in piece.graph.node):
+            return piece
+        if self.precision == "int8":
+            self.entry = rowwise_int8(piece, reduce_range=self.reduce_range) | {
+                "matmuls": (self.entry or {}).get("matmuls", 0) + sum(n.op_type == "MatMulInteger"
+                                                                      for n in piece.graph.node)}
+        elif self.precision == "int4":
+            return self._int4(piece)
+        return piece
+
+    def _int4(self, piece):
+        if self.mode != "rtn":
+            q = gguf_int4(piece)
+            if q is None and self.mode == "grid":
+                raise _OffGrid
+            if q is not None:
+                self.mode = "grid"
+                blocks = dict((self.entry or {}).get("blocks", {}))
+                for k, v in q["blocks"].items():
+                    blocks[k] = blocks.get(k, 0) + v
+                self.entry = {**q, "blocks": dict(sorted(blocks.items())), "matmuls": sum(blocks.values())}
+                return piece
+            self.mode = "rtn"
+        self.entry = {**RTN, "block_size": self.block_size}
+        return _rtn_int4(piece, self.block_size)
+
+
+def _embedding(b: Builder, data: _DataFile, w, arch: Arch, precision: str) -> None:
+    """The embedding lookup, its table written to the data file a chunk of rows at a time, as whole_model stores
+    it: int8 rows and a scale a row (int8), int8 codes times a scale a row (int8w), half or single floats."""
+    V, H = arch.vocab_size, arch.hidden
+    chunks = lambda: (embed_rows(w, arch, a, z) for a, z in split.chunks(V))
+    if precision in ("int8", "int8w"):
+        scales = []
+
+        def codes():
+            for rows in chunks():
+                q, s = graph.quantize_int8(rows.T)          # per row: symmetric, 127 steps
+                scales.append(s)
+                yield q.T
+        if precision == "int8":
+            b.inits.append(data.table("embed.weight.i8", np.int8, (V, H), codes()))
+            b.init("embed.weight.rowscale", np.concatenate(scales))
+            graph._int8_rows_embedding(b, None)
+            return
+        b.inits.append(data.table("embed.weight.i8", np.int8, (V, H), codes()))     # graph.stored_weight's form
+        b.init("embed.weight.scale", np.concatenate(scales)[:, None])
+        emb = b.node("Mul", [b.node("Cast", ["embed.weight.i8"], ["embed.weight.i8f"], to=graph.F32),
+                             "embed.weight.scale"], ["embed.weight"])
+    else:
+        emb = "embed.weight" if precision != "fp16" else "embed.weight.f16"
+        b.inits.append(data.table(emb, np.float16 if precision == "fp16" else np.float32, (V, H), chunks()))
+        if precision == "fp16":
+            emb = b.node("Cast", [emb], ["embed.weight"], to=graph.F32)
+    b.node("Gather", [emb, "input_ids"], ["h0"], axis=0)
+
+
+def _piece(b: Builder) -> onnx.ModelProto:
+    m = onnx.helper.make_model(oh.make_graph(b.nodes, "piece", [], [], b.inits),
+                               opset_imports=[oh.make_opsetid("", graph.OPSET)], ir_version=10)
+    return m
+
+
+def write_whole(tmp: Path, w, arch: Arch, head: str, head_ids, precision: str, output: str, attention: str,
+                block_size: int, reduce_range: bool, step, force_rtn: bool = False) -> dict | None:
+    """model.onnx and model.onnx.data into `tmp`; returns the config's quantization entry (None: as stored)."""
+    try:
+        return _write(tmp, w, arch, head, head_ids, precision, output, attention, block_size, reduce_range, step,
+                      force_rtn)
+    except _OffGrid:
+        step("some weights lie on no GGUF block grid: quantizing every weight round-to-nearest")
+        return _write(tmp, w, arch, head, head_ids, precision, output, attention, block_size, reduce_range, step,
+                      True)
+
+
+def _write(tmp, w, arch, head, head_ids, precision, output, attention, block_size, reduce_range, step, force_rtn):
+    store = "fp32" if precision in ("int8", "int4") else precision        # as whole_model stores weights
+    quantize = _Quantizer(precision, block_size, reduce_range, force_rtn)
+    data = _DataFile(tmp / "model.onnx.data")
+    nodes, inits, inputs, outputs, domains, seen = [], [], [], [], set(), set()
+
+    def add(b: Builder) -> None:
+        piece = quantize(_piece(b))
+        data.spill(piece.graph.initializer)
+        # a fresh message of what is left: protobuf frees a message's memory (the weights this piece read, and
+        # the quantizer's copies) only with the whole message, which any node kept from it would keep alive
+        piece = onnx.ModelProto.FromString(piece.SerializeToString())
+        nodes.extend(piece.graph.node)
+        for t in piece.graph.initializer:          # constants a rewrite adds to every piece are kept once
+            if t.name not in seen:
+                seen.add(t.name)
+                inits.append(t)
+        inputs.extend(b.inputs)
+        outputs.extend(b.outputs)
+        domains.update(o.domain for o in piece.opset_import if o.domain)
+    try:
+        b = Builder(attention)                     # inputs, rope tables and the embedding
+        graph._common_inputs(b, arch, with_ids=True)
+        _embedding(b, data, w, arch, precision)
+        add(b)
+        step("embedding")
+        x = "h0"
+        for i in range(arch.layers):
+            b = Builder(attention)
+            (pk, pv), (ok, ov) = past_names(i), present_names(i)
+            graph._kv_io(b, arch, i, (pk, pv), (ok, ov))
+            x = graph.decoder_layer(b, arch, i, x, layer_weights(w, arch, i), store, False, pk, pv, ok, ov)
+            add(b)
+            step(f"layer {i + 1}/{arch.layers}")
+        b = Builder(attention)
+        g = head_weights(w, arch, head, head_ids, "int8" if precision == "int8" else "fp32", reduce_range)
+        lm_head = graph.head_weight(b, g["lm_head"], store)
+        del g["lm_head"]
+        graph._head(b, arch, x, b.init("norm.weight", g["norm"]), lm_head, output, store, head_ids)
+        add(b)
+        step("head")
+    finally:
+        data.close()
+    model = oh.make_model(oh.make_graph(nodes, "specbeam_whole", inputs, outputs, inits),
+                          opset_imports=[oh.make_opsetid("", graph.OPSET)]
+                          + [oh.make_opsetid(d, 1) for d in sorted(domains)], ir_version=10)
+    model.producer_name = "specbeam-edge export"
+    onnx.save_model(model, str(tmp / "model.onnx"))
+    return quantize.entry
