@@ -53,10 +53,9 @@ class PromptText(str):
 class Tokenizer:
     def __init__(self, folder: str | Path):
         folder = Path(folder)
+        tokens = inside(folder, "tokenizer.json")
         try:
-            self._tok = _HFTokenizer.from_file(str(inside(folder, "tokenizer.json")))
-        except ModelFolderError:
-            raise
+            self._tok = _HFTokenizer.from_file(str(tokens))
         except Exception as e:
             raise ModelFolderError(f"{folder}/tokenizer.json: cannot be read ({e})") from None
         self.config = _read_json(inside(folder, "tokenizer_config.json"))
