@@ -34,7 +34,7 @@ from onnx import TensorProto
 from onnx import helper as oh
 from onnx import numpy_helper as onh
 
-from specbeam_edge.contract import AHEAD_FORM as FORM, AHEAD_INPUT, AHEAD_OUTPUTS
+from specbeam_edge.contract import AHEAD_FORM as FORM, AHEAD_INPUT, AHEAD_OUTPUTS, file_sha256
 
 FINAL_HIDDEN = "final_h"
 WEIGHTS = ("w1", "b1", "w2", "b2", "norm")
@@ -218,6 +218,8 @@ def attach(folder: str | Path, weights: dict[str, np.ndarray], token_ids, *, gue
     cfg_tmp = cfg_path.with_name(cfg_path.name + ".tmp")
     try:                # a full disk or an interruption leaves the graph and config as they were, no .tmp files
         onnx.save(model, str(tmp))
+        if "sha256" in cfg["files"]:        # the runtime checks the graph against it: the new graph's
+            cfg["files"]["sha256"] = {cfg["files"]["model"]: file_sha256(tmp)}
         cfg_tmp.write_text(json.dumps(cfg, indent=1), encoding="utf-8")
         tmp.replace(path)
         cfg_tmp.replace(cfg_path)

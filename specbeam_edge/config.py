@@ -146,6 +146,7 @@ class ModelConfig:
             raise ModelFolderError(f"{path}: missing key files.{e.args[0]}; re-export the model") from None
         for name in needed + [f"{n}.data" for n in needed if (folder / f"{n}.data").exists()]:
             inside(folder, name, keys.get(name), path)
+        _check_graph_sums(cfg.files.get("sha256"), folder, path)
         missing = [n for n in needed if not (folder / n).is_file()]
         if missing:
             raise ModelFolderError(f"{folder}: missing file(s) {few(missing)}")
@@ -279,6 +280,23 @@ def _check_embed_table(cfg: "ModelConfig", path: Path) -> None:
         if got != size:
             raise ModelFolderError(f"{cfg.folder / name}: {got} bytes, the embedding table needs {size} (truncated "
                                    f"or replaced after export); restore it or re-export the model")
+
+
+def _check_graph_sums(sums, folder: Path, path: Path) -> None:
+    """files.sha256 (optional; exports before it lack it): {file in the folder: hex SHA-256} of a whole graph
+    and its tensors' file, checked on load (integrity.py)."""
+    if sums is None:
+        return
+    if not isinstance(sums, dict) or not all(isinstance(n, str) and _is_digest(h) for n, h in sums.items()):
+        raise ModelFolderError(f"{path}: files.sha256 must map file names to hex SHA-256 digests; re-export the "
+                               f"model")
+    for name in sums:
+        if not inside(folder, name, "files.sha256 entry", path).is_file():
+            raise ModelFolderError(f"{folder}: missing file {short(name, 200)} (files.sha256 names it)")
+
+
+def _is_digest(h) -> bool:
+    return isinstance(h, str) and len(h) == 64 and all(c in "0123456789abcdef" for c in h)
 
 
 def _check_checksums(sums, num_layers: int, path: Path) -> None:

@@ -130,6 +130,13 @@ def write_json_object(path: Path, data: dict) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def graph_sha256(folder: Path, graph: str) -> dict[str, str]:
+    """`files.sha256` of a whole-layout graph: {file name: SHA-256} of the graph and of its tensors' file
+    (`<graph>.data`, written beside it past protobuf's 2 GB)."""
+    names = [graph] + ([f"{graph}.data"] if (Path(folder) / f"{graph}.data").is_file() else [])
+    return {name: file_sha256(Path(folder) / name) for name in names}
+
+
 def file_sha256(path: Path) -> str:
     """SHA-256 of a file, read in 1 MiB blocks (tokenizer.json as exported; a fetched GGUF; a model's files)."""
     h = hashlib.sha256()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import os
 import platform
 import zlib
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from .cachefile import cache_dir, store_entry  # noqa: F401 (cache_dir: read by callers here)
 from .model import host
 
 # largest |tree row - the row alone| over the largest |logit| (measure): fp32 and per-row int8 graphs measure 0 on
@@ -134,16 +134,6 @@ def measure(model, rows: int | None = None) -> float:
     return worst
 
 
-def cache_dir() -> Path:
-    """SPECBEAM_CACHE_DIR, else the per-user cache folder (platformdirs)."""
-    env = os.environ.get("SPECBEAM_CACHE_DIR")
-    if env:
-        return Path(env)
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("specbeam-edge"))
-
-
 def _cpu() -> str:
     """The CPU's model and instruction-set flags (the kernels onnxruntime picks depend on them)."""
     try:
@@ -192,7 +182,7 @@ def check(model, *, use_cache: bool = True, rows: int | None = None) -> Invarian
             return Invariance(float(hit), float(hit) <= TOLERANCE, cached=True)
     diff = measure(model, rows)
     if use_cache:
-        _store(path, key, diff)
+        store_entry(path, key, diff)
     return Invariance(diff, diff <= TOLERANCE)
 
 
@@ -203,26 +193,6 @@ def row_floor(model, *, use_cache: bool = True) -> int:
     difference the random tree shows may be a quantization step on real text (DESIGN "Quantized targets"
     point 2). Cached as check() is, so a model file pays for it once per machine."""
     return 1 if check(model, use_cache=use_cache, rows=1).max_diff == 0.0 else model.min_rows
-
-
-def _store(path: Path, key: str, diff: float) -> None:
-    """Add one entry to the cache file (under a file lock; a cache that cannot be written is only slower)."""
-    from filelock import FileLock, Timeout
-
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(path) + ".lock", timeout=5):
-            try:
-                entries = json.loads(path.read_text())
-                entries = entries if isinstance(entries, dict) else {}
-            except (OSError, ValueError):
-                entries = {}
-            entries[key] = diff
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(entries, indent=1))
-            os.replace(tmp, path)
-    except (OSError, Timeout):
-        pass
 
 
 # precisions whose int8 activations amplify fp32 attention's layout-dependent rounding: exact only with the

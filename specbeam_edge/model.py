@@ -13,6 +13,7 @@ from .config import ModelConfig, ModelFolderError, few
 from .contract import (CONFIG_FILE, HIDDEN, KEY_POSITIONS, LAYER_HIDDEN_OUT, LAYER_PAST, LAYER_PRESENT, LOGITS,
                        TOKEN_INPUTS, TOPK_INPUT, TOPK_OUTPUTS, AHEAD_INPUT, AHEAD_OUTPUTS, head_io, past_names,
                        present_names)
+from .integrity import verify
 from .offload import LayerStore, TableRows, layer_nbytes, plan
 from .providers import CUDA, ProviderError, cuda_session, default_providers, wants_cuda
 
@@ -183,6 +184,7 @@ class OnnxCausalLM:
         """The whole layout: one graph for every layer and the head."""
         cfg = self.cfg
         self.arena = self.arena is not False          # nothing streams: the arena unless the caller says no
+        verify(self.folder, cfg.files.get("sha256"))      # a damaged graph fails by name, not as wrong text
         self.sess = _session(self.folder / cfg.files["model"], threads, providers, spin, self.arena)
         self._name_layers(_graph_layers(self.sess, cfg, self.folder))
         self.needs_key_positions = _declares(self.sess, KEY_POSITIONS)

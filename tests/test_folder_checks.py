@@ -1,6 +1,7 @@
 """A damaged or hostile model folder config ends in one short line naming the key and the fix: never a traceback,
 a file read from outside the folder, seconds of work or a megabyte of message (audit 4)."""
 import json
+import os
 import shutil
 import time
 
@@ -126,3 +127,49 @@ def test_links_within_the_folder_and_a_linked_folder_still_load(exported, tmp_pa
     (tmp_path / "linked").symlink_to(folder, target_is_directory=True)
     assert Tokenizer(tmp_path / "linked").apply_chat_template([{"role": "user", "content": "hi"}]) == "hi"
     OnnxCausalLM(tmp_path / "linked")
+
+
+# -- whole-layout integrity: the graph's SHA-256 recorded at export, checked on load -------------------------------
+def flip_byte(path, at: int = 1000):
+    data = bytearray(path.read_bytes())
+    data[min(at, len(data) - 1)] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def test_a_whole_graph_with_a_damaged_byte_is_refused_by_name(exported, tmp_path):
+    """Before: only split folders carried SHA-256s; a whole graph's damaged weights ran and wrote other text."""
+    from specbeam_edge.generate import Engine
+
+    folder = copy(exported, tmp_path, "whole")
+    sums = json.loads((folder / "specbeam_config.json").read_text())["files"]["sha256"]
+    assert "model.onnx" in sums
+    Engine(folder).generate("hello", max_new_tokens=2)            # verified, and remembered
+    damaged = folder / sorted(sums)[-1]                            # the tensors' file where there is one
+    flip_byte(damaged, damaged.stat().st_size // 2)
+    message = refusal(folder)
+    assert message.startswith(f"{damaged}: SHA-256 ") and message.endswith(
+        "recorded at export (the file was damaged or replaced); restore it or re-export the model")
+
+
+def test_a_whole_graph_is_hashed_once_per_file_version(exported, tmp_path, monkeypatch):
+    from specbeam_edge import integrity
+
+    folder = copy(exported, tmp_path, "whole")
+    hashed = []
+    real = integrity.file_sha256
+    monkeypatch.setattr(integrity, "file_sha256", lambda p: hashed.append(p.name) or real(p))
+    OnnxCausalLM(folder)
+    first = len(hashed)
+    OnnxCausalLM(folder)
+    assert first >= 1 and len(hashed) == first                     # the second load costs a stat
+    os.utime(folder / "model.onnx")                                # rewritten (same bytes): hashed again
+    OnnxCausalLM(folder)
+    assert hashed[first:] == ["model.onnx"]
+
+
+def test_whole_folders_exported_before_the_field_still_load(exported, tmp_path):
+    folder = copy(exported, tmp_path, "whole")
+    edit(folder, lambda c: c["files"].pop("sha256"))
+    OnnxCausalLM(folder)
+    edit(folder, lambda c: c["files"].update(sha256={"model.onnx": "00"}))
+    assert refusal(folder).endswith("files.sha256 must map file names to hex SHA-256 digests; re-export the model")

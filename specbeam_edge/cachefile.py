@@ -1,0 +1,37 @@
+"""The per-machine cache folder and its JSON files: the invariance measurements (invariance.py) and the model
+files already verified against their SHA-256 (integrity.py). Losing it costs time, never correctness."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """SPECBEAM_CACHE_DIR, else the per-user cache folder (platformdirs)."""
+    env = os.environ.get("SPECBEAM_CACHE_DIR")
+    if env:
+        return Path(env)
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("specbeam-edge"))
+
+
+def store_entry(path: Path, key: str, value) -> None:
+    """Add one entry to a JSON cache file (under a file lock; a cache that cannot be written is only slower)."""
+    from filelock import FileLock, Timeout
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(path) + ".lock", timeout=5):
+            try:
+                entries = json.loads(path.read_text())
+                entries = entries if isinstance(entries, dict) else {}
+            except (OSError, ValueError):
+                entries = {}
+            entries[key] = value
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(entries, indent=1))
+            os.replace(tmp, path)
+    except (OSError, Timeout):
+        pass
