@@ -541,14 +541,21 @@ def draft_source(shipped: Path, target: Path, out: Path) -> None:
     cfg = json.loads((target / "specbeam_config.json").read_text())
     graph = target / (cfg.get("files", {}).get("model") or cfg.get("files", {}).get("embed") or "model.onnx")
     model = onnx.load(str(graph), load_external_data=False)
-    [emb] = [t for t in model.graph.initializer if t.name == "embed.weight"] or [None]
-    if emb is None:
-        raise FetchError(f"{graph} has no embed.weight table to build the draft from; run `specbeam fetch "
+    tables = {t.name: t for t in model.graph.initializer
+              if t.name in ("embed.weight", "embed.weight.i8", "embed.weight.blockscale")}
+    read = lambda name: numpy_helper.to_array(tables[name], str(graph.parent))
+    if "embed.weight" in tables:
+        table = read("embed.weight").astype(np.float32)
+    elif {"embed.weight.i8", "embed.weight.blockscale"} <= tables.keys():    # int8: the values the target uses
+        q, s = read("embed.weight.i8"), read("embed.weight.blockscale")
+        table = (q.astype(np.float32).reshape(*s.shape, -1) * s[..., None]).reshape(q.shape)
+    else:
+        raise FetchError(f"{graph} has no embedding table to build the draft from; run `specbeam fetch "
                          f"--force` to export the target again")
     out.mkdir(parents=True)
     weights = {k: (v.astype(np.float32) if v.dtype == np.float16 else v)
                for k, v in load_file(str(shipped / "draft.safetensors")).items()}
-    weights["model.embed_tokens.weight"] = numpy_helper.to_array(emb, str(graph.parent)).astype(np.float32)
+    weights["model.embed_tokens.weight"] = table
     save_file(weights, str(out / "model.safetensors"))
     shutil.copy(shipped / "config.json", out / "config.json")
     for name in DRAFT_COPIES:

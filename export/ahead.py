@@ -36,6 +36,8 @@ from onnx import numpy_helper as onh
 
 from specbeam_edge.contract import AHEAD_FORM as FORM, AHEAD_INPUT, AHEAD_OUTPUTS, file_sha256
 
+from .graph import dequantize_embed
+
 FINAL_HIDDEN = "final_h"
 WEIGHTS = ("w1", "b1", "w2", "b2", "norm")
 
@@ -48,6 +50,25 @@ def _embedding_table(g: onnx.GraphProto) -> str:
             return n.input[0]
     raise ValueError("no token embedding (a Gather of input_ids) in the graph: a whole-layout decoder-only "
                      "export is needed")
+
+
+# the int8 embedding's scales and shapes (export/graph._int8_rows_embedding), read from the enclosing graph
+INT8_TABLE = ("embed.weight.blockscale", "embed.blocks", "embed.last_axis", "embed.flat")
+
+
+def _lookup(emb: str, tok: str, q: str) -> list:
+    """Nodes giving q + "e": the embedding rows of `tok`, as the target computes them (an int8 table's codes times
+    their block scales, fp32 otherwise)."""
+    if emb != "embed.weight.i8":
+        return [oh.make_node("Gather", [emb, tok], [q + "e"], axis=0)]
+    scale, blocks, last, flat = INT8_TABLE
+    return [oh.make_node("Gather", [emb, tok], [q + "e.i8"], axis=0),
+            oh.make_node("Cast", [q + "e.i8"], [q + "e.f"], to=TensorProto.FLOAT),
+            oh.make_node("Reshape", [q + "e.f", blocks], [q + "e.b"]),
+            oh.make_node("Gather", [scale, tok], [q + "e.s"], axis=0),
+            oh.make_node("Unsqueeze", [q + "e.s", last], [q + "e.s1"]),
+            oh.make_node("Mul", [q + "e.b", q + "e.s1"], [q + "e.m"]),
+            oh.make_node("Reshape", [q + "e.m", flat], [q + "e"])]
 
 
 def check_graph(model: onnx.ModelProto) -> None:
@@ -74,10 +95,13 @@ def add_head(model: onnx.ModelProto, weights: dict[str, np.ndarray], token_ids: 
         raise ValueError(f"the head needs guesses >= 1 and depth >= 1, got {guesses} and {depth}")
     g = model.graph
     emb = _embedding_table(g)
-    table = {t.name: t for t in g.initializer}.get(emb)
+    inits = {t.name: t for t in g.initializer}
+    table = inits.get(emb)
     if table is None:
         raise ValueError(f"the embedding {emb} is not an initializer; export with -p fp32 or int8")
     E = onh.to_array(table).astype(np.float32)
+    if emb == "embed.weight.i8" and "embed.weight.blockscale" in inits:    # int8 codes: the values they stand for
+        E = dequantize_embed(E, onh.to_array(inits["embed.weight.blockscale"]))
     token_ids = np.asarray(token_ids, np.int64)
     if token_ids.ndim != 1 or len(token_ids) < guesses or token_ids.min() < 0 or token_ids.max() >= E.shape[0]:
         raise ValueError(f"the head's token ids must be {guesses} or more ids of the vocabulary (0-{E.shape[0] - 1})")
@@ -101,8 +125,7 @@ def add_head(model: onnx.ModelProto, weights: dict[str, np.ndarray], token_ids: 
         q = f"{p}l{level}."
         tok = p + "next" if level == 1 else f"{p}l{level - 1}.tok"
         k = p + "m" if level == 1 else p + "one"
-        nodes += [
-            oh.make_node("Gather", [emb, tok], [q + "e"], axis=0),                    # [B, n, H]
+        nodes += _lookup(emb, tok, q) + [                                                # [B, n, H]
             oh.make_node("Concat", [h, q + "e"], [q + "z"], axis=-1),
             oh.make_node("MatMul", [q + "z", p + "w1"], [q + "u0"]),
             oh.make_node("Add", [q + "u0", p + "b1"], [q + "u1"]),
@@ -125,7 +148,7 @@ def add_head(model: onnx.ModelProto, weights: dict[str, np.ndarray], token_ids: 
     nodes += [oh.make_node("Concat", lps, [p + "out_lp"], axis=-1),
               oh.make_node("Concat", ids, [p + "out_ids"], axis=-1)]
     if int8:
-        nodes, inits = _rowwise(nodes, inits, [FINAL_HIDDEN, "topk_ids", emb], reduce_range)
+        nodes, inits = _rowwise(nodes, inits, [FINAL_HIDDEN, "topk_ids", emb, *INT8_TABLE], reduce_range)
         have = {t.name for t in g.initializer}
         inits = [t for t in inits if t.name not in have]     # quant.py's shared constants, already in an int8 graph
     for i, n in enumerate(nodes):
@@ -223,6 +246,9 @@ def attach(folder: str | Path, weights: dict[str, np.ndarray], token_ids, *, gue
         cfg_tmp.write_text(json.dumps(cfg, indent=1), encoding="utf-8")
         tmp.replace(path)
         cfg_tmp.replace(cfg_path)
+        # the graph was read whole and written whole (a lookahead head is for small targets): the tensor file
+        # beside it (export/whole.py) is no longer read
+        path.with_name(path.name + ".data").unlink(missing_ok=True)
     finally:
         for t in (tmp, cfg_tmp):
             t.unlink(missing_ok=True)

@@ -422,19 +422,43 @@ def head_weight(b: Builder, lm_head, precision: str) -> str:
                   ["lm_head.weight"], axis=1)
 
 
-def _int8_rows_embedding(b: Builder, table: np.ndarray | None) -> str:
-    """The embedding as int8 rows with one fp32 scale a row (symmetric, 127 steps), looked up and scaled per
-    token: the split layout's int8 table (export/split.py) computes the same fp32 products from its file.
-    table None: the caller adds the initializers embed.weight.i8 and embed.weight.rowscale itself."""
+def embed_block(hidden: int) -> int:
+    """The int8 embedding's block: 32 values a scale (as llama.cpp's Q8_0) where the width allows, else a row."""
+    return 32 if hidden % 32 == 0 else hidden
+
+
+def quantize_embed_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Table rows [n, H] as int8 codes [n, H] and one fp32 scale per block of embed_block(H) values [n, H / block]
+    (symmetric, 127 steps); a row's value is code x its block's scale, in fp32. Blocks of 32 keep an outlier
+    from coarsening its whole row: random-weight Gemma 3's logits moved 8.3% of the largest with a scale a row."""
+    n, H = rows.shape
+    blk = rows.reshape(n, H // embed_block(H), embed_block(H))
+    scale = (np.maximum(np.abs(blk).max(axis=-1), 1e-8) / 127.0).astype(np.float32)
+    q = np.clip(np.rint(blk / scale[..., None]), -127, 127).astype(np.int8)
+    return q.reshape(n, H), scale
+
+
+def dequantize_embed(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """The fp32 table that codes [n, H] and block scales [n, H / block] stand for (quantize_embed_rows)."""
+    return (q.astype(np.float32).reshape(*scale.shape, -1) * scale[..., None]).reshape(q.shape)
+
+
+def _int8_rows_embedding(b: Builder, table: np.ndarray | None, hidden: int) -> str:
+    """The embedding as int8 codes with a scale a block (quantize_embed_rows), looked up and scaled per token: the
+    split layout's int8 table (export/split.py, offload.TableRows) computes the same fp32 products from its file.
+    table None: the caller adds the initializers embed.weight.i8 and embed.weight.blockscale itself."""
     if table is not None:
-        q, s = quantize_int8(table.T)
-        b.init("embed.weight.i8", q.T)
-        b.init("embed.weight.rowscale", s)
+        q, s = quantize_embed_rows(table)
+        b.init("embed.weight.i8", q)
+        b.init("embed.weight.blockscale", s)
+    blocks = b.init("embed.blocks", np.array([0, 0, hidden // embed_block(hidden), embed_block(hidden)], np.int64))
     rows = b.node("Cast", [b.node("Gather", ["embed.weight.i8", "input_ids"], ["h0.i8"], axis=0)],
                   ["h0.codes"], to=F32)
-    scale = b.node("Gather", ["embed.weight.rowscale", "input_ids"], ["h0.scale"], axis=0)
+    rows = b.node("Reshape", [rows, blocks], ["h0.blocks"])
+    scale = b.node("Gather", ["embed.weight.blockscale", "input_ids"], ["h0.scale"], axis=0)
     scale = b.node("Unsqueeze", [scale, b.init("embed.last_axis", np.array([-1], np.int64))], ["h0.scale1"])
-    return b.node("Mul", [rows, scale], ["h0"])
+    flat = b.init("embed.flat", np.array([0, 0, hidden], np.int64))
+    return b.node("Reshape", [b.node("Mul", [rows, scale], ["h0.scaled"]), flat], ["h0"])
 
 
 def whole_model(arch: Arch, g: dict, layers: list[dict], precision: str, output: str,
@@ -445,7 +469,7 @@ def whole_model(arch: Arch, g: dict, layers: list[dict], precision: str, output:
     b = Builder(attention)
     _common_inputs(b, arch, with_ids=True)
     if int8_embedding:
-        x = _int8_rows_embedding(b, g["embed"])
+        x = _int8_rows_embedding(b, g["embed"], arch.hidden)
         norm = b.init("norm.weight", g["norm"])
         head = stored_weight(b, "lm_head.weight", g["lm_head"], precision, axis=1)
     else:

@@ -44,8 +44,8 @@ def chunks(n: int):
 
 def write_embed_table(folder: Path, w, arch: Arch, precision: str) -> dict:
     """weights/embed.bin: the embedding table row-major, read a few rows a pass by the runtime (offload.TableRows).
-    int8: each row as int8 codes with one fp32 scale per row in weights/embed_scale.bin (symmetric, 127 steps;
-    a quarter of fp32's bytes); fp16: half floats (the whole graph's fp16 storage casts them to fp32 the same
+    int8: int8 codes with one fp32 scale per block of 32 values of a row in weights/embed_scale.bin
+    (graph.quantize_embed_rows; 28% of fp32's bytes); fp16: half floats (the whole graph's fp16 storage casts them to fp32 the same
     way); int8w: the fp32 values its Cast and Mul give; fp32: the fp32 values the graph's Gather gave."""
     path = folder / "weights" / "embed.bin"
     dtype = {"int8": np.int8, "fp16": np.float16}.get(precision, np.float32)
@@ -53,10 +53,12 @@ def write_embed_table(folder: Path, w, arch: Arch, precision: str) -> dict:
     with open(path, "wb") as f:
         for start, stop in chunks(arch.vocab_size):
             rows = embed_rows(w, arch, start, stop)
-            if precision in ("int8", "int8w"):
-                q, s = graph.quantize_int8(rows.T)           # per row of the table: symmetric, 127 steps
-                rows = q.T if precision == "int8" else q.T.astype(np.float32) * s[:, None]
+            if precision == "int8":
+                rows, s = graph.quantize_embed_rows(rows)
                 scales.append(s)
+            elif precision == "int8w":
+                q, s = graph.quantize_int8(rows.T)           # per row of the table: symmetric, 127 steps
+                rows = q.T.astype(np.float32) * s[:, None]
             data = np.ascontiguousarray(rows, dtype=dtype)
             digest.update(memoryview(data.reshape(-1).view(np.uint8)))
             f.write(memoryview(data.reshape(-1).view(np.uint8)))
@@ -65,7 +67,7 @@ def write_embed_table(folder: Path, w, arch: Arch, precision: str) -> dict:
     if precision == "int8":
         scale = np.concatenate(scales).astype(np.float32)
         (folder / "weights" / "embed_scale.bin").write_bytes(scale.tobytes())
-        entry["scale_file"] = "weights/embed_scale.bin"
+        entry.update(scale_file="weights/embed_scale.bin", block=graph.embed_block(arch.hidden))
     return entry
 
 

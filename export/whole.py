@@ -108,9 +108,8 @@ class _Quantizer:
         if not any(n.op_type == "MatMul" for n in piece.graph.node):
             return piece
         if self.precision == "int8":
-            self.entry = rowwise_int8(piece, reduce_range=self.reduce_range) | {
-                "matmuls": (self.entry or {}).get("matmuls", 0) + sum(n.op_type == "MatMulInteger"
-                                                                      for n in piece.graph.node)}
+            q = rowwise_int8(piece, reduce_range=self.reduce_range)
+            self.entry = {**q, "matmuls": (self.entry or {}).get("matmuls", 0) + q["matmuls"]}
         elif self.precision == "int4":
             return self._int4(piece)
         return piece
@@ -137,7 +136,19 @@ def _embedding(b: Builder, data: _DataFile, w, arch: Arch, precision: str) -> No
     it: int8 rows and a scale a row (int8), int8 codes times a scale a row (int8w), half or single floats."""
     V, H = arch.vocab_size, arch.hidden
     chunks = lambda: (embed_rows(w, arch, a, z) for a, z in split.chunks(V))
-    if precision in ("int8", "int8w"):
+    if precision == "int8":
+        scales = []
+
+        def blocks():
+            for rows in chunks():
+                q, s = graph.quantize_embed_rows(rows)
+                scales.append(s)
+                yield q
+        b.inits.append(data.table("embed.weight.i8", np.int8, (V, H), blocks()))
+        b.init("embed.weight.blockscale", np.concatenate(scales))
+        graph._int8_rows_embedding(b, None, H)
+        return
+    if precision == "int8w":
         scales = []
 
         def codes():
@@ -145,11 +156,6 @@ def _embedding(b: Builder, data: _DataFile, w, arch: Arch, precision: str) -> No
                 q, s = graph.quantize_int8(rows.T)          # per row: symmetric, 127 steps
                 scales.append(s)
                 yield q.T
-        if precision == "int8":
-            b.inits.append(data.table("embed.weight.i8", np.int8, (V, H), codes()))
-            b.init("embed.weight.rowscale", np.concatenate(scales))
-            graph._int8_rows_embedding(b, None)
-            return
         b.inits.append(data.table("embed.weight.i8", np.int8, (V, H), codes()))     # graph.stored_weight's form
         b.init("embed.weight.scale", np.concatenate(scales)[:, None])
         emb = b.node("Mul", [b.node("Cast", ["embed.weight.i8"], ["embed.weight.i8f"], to=graph.F32),

@@ -262,19 +262,21 @@ def _check_manifest(manifest, path: Path) -> None:
 
 def _check_embed_table(cfg: "ModelConfig", path: Path) -> None:
     """files.embed_table: {file, dtype (float32 | float16 | int8), shape [vocab_size, hidden_size]} (int8: and
-    scale_file, one float32 per row), and files of exactly that many bytes (a truncated or replaced table fails
+    scale_file, one float32 per `block` values of a row), and files of exactly that many bytes (a truncated or replaced table fails
     here, by name, not as wrong text)."""
     t = cfg.files["embed_table"]
     sizes = {"float32": 4, "float16": 2, "int8": 1}
     ok = (isinstance(t, dict) and t.get("dtype") in sizes and isinstance(t.get("file"), str)
           and t.get("shape") == [cfg.vocab_size, cfg.hidden_size]
-          and (t["dtype"] != "int8" or isinstance(t.get("scale_file"), str)))
+          and (t["dtype"] != "int8" or (isinstance(t.get("scale_file"), str) and type(t.get("block")) is int
+                                        and t["block"] > 0 and cfg.hidden_size % t["block"] == 0)))
     if not ok:
         raise ModelFolderError(f"{path}: files.embed_table must be {{file, dtype float32|float16|int8 (int8 with a "
-                               f"scale_file), shape [{cfg.vocab_size}, {cfg.hidden_size}]}}; re-export the model")
+                               f"scale_file and a block dividing {cfg.hidden_size}), shape [{cfg.vocab_size}, "
+                               f"{cfg.hidden_size}]}}; re-export the model")
     want = {t["file"]: cfg.vocab_size * cfg.hidden_size * sizes[t["dtype"]]}
     if t["dtype"] == "int8":
-        want[t["scale_file"]] = cfg.vocab_size * 4
+        want[t["scale_file"]] = cfg.vocab_size * cfg.hidden_size // t["block"] * 4
     for name, size in want.items():
         got = (cfg.folder / name).stat().st_size
         if got != size:

@@ -220,7 +220,8 @@ class OnnxCausalLM:
                                                  self.arena)
         self.embed_table = None if not table else TableRows(
             self.folder / table["file"], table["dtype"], tuple(table["shape"]),
-            np.fromfile(self.folder / table["scale_file"], np.float32) if "scale_file" in table else None)
+            np.fromfile(self.folder / table["scale_file"], np.float32).reshape(cfg.vocab_size, -1)
+            if "scale_file" in table else None)
         self.layer = _session(self.folder / cfg.files["layer"], threads, providers, spin, self.arena)
         self.head = _session(self.folder / cfg.files["head"], threads, providers, spin, self.arena)
         if self.embed is not None:

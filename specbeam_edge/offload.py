@@ -242,7 +242,8 @@ class TableRows:
     still keeps recent rows, as it keeps any file."""
 
     def __init__(self, path: Path, dtype: str, shape: tuple[int, int], scales: np.ndarray | None = None):
-        """scales: for an int8 table, one fp32 scale per row (a row is codes x its scale, in fp32)."""
+        """scales: for an int8 table, fp32 [rows, blocks]: one scale per block of a row's values (a value is its
+        code x its block's scale, in fp32)."""
         self.path, self.dtype, self.shape = Path(path), np.dtype(dtype), tuple(shape)
         self.row_bytes = self.shape[1] * self.dtype.itemsize
         self.scales = scales
@@ -260,7 +261,8 @@ class TableRows:
                     raise ModelFolderError(f"{self.path}: short read at row {i} (the table was truncated after "
                                            f"loading); restore it or re-export the model")
         if self.scales is not None:
-            rows = rows.astype(np.float32) * self.scales[uniq][:, None]
+            s = self.scales[uniq]
+            rows = (rows.astype(np.float32).reshape(len(uniq), s.shape[1], -1) * s[:, :, None]).reshape(rows.shape)
         return rows[inverse].reshape(ids.shape + (self.shape[1],))
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from export import ahead
 from specbeam_edge import Engine, SpeculativeConfig
+from export.graph import dequantize_embed
 from specbeam_edge.model import OnnxCausalLM
 from specbeam_edge.search import ExactSearch
 from helpers import assert_same_hypotheses
@@ -173,7 +174,8 @@ def test_an_int8_targets_head_runs_in_int8_and_leaves_the_target_as_it_was(expor
     for (kn, vn), (k, v) in zip(b.past_names, past):
         feed[kn], feed[vn] = k, v
     top, gid, h = sess.run(["topk_ids", "ahead_ids", "final_h"], feed)
-    E = next(onnx.numpy_helper.to_array(t) for t in model.graph.initializer if t.name == "embed.weight")
+    table = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer if t.name.startswith("embed.")}
+    E = dequantize_embed(table["embed.weight.i8"], table["embed.weight.blockscale"])    # the int8 table's values
     _, ref_ids = ahead.reference(h, top[..., 0], E, weights, tokens, GUESSES, ahead._rms_eps(model), depth=DEPTH)
     assert (gid[..., 0] == ref_ids[..., 0]).mean() >= 0.75
 

@@ -626,3 +626,30 @@ def test_fetch_writes_the_measured_tree_into_the_config(data, monkeypatch, capsy
     assert "draft tree" in capsys.readouterr().err
     assert json.loads((dst / "specbeam_config.json").read_text())["speculative"] == dict(tree)
     assert data["export"] == 1
+
+
+def test_the_draft_takes_an_int8_targets_table_as_the_target_computes_it(tmp_path):
+    """An int8 target stores its embedding as int8 codes and a scale a block (export graph._int8_rows_embedding):
+    the draft built beside it gets codes x scale, the values the target's own lookup gives."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+    from safetensors.numpy import load_file, save_file
+
+    q = np.array([[1, -2, 3, 4], [127, 0, 1, 1], [-5, 9, 0, 2]], np.int8)
+    s = np.array([[0.5, 1.5], [0.25, 1], [2.0, 3]], np.float32)          # a scale per block of 2
+    target, shipped = tmp_path / "target", tmp_path / "shipped"
+    target.mkdir()
+    shipped.mkdir()
+    g = helper.make_graph([helper.make_node("Gather", ["embed.weight.i8", "ids"], ["h"], axis=0)], "t",
+                          [helper.make_tensor_value_info("ids", TensorProto.INT64, [None])],
+                          [helper.make_tensor_value_info("h", TensorProto.INT8, None)],
+                          [numpy_helper.from_array(q, "embed.weight.i8"),
+                           numpy_helper.from_array(s, "embed.weight.blockscale")])
+    onnx.save_model(helper.make_model(g), str(target / "model.onnx"))
+    (target / "specbeam_config.json").write_text(json.dumps({"files": {"model": "model.onnx"}}))
+    save_file({"lm_head.weight": np.ones((3, 4), np.float16)}, str(shipped / "draft.safetensors"))
+    (shipped / "config.json").write_text("{}")
+    pipeline.draft_source(shipped, target, tmp_path / "out")
+    table = load_file(str(tmp_path / "out" / "model.safetensors"))["model.embed_tokens.weight"]
+    np.testing.assert_array_equal(table, q.astype(np.float32) * np.repeat(s, 2, axis=1))
