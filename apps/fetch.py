@@ -199,9 +199,14 @@ def add_resident_graph(dst: Path, log) -> None:
     log(f"added the resident-layer graph to {dst} (its layers run faster in memory)")
 
 
-def _disk_check(where: Path, src: Source, have_gguf: bool) -> None:
+def _disk_check(where: Path, src: Source, have_gguf: bool, log=lambda msg: None) -> None:
+    """Refuses a fetch the disk cannot hold, and says what it will use before it starts."""
     need = src.need_mb - (2 * src.download_mb if have_gguf else 0)
     free = shutil.disk_usage(where).free // 2**20
+    download = "" if have_gguf else f"{src.download_mb} MB downloaded and kept in {sources_dir()}, "
+    folder = f"a {src.folder_mb} MB model folder" if src.folder_mb else "the model folder"
+    log(f"{src.name} uses about {need} MB of disk in {where} while it is fetched ({download}{folder}); "
+        f"{free} MB free")
     if free < need:
         raise FetchError(f"not enough disk space in {where}: {free} MB free, fetching {src.name} needs about "
                          f"{need} MB; free some space (or set {ENV} to a folder on another disk) and run "
@@ -425,7 +430,7 @@ def _remove_stale_if_idle() -> None:
 
 def _fetch_locked(src: Source, dst: Path, quiet: bool, log, from_file=None) -> Path:
     try:
-        _disk_check(data_dir(), src, (sources_dir() / src.member).is_file() or from_file is not None)
+        _disk_check(data_dir(), src, (sources_dir() / src.member).is_file() or from_file is not None, log)
         gguf = _checked_gguf(src, log, from_file, quiet)
         with tempfile.TemporaryDirectory(prefix=f".{src.folder}.partial-", dir=models_dir()) as tmp:
             staged = Path(tmp) / src.folder
@@ -452,6 +457,10 @@ def _fetch_locked(src: Source, dst: Path, quiet: bool, log, from_file=None) -> P
             raise FetchError(f"the export of {src.member} failed: {e}") from None
         raise
     log(f"{src.name} is ready: {dst}")
+    if gguf.is_file():
+        log(f"its source {gguf.name} ({gguf.stat().st_size >> 20} MB) stays in {gguf.parent} so a later export "
+            f"needs no download; delete it to free the space (`specbeam rm {src.name} --sources` removes it with "
+            f"the model)")
     return dst
 
 

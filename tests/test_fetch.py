@@ -653,3 +653,16 @@ def test_the_draft_takes_an_int8_targets_table_as_the_target_computes_it(tmp_pat
     pipeline.draft_source(shipped, target, tmp_path / "out")
     table = load_file(str(tmp_path / "out" / "model.safetensors"))["model.embed_tokens.weight"]
     np.testing.assert_array_equal(table, q.astype(np.float32) * np.repeat(s, 2, axis=1))
+
+
+def test_fetch_says_the_disk_it_uses_before_it_starts_and_where_the_source_stays(data, monkeypatch):
+    src = fetch.SOURCES["smollm2"]
+    monkeypatch.setitem(fetch.SOURCES, "smollm2", replace(src, folder_mb=321))
+    said = []
+    pipeline.fetch("smollm2", quiet=True, log=said.append)
+    [disk] = [i for i, m in enumerate(said) if "MB of disk" in m]
+    assert disk < min(i for i, m in enumerate(said) if m.startswith("exporting"))
+    assert f"{src.need_mb} MB of disk" in said[disk] and "a 321 MB model folder" in said[disk]
+    assert "MB free" in said[disk] and f"{src.download_mb} MB downloaded" in said[disk]
+    [kept] = [m for m in said if m.startswith("its source")]
+    assert str(fetch.sources_dir()) in kept and "specbeam rm smollm2 --sources" in kept
