@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 
 from . import graph, resident
-from .families import layer_weights
+from .families import LayerTensors
 from .hf import Arch, embed_rows, final_norm
 from .quant import quantize_columns, rowwise_int8
 
@@ -100,23 +100,64 @@ def head_weights(w, arch: Arch, head: str, ids, precision: str, reduce_range: bo
     return {"norm": final_norm(w, arch), "lm_head": lm_head, "head_ids": ids}
 
 
+# the head's tensors written from their arrays to head.onnx.data (int8: codes and scales; fp32: the matrix): in
+# the graph they were copied twice (the message and its serialization), 1.6 GB for a 151,936 x 3,584 int8 head
+HEAD_DATA = {"int8": ("lm_head.weight.q8", "lm_head.weight.q8scale"), "fp32": ("lm_head.weight",)}
+
+
+def write_head(path: Path, arch: Arch, g: dict, precision: str, output: str, reduce_range: bool) -> None:
+    """head.onnx (graph.head_model), its lm_head in head.onnx.data for int8 and fp32: the graph is built around
+    one-column stand-ins, whose tensors are then replaced by references to the real arrays' bytes."""
+    from .resident import _external
+    from .save import _save
+
+    names = HEAD_DATA.get(precision)
+    real = g["lm_head"] if isinstance(g["lm_head"], tuple) else (g["lm_head"],)
+    stand_in = {**g, "lm_head": tuple(a[..., :1] for a in real) if len(real) > 1 else real[0][:, :1]}
+    model = graph.head_model(arch, stand_in if names else g, precision, output)
+    if precision == "int8":
+        rowwise_int8(model, reduce_range=reduce_range)
+    if not names:
+        _save(model, path)
+        return
+    tensors = {t.name: t for t in model.graph.initializer}
+    data, offset = path.with_name(path.name + ".data"), 0
+    with open(data, "wb") as f:
+        for name, a in zip(names, real):
+            t = tensors[name]
+            t.ClearField("raw_data")
+            del t.dims[:]
+            t.dims.extend(a.shape)
+            a = np.ascontiguousarray(a)
+            f.write(b"\0" * ((-offset) % ALIGN))
+            offset += (-offset) % ALIGN
+            f.write(memoryview(a.reshape(-1).view(np.uint8)))
+            _external(t, data.name, offset, a.nbytes)
+            offset += a.nbytes
+    onnx.save_model(model, str(path))
+
+
 def write_layers(folder: Path, w, arch: Arch, precision: str, reduce_range: bool, step) -> tuple[list, list, dict]:
     """weights/layer_{i}.bin for every layer, each read, converted and written before the next is read: each
     layer's tensors back to back (64-byte aligned) in the order of graph.layer_weight_names; returns (the shared
     manifest, each file's SHA-256, layer 0's weights as the layer graph's shape sample)."""
-    manifest, sums, sample = None, [], None
+    manifest, sums, sample = None, [], {}
     for i in range(arch.layers):
-        lw = layer_weights(w, arch, i)
+        lw = LayerTensors(w, arch, i)
         entries, off, digest = [], 0, hashlib.sha256()
         with open(folder / "weights" / f"layer_{i}.bin", "wb") as f:
             for name in graph.layer_weight_names(arch):
-                arrays = [(name, lw[name])]
+                t = lw[name]
+                if i == 0:      # the layer graph needs shapes only: views of one zero each, no memory
+                    sample[name] = np.broadcast_to(np.zeros((), t.dtype), t.shape)
+                arrays = [(name, t)]
                 if precision in ("int8", "int8w") and name in graph.MATMULS:
                     # 7 bits only where the CPU sums int8 products (int8 compute); int8w computes in fp32
-                    q, s = quantize_columns(lw[name], reduce_range and precision == "int8")
+                    q, s = lean_quantize_columns(t, reduce_range and precision == "int8")
                     arrays = [(name, q), (name + ".scale", s)]
                 elif precision == "fp16":
-                    arrays = [(name, lw[name].astype(np.float16))]
+                    arrays = [(name, t.astype(np.float16))]
+                del t
                 for n, a in arrays:
                     a = np.ascontiguousarray(a)
                     pad = b"\0" * ((-off) % ALIGN)
@@ -126,12 +167,25 @@ def write_layers(folder: Path, w, arch: Arch, precision: str, reduce_range: bool
                         digest.update(part)
                         f.write(part)
                     off += a.nbytes
+                del arrays
         manifest = entries
         sums.append(digest.hexdigest())
-        if i == 0:       # the layer graph needs shapes only: views of one zero each, no memory
-            sample = {k: np.broadcast_to(np.zeros((), v.dtype), v.shape) for k, v in lw.items()}
         step(f"layer {i + 1}/{arch.layers}")
     return manifest, sums, sample
+
+
+def lean_quantize_columns(w: np.ndarray, reduce_range: bool) -> tuple[np.ndarray, np.ndarray]:
+    """quant.quantize_columns bit for bit, a chunk of rows at a time: its temporaries were 4x the matrix (a 7B
+    FFN matrix is 272 MB in fp32)."""
+    qmax = 64.0 if reduce_range else 127.0
+    peak = np.zeros(w.shape[1], np.float32)
+    for a, z in chunks(w.shape[0]):
+        np.maximum(peak, np.abs(w[a:z]).max(axis=0), out=peak)
+    scale = (np.maximum(peak, 1e-12) / qmax).astype(np.float32)
+    q = np.empty(w.shape, np.int8)
+    for a, z in chunks(w.shape[0]):
+        q[a:z] = np.clip(np.rint(w[a:z] / scale), -qmax, qmax)
+    return q, scale
 
 
 def write_split(tmp: Path, w, arch: Arch, head: str, ids, precision: str, output: str, attention: str,
@@ -144,17 +198,14 @@ def write_split(tmp: Path, w, arch: Arch, head: str, ids, precision: str, output
     manifest, sums, sample = write_layers(tmp, w, arch, precision, reduce_range, step)
     layer = graph.layer_model(arch, sample, precision, attention)
     del sample
-    head_model = graph.head_model(arch, head_weights(w, arch, head, ids, precision, reduce_range), precision,
-                                  output)
     quant = None
     if precision == "int8":     # the streamed int8 weights and lm_head compute per-row int8 (quant.py)
         quant = rowwise_int8(layer, reduce_range=reduce_range)
-        rowwise_int8(head_model, reduce_range=reduce_range)
     from .save import _save
 
     _save(layer, tmp / "layer.onnx")
-    _save(head_model, tmp / "head.onnx")
-    del head_model
+    write_head(tmp / "head.onnx", arch, head_weights(w, arch, head, ids, precision, reduce_range), precision,
+               output, reduce_range)
     step("write head")
     files.update(layer="layer.onnx", head="head.onnx", layer_weights="weights/layer_{i}.bin",
                  layer_manifest=manifest)

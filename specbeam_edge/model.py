@@ -212,7 +212,8 @@ class OnnxCausalLM:
         # costs no memory budget: offload.TableRows), or an embed graph in older exports
         table = cfg.files.get("embed_table")
         manifest = cfg.files["layer_manifest"]
-        fixed = sum((self.folder / cfg.files[k]).stat().st_size for k in ("head",) + (() if table else ("embed",)))
+        fixed = sum(p.stat().st_size for k in ("head",) + (() if table else ("embed",))       # (and their .data)
+                    for p in (self.folder / cfg.files[k], self.folder / (cfg.files[k] + ".data")) if p.exists())
         self.placement = plan(L, layer_nbytes(manifest), fixed, max_memory, host_memory, placement)
         if self.arena is None:          # under a budget, nothing the budget does not count stays behind a run
             self.arena = all(p == "resident" for p in self.placement.places)

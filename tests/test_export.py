@@ -219,3 +219,17 @@ def test_loader_validation(exported, tmp_path):
     (wrong / "specbeam_config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelFolderError, match="num_layers is 3, but model.onnx has 2 layers"):
         OnnxCausalLM(wrong)
+
+
+@pytest.mark.parametrize("shape", [(5000, 37), (3, 9000), (8193, 100)])
+def test_the_streamed_layers_quantize_as_the_graph_does(shape):
+    """The split exporter quantizes a layer's matrices a chunk of rows at a time (its memory is a chunk, not 4x
+    the matrix): bit for bit quant.quantize_columns, which the whole graph's per-row int8 uses."""
+    from export.quant import quantize_columns
+    from export.split import lean_quantize_columns
+
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal(shape) * rng.random(shape[1])).astype(np.float32)
+    for reduce_range in (True, False):
+        for a, b in zip(quantize_columns(w, reduce_range), lean_quantize_columns(w, reduce_range)):
+            assert a.dtype == b.dtype and np.array_equal(a, b)

@@ -69,21 +69,37 @@ def read_arch(folder: Path) -> Arch:
     return Arch(**base)
 
 
+class LayerTensors:
+    """Decoder layer i's fp32 weights by graph key, each read, checked against the config and made MatMul-ready
+    ([in, out]) when asked for: a 7B layer is 0.9 GB in fp32, so the split exporter holds one tensor of it at a
+    time. Every tensor's presence is checked up front."""
+
+    def __init__(self, w, arch: Arch, i: int):
+        self.p, self.arch, self.i = f"model.layers.{i}.", arch, i
+        self.w = family_for_name(arch.family).layer_tensors(w, arch, self.p)
+        self.names = {}
+        for name, shape in expected_layer_shapes(arch).items():
+            if self.p + name not in self.w:
+                raise ExportError(f"weight {self.p + name} is missing from the checkpoint")
+            key = name.replace("self_attn.", "").replace("mlp.", "").replace(".weight", "").replace(".bias", "_bias")
+            self.names[key] = (name, shape)
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        if key not in self.names:
+            return layer_flags(self.arch, self.i)[key]
+        name, shape = self.names[key]
+        t = np.asarray(self.w[self.p + name], dtype=np.float32)
+        if tuple(t.shape) != shape:
+            raise ExportError(f"weight {self.p + name} has shape {tuple(t.shape)} but config.json implies {shape}")
+        if key.endswith("norm") and self.arch.norm_offset:
+            t = t + np.float32(self.arch.norm_offset)     # the same fp32 sum transformers forms at run time
+        return t.T.copy() if t.ndim == 2 else t
+
+    def keys(self) -> list[str]:
+        return list(self.names) + (list(layer_flags(self.arch, self.i)) if self.arch.heterogeneous else [])
+
+
 def layer_weights(w: dict[str, np.ndarray], arch: Arch, i: int) -> dict[str, np.ndarray]:
     """fp32 weights of decoder layer i, MatMul-ready ([in, out]); checks every shape against the config."""
-    p = f"model.layers.{i}."
-    w = family_for_name(arch.family).layer_tensors(w, arch, p)
-    out = {}
-    for name, shape in expected_layer_shapes(arch).items():
-        if p + name not in w:
-            raise ExportError(f"weight {p + name} is missing from the checkpoint")
-        t = np.asarray(w[p + name], dtype=np.float32)
-        if tuple(t.shape) != shape:
-            raise ExportError(f"weight {p + name} has shape {tuple(t.shape)} but config.json implies {shape}")
-        key = name.replace("self_attn.", "").replace("mlp.", "").replace(".weight", "").replace(".bias", "_bias")
-        if key.endswith("norm") and arch.norm_offset:
-            t = t + np.float32(arch.norm_offset)     # the same fp32 sum transformers forms at run time
-        out[key] = t.T.copy() if t.ndim == 2 else t
-    if arch.heterogeneous:
-        out.update(layer_flags(arch, i))
-    return out
+    lt = LayerTensors(w, arch, i)
+    return {k: lt[k] for k in lt.keys()}

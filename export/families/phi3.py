@@ -1,6 +1,8 @@
 """Phi-3 / Phi-3.5 / Phi-4-mini: fused qkv and gate_up projections, partial rotary (the rope tables cover
 the leading dims), LongRoPE (short factors below original_max_position_embeddings, long ones from there on),
 and a window on every layer when the config has one."""
+from collections import ChainMap
+
 import numpy as np
 
 ARCHITECTURES = {"Phi3ForCausalLM": "phi3"}
@@ -20,7 +22,7 @@ def layer_tensors(w: dict, arch, prefix: str) -> dict:
     if qkv is None or gu is None:
         return w                        # the shape check then names the missing tensor
     nq, nkv = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
-    out = dict(w)
+    out = ChainMap({}, w)           # the split tensors over the checkpoint's, without reading the others
     if qkv.shape[0] == nq + 2 * nkv:
         out[prefix + "self_attn.q_proj.weight"] = np.asarray(qkv[:nq])
         out[prefix + "self_attn.k_proj.weight"] = np.asarray(qkv[nq:nq + nkv])
