@@ -142,8 +142,8 @@ def main(argv=None) -> int:
         params = sum(int(np.prod(sh)) for _, sh in _tensors(s))
         data = {"shape": s, "parameters": params, "fp32_gb": round(params * 4 / 1e9, 1),
                 "gguf_gb": round(path.stat().st_size / 1e9, 2), "folder_gb": round(folder / 1e9, 2),
-                "precision": "int8", "layout": "split", "cpu": common.cpu_name() if hasattr(common, "cpu_name")
-                else None, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **res}
+                "precision": "int8", "layout": "split", "machine": common.machine(),
+                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **res}
     finally:
         shutil.rmtree(work, ignore_errors=True)
     common.write(args.out, "export_memory", data)
