@@ -7,7 +7,7 @@ as fp32) and random Q8_0 weights, exported to the split int8 layout in a process
 The tokenizer metadata comes from an existing GGUF (the fetched Qwen2.5-Coder's source: `specbeam fetch
 qwen2.5-coder-1.5b` keeps it in the data folder's sources/); weights are random (sizes, time and memory do not
 depend on the values). Writes export_memory.json and .png into --out (default the ignored bench/out/results): the
-export's peak RSS (the child's ru_maxrss), its time, the folder's size, and the memory in use after each step of
+export's peak RSS (the child's own VmHWM: Linux), its time, the folder's size, and the memory in use after each step of
 its progress line, which shows memory does not grow with depth. Needs about 16 GB of free disk (the GGUF and the
 folder) and takes about 10 minutes on 2 cores.
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import resource
 import shutil
 import subprocess
 import sys
@@ -102,15 +101,18 @@ def write_gguf(path: Path, tokenizer_from: Path, s: dict) -> None:
 
 
 def export(gguf_path: Path, out: Path) -> dict:
-    """Export in a child process: its peak RSS, time and the memory in use its progress line reports a step."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    """Export in a child process: its peak RSS (VmHWM, its own: ru_maxrss counts the process it was forked from,
+    which held the GGUF writer's arrays), time and the memory in use its progress line reports a step."""
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "export", "-i", str(gguf_path), "-o", str(out), "-p", "int8",
+    script = ("import sys; from export.__main__ import main; rc = main(sys.argv[1:]); "
+              "print('VmHWM', [l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')][0]); "
+              "sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", script, "-i", str(gguf_path), "-o", str(out), "-p", "int8",
                            "--layout", "split", "--output_kind", "both"], cwd=ROOT, capture_output=True, text=True)
     seconds = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"the export failed: {proc.stderr.strip().splitlines()[-1:]}")
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    peak = int(re.search(r"VmHWM (\d+)", proc.stdout).group(1))                 # kB
     steps = [(m.group(1).strip(), int(m.group(2)))
              for m in re.finditer(r"([^\r\n]*?) \((\d+) MB in use\)", proc.stderr)]
     seen, unique = set(), []
@@ -118,7 +120,7 @@ def export(gguf_path: Path, out: Path) -> dict:
         if what not in seen:
             seen.add(what)
             unique.append({"step": what, "mb_in_use": mb})
-    return {"peak_rss_mb": round(max(peak, before) / 1024), "seconds": round(seconds, 1), "steps": unique}
+    return {"peak_rss_mb": round(peak / 1024), "seconds": round(seconds, 1), "steps": unique}
 
 
 def main(argv=None) -> int:

@@ -229,8 +229,8 @@ def test_each_request_reports_its_own_kv_cache_peak(engine):
     """Stats.kv_cache_peak_mb is the request's own cache (target + draft): without speculation the same batched
     as alone (a batch shares passes, not caches); with it, the batch's shared tree budget keeps it no larger."""
     kw = dict(num_beams=2, max_new_tokens=MAX_NEW)
-    ref = alone(engine, PROMPTS, **kw)
-    for a, b in zip(ref, engine.generate(PROMPTS, max_batch_size=8, **kw)):
+    ref = alone(engine, PROMPTS, speculative=None, **kw)           # (a loaded draft drafts unless told not to)
+    for a, b in zip(ref, engine.generate(PROMPTS, max_batch_size=8, speculative=None, **kw)):
         assert b.stats.kv_cache_peak_mb == a.stats.kv_cache_peak_mb > 0
     spec = alone(engine, PROMPTS, speculative=SPECS["beam"], **kw)
     assert all(s.stats.kv_cache_peak_mb > r.stats.kv_cache_peak_mb for s, r in zip(spec, ref))   # + draft cache

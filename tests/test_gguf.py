@@ -2,6 +2,7 @@
 converter lays them out), loaded by transformers (dequantized, tokenizer rebuilt), exported; the graph and plain
 beam search equal transformers on the dequantized model."""
 import json
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -238,3 +239,32 @@ def test_gguf_tensors_read_one_at_a_time_are_transformers_own(gguf_model, name, 
     assert np.array_equal(np.concatenate([tensors.rows("model.embed_tokens.weight", a, a + 7)
                                           for a in range(0, len(table), 7)]), table)
     assert json.loads((side / "config.json").read_text())["architectures"] == [type(ref).__name__]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, precision", [("split", "int8"), ("whole", "int4")])
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads a process's peak from /proc (Linux)")
+def test_export_memory_does_not_grow_with_depth(tmp_path, layout, precision):
+    """The exporter reads and writes a tensor at a time: a GGUF of 12 layers (each 64 MB of fp32 weights, 770 MB
+    in all) exports within 150 MB of the peak RSS of the same shapes with 2 layers. Holding the model (as
+    transformers' whole load did) adds 640 MB. Each export runs in its own process, so each peak is its own."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    peaks = {}
+    for layers in (2, 12):
+        src = tmp_path / f"hf{layers}"
+        model = make_family_model(src, "qwen3", hidden_size=1024, intermediate_size=4096, num_attention_heads=8,
+                                  num_key_value_heads=4, head_dim=128, num_hidden_layers=layers)
+        path = tmp_path / f"m{layers}.gguf"
+        write_gguf(src, model, path, "qwen3")
+        del model
+        # VmHWM: this process's own peak (ru_maxrss would count the pytest process it was forked from)
+        script = (f"import sys; sys.path.insert(0, {str(root)!r}); from export import export; "
+                  f"export({str(path)!r}, {str(tmp_path / f'out{layers}')!r}, precision={precision!r}, "
+                  f"layout={layout!r}, quiet=True); "
+                  f"print([l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')][0])")
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+        peaks[layers] = int(out.stdout.split()[-1]) / 1024          # MB (the kernel reports kB)
+    assert peaks[12] - peaks[2] < 150, peaks
