@@ -29,18 +29,24 @@ def _load(path: Path, quiet: bool = False):
     import transformers as tf
 
     kw = dict(gguf_file=path.name, local_files_only=True)
+    with _named_errors(path), quiet_transformers(quiet):
+        model = tf.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), dtype=torch.float32, quantization_config=tf.GgufConfig(dequantize=True), **kw)
+        tok = tf.AutoTokenizer.from_pretrained(str(path.parent), **kw)
+    return model.eval(), tok
+
+
+@contextlib.contextmanager
+def _named_errors(path: Path):
+    """transformers' and gguf-py's failures on a file as one-line ExportErrors naming it."""
     try:
-        with quiet_transformers(quiet):
-            model = tf.AutoModelForCausalLM.from_pretrained(
-                str(path.parent), dtype=torch.float32, quantization_config=tf.GgufConfig(dequantize=True), **kw)
-            tok = tf.AutoTokenizer.from_pretrained(str(path.parent), **kw)
+        yield
     except ImportError as e:
         raise ExportError(f"{path}: reading GGUF files needs the export extra's `gguf` and `accelerate` packages "
                           f"(pip install -e \".[export]\"): {str(e).splitlines()[0]}") from None
     except Exception as e:  # transformers raises ValueError/KeyError/NotImplementedError for files it cannot read
         raise ExportError(f"{path}: transformers cannot load this GGUF file ({str(e).splitlines()[0]}); "
                           f"GGUF architectures of the supported families: {', '.join(GGUF_ARCHITECTURES)}") from None
-    return model.eval(), tok
 
 
 def unpack(path: Path, side: Path, quiet: bool = False) -> Tensors:
@@ -55,19 +61,12 @@ def unpack(path: Path, side: Path, quiet: bool = False) -> Tensors:
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
     kw = dict(gguf_file=path.name, local_files_only=True)
-    try:
-        with quiet_transformers(quiet), _one_reader(path) as reader:
-            cfg = tf.AutoConfig.from_pretrained(str(path.parent), **kw)
-            tok = tf.AutoTokenizer.from_pretrained(str(path.parent), **kw)
-            parsed = gguf_utils.load_gguf_checkpoint(str(path), return_tensors=False)
-            with torch.device("meta"):          # the module tree names the tensors; it holds no weights
-                skeleton = tf.AutoModelForCausalLM.from_config(cfg)
-    except ImportError as e:
-        raise ExportError(f"{path}: reading GGUF files needs the export extra's `gguf` and `accelerate` packages "
-                          f"(pip install -e \".[export]\"): {str(e).splitlines()[0]}") from None
-    except Exception as e:  # transformers raises ValueError/KeyError/NotImplementedError for files it cannot read
-        raise ExportError(f"{path}: transformers cannot load this GGUF file ({str(e).splitlines()[0]}); "
-                          f"GGUF architectures of the supported families: {', '.join(GGUF_ARCHITECTURES)}") from None
+    with _named_errors(path), quiet_transformers(quiet), _one_reader(path) as reader:
+        cfg = tf.AutoConfig.from_pretrained(str(path.parent), **kw)
+        tok = tf.AutoTokenizer.from_pretrained(str(path.parent), **kw)
+        parsed = gguf_utils.load_gguf_checkpoint(str(path), return_tensors=False)
+        with torch.device("meta"):          # the module tree names the tensors; it holds no weights
+            skeleton = tf.AutoModelForCausalLM.from_config(cfg)
     d = cfg.to_dict()
     d.pop("quantization_config", None)
     d["architectures"] = [type(skeleton).__name__]  # GGUF configs name no class; the exporter picks by it
@@ -88,11 +87,7 @@ def _one_reader(path: Path):
     tokenizer: parsing the header of a 151,936-token vocabulary takes 15 s, and they did it three times."""
     import gguf
 
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:          # gguf-py raises ValueError and friends for a damaged header
-        raise ExportError(f"{path}: gguf-py cannot read this file ({str(e).splitlines()[0]}); fetch it again") \
-            from None
+    reader = gguf.GGUFReader(str(path))          # (a damaged header: _named_errors names the file)
     import transformers.modeling_gguf_pytorch_utils as loader
 
     made, load = gguf.GGUFReader, loader.load_gguf_checkpoint

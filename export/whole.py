@@ -16,7 +16,7 @@ from onnx import numpy_helper as onh
 
 from specbeam_edge.contract import past_names, present_names
 
-from . import graph, split
+from . import graph, save, split
 from .blocks import gguf_int4
 from .families import layer_weights
 from .graph import Builder
@@ -233,5 +233,5 @@ def _write(tmp, w, arch, head, head_ids, precision, output, attention, block_siz
                           opset_imports=[oh.make_opsetid("", graph.OPSET)]
                           + [oh.make_opsetid(d, 1) for d in sorted(domains)], ir_version=10)
     model.producer_name = "specbeam-edge export"
-    onnx.save_model(model, str(tmp / "model.onnx"))
+    save._save(model, tmp / "model.onnx")        # (its tensors are in model.onnx.data already)
     return quantize.entry

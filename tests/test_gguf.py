@@ -242,12 +242,14 @@ def test_gguf_tensors_read_one_at_a_time_are_transformers_own(gguf_model, name, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout, precision", [("split", "int8"), ("whole", "int4")])
+@pytest.mark.parametrize("source, layout, precision", [("gguf", "split", "int8"), ("gguf", "whole", "int4"),
+                                                       ("safetensors", "split", "int8")])
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads a process's peak from /proc (Linux)")
-def test_export_memory_does_not_grow_with_depth(tmp_path, layout, precision):
-    """The exporter reads and writes a tensor at a time: a GGUF of 12 layers (each 64 MB of fp32 weights, 770 MB
-    in all) exports within 150 MB of the peak RSS of the same shapes with 2 layers. Holding the model (as
-    transformers' whole load did) adds 640 MB. Each export runs in its own process, so each peak is its own."""
+def test_export_memory_does_not_grow_with_depth(tmp_path, source, layout, precision):
+    """The exporter reads and writes a tensor at a time: a GGUF (or a safetensors folder) of 12 layers (each 64 MB
+    of fp32 weights, 770 MB in all) exports within 150 MB of the peak RSS of the same shapes with 2 layers. Holding
+    the model (as transformers' whole load did) adds 640 MB. Each export runs in its own process, so each peak is
+    its own."""
     import subprocess
     import sys
 
@@ -257,8 +259,9 @@ def test_export_memory_does_not_grow_with_depth(tmp_path, layout, precision):
         src = tmp_path / f"hf{layers}"
         model = make_family_model(src, "qwen3", hidden_size=1024, intermediate_size=4096, num_attention_heads=8,
                                   num_key_value_heads=4, head_dim=128, num_hidden_layers=layers)
-        path = tmp_path / f"m{layers}.gguf"
-        write_gguf(src, model, path, "qwen3")
+        path = tmp_path / f"m{layers}.gguf" if source == "gguf" else src
+        if source == "gguf":
+            write_gguf(src, model, path, "qwen3")
         del model
         # VmHWM: this process's own peak (ru_maxrss would count the pytest process it was forked from)
         script = (f"import sys; sys.path.insert(0, {str(root)!r}); from export import export; "
