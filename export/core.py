@@ -142,6 +142,28 @@ def _memory() -> str:
     return "" if mb is None else f" ({mb} MB in use)"
 
 
+def _whole_in_memory(tmp: Path, weights, arch: Arch, head_ids, precision: str, output: str, attention: str,
+                     block_size: int, reduce_range: bool, compute: str, prog) -> dict | None:
+    """model.onnx built whole in memory, for the rewrites that need the whole graph (int8dyn's quantize_dynamic,
+    fp16 compute's conversion); returns the quantization entry (None: as stored)."""
+    g = global_weights(weights, arch)
+    if head_ids is not None and g["head_ids"] is None:
+        g = {**g, "lm_head": np.ascontiguousarray(g["lm_head"][:, head_ids]), "head_ids": head_ids}
+    layers = []
+    for i in range(arch.layers):
+        layers.append(layer_weights(weights, arch, i))
+        prog.step(f"read layer {i + 1}/{arch.layers}{_memory()}")
+    base = precision if precision in ("fp16", "int8w") and compute == "fp32" else "fp32"
+    model = graph.whole_model(arch, g, layers, base, output, attention, int8_embedding=precision == "int8")
+    del g, layers
+    if compute == "fp16":
+        model = _to_fp16(model)
+    prog.step("build graph")
+    quant = save_precision(model, tmp / "model.onnx", precision, block_size, reduce_range)
+    prog.step(f"write model.onnx ({precision}){_memory()}")
+    return quant or (INT8W if precision == "int8w" else None)
+
+
 def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str, *, precision: str, layout: str,
                     output: str, block_size: int, quiet: bool, compute: str = "fp32",
                     reduce_range: bool = True, attention: str = "fp32", head_tokens: int | None = None) -> Path:
@@ -166,23 +188,8 @@ def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str
                                       reduce_range, step) or (INT8W if precision == "int8w" else quant)
             files["model"] = "model.onnx"
         elif layout == "whole":
-            g = global_weights(weights, arch)
-            if head_ids is not None and g["head_ids"] is None:
-                g = {**g, "lm_head": np.ascontiguousarray(g["lm_head"][:, head_ids]), "head_ids": head_ids}
-            layers = []
-            for i in range(arch.layers):
-                layers.append(layer_weights(weights, arch, i))
-                prog.step(f"read layer {i + 1}/{arch.layers}{_memory()}")
-            base = precision if precision in ("fp16", "int8w") and compute == "fp32" else "fp32"
-            model = graph.whole_model(arch, g, layers, base, output, attention, int8_embedding=precision == "int8")
-            del g, layers
-            if precision == "int8w":
-                quant = INT8W
-            if compute == "fp16":
-                model = _to_fp16(model)
-            prog.step("build graph")
-            quant = save_precision(model, tmp / "model.onnx", precision, block_size, reduce_range) or quant
-            prog.step(f"write model.onnx ({precision}){_memory()}")
+            quant = _whole_in_memory(tmp, weights, arch, head_ids, precision, output, attention, block_size,
+                                     reduce_range, compute, prog) or quant
             files["model"] = "model.onnx"
         else:
             step = lambda what: prog.step(what + _memory())
