@@ -436,7 +436,7 @@ def _fetch_locked(src: Source, dst: Path, quiet: bool, log, from_file=None) -> P
             staged = Path(tmp) / src.folder
             flags = "".join(f" --{k} {v}" for k, v in src.export_options)
             log(f"exporting {src.member} (-p {src.precision} --output_kind {src.output} --layout {src.layout}{flags}; "
-                f"{src.export_minutes} minutes and about {src.export_gb:g} GB of memory)")
+                f"{src.export_time} and about {src.export_gb:g} GB of memory)")
             t0 = time.perf_counter()
             run_export(gguf, staged, src.precision, src.output, quiet, src.layout, **dict(src.export_options))
             set_tree(staged, src)
