@@ -13,7 +13,7 @@ import onnx
 from specbeam_edge.contract import (CONFIG_FILE, FORMAT_VERSION, LAYOUTS, MASK_VALUE, OUTPUT_KINDS, graph_io,
                                     graph_sha256)
 
-from . import graph, resident, split, whole
+from . import graph, split, whole
 from .encdec import export_encdec, family_of
 from .gguf_input import is_gguf, unpack
 from .families import layer_weights, read_arch
