@@ -349,7 +349,7 @@ def _fetch_one(name: str, *, force: bool, quiet: bool, log, from_file=None) -> P
         models_dir().mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise FetchError(_os_message(e, data_dir())) from None
-    with _only_fetch(log):
+    with data_folder_lock("fetch", log):
         _remove_stale()
         # (another fetch may have finished it while this one waited)
         stale = is_complete(dst) and not export_is_current(dst, src)
@@ -370,25 +370,29 @@ def _fetch_one(name: str, *, force: bool, quiet: bool, log, from_file=None) -> P
 
 
 @contextmanager
-def _only_fetch(log):
-    """One fetch at a time per data folder (a second one waits), so staged folders of a fetch that was killed
-    can be removed safely by the next one."""
+def data_folder_lock(command: str, log=None):
+    """The data folder's fetch lock, so staged folders of a fetch that was killed can be removed safely by the
+    next one: one fetch at a time, a second waiting (and saying so through `log`); without `log` (specbeam rm) a
+    running fetch is refused with what to do, not waited for."""
     from filelock import FileLock, Timeout
 
     path = models_dir() / LOCK
     if path.is_symlink() or (path.exists() and not path.is_file()):
         raise FetchError(f"{path} is a symbolic link or not a file (fetch never makes one); remove it and run "
-                         f"`specbeam fetch` again")
+                         f"`specbeam {command}` again")
     lock = FileLock(str(path))
     try:
         try:
             lock.acquire(timeout=0)
         except Timeout:
+            if log is None:
+                raise FetchError(f"a `specbeam fetch` is running on {data_dir()}; run `specbeam {command}` again "
+                                 f"once it has finished") from None
             log("another `specbeam fetch` is running on this data folder; waiting for it")
             lock.acquire()
     except OSError as e:
-        raise FetchError(f"cannot lock {path} ({e.strerror or e}); remove it and run `specbeam fetch` again") \
-            from None
+        raise FetchError(f"cannot lock {path} ({e.strerror or e}); remove it (or check the folder's permissions) "
+                         f"and run `specbeam {command}` again") from None
     try:
         yield
     finally:
@@ -556,8 +560,7 @@ def draft_source(shipped: Path, target: Path, out: Path) -> None:
     if "embed.weight" in tables:
         table = read("embed.weight").astype(np.float32)
     elif {"embed.weight.i8", "embed.weight.blockscale"} <= tables.keys():    # int8: the values the target uses
-        q, s = read("embed.weight.i8"), read("embed.weight.blockscale")
-        table = (q.astype(np.float32).reshape(*s.shape, -1) * s[..., None]).reshape(q.shape)
+        table = _exporter(".graph").dequantize_embed(read("embed.weight.i8"), read("embed.weight.blockscale"))
     else:
         raise FetchError(f"{graph} has no embedding table to build the draft from; run `specbeam fetch "
                          f"--force` to export the target again")

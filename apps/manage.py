@@ -17,13 +17,12 @@ import shutil
 import stat
 import sys
 import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 
 from specbeam_edge.fetch import (ENV, SOURCES, FetchError, data_dir, draft_folder, folder, is_complete, is_name,
                                  models_dir, source, sources_dir)
 
-from .fetch import LOCK, parts_dir
+from .fetch import data_folder_lock, parts_dir
 
 
 def disk_use(path: Path) -> int:
@@ -96,29 +95,6 @@ def cmd_list() -> int:
     return 0
 
 
-@contextmanager
-def _no_fetch_running():
-    """The fetch lock, taken without waiting: a fetch that runs is refused with what to do, not waited for."""
-    from filelock import FileLock, Timeout
-
-    path = models_dir() / LOCK
-    if path.is_symlink() or (path.exists() and not path.is_file()):
-        raise FetchError(f"{path} is a symbolic link or not a file (fetch never makes one); remove it and run "
-                         f"`specbeam rm` again")
-    lock = FileLock(str(path))
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        raise FetchError(f"a `specbeam fetch` is running on {data_dir()}; run `specbeam rm` again once it has "
-                         f"finished") from None
-    except OSError as e:
-        raise FetchError(f"cannot lock {path} ({e.strerror or e}); check the folder's permissions") from None
-    try:
-        yield
-    finally:
-        lock.release()
-
-
 def _delete(path: Path) -> None:
     """A link or file is unlinked; a model folder is first renamed to a staged name (`.NAME.old-*`, which the next
     fetch removes if this is killed midway), so it is never found half removed."""
@@ -146,7 +122,7 @@ def cmd_rm(name: str, sources: bool) -> int:
         raise FetchError(f"no fetched model named {name!r}: "
                          + (f"the fetched ones are {', '.join(have)}" if have else f"none is in {data_dir()}"))
     name = source(name).name
-    with _no_fetch_running():
+    with data_folder_lock("rm"):
         for path in targets(name, sources):
             size = disk_use(path)
             try:

@@ -137,11 +137,6 @@ def head_subset(ids: np.ndarray | None, arch: Arch, tokenizer: Path, below: int)
     return None if len(ids) >= arch.vocab_size else ids
 
 
-def _memory() -> str:
-    mb = split.memory_mb()
-    return "" if mb is None else f" ({mb} MB in use)"
-
-
 def _whole_in_memory(tmp: Path, weights, arch: Arch, head_ids, precision: str, output: str, attention: str,
                      block_size: int, reduce_range: bool, compute: str, prog) -> dict | None:
     """model.onnx built whole in memory, for the rewrites that need the whole graph (int8dyn's quantize_dynamic,
@@ -152,7 +147,7 @@ def _whole_in_memory(tmp: Path, weights, arch: Arch, head_ids, precision: str, o
     layers = []
     for i in range(arch.layers):
         layers.append(layer_weights(weights, arch, i))
-        prog.step(f"read layer {i + 1}/{arch.layers}{_memory()}")
+        prog.step(f"read layer {i + 1}/{arch.layers}")
     base = precision if precision in ("fp16", "int8w") and compute == "fp32" else "fp32"
     model = graph.whole_model(arch, g, layers, base, output, attention, int8_embedding=precision == "int8")
     del g, layers
@@ -160,7 +155,7 @@ def _whole_in_memory(tmp: Path, weights, arch: Arch, head_ids, precision: str, o
         model = _to_fp16(model)
     prog.step("build graph")
     quant = save_precision(model, tmp / "model.onnx", precision, block_size, reduce_range)
-    prog.step(f"write model.onnx ({precision}){_memory()}")
+    prog.step(f"write model.onnx ({precision})")
     return quant or (INT8W if precision == "int8w" else None)
 
 
@@ -183,18 +178,16 @@ def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str
         files: dict = {}
         quant = {"method": "none", "storage": precision}
         if layout == "whole" and precision in whole.STREAMED and compute == "fp32":
-            step = lambda what: prog.step(what + _memory())
             quant = whole.write_whole(tmp, weights, arch, head, head_ids, precision, output, attention, block_size,
-                                      reduce_range, step) or (INT8W if precision == "int8w" else quant)
+                                      reduce_range, prog.step) or (INT8W if precision == "int8w" else quant)
             files["model"] = "model.onnx"
         elif layout == "whole":
             quant = _whole_in_memory(tmp, weights, arch, head_ids, precision, output, attention, block_size,
                                      reduce_range, compute, prog) or quant
             files["model"] = "model.onnx"
         else:
-            step = lambda what: prog.step(what + _memory())
             files, q = split.write_split(tmp, weights, arch, head, head_ids, precision, output, attention,
-                                         reduce_range, step)
+                                         reduce_range, prog.step)
             if precision == "int8w":    # int8 weights, fp32 compute (DequantizeLinear + MatMul): CUDA has both
                 q = {**INT8W, "method": "specbeam int8 weight storage: symmetric per output channel; streamed "
                      "layers DequantizeLinear + MatMul each pass, embedding and lm_head folded at load; fp32 "

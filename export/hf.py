@@ -283,19 +283,14 @@ def layer_flags(arch: Arch, i: int) -> dict[str, np.ndarray]:
 HEAD_TOKEN_IDS = "lm_head.token_ids"
 
 
-def _shape(w, name: str) -> tuple:
-    shapes = getattr(w, "shapes", None)
-    return tuple(shapes[name]) if shapes is not None else tuple(np.shape(w[name]))
-
-
-def global_names(w, arch: Arch) -> tuple[str, np.ndarray | None]:
+def global_names(w: Tensors, arch: Arch) -> tuple[str, np.ndarray | None]:
     """Check the embedding, final norm and lm_head of the checkpoint `w` against the config without reading
     them; returns (the head's tensor name, head_ids: None when the head scores every token)."""
     emb = "model.embed_tokens.weight"
     if emb not in w:
         raise ExportError("weight model.embed_tokens.weight is missing from the checkpoint")
-    if _shape(w, emb) != (arch.vocab_size, arch.hidden):
-        raise ExportError(f"model.embed_tokens.weight has shape {_shape(w, emb)} but config.json implies "
+    if w.shapes[emb] != (arch.vocab_size, arch.hidden):
+        raise ExportError(f"model.embed_tokens.weight has shape {w.shapes[emb]} but config.json implies "
                           f"{(arch.vocab_size, arch.hidden)}")
     head = "lm_head.weight" if "lm_head.weight" in w else emb if arch.tied else None
     if head is None:
@@ -303,33 +298,32 @@ def global_names(w, arch: Arch) -> tuple[str, np.ndarray | None]:
     if "model.norm.weight" not in w:
         raise ExportError("weight model.norm.weight is missing from the checkpoint")
     ids = w[HEAD_TOKEN_IDS] if HEAD_TOKEN_IDS in w else None
-    if ids is None and _shape(w, head) != (arch.vocab_size, arch.hidden):
-        raise ExportError(f"lm_head.weight has shape {_shape(w, head)} but config.json implies "
+    if ids is None and w.shapes[head] != (arch.vocab_size, arch.hidden):
+        raise ExportError(f"lm_head.weight has shape {w.shapes[head]} but config.json implies "
                           f"{(arch.vocab_size, arch.hidden)}")
     if ids is not None:        # a head over a token subset (a draft's): its rows score these vocabulary ids
         ids = np.asarray(ids).astype(np.int64).ravel()
-        if _shape(w, head) != (len(ids), arch.hidden):
-            raise ExportError(f"lm_head.weight has shape {_shape(w, head)} but {HEAD_TOKEN_IDS} names "
+        if w.shapes[head] != (len(ids), arch.hidden):
+            raise ExportError(f"lm_head.weight has shape {w.shapes[head]} but {HEAD_TOKEN_IDS} names "
                               f"{len(ids)} tokens: one row per named token is needed")
         if len(np.unique(ids)) != len(ids) or ids.min() < 0 or ids.max() >= arch.vocab_size:
             raise ExportError(f"{HEAD_TOKEN_IDS} must hold distinct token ids in 0..{arch.vocab_size - 1}")
     return head, ids
 
 
-def final_norm(w, arch: Arch) -> np.ndarray:
+def final_norm(w: Tensors, arch: Arch) -> np.ndarray:
     return np.asarray(w["model.norm.weight"], np.float32) + np.float32(arch.norm_offset)
 
 
-def embed_rows(w, arch: Arch, start: int, stop: int) -> np.ndarray:
+def embed_rows(w: Tensors, arch: Arch, start: int, stop: int) -> np.ndarray:
     """Rows start..stop of the embedding table as the graph uses them (scaled: transformers multiplies the
     looked-up rows by the fp32 scale; scaling the table is the same product)."""
     name = "model.embed_tokens.weight"
-    rows = w.rows(name, start, stop) if hasattr(w, "rows") else w[name][start:stop]
-    rows = np.asarray(rows, np.float32)
+    rows = np.asarray(w.rows(name, start, stop), np.float32)
     return rows * np.float32(arch.embed_scale) if arch.embed_scale != 1.0 else rows
 
 
-def global_weights(w: dict[str, np.ndarray], arch: Arch) -> dict[str, np.ndarray]:
+def global_weights(w: Tensors, arch: Arch) -> dict[str, np.ndarray]:
     """Embedding (scaled), final norm, lm_head [hidden, S] and head_ids (None: the head scores every token)."""
     head, ids = global_names(w, arch)
     emb = embed_rows(w, arch, 0, arch.vocab_size)

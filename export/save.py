@@ -3,15 +3,20 @@ progress bar, and the staged folder that replaces the output only when the expor
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import sys
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import onnx
+from onnx import helper as oh
+from onnx import numpy_helper as onh
 
 from .blocks import BLOCK, gguf_int4
 from .quant import rowwise_int8
+from .resident import _external
 from .safety import make_staging, replace_folder
 
 # batch-invariant (exact speculation): fp32, fp16, int8w (fp32 compute), int8 (per-row int8 compute, quant.py);
@@ -23,6 +28,74 @@ INVARIANT = {"fp32": True, "fp16": True, "int8w": True, "int8": True, "int8dyn":
 ATTENTION = {"int8": "fp64", "int4": "fp64"}
 GEN_KEYS = ("num_beams", "max_new_tokens", "length_penalty", "early_stopping", "num_return_sequences",
              "no_repeat_ngram_size", "repetition_penalty", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p")
+
+
+def memory_mb() -> int | None:
+    """This process's resident memory now (Linux), else its peak so far (other Unixes); None where neither is
+    known."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 2**20
+    except (OSError, ValueError, IndexError, AttributeError):
+        pass
+    try:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak // 2**20 if sys.platform == "darwin" else peak // 1024
+    except (ImportError, AttributeError, ValueError):
+        return None
+
+
+class DataFile:
+    """A graph's tensor file (`<graph>.data`), written as tensors come: each one's bytes appended 64-byte aligned
+    and the tensor turned into a reference to them, so the graph's message never holds the weights."""
+    ALIGN = 64
+    INLINE_BYTES = 1024      # smaller tensors (shapes, scalars) stay in the graph file
+
+    def __init__(self, path: Path):
+        self.path, self.f, self.offset = path, open(path, "wb"), 0
+
+    def _start(self) -> int:
+        pad = (-self.offset) % self.ALIGN
+        self.f.write(b"\0" * pad)
+        self.offset += pad
+        return self.offset
+
+    def spill(self, tensors) -> None:
+        """The tensors' bytes into the file (those of INLINE_BYTES or more), each left as a reference."""
+        for t in tensors:
+            if t.data_location == onnx.TensorProto.EXTERNAL:
+                continue
+            if not t.raw_data:                     # a tensor made from a list of values: its bytes
+                t.CopyFrom(onh.from_array(onh.to_array(t), t.name))
+            if len(t.raw_data) < self.INLINE_BYTES:
+                continue
+            start = self._start()
+            self.f.write(t.raw_data)
+            self.offset += len(t.raw_data)
+            t.ClearField("raw_data")
+            _external(t, self.path.name, start, self.offset - start)
+
+    def table(self, name: str, dtype, shape, chunks) -> onnx.TensorProto:
+        """A tensor of `shape` written from the row chunks `chunks` straight to the file (never held whole)."""
+        start = self._start()
+        for c in chunks:
+            c = np.ascontiguousarray(c, dtype)
+            self.f.write(memoryview(c.reshape(-1).view(np.uint8)))
+            self.offset += c.nbytes
+        t = onnx.TensorProto(name=name, data_type=oh.np_dtype_to_tensor_dtype(np.dtype(dtype)), dims=list(shape))
+        _external(t, self.path.name, start, self.offset - start)
+        return t
+
+    def close(self):
+        self.f.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 class ExportProgress:
@@ -39,7 +112,9 @@ class ExportProgress:
         self._logs.__enter__()
 
     def step(self, what: str):
-        self.bar.set_description_str(what, refresh=False)
+        """One step done; its line shows the memory in use (an export's memory must not grow with the model)."""
+        mb = memory_mb()
+        self.bar.set_description_str(what if mb is None else f"{what} ({mb} MB in use)", refresh=False)
         self.bar.update(1)
 
     def close(self):
@@ -103,15 +178,27 @@ def _quantize(src: Path, dst: Path, precision: str, block_size: int, external: b
         return {"method": "onnxruntime quantize_dynamic (one activation scale per tensor: not batch-invariant)",
                 "weight_type": "int8", "per_channel": True, "reduce_range": reduce_range,
                 "ops": "DynamicQuantizeLinear + MatMulInteger (all weight MatMuls incl. lm_head); embeddings fp32"}
+    from onnxruntime.quantization.onnx_model import ONNXModel
+
+    model, entry = rtn_int4(onnx.load(str(src)), block_size)
+    ONNXModel(model).save_model_to_file(str(dst), use_external_data_format=external)
+    return entry
+
+
+def rtn_int4(model: onnx.ModelProto, block_size: int) -> tuple[onnx.ModelProto, dict]:
+    """onnxruntime's round-to-nearest MatMulNBits quantizer (symmetric, accuracy level 4) on `model`, a whole graph
+    or one piece of it (export/whole.py): (the quantized graph, the config's quantization entry)."""
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
+    logging.getLogger("onnxruntime.quantization").setLevel(logging.ERROR)
+    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.ERROR)
     cfg = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=True, accuracy_level=4, bits=4)
-    q = MatMulNBitsQuantizer(onnx.load(str(src)), bits=4, block_size=block_size, is_symmetric=True,
-                             accuracy_level=4, algo_config=cfg)
+    q = MatMulNBitsQuantizer(model, bits=4, block_size=block_size, is_symmetric=True, accuracy_level=4,
+                             algo_config=cfg)
     q.process()
-    q.model.save_model_to_file(str(dst), use_external_data_format=external)
-    return {"method": "onnxruntime MatMulNBitsQuantizer (RTN)", "bits": 4, "block_size": block_size,
-            "symmetric": True, "accuracy_level": 4, "ops": "MatMulNBits (all weight MatMuls incl. lm_head)"}
+    return q.model.model, {"method": "onnxruntime MatMulNBitsQuantizer (RTN)", "bits": 4, "block_size": block_size,
+                           "symmetric": True, "accuracy_level": 4,
+                           "ops": "MatMulNBits (all weight MatMuls incl. lm_head)"}
 
 
 def save_precision(model: onnx.ModelProto, dst: Path, precision: str, block_size: int = 32,

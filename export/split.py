@@ -1,13 +1,10 @@
 """The split layout written a tensor at a time (DESIGN section 5): the embedding table and the head in chunks of
 rows, each layer's weights read, converted and written to its file before the next is read. What the export holds
-at once is one layer and one chunk (plus the head's int8 codes), whatever the model's depth or vocabulary: a
+at once is one tensor and one chunk (plus the head's int8 codes), whatever the model's depth or vocabulary: a
 1.1 GB GGUF held as an fp32 model took 17 GB."""
 from __future__ import annotations
 
 import hashlib
-import os
-import resource
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,52 +13,44 @@ import onnx
 from . import graph, resident
 from .families import LayerTensors
 from .hf import Arch, embed_rows, final_norm
-from .quant import quantize_columns, rowwise_int8
+from .quant import quantize_columns, row_chunks, rowwise_int8
+from .save import DataFile, _save
 
-ROWS = 4096          # table rows a chunk (151,936 x 1,536: 25 MB of fp32 a chunk)
-ALIGN = 64
-
-
-def memory_mb() -> int | None:
-    """This process's resident memory now (Linux), else its peak so far (other Unixes); None where neither is
-    known. For the export's progress line."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 2**20
-    except (OSError, ValueError, IndexError, AttributeError):
-        pass
-    try:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return peak // 2**20 if sys.platform == "darwin" else peak // 1024
-    except (AttributeError, ValueError):
-        return None
+ALIGN = 64           # layer files: each tensor 64-byte aligned (offload.LayerStore reads them so)
 
 
-def chunks(n: int):
-    for start in range(0, n, ROWS):
-        yield start, min(n, start + ROWS)
+def table_chunks(w, arch: Arch, precision: str):
+    """The embedding table as `precision` stores it, a chunk of rows at a time: (values, scales or None). int8:
+    codes with a scale per block of 32 (graph.quantize_embed_rows); int8w: codes with a scale per row
+    (graph.stored_weight's form); fp16, fp32: the rows as half or single floats."""
+    for a, z in row_chunks(arch.vocab_size):
+        rows = embed_rows(w, arch, a, z)
+        if precision == "int8":
+            yield graph.quantize_embed_rows(rows)
+        elif precision == "int8w":
+            q, scale = graph.quantize_int8(rows.T)           # per row of the table: symmetric, 127 steps
+            yield q.T, scale
+        else:
+            yield rows.astype(np.float16 if precision == "fp16" else np.float32, copy=False), None
 
 
 def write_embed_table(folder: Path, w, arch: Arch, precision: str) -> dict:
     """weights/embed.bin: the embedding table row-major, read a few rows a pass by the runtime (offload.TableRows).
-    int8: int8 codes with one fp32 scale per block of 32 values of a row in weights/embed_scale.bin
-    (graph.quantize_embed_rows; 28% of fp32's bytes); fp16: half floats (the whole graph's fp16 storage casts them to fp32 the same
-    way); int8w: the fp32 values its Cast and Mul give; fp32: the fp32 values the graph's Gather gave."""
+    int8: codes with one fp32 scale per block of 32 values in weights/embed_scale.bin (28% of fp32's bytes);
+    fp16: half floats (the whole graph's fp16 storage casts them to fp32 the same way); int8w: the fp32 values its
+    Cast and Mul give; fp32: the fp32 values the graph's Gather gave (table_chunks)."""
     path = folder / "weights" / "embed.bin"
     dtype = {"int8": np.int8, "fp16": np.float16}.get(precision, np.float32)
     digest, scales = hashlib.sha256(), []
     with open(path, "wb") as f:
-        for start, stop in chunks(arch.vocab_size):
-            rows = embed_rows(w, arch, start, stop)
-            if precision == "int8":
-                rows, s = graph.quantize_embed_rows(rows)
-                scales.append(s)
-            elif precision == "int8w":
-                q, s = graph.quantize_int8(rows.T)           # per row of the table: symmetric, 127 steps
-                rows = q.T.astype(np.float32) * s[:, None]
-            data = np.ascontiguousarray(rows, dtype=dtype)
-            digest.update(memoryview(data.reshape(-1).view(np.uint8)))
-            f.write(memoryview(data.reshape(-1).view(np.uint8)))
+        for rows, scale in table_chunks(w, arch, precision):
+            if precision == "int8w":                        # the fp32 values its Cast and Mul give
+                rows = rows.astype(np.float32) * scale[:, None]
+            elif scale is not None:
+                scales.append(scale)
+            data = memoryview(np.ascontiguousarray(rows, dtype).reshape(-1).view(np.uint8))
+            digest.update(data)
+            f.write(data)
     entry = {"file": "weights/embed.bin", "dtype": np.dtype(dtype).name, "shape": [arch.vocab_size, arch.hidden],
              "sha256": digest.hexdigest()}
     if precision == "int8":
@@ -76,8 +65,7 @@ def head_weights(w, arch: Arch, head: str, ids, precision: str, reduce_range: bo
     head is quantized per column (per token) a chunk of tokens at a time, to (codes int8 [hidden, S], scales [S]):
     the same codes quant.rowwise_int8 gives the fp32 matrix, without holding it (933 MB for a 151,936 x 1,536
     head; its codes are 233 MB)."""
-    rows = w.shapes[head][0] if hasattr(w, "shapes") else np.shape(w[head])[0]
-    read = (lambda a, b: w.rows(head, a, b)) if hasattr(w, "rows") else (lambda a, b: np.asarray(w[head][a:b]))
+    rows = w.shapes[head][0]
     pick = ids if ids is not None and len(ids) < rows else None     # head_tokens: some rows of a full head
     n = rows if pick is None else len(pick)
     if precision == "int8":
@@ -85,8 +73,8 @@ def head_weights(w, arch: Arch, head: str, ids, precision: str, reduce_range: bo
     else:
         lm_head = np.empty((arch.hidden, n), np.float32)
     done = 0
-    for start, stop in chunks(rows):
-        block = np.asarray(read(start, stop), np.float32)
+    for start, stop in row_chunks(rows):
+        block = np.asarray(w.rows(head, start, stop), np.float32)
         if pick is not None:
             block = block[pick[(pick >= start) & (pick < stop)] - start]
         end = done + len(block)
@@ -108,32 +96,20 @@ HEAD_DATA = {"int8": ("lm_head.weight.q8", "lm_head.weight.q8scale"), "fp32": ("
 def write_head(path: Path, arch: Arch, g: dict, precision: str, output: str, reduce_range: bool) -> None:
     """head.onnx (graph.head_model), its lm_head in head.onnx.data for int8 and fp32: the graph is built around
     one-column stand-ins, whose tensors are then replaced by references to the real arrays' bytes."""
-    from .resident import _external
-    from .save import _save
-
     names = HEAD_DATA.get(precision)
+    if not names:
+        _save(graph.head_model(arch, g, precision, output), path)
+        return
     real = g["lm_head"] if isinstance(g["lm_head"], tuple) else (g["lm_head"],)
-    stand_in = {**g, "lm_head": tuple(a[..., :1] for a in real) if len(real) > 1 else real[0][:, :1]}
-    model = graph.head_model(arch, stand_in if names else g, precision, output)
+    stand_in = tuple(a[..., :1] for a in real)
+    model = graph.head_model(arch, {**g, "lm_head": stand_in if len(real) > 1 else stand_in[0]}, precision, output)
     if precision == "int8":
         rowwise_int8(model, reduce_range=reduce_range)
-    if not names:
-        _save(model, path)
-        return
-    tensors = {t.name: t for t in model.graph.initializer}
-    data, offset = path.with_name(path.name + ".data"), 0
-    with open(data, "wb") as f:
+    inits = model.graph.initializer
+    with DataFile(path.with_name(path.name + ".data")) as data:
         for name, a in zip(names, real):
-            t = tensors[name]
-            t.ClearField("raw_data")
-            del t.dims[:]
-            t.dims.extend(a.shape)
-            a = np.ascontiguousarray(a)
-            f.write(b"\0" * ((-offset) % ALIGN))
-            offset += (-offset) % ALIGN
-            f.write(memoryview(a.reshape(-1).view(np.uint8)))
-            _external(t, data.name, offset, a.nbytes)
-            offset += a.nbytes
+            i = next(k for k, t in enumerate(inits) if t.name == name)
+            inits[i].CopyFrom(data.table(name, a.dtype, a.shape, [a]))
     onnx.save_model(model, str(path))
 
 
@@ -153,7 +129,7 @@ def write_layers(folder: Path, w, arch: Arch, precision: str, reduce_range: bool
                 arrays = [(name, t)]
                 if precision in ("int8", "int8w") and name in graph.MATMULS:
                     # 7 bits only where the CPU sums int8 products (int8 compute); int8w computes in fp32
-                    q, s = lean_quantize_columns(t, reduce_range and precision == "int8")
+                    q, s = quantize_columns(t, reduce_range and precision == "int8")
                     arrays = [(name, q), (name + ".scale", s)]
                 elif precision == "fp16":
                     arrays = [(name, t.astype(np.float16))]
@@ -174,20 +150,6 @@ def write_layers(folder: Path, w, arch: Arch, precision: str, reduce_range: bool
     return manifest, sums, sample
 
 
-def lean_quantize_columns(w: np.ndarray, reduce_range: bool) -> tuple[np.ndarray, np.ndarray]:
-    """quant.quantize_columns bit for bit, a chunk of rows at a time: its temporaries were 4x the matrix (a 7B
-    FFN matrix is 272 MB in fp32)."""
-    qmax = 64.0 if reduce_range else 127.0
-    peak = np.zeros(w.shape[1], np.float32)
-    for a, z in chunks(w.shape[0]):
-        np.maximum(peak, np.abs(w[a:z]).max(axis=0), out=peak)
-    scale = (np.maximum(peak, 1e-12) / qmax).astype(np.float32)
-    q = np.empty(w.shape, np.int8)
-    for a, z in chunks(w.shape[0]):
-        q[a:z] = np.clip(np.rint(w[a:z] / scale), -qmax, qmax)
-    return q, scale
-
-
 def write_split(tmp: Path, w, arch: Arch, head: str, ids, precision: str, output: str, attention: str,
                 reduce_range: bool, step) -> tuple[dict, dict | None]:
     """Every file of the split layout into `tmp`; returns (the config's files entry, its quantization entry or
@@ -201,8 +163,6 @@ def write_split(tmp: Path, w, arch: Arch, head: str, ids, precision: str, output
     quant = None
     if precision == "int8":     # the streamed int8 weights and lm_head compute per-row int8 (quant.py)
         quant = rowwise_int8(layer, reduce_range=reduce_range)
-    from .save import _save
-
     _save(layer, tmp / "layer.onnx")
     write_head(tmp / "head.onnx", arch, head_weights(w, arch, head, ids, precision, reduce_range), precision,
                output, reduce_range)

@@ -6,94 +6,29 @@ the nodes and the tensors' places, so what the export holds at once is one piece
 draft's int4 export took 12.5 GB whole)."""
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import helper as oh
-from onnx import numpy_helper as onh
 
 from specbeam_edge.contract import past_names, present_names
 
-from . import graph, save, split
+from . import graph, save
 from .blocks import gguf_int4
 from .families import layer_weights
 from .graph import Builder
-from .hf import Arch, embed_rows
+from .hf import Arch
 from .quant import rowwise_int8
-from .resident import _external
-from .split import head_weights
+from .save import DataFile
+from .split import head_weights, table_chunks
 
 # precisions whose quantization rewrites each weight's MatMul on its own; the others (int8dyn's per-tensor
 # activation scales, fp16 compute's graph-wide conversion) keep the in-memory path (core.py)
 STREAMED = ("fp32", "fp16", "int8w", "int8", "int4")
-INLINE_BYTES = 1024      # smaller tensors (shapes, scalars) stay in the graph file
-ALIGN = 64
-
-
 class _OffGrid(Exception):
     """A piece's weights lie on no GGUF block grid after earlier pieces' did: the export starts again with
     round-to-nearest for every piece, as the whole graph's quantizer decided before (blocks.gguf_int4)."""
-
-
-class _DataFile:
-    """model.onnx.data, written as pieces come: each tensor's bytes appended (64-byte aligned) and the tensor
-    turned into a reference to them."""
-
-    def __init__(self, path: Path):
-        self.path, self.f, self.offset = path, open(path, "wb"), 0
-
-    def spill(self, tensors) -> None:
-        for t in tensors:
-            if t.data_location == onnx.TensorProto.EXTERNAL:
-                continue
-            if not t.raw_data:                     # a tensor made from a list of values: its bytes
-                t.CopyFrom(onh.from_array(onh.to_array(t), t.name))
-            if len(t.raw_data) < INLINE_BYTES:
-                continue
-            pad = (-self.offset) % ALIGN
-            self.f.write(b"\0" * pad)
-            self.offset += pad
-            n = len(t.raw_data)
-            self.f.write(t.raw_data)
-            t.ClearField("raw_data")
-            _external(t, self.path.name, self.offset, n)
-            self.offset += n
-
-    def table(self, name: str, dtype, shape: tuple, chunks) -> onnx.TensorProto:
-        """A tensor of `shape` written from the row chunks `chunks` straight to the file (never held whole)."""
-        pad = (-self.offset) % ALIGN
-        self.f.write(b"\0" * pad)
-        self.offset += pad
-        start = self.offset
-        for c in chunks:
-            c = np.ascontiguousarray(c, dtype)
-            self.f.write(memoryview(c.reshape(-1).view(np.uint8)))
-            self.offset += c.nbytes
-        t = onnx.TensorProto(name=name, data_type=oh.np_dtype_to_tensor_dtype(np.dtype(dtype)), dims=list(shape))
-        _external(t, self.path.name, start, self.offset - start)
-        return t
-
-    def close(self):
-        self.f.close()
-
-
-def _rtn_int4(piece: onnx.ModelProto, block_size: int) -> onnx.ModelProto:
-    """onnxruntime's round-to-nearest MatMulNBits quantizer (save._quantize's settings) on one piece."""
-    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
-
-    logging.getLogger("onnxruntime.quantization").setLevel(logging.ERROR)
-    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.ERROR)
-    cfg = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=True, accuracy_level=4, bits=4)
-    q = MatMulNBitsQuantizer(piece, bits=4, block_size=block_size, is_symmetric=True, accuracy_level=4,
-                             algo_config=cfg)
-    q.process()
-    return q.model.model
-
-
-RTN = {"method": "onnxruntime MatMulNBitsQuantizer (RTN)", "bits": 4, "symmetric": True, "accuracy_level": 4,
-       "ops": "MatMulNBits (all weight MatMuls incl. lm_head)"}
 
 
 class _Quantizer:
@@ -127,51 +62,43 @@ class _Quantizer:
                 self.entry = {**q, "blocks": dict(sorted(blocks.items())), "matmuls": sum(blocks.values())}
                 return piece
             self.mode = "rtn"
-        self.entry = {**RTN, "block_size": self.block_size}
-        return _rtn_int4(piece, self.block_size)
+        piece, self.entry = save.rtn_int4(piece, self.block_size)
+        return piece
 
 
-def _embedding(b: Builder, data: _DataFile, w, arch: Arch, precision: str) -> None:
-    """The embedding lookup, its table written to the data file a chunk of rows at a time, as whole_model stores
-    it: int8 rows and a scale a row (int8), int8 codes times a scale a row (int8w), half or single floats."""
+def _embedding(b: Builder, data: DataFile, w, arch: Arch, precision: str) -> None:
+    """The embedding lookup, its table written to the data file a chunk of rows at a time as whole_model stores it
+    (table_chunks): int8 codes with a scale per block of 32 (int8), int8 codes times a scale a row (int8w),
+    half or single floats."""
     V, H = arch.vocab_size, arch.hidden
-    chunks = lambda: (embed_rows(w, arch, a, z) for a, z in split.chunks(V))
-    if precision == "int8":
-        scales = []
+    scales = []
 
-        def blocks():
-            for rows in chunks():
-                q, s = graph.quantize_embed_rows(rows)
-                scales.append(s)
-                yield q
-        b.inits.append(data.table("embed.weight.i8", np.int8, (V, H), blocks()))
+    def values():
+        for rows, scale in table_chunks(w, arch, precision):
+            if scale is not None:
+                scales.append(scale)
+            yield rows
+    if precision == "int8":
+        b.inits.append(data.table("embed.weight.i8", np.int8, (V, H), values()))
         b.init("embed.weight.blockscale", np.concatenate(scales))
         graph._int8_rows_embedding(b, None, H)
         return
-    if precision == "int8w":
-        scales = []
-
-        def codes():
-            for rows in chunks():
-                q, s = graph.quantize_int8(rows.T)          # per row: symmetric, 127 steps
-                scales.append(s)
-                yield q.T
-        b.inits.append(data.table("embed.weight.i8", np.int8, (V, H), codes()))     # graph.stored_weight's form
+    if precision == "int8w":                       # graph.stored_weight's form
+        b.inits.append(data.table("embed.weight.i8", np.int8, (V, H), values()))
         b.init("embed.weight.scale", np.concatenate(scales)[:, None])
         emb = b.node("Mul", [b.node("Cast", ["embed.weight.i8"], ["embed.weight.i8f"], to=graph.F32),
                              "embed.weight.scale"], ["embed.weight"])
     else:
         emb = "embed.weight" if precision != "fp16" else "embed.weight.f16"
-        b.inits.append(data.table(emb, np.float16 if precision == "fp16" else np.float32, (V, H), chunks()))
+        b.inits.append(data.table(emb, np.float16 if precision == "fp16" else np.float32, (V, H), values()))
         if precision == "fp16":
             emb = b.node("Cast", [emb], ["embed.weight"], to=graph.F32)
     b.node("Gather", [emb, "input_ids"], ["h0"], axis=0)
 
 
 def _piece(b: Builder) -> onnx.ModelProto:
-    m = onnx.helper.make_model(oh.make_graph(b.nodes, "piece", [], [], b.inits),
-                               opset_imports=[oh.make_opsetid("", graph.OPSET)], ir_version=10)
-    return m
+    return oh.make_model(oh.make_graph(b.nodes, "piece", [], [], b.inits),
+                         opset_imports=[oh.make_opsetid("", graph.OPSET)], ir_version=10)
 
 
 def write_whole(tmp: Path, w, arch: Arch, head: str, head_ids, precision: str, output: str, attention: str,
@@ -189,7 +116,7 @@ def write_whole(tmp: Path, w, arch: Arch, head: str, head_ids, precision: str, o
 def _write(tmp, w, arch, head, head_ids, precision, output, attention, block_size, reduce_range, step, force_rtn):
     store = "fp32" if precision in ("int8", "int4") else precision        # as whole_model stores weights
     quantize = _Quantizer(precision, block_size, reduce_range, force_rtn)
-    data = _DataFile(tmp / "model.onnx.data")
+    data = DataFile(tmp / "model.onnx.data")
     nodes, inits, inputs, outputs, domains, seen = [], [], [], [], set(), set()
 
     def add(b: Builder) -> None:

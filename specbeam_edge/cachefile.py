@@ -17,6 +17,15 @@ def cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir("specbeam-edge"))
 
 
+def entries(path: Path) -> dict:
+    """The cache file's entries ({} when it is missing or damaged)."""
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
 def store_entry(path: Path, key: str, value) -> None:
     """Add one entry to a JSON cache file (under a file lock; a cache that cannot be written is only slower)."""
     from filelock import FileLock, Timeout
@@ -24,14 +33,10 @@ def store_entry(path: Path, key: str, value) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(path) + ".lock", timeout=5):
-            try:
-                entries = json.loads(path.read_text())
-                entries = entries if isinstance(entries, dict) else {}
-            except (OSError, ValueError):
-                entries = {}
-            entries[key] = value
+            stored = entries(path)
+            stored[key] = value
             tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(entries, indent=1))
+            tmp.write_text(json.dumps(stored, indent=1))
             os.replace(tmp, path)
     except (OSError, Timeout):
         pass

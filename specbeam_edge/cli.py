@@ -15,10 +15,9 @@ from .config import AHEAD_MIN_PATH_PROB, ModelFolderError, SpeculativeConfig
 from .flags import (DEFAULT_MODELS, PROVIDERS, DefaultsHelp, Status, add_beam_arg,  # noqa: F401
                     add_decoding_constraint_args, add_length_penalty_arg, add_memory_args, add_speculation_args,
                     check_prompt_format, check_widths, decoding_constraints, end_line, engine_from_args,
-                    finite_float, guard_std_streams, is_terminal, parse_size, positive_int, speculative_from_args,
-                    streaming_note)
+                    finite_float, guard_std_streams, is_terminal, parse_size, positive_int, read_bounded,
+                    speculative_from_args, streaming_note)
 from .fetch import FetchError, default_ahead, default_draft, resolve_model
-from .flags import read_bounded
 from .providers import ProviderError
 from .shipped import shipped
 from .tokenizer import ChatTemplateError

@@ -168,7 +168,7 @@ class ModelConfig:
             embed = table["file"] if isinstance(table, dict) and "file" in table else cfg.files["embed"]
             needed = [embed, cfg.files["layer"], cfg.files["head"]]
             if isinstance(table, dict) and isinstance(table.get("scale_file"), str):
-                needed.append(table["scale_file"])     # an int8 table's row scales
+                needed.append(table["scale_file"])     # an int8 table's block scales
             resident = cfg.files.get("layer_resident")     # the resident layers' graph (export/resident.py)
             if resident is not None:
                 if not (isinstance(resident, dict) and {"graph", "tables", "tables_manifest"} <= resident.keys()):
@@ -262,8 +262,8 @@ def _check_manifest(manifest, path: Path) -> None:
 
 def _check_embed_table(cfg: "ModelConfig", path: Path) -> None:
     """files.embed_table: {file, dtype (float32 | float16 | int8), shape [vocab_size, hidden_size]} (int8: and
-    scale_file, one float32 per `block` values of a row), and files of exactly that many bytes (a truncated or replaced table fails
-    here, by name, not as wrong text)."""
+    scale_file, one float32 per `block` values of a row), and files of exactly that many bytes (a truncated or
+    replaced table fails here, by name, not as wrong text)."""
     t = cfg.files["embed_table"]
     sizes = {"float32": 4, "float16": 2, "int8": 1}
     ok = (isinstance(t, dict) and t.get("dtype") in sizes and isinstance(t.get("file"), str)

@@ -9,11 +9,10 @@ load as they did.
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
-from .cachefile import cache_dir, store_entry
+from .cachefile import cache_dir, entries, store_entry
 from .config import ModelFolderError
 from .contract import file_sha256
 
@@ -24,14 +23,11 @@ def verify(folder: Path, sums: dict | None) -> None:
     """Every file `sums` names ({name: hex SHA-256}, relative to folder) has its recorded SHA-256; a mismatch is
     one line naming the file and the fix."""
     path = cache_dir() / CACHE_FILE
-    try:
-        seen = json.loads(path.read_text())
-    except (OSError, ValueError):
-        seen = {}
+    seen = entries(path)
     for name, want in (sums or {}).items():
         file = Path(folder) / name
         key, stamp = _stamp(file)
-        if isinstance(seen, dict) and seen.get(key) == [stamp, want]:
+        if seen.get(key) == [stamp, want]:
             continue
         got = file_sha256(file)
         if got != want:

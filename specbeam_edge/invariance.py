@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import json
 import platform
 import zlib
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from .cachefile import cache_dir, store_entry  # noqa: F401 (cache_dir: read by callers here)
+from .cachefile import cache_dir, entries, store_entry
 from .model import host
 
 # largest |tree row - the row alone| over the largest |logit| (measure): fp32 and per-row int8 graphs measure 0 on
@@ -174,10 +173,7 @@ def check(model, *, use_cache: bool = True, rows: int | None = None) -> Invarian
     path = cache_dir() / "invariance.json"
     key = cache_key(model, rows)
     if use_cache:
-        try:
-            hit = json.loads(path.read_text()).get(key)
-        except (OSError, ValueError, AttributeError):
-            hit = None
+        hit = entries(path).get(key)
         if isinstance(hit, (int, float)):
             return Invariance(float(hit), float(hit) <= TOLERANCE, cached=True)
     diff = measure(model, rows)
