@@ -548,20 +548,13 @@ def draft_source(shipped: Path, target: Path, out: Path) -> None:
     fetched target's graph (the draft shares it; it is not shipped: 113 MB), the target's tokenizer files."""
     import numpy as np
     import onnx
-    from onnx import numpy_helper
     from safetensors.numpy import load_file, save_file
 
     cfg = json.loads((target / "specbeam_config.json").read_text())
     graph = target / (cfg.get("files", {}).get("model") or cfg.get("files", {}).get("embed") or "model.onnx")
     model = onnx.load(str(graph), load_external_data=False)
-    tables = {t.name: t for t in model.graph.initializer
-              if t.name in ("embed.weight", "embed.weight.i8", "embed.weight.blockscale")}
-    read = lambda name: numpy_helper.to_array(tables[name], str(graph.parent))
-    if "embed.weight" in tables:
-        table = read("embed.weight").astype(np.float32)
-    elif {"embed.weight.i8", "embed.weight.blockscale"} <= tables.keys():    # int8: the values the target uses
-        table = _exporter(".graph").dequantize_embed(read("embed.weight.i8"), read("embed.weight.blockscale"))
-    else:
+    table = _exporter(".graph").embedding_values(model.graph.initializer, str(graph.parent))
+    if table is None:
         raise FetchError(f"{graph} has no embedding table to build the draft from; run `specbeam fetch "
                          f"--force` to export the target again")
     out.mkdir(parents=True)

@@ -36,7 +36,7 @@ from onnx import numpy_helper as onh
 
 from specbeam_edge.contract import AHEAD_FORM as FORM, AHEAD_INPUT, AHEAD_OUTPUTS, file_sha256
 
-from .graph import dequantize_embed
+from .graph import embedding_values
 
 FINAL_HIDDEN = "final_h"
 WEIGHTS = ("w1", "b1", "w2", "b2", "norm")
@@ -95,13 +95,9 @@ def add_head(model: onnx.ModelProto, weights: dict[str, np.ndarray], token_ids: 
         raise ValueError(f"the head needs guesses >= 1 and depth >= 1, got {guesses} and {depth}")
     g = model.graph
     emb = _embedding_table(g)
-    inits = {t.name: t for t in g.initializer}
-    table = inits.get(emb)
-    if table is None:
+    E = embedding_values(g.initializer)
+    if E is None:
         raise ValueError(f"the embedding {emb} is not an initializer; export with -p fp32 or int8")
-    E = onh.to_array(table).astype(np.float32)
-    if emb == "embed.weight.i8" and "embed.weight.blockscale" in inits:    # int8 codes: the values they stand for
-        E = dequantize_embed(E, onh.to_array(inits["embed.weight.blockscale"]))
     token_ids = np.asarray(token_ids, np.int64)
     if token_ids.ndim != 1 or len(token_ids) < guesses or token_ids.min() < 0 or token_ids.max() >= E.shape[0]:
         raise ValueError(f"the head's token ids must be {guesses} or more ids of the vocabulary (0-{E.shape[0] - 1})")

@@ -443,6 +443,19 @@ def dequantize_embed(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
     return (q.astype(np.float32).reshape(*scale.shape, -1) * scale[..., None]).reshape(q.shape)
 
 
+def embedding_values(initializers, base_dir: str | None = None) -> np.ndarray | None:
+    """The fp32 embedding table a whole graph looks tokens up in, from its initializers (TensorProtos; base_dir:
+    where their external data lies): `embed.weight`, or the int8 codes and block scales as the graph computes
+    them. None when the graph holds neither."""
+    t = {i.name: i for i in initializers if i.name in ("embed.weight", "embed.weight.i8", "embed.weight.blockscale")}
+    read = lambda name: onh.to_array(t[name], base_dir)     # noqa: E731
+    if "embed.weight" in t:
+        return read("embed.weight").astype(np.float32)
+    if {"embed.weight.i8", "embed.weight.blockscale"} <= t.keys():
+        return dequantize_embed(read("embed.weight.i8"), read("embed.weight.blockscale"))
+    return None
+
+
 def _int8_rows_embedding(b: Builder, table: np.ndarray | None, hidden: int) -> str:
     """The embedding as int8 codes with a scale a block (quantize_embed_rows), looked up and scaled per token: the
     split layout's int8 table (export/split.py, offload.TableRows) computes the same fp32 products from its file.
