@@ -116,7 +116,9 @@ _ARCH_NAMES = {"gemma3_text": "gemma3"}
 def _tensors(path: Path, reader, processor, names: dict[str, str]) -> Tensors:
     """Readers of the file's tensors under their checkpoint names (gguf-py's reader gives where each lies; its
     bytes are read from the file when asked for, so nothing of the file stays mapped in memory)."""
-    readers, shapes = {}, {}
+    from .blocks import BYTES
+
+    readers, shapes, blocks = {}, {}, {}
     for t in reader.tensors:
         hf_name = names.get(t.name)
         if hf_name is None:
@@ -124,7 +126,30 @@ def _tensors(path: Path, reader, processor, names: dict[str, str]) -> Tensors:
         where = _Stored(t.name, t.tensor_type, t.data_offset, t.data.dtype, tuple(t.data.shape))
         readers[hf_name] = functools.partial(_read_tensor, path, where, processor, names)
         shapes[hf_name] = tuple(int(d) for d in reversed(t.shape.tolist()))
-    return Tensors(readers, shapes)
+        kind = t.tensor_type.name.lower()
+        if kind in BYTES and len(where.shape) == 2:
+            blocks[hf_name] = functools.partial(_read_blocks, path, where, kind, processor, names)
+    return Tensors(readers, shapes, blocks)
+
+
+def _read_blocks(path: Path, t: _Stored, kind: str, processor, names: dict, rows: slice | None):
+    """A quantized matrix's own blocks (export.blocks.from_ggml), its rows put in the order transformers'
+    processor puts them (Llama's q/k rows are permuted: found by processing a column of row numbers), or the
+    stored rows `rows`. The caller checks the blocks' values against the processed tensor before using them."""
+    from .blocks import from_ggml
+
+    b = from_ggml(read_rows(path, t.offset, t.dtype, t.shape, rows), kind)
+    if rows is not None:
+        return b
+    rows = np.arange(b.codes.shape[0], dtype=np.float32)[:, None]
+    order = processor.process(weights=rows, name=t.name, tensor_key_mapping=names,
+                              parsed_parameters={"tensors": {}}).weights
+    order = np.asarray(order, np.float32).reshape(-1)
+    if order.shape == rows[:, 0].shape and not np.array_equal(order, rows[:, 0]):
+        pick = order.astype(np.int64)
+        b.codes, b.scale = b.codes[pick], b.scale[pick]
+        b.offset = None if b.offset is None else b.offset[pick]
+    return b
 
 
 class _Stored(NamedTuple):

@@ -443,16 +443,32 @@ def dequantize_embed(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
     return (q.astype(np.float32).reshape(*scale.shape, -1) * scale[..., None]).reshape(q.shape)
 
 
+FOUR_BIT = ("q4_0", "q4_1", "q4_k")     # the 4-bit kinds of export/blocks.py
+
+
 def embedding_values(initializers, base_dir: str | None = None) -> np.ndarray | None:
     """The fp32 embedding table a whole graph looks tokens up in, from its initializers (TensorProtos; base_dir:
     where their external data lies): `embed.weight`, or the int8 codes and block scales as the graph computes
     them. None when the graph holds neither."""
-    t = {i.name: i for i in initializers if i.name in ("embed.weight", "embed.weight.i8", "embed.weight.blockscale")}
+    names = ("embed.weight", "embed.weight.i8", "embed.weight.blockscale", "embed.codes", "embed.bscale",
+             "embed.bzero", "embed.boffset", "embed.kind")
+    t = {i.name: i for i in initializers if i.name in names}
     read = lambda name: onh.to_array(t[name], base_dir)     # noqa: E731
     if "embed.weight" in t:
         return read("embed.weight").astype(np.float32)
     if {"embed.weight.i8", "embed.weight.blockscale"} <= t.keys():
         return dequantize_embed(read("embed.weight.i8"), read("embed.weight.blockscale"))
+    if {"embed.codes", "embed.bscale"} <= t.keys():          # a GGUF's own blocks (export/whole.py)
+        codes, scale = read("embed.codes"), read("embed.bscale")
+        if read("embed.kind").tobytes().rstrip(b"\0").decode() in FOUR_BIT:    # two codes a byte
+            codes = np.concatenate([codes & 15, codes >> 4], -1)
+        v = codes.astype(np.float32)
+        if "embed.bzero" in t:
+            v = v - read("embed.bzero")
+        v = v * scale
+        if "embed.boffset" in t:
+            v = v + read("embed.boffset")
+        return v.reshape(v.shape[0], -1)
     return None
 
 

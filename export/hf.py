@@ -157,14 +157,20 @@ class Tensors(Mapping):
     reads a slice of a tensor's leading axis (an embedding or head table in chunks)."""
 
     def __init__(self, readers: dict[str, "Callable[[slice | None], np.ndarray]"],
-                 shapes: dict[str, tuple[int, ...]]):
-        self._readers, self.shapes = readers, shapes
+                 shapes: dict[str, tuple[int, ...]], blocks: dict[str, "Callable[[], object]"] | None = None):
+        self._readers, self.shapes, self._blocks = readers, shapes, blocks or {}
 
     def __getitem__(self, name: str) -> np.ndarray:
         return self._readers[name](None)
 
     def rows(self, name: str, start: int, stop: int) -> np.ndarray:
         return self._readers[name](slice(start, stop))
+
+    def blocks(self, name: str, start: int | None = None, stop: int | None = None):
+        """A GGUF matrix's own blocks (export.blocks.Blocks of the [in, out] MatMul weight, rows in the order the
+        processed tensor has them; or its rows start..stop as stored), or None where the file stores it otherwise."""
+        read = self._blocks.get(name)
+        return None if read is None else read(None if start is None else slice(start, stop))
 
     def __contains__(self, name) -> bool:         # (Mapping's own would read the tensor to find out)
         return name in self._readers

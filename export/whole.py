@@ -15,12 +15,14 @@ from onnx import helper as oh
 from specbeam_edge.contract import past_names, present_names
 
 from . import graph, save
-from .blocks import gguf_int4
-from .families import layer_weights
+from .blocks import KINDS, Blocks, gguf_int4
+from .families import LayerTensors
 from .graph import Builder
 from .hf import Arch
 from .quant import rowwise_int8
 from .save import DataFile
+from .hf import embed_rows, final_norm
+from .quant import row_chunks
 from .split import head_weights, table_chunks
 
 # precisions whose quantization rewrites each weight's MatMul on its own; the others (int8dyn's per-tensor
@@ -39,19 +41,21 @@ class _Quantizer:
         self.mode = "rtn" if force_rtn or block_size != 32 else None      # int4: None until a piece decides
         self.entry = None
 
-    def __call__(self, piece: onnx.ModelProto) -> onnx.ModelProto:
+    def __call__(self, piece: onnx.ModelProto, known=None) -> onnx.ModelProto:
+        """known: the piece's weights' own GGUF blocks by initializer name, a callable giving them (int4 only)."""
         if not any(n.op_type == "MatMul" for n in piece.graph.node):
             return piece
         if self.precision == "int8":
             q = rowwise_int8(piece, reduce_range=self.reduce_range)
             self.entry = {**q, "matmuls": (self.entry or {}).get("matmuls", 0) + q["matmuls"]}
         elif self.precision == "int4":
-            return self._int4(piece)
+            return self._int4(piece, known)
         return piece
 
-    def _int4(self, piece):
+    def _int4(self, piece, known):
         if self.mode != "rtn":
-            q = gguf_int4(piece)
+            blocks, trusted = known() if known else (None, False)
+            q = gguf_int4(piece, blocks, trusted)
             if q is None and self.mode == "grid":
                 raise _OffGrid
             if q is not None:
@@ -59,7 +63,8 @@ class _Quantizer:
                 blocks = dict((self.entry or {}).get("blocks", {}))
                 for k, v in q["blocks"].items():
                     blocks[k] = blocks.get(k, 0) + v
-                self.entry = {**q, "blocks": dict(sorted(blocks.items())), "matmuls": sum(blocks.values())}
+                self.entry = {**q, "blocks": dict(sorted(blocks.items())), "matmuls": sum(blocks.values()),
+                              "bits": max(KINDS[k][0] for k in blocks), "block_size": min(KINDS[k][1] for k in blocks)}
                 return piece
             self.mode = "rtn"
         piece, self.entry = save.rtn_int4(piece, self.block_size)
@@ -71,6 +76,8 @@ def _embedding(b: Builder, data: DataFile, w, arch: Arch, precision: str) -> Non
     (table_chunks): int8 codes with a scale per block of 32 (int8), int8 codes times a scale a row (int8w),
     half or single floats."""
     V, H = arch.vocab_size, arch.hidden
+    if precision == "int4" and _blocks_embedding(b, data, w, arch):
+        return
     scales = []
 
     def values():
@@ -96,6 +103,86 @@ def _embedding(b: Builder, data: DataFile, w, arch: Arch, precision: str) -> Non
     b.node("Gather", [emb, "input_ids"], ["h0"], axis=0)
 
 
+EMBED = "model.embed_tokens.weight"
+
+
+def _embedding_blocks(w, arch: Arch):
+    """The embedding table's own GGUF blocks a chunk of rows at a time, each checked bit for bit against the
+    values the graph would look up (embed_rows); None for a table the file does not store so (or one the family
+    scales). Raises _OffBlocks when a chunk's values differ."""
+    if arch.embed_scale != 1.0 or w.blocks(EMBED, 0, 1) is None:
+        return None
+
+    def chunks():
+        for a, z in row_chunks(arch.vocab_size):
+            blk = w.blocks(EMBED, a, z)
+            if not np.array_equal(blk.values().T, embed_rows(w, arch, a, z)):
+                raise _OffBlocks
+            yield blk
+    return chunks()
+
+
+class _OffBlocks(Exception):
+    """The file's embedding blocks do not give transformers' values: the table is written as fp32 instead."""
+
+
+def _blocks_embedding(b: Builder, data: DataFile, w, arch: Arch) -> bool:
+    """int4 from a GGUF: the embedding table in the file's own blocks (codes, fp32 scales, offsets or a zero
+    point), looked up and dequantized per token in the graph exactly as gguf-py dequantizes the file (so the
+    table is the file's, at 6-10 bits a value instead of fp32's 32). 4-bit codes are stored two to a byte (the
+    block's first half in the low nibbles). False (nothing written) when the file's table is not in blocks."""
+    chunks = _embedding_blocks(w, arch)
+    if chunks is None:
+        return False
+    first = w.blocks(EMBED, 0, 1)
+    kind, bits, bs, zero = first.kind, first.bits, first.block, first.zero
+    nb, V, half = arch.hidden // bs, arch.vocab_size, bs // 2
+    scales, offsets = [], []
+
+    def codes():
+        for blk in chunks:
+            scales.append(blk.scale)
+            if blk.offset is not None:
+                offsets.append(blk.offset)
+            c = blk.codes
+            yield (c[..., :half] | (c[..., half:] << 4)) if bits == 4 else c
+    try:
+        b.inits.append(data.table("embed.codes", np.uint8, (V, nb, half if bits == 4 else bs), codes()))
+    except _OffBlocks:      # (the chunks written so far stay in the data file, unreferenced)
+        return False
+    b.init("embed.bscale", np.concatenate(scales)[..., None])
+    rows = b.node("Gather", ["embed.codes", "input_ids"], ["h0.codes"], axis=0)          # [B, S, nb, w]
+    if bits == 4:
+        lo = b.node("BitwiseAnd", [rows, b.init("embed.low_mask", np.array(15, np.uint8))], ["h0.lo"])
+        hi = b.node("BitShift", [rows, b.init("embed.shift", np.array(4, np.uint8))], ["h0.hi"], direction="RIGHT")
+        rows = b.node("Concat", [lo, hi], ["h0.unpacked"], axis=-1)
+    v = b.node("Cast", [rows], ["h0.codesf"], to=graph.F32)
+    if zero:
+        v = b.node("Sub", [v, b.init("embed.bzero", np.array(zero, np.float32))], ["h0.centred"])
+    v = b.node("Mul", [v, b.node("Gather", ["embed.bscale", "input_ids"], ["h0.bscale"], axis=0)], ["h0.scaled"])
+    if offsets:
+        b.init("embed.boffset", np.concatenate(offsets)[..., None])
+        v = b.node("Add", [v, b.node("Gather", ["embed.boffset", "input_ids"], ["h0.boffset"], axis=0)],
+                   ["h0.offset"])
+    b.node("Reshape", [v, b.init("embed.flat", np.array([0, 0, arch.hidden], np.int64))], ["h0"])
+    b.init("embed.kind", np.frombuffer(kind.encode().ljust(8, b"\0"), np.uint8))   # (graph.embedding_values)
+    return True
+
+
+def _head_blocks(w, head: str, ids):
+    """The head matrix's own GGUF blocks (its rows `ids` for a head of some tokens), each chunk of rows checked bit
+    for bit against the tensor's values; None when the file stores it otherwise or the values differ."""
+    b = w.blocks(head)
+    if b is None:
+        return None
+    for a, z in row_chunks(b.codes.shape[0]):
+        if not np.array_equal(b.rows(a, z).values().T, np.asarray(w.rows(head, a, z), np.float32)):
+            return None
+    if ids is not None and len(ids) < b.codes.shape[0]:
+        b = Blocks(b.kind, b.codes[ids], b.scale[ids], None if b.offset is None else b.offset[ids])
+    return b
+
+
 def _piece(b: Builder) -> onnx.ModelProto:
     return oh.make_model(oh.make_graph(b.nodes, "piece", [], [], b.inits),
                          opset_imports=[oh.make_opsetid("", graph.OPSET)], ir_version=10)
@@ -119,8 +206,8 @@ def _write(tmp, w, arch, head, head_ids, precision, output, attention, block_siz
     data = DataFile(tmp / "model.onnx.data")
     nodes, inits, inputs, outputs, domains, seen = [], [], [], [], set(), set()
 
-    def add(b: Builder) -> None:
-        piece = quantize(_piece(b))
+    def add(b: Builder, known=None) -> None:
+        piece = quantize(_piece(b), known)
         data.spill(piece.graph.initializer)
         # a fresh message of what is left: protobuf frees a message's memory (the weights this piece read, and
         # the quantizer's copies) only with the whole message, which any node kept from it would keep alive
@@ -144,15 +231,23 @@ def _write(tmp, w, arch, head, head_ids, precision, output, attention, block_siz
             b = Builder(attention)
             (pk, pv), (ok, ov) = past_names(i), present_names(i)
             graph._kv_io(b, arch, i, (pk, pv), (ok, ov))
-            x = graph.decoder_layer(b, arch, i, x, layer_weights(w, arch, i), store, False, pk, pv, ok, ov)
-            add(b)
+            lw = LayerTensors(w, arch, i)
+            x = graph.decoder_layer(b, arch, i, x, {k: lw[k] for k in lw.keys()}, store, False, pk, pv, ok, ov)
+            add(b, lambda: ({f"layers.{i}.{k}": lw.blocks(k) for k in graph.MATMULS}, False))
             step(f"layer {i + 1}/{arch.layers}")
         b = Builder(attention)
-        g = head_weights(w, arch, head, head_ids, "int8" if precision == "int8" else "fp32", reduce_range)
-        lm_head = graph.head_weight(b, g["lm_head"], store)
-        del g["lm_head"]
+        known = _head_blocks(w, head, head_ids) if precision == "int4" and quantize.mode != "rtn" else None
+        if known is not None:      # checked against the file's values: the graph needs only the head's shape
+            g = {"norm": final_norm(w, arch)}
+            lm_head = b.init("lm_head.weight", np.zeros((), np.float32))
+            b.inits[-1].dims[:] = [arch.hidden, known.codes.shape[0]]
+            b.inits[-1].ClearField("raw_data")
+        else:
+            g = head_weights(w, arch, head, head_ids, "int8" if precision == "int8" else "fp32", reduce_range)
+            lm_head = graph.head_weight(b, g["lm_head"], store)
+            del g["lm_head"]
         graph._head(b, arch, x, b.init("norm.weight", g["norm"]), lm_head, output, store, head_ids)
-        add(b)
+        add(b, lambda: ({lm_head: known}, True))
         step("head")
     finally:
         data.close()

@@ -39,8 +39,9 @@ def _tokenizer_fields(hf_folder, vocab_size: int):
     return tokens, types, merges
 
 
-def write_gguf(hf_folder, model, path, arch: str, qtype=None):
-    """A GGUF file of `model` with the metadata keys and tensor names llama.cpp writes for `arch`."""
+def write_gguf(hf_folder, model, path, arch: str, qtype=None, stored=None):
+    """A GGUF file of `model` with the metadata keys and tensor names llama.cpp writes for `arch`. stored(name,
+    fp32 array) may give a matrix's bytes itself: (uint8 rows, quantization type), or None for `qtype`'s."""
     qtype = gguf.GGMLQuantizationType.Q8_0 if qtype is None else qtype
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch)
@@ -75,7 +76,10 @@ def write_gguf(hf_folder, model, path, arch: str, qtype=None):
         a = t.float().numpy()
         if arch == "llama" and base.endswith(("q_proj", "k_proj")):
             a = _rope_permute(a, cfg.num_attention_heads if base.endswith("q_proj") else cfg.num_key_value_heads)
-        if a.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+        own = stored(name, a) if stored is not None and a.ndim == 2 else None
+        if own is not None:
+            w.add_tensor(f"{names.get_name(base)}.{suffix}", own[0], raw_dtype=own[1])
+        elif a.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
             w.add_tensor(f"{names.get_name(base)}.{suffix}", gguf.quants.quantize(a, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(f"{names.get_name(base)}.{suffix}", a)

@@ -119,3 +119,123 @@ def test_int4_export_of_a_q4_1_gguf_keeps_its_blocks(tmp_path):
     T = ids.shape[1]
     got = lm.forward(ids, np.arange(T)[None], np.tril(np.ones((T, T), bool))[None, None], lm.empty_past())[0][0]
     assert np.abs(got - want).max() < 5e-2 * np.abs(want).max()
+
+
+# -- blocks read from the file's bytes (from_ggml): K-quants and Q5 cannot be recovered from the values ----------
+RAW = {"q4_k": Q.Q4_K, "q6_k": Q.Q6_K, "q5_0": Q.Q5_0, "q5_1": Q.Q5_1, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1,
+       "q8_0": Q.Q8_0}
+# where each kind keeps its fp16 fields (d, dmin or m), by byte offset in its block
+FP16_AT = {"q4_k": (0, 2), "q6_k": (208,), "q5_0": (0,), "q5_1": (0, 2), "q4_0": (0,), "q4_1": (0, 2),
+           "q8_0": (0,)}
+
+
+def raw_blocks(kind: str, N: int, K: int, seed: int = 0, scale: float = 0.01) -> np.ndarray:
+    """N rows of K values in `kind`'s ggml blocks: random codes and sub-scales, small finite fp16 scales (a file
+    llama.cpp could have written; gguf-py quantizes none of the K-quants)."""
+    from export.blocks import BYTES
+
+    size, per = BYTES[kind]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (N, K // per * size), dtype=np.uint8)
+    blk = raw.reshape(-1, size)
+    for at in FP16_AT[kind]:
+        d = (np.abs(rng.standard_normal(len(blk))) * scale + scale / 4).astype(np.float16)
+        blk[:, at:at + 2] = d.view(np.uint8).reshape(-1, 2)
+    return raw
+
+
+@pytest.mark.parametrize("kind", list(RAW))
+def test_blocks_read_from_the_bytes_give_gguf_pys_values_bit_for_bit(kind):
+    from export.blocks import from_ggml
+
+    raw = raw_blocks(kind, 6, 512)
+    b = from_ggml(raw, kind)
+    assert b.kind == kind and b.codes.shape[1] * b.block == 512
+    assert np.array_equal(b.values(), gguf.quants.dequantize(raw, RAW[kind]).T)
+    assert b.equals(gguf.quants.dequantize(raw, RAW[kind]).T)
+
+
+@pytest.mark.parametrize("kinds", [("q4_k", "q4_k", "q6_k"), ("q5_0", "q5_1", "q8_0"), ("q6_k", "q5_0", "q4_k")])
+def test_graph_of_the_files_own_blocks_computes_x_at_w_and_rows_are_independent(kinds):
+    from export.blocks import from_ggml
+
+    shapes = {"A": (256, 256), "B": (32, 256), "C": (48, 256)}          # (N, K): a = x @ A feeds y = a @ C
+    known = {k: from_ggml(raw_blocks(kind, N, K, seed=i), kind)
+             for i, (kind, (k, (N, K))) in enumerate(zip(kinds, shapes.items()))}
+    W = {k: b.values() for k, b in known.items()}
+    ref_model, model = _graph256(W), _graph256(W)
+    quant = gguf_int4(model, known)
+    assert quant is not None and quant["blocks"] == {k: kinds.count(k) for k in set(kinds)}
+    assert gguf_int4(_graph256(W)) is None or set(kinds) <= {"q8_0", "q4_0", "q4_1"}   # values alone: no grid
+    x = np.random.default_rng(5).standard_normal((1, 9, 256)).astype(np.float32)
+    ref, got = _run(ref_model, x), _run(model, x)
+    assert np.abs(got - ref).max() < 3e-2 * np.abs(ref).max()      # int8 activations per block
+    for rows in (2, 5):
+        assert np.array_equal(_run(model, x[:, :rows]), got[:, :rows])
+
+
+def test_known_blocks_that_do_not_give_the_values_are_not_used():
+    from export.blocks import from_ggml
+
+    known = {k: from_ggml(raw_blocks("q4_k", N, 256, seed=i), "q4_k") for i, (k, N) in enumerate(
+        (("A", 256), ("B", 32), ("C", 48)))}
+    W = {k: b.values() for k, b in known.items()}
+    W["B"][7, 3] += 1e-3                                           # B's values are not the blocks' any more
+    assert gguf_int4(_graph256(W), known) is None                  # B: the file's blocks refused, and no grid
+
+
+def _graph256(weights: dict[str, np.ndarray]) -> onnx.ModelProto:
+    """x [B, T, 256] -> a = x @ A (256), b = x @ B (32), y = a @ C (48), out = concat(y, b): K = 256 everywhere
+    (K-quants need super-blocks of 256)."""
+    nodes = [oh.make_node("MatMul", ["x", "A"], ["a"]), oh.make_node("MatMul", ["x", "B"], ["b"]),
+             oh.make_node("MatMul", ["a", "C"], ["y"]), oh.make_node("Concat", ["y", "b"], ["out"], axis=-1)]
+    g = oh.make_graph(nodes, "g", [oh.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "T", 256])],
+                      [oh.make_tensor_value_info("out", TensorProto.FLOAT, ["B", "T", None])],
+                      [onh.from_array(w, k) for k, w in weights.items()])
+    m = oh.make_model(g, opset_imports=[oh.make_opsetid("", 18)])
+    m.ir_version = 9
+    return m
+
+
+def test_int4_export_of_a_k_quant_gguf_keeps_every_block_and_the_embedding_exactly(tmp_path):
+    """A Llama GGUF (q/k rows permuted by the converter) of Q4_K, Q6_K, Q5_0 and Q5_1 matrices, as a Q4_K_M file
+    mixes them: `-p int4` keeps every matrix's blocks and the embedding table's (Q4_K: codes two a byte, scales
+    and offsets), and computes transformers' logits within int8-activation rounding."""
+    import torch
+    import transformers as tf
+    from family_models import make_family_model
+    from test_gguf import write_gguf
+
+    from export import export
+    from export.graph import embedding_values
+    from specbeam_edge.model import OnnxCausalLM
+
+    model = make_family_model(tmp_path / "hf", "smollm2", std=0.3, seed=3, hidden_size=256, intermediate_size=512,
+                              num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    kinds = {"v_proj": "q5_0", "down_proj": "q6_k", "embed_tokens": "q4_k", "lm_head": "q5_1"}
+    files = {}
+
+    def stored(name, a):
+        kind = next((k for part, k in kinds.items() if part in name), "q4_k")
+        files[name] = kind
+        scale = 0.001 if kind.endswith("_k") else 0.02       # (sub-scales up to 63: weights of about 0.1-1)
+        return raw_blocks(kind, a.shape[0], a.shape[1], seed=len(files), scale=scale), RAW[kind]
+    path = tmp_path / "tiny.gguf"
+    write_gguf(tmp_path / "hf", model, path, "llama", stored=stored)
+    folder = export(path, tmp_path / "sb", precision="int4", quiet=True)
+    cfg = json.loads((folder / "specbeam_config.json").read_text())
+    assert cfg["quantization"]["blocks"] == {"q4_k": 10, "q5_0": 2, "q5_1": 1, "q6_k": 2}   # each as the file has it
+    reader = gguf.GGUFReader(str(path))
+    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    table = embedding_values(onnx.load(folder / "model.onnx", load_external_data=False).graph.initializer,
+                             str(folder))
+    assert np.array_equal(table, gguf.quants.dequantize(embd.data, embd.tensor_type))   # the file's, exactly
+    ref = tf.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32,
+                                                  local_files_only=True).eval()
+    ids = np.array([[3, 17, 33, 8, 99, 41, 7]])
+    with torch.no_grad():
+        want = ref(torch.tensor(ids)).logits[0].numpy()
+    lm = OnnxCausalLM(folder, threads=1)
+    T = ids.shape[1]
+    got = lm.forward(ids, np.arange(T)[None], np.tril(np.ones((T, T), bool))[None, None], lm.empty_past())[0][0]
+    assert np.abs(got - want).max() < 5e-2 * np.abs(want).max()

@@ -98,6 +98,12 @@ class LayerTensors:
     def keys(self) -> list[str]:
         return list(self.names) + (list(layer_flags(self.arch, self.i)) if self.arch.heterogeneous else [])
 
+    def blocks(self, key: str):
+        """Weight `key`'s own GGUF blocks (hf.Tensors.blocks), or None (not a GGUF matrix, or a family that
+        assembles it from several tensors)."""
+        read = getattr(self.w, "blocks", None)
+        return None if read is None or key not in self.names else read(self.p + self.names[key][0])
+
 
 def layer_weights(w: dict[str, np.ndarray], arch: Arch, i: int) -> dict[str, np.ndarray]:
     """fp32 weights of decoder layer i, MatMul-ready ([in, out]); checks every shape against the config."""
