@@ -56,6 +56,10 @@ def main(argv=None) -> int:
                     help="fp16: weights, activations and KV cache in fp16 (for GPUs; whole layout; logits fp32)")
     ap.add_argument("--block_size", type=block_size, default=32,
                     help="int4 quantization block size (a power of two >= 16)")
+    ap.add_argument("--int4_weights", choices=("file", "rtn"), default="file",
+                    help="int4 from a GGUF: 'file' keeps the file's own blocks exactly (Q4_K, Q6_K, Q5_0, ...; 5- to "
+                         "8-bit kinds as 8-bit codes); 'rtn' re-quantizes every matrix to 4 bits round-to-nearest "
+                         "(one more rounding; smaller and faster where the file has 5-8-bit blocks)")
     ap.add_argument("--full_range", action="store_true",
                     help="int8/int8dyn: 8-bit weights (half the rounding error of the default 7 bits) for CPUs with "
                          "VNNI only: without it (AVX2 only) onnxruntime's int8 kernel sums pairs of products in int16, "
@@ -76,7 +80,7 @@ def main(argv=None) -> int:
         out = export(args.input, args.output, precision=args.precision, layout=args.layout,
                      output=args.output_kind, overwrite=args.overwrite, block_size=args.block_size, quiet=args.quiet,
                      compute=args.compute, reduce_range=not args.full_range, attention=args.attention,
-                     head_tokens=args.head_tokens)
+                     head_tokens=args.head_tokens, int4_weights=args.int4_weights)
     except ExportError as e:
         print(f"specbeam-export: error: {e}", file=sys.stderr)
         return 2

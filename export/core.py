@@ -42,7 +42,7 @@ def _layer_info(arch: Arch) -> dict:
 def export(src: str | Path, dst: str | Path, *, precision: str = "fp32", layout: str = "whole",
            output: str = "logits", overwrite: bool = False, block_size: int = 32, quiet: bool = False,
            compute: str = "fp32", reduce_range: bool = True, attention: str | None = None,
-           head_tokens: int | None = None) -> Path:
+           head_tokens: int | None = None, int4_weights: str = "file") -> Path:
     """Export the HF folder `src` into the specbeam model folder `dst`; returns dst.
 
     attention: "fp32" or "fp64" (attention computed in double, so a node's result does not depend on where the
@@ -51,6 +51,9 @@ def export(src: str | Path, dst: str | Path, *, precision: str = "fp32", layout:
     bandwidth, tensor cores on CUDA), logits and the tree mask still fp32 at the graph's edge (`_to_fp16`).
     reduce_range: int8 weights in 7 bits (the default), so CPUs without VNNI never saturate their int16 sums
     (export/quant.py); False: 8 bits, half the weight rounding error, only for CPUs with VNNI.
+    int4_weights: "file" keeps a GGUF's own blocks (export/blocks.py: Q4_K, Q6_K, Q5_0, ... exactly as the file
+    holds them; 5- to 8-bit kinds take 8-bit codes); "rtn" quantizes every matrix round-to-nearest to 4 bits
+    (onnxruntime's quantizer: one more rounding, smaller and faster where the file has 5-8-bit blocks).
     head_tokens: for a draft: its head scores only the ids below this and the tokenizer's added tokens
     (head_subset); the target still scores every token, so output is unchanged and a level costs less.
     The folder is written to a temporary sibling and renamed at the end, so a failure leaves nothing behind.
@@ -77,6 +80,8 @@ def export(src: str | Path, dst: str | Path, *, precision: str = "fp32", layout:
     if (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 16
             or block_size & (block_size - 1)):
         raise ExportError(f"block_size must be a power of two >= 16 (int4 blocks), got {block_size!r}")
+    if int4_weights not in ("file", "rtn"):
+        raise ExportError(f"int4_weights {int4_weights!r} is not 'file' or 'rtn'")
     if head_tokens is not None and (isinstance(head_tokens, bool) or not isinstance(head_tokens, int)
                                     or head_tokens < 1):
         raise ExportError(f"head_tokens must be a positive number of token ids, got {head_tokens!r}")
@@ -85,7 +90,7 @@ def export(src: str | Path, dst: str | Path, *, precision: str = "fp32", layout:
     check_output(src, dst, overwrite)      # before the long work: never the input, a file or a link (safety.py)
     opts = dict(precision="fp16" if compute == "fp16" else precision, layout=layout, output=output,
                 block_size=block_size, quiet=quiet, compute=compute, reduce_range=reduce_range, attention=attention,
-                head_tokens=head_tokens)
+                head_tokens=head_tokens, int4_weights=int4_weights)
     if is_gguf(src):             # transformers dequantizes the file; its config and tokenizer go to a side folder
         with tempfile.TemporaryDirectory(prefix="specbeam-gguf-") as side:
             return _export_decoder(Path(side), dst, unpack(src, Path(side), quiet), src.name, **opts)
@@ -161,7 +166,8 @@ def _whole_in_memory(tmp: Path, weights, arch: Arch, head_ids, precision: str, o
 
 def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str, *, precision: str, layout: str,
                     output: str, block_size: int, quiet: bool, compute: str = "fp32",
-                    reduce_range: bool = True, attention: str = "fp32", head_tokens: int | None = None) -> Path:
+                    reduce_range: bool = True, attention: str = "fp32", head_tokens: int | None = None,
+                    int4_weights: str = "file") -> Path:
     """A decoder-only model from the HF-style folder `src` (weights: read from it when None). The weights are read a
     tensor at a time (hf.Tensors); the split layout also writes them so (export/split.py)."""
     if not (src / "tokenizer.json").is_file():
@@ -179,7 +185,8 @@ def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str
         quant = {"method": "none", "storage": precision}
         if layout == "whole" and precision in whole.STREAMED and compute == "fp32":
             quant = whole.write_whole(tmp, weights, arch, head, head_ids, precision, output, attention, block_size,
-                                      reduce_range, prog.step) or (INT8W if precision == "int8w" else quant)
+                                      reduce_range, prog.step, int4_weights == "rtn")
+            quant = quant or (INT8W if precision == "int8w" else quant)
             files["model"] = "model.onnx"
         elif layout == "whole":
             quant = _whole_in_memory(tmp, weights, arch, head_ids, precision, output, attention, block_size,

@@ -239,3 +239,24 @@ def test_int4_export_of_a_k_quant_gguf_keeps_every_block_and_the_embedding_exact
     T = ids.shape[1]
     got = lm.forward(ids, np.arange(T)[None], np.tril(np.ones((T, T), bool))[None, None], lm.empty_past())[0][0]
     assert np.abs(got - want).max() < 5e-2 * np.abs(want).max()
+
+
+def test_int4_weights_rtn_requantizes_the_matrices_and_keeps_the_files_embedding(tmp_path):
+    """`int4_weights="rtn"` (the shipped draft's choice: 4-bit where the file has 5-8-bit blocks) quantizes every
+    matrix round-to-nearest, and its embedding table is still the file's own blocks, exactly."""
+    from family_models import make_family_model
+    from test_gguf import write_gguf
+
+    from export import export
+    from export.graph import embedding_values
+
+    model = make_family_model(tmp_path / "hf", "smollm2", std=0.3, seed=3, hidden_size=256, intermediate_size=512)
+    path = tmp_path / "tiny.gguf"
+    write_gguf(tmp_path / "hf", model, path, "llama", stored=lambda name, a: (raw_blocks("q5_0", *a.shape), Q.Q5_0))
+    folder = export(path, tmp_path / "sb", precision="int4", quiet=True, int4_weights="rtn")
+    cfg = json.loads((folder / "specbeam_config.json").read_text())
+    assert cfg["quantization"]["method"].endswith("(RTN)")
+    embd = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == "token_embd.weight")
+    table = embedding_values(onnx.load(folder / "model.onnx", load_external_data=False).graph.initializer,
+                             str(folder))
+    assert np.array_equal(table, gguf.quants.dequantize(embd.data, embd.tensor_type))
