@@ -36,7 +36,7 @@ from onnx import numpy_helper as onh
 
 from specbeam_edge.contract import AHEAD_FORM as FORM, AHEAD_INPUT, AHEAD_OUTPUTS, file_sha256
 
-from .graph import embedding_values
+from .graph import blocks_lookup, embedding_values
 
 FINAL_HIDDEN = "final_h"
 WEIGHTS = ("w1", "b1", "w2", "b2", "norm")
@@ -56,9 +56,12 @@ def _embedding_table(g: onnx.GraphProto) -> str:
 INT8_TABLE = ("embed.weight.blockscale", "embed.blocks", "embed.last_axis", "embed.flat")
 
 
-def _lookup(emb: str, tok: str, q: str) -> list:
+def _lookup(emb: str, tok: str, q: str, inits: set[str]) -> list:
     """Nodes giving q + "e": the embedding rows of `tok`, as the target computes them (an int8 table's codes times
-    their block scales, fp32 otherwise)."""
+    their block scales, a GGUF's own blocks (graph.blocks_lookup), fp32 otherwise)."""
+    if emb == "embed.codes":
+        return blocks_lookup(tok, q + "e", "embed.low_mask" in inits, "embed.bzero" in inits,
+                             "embed.boffset" in inits)
     if emb != "embed.weight.i8":
         return [oh.make_node("Gather", [emb, tok], [q + "e"], axis=0)]
     scale, blocks, last, flat = INT8_TABLE
@@ -121,7 +124,7 @@ def add_head(model: onnx.ModelProto, weights: dict[str, np.ndarray], token_ids: 
         q = f"{p}l{level}."
         tok = p + "next" if level == 1 else f"{p}l{level - 1}.tok"
         k = p + "m" if level == 1 else p + "one"
-        nodes += _lookup(emb, tok, q) + [                                                # [B, n, H]
+        nodes += _lookup(emb, tok, q, {t.name for t in g.initializer}) + [                                                # [B, n, H]
             oh.make_node("Concat", [h, q + "e"], [q + "z"], axis=-1),
             oh.make_node("MatMul", [q + "z", p + "w1"], [q + "u0"]),
             oh.make_node("Add", [q + "u0", p + "b1"], [q + "u1"]),

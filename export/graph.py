@@ -446,6 +446,34 @@ def dequantize_embed(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
 FOUR_BIT = ("q4_0", "q4_1", "q4_k")     # the 4-bit kinds of export/blocks.py
 
 
+def blocks_lookup(ids: str, out: str, packed: bool, zero: bool, offset: bool) -> list:
+    """Nodes giving `out` [B, S, H]: the embedding rows of `ids` from a table in a GGUF's own blocks (export/whole.py
+    writes its initializers: embed.codes [V, blocks, bs or bs / 2 packed], embed.bscale and embed.boffset [V,
+    blocks, 1], embed.bzero, embed.low_mask, embed.shift, embed.flat), each value (code - zero) x scale (+ offset)
+    in fp32, as gguf-py dequantizes the file. The lookahead head looks its tokens up with the same nodes."""
+    p = out + "."
+    nodes = [oh.make_node("Gather", ["embed.codes", ids], [p + "codes"], axis=0)]
+    rows = p + "codes"
+    if packed:              # two codes a byte: the block's first half in the low nibbles
+        nodes += [oh.make_node("BitwiseAnd", [rows, "embed.low_mask"], [p + "lo"]),
+                  oh.make_node("BitShift", [rows, "embed.shift"], [p + "hi"], direction="RIGHT"),
+                  oh.make_node("Concat", [p + "lo", p + "hi"], [p + "unpacked"], axis=-1)]
+        rows = p + "unpacked"
+    nodes.append(oh.make_node("Cast", [rows], [p + "codesf"], to=F32))
+    v = p + "codesf"
+    if zero:
+        nodes.append(oh.make_node("Sub", [v, "embed.bzero"], [p + "centred"]))
+        v = p + "centred"
+    nodes += [oh.make_node("Gather", ["embed.bscale", ids], [p + "bscale"], axis=0),
+              oh.make_node("Mul", [v, p + "bscale"], [p + "scaled"])]
+    v = p + "scaled"
+    if offset:
+        nodes += [oh.make_node("Gather", ["embed.boffset", ids], [p + "boffset"], axis=0),
+                  oh.make_node("Add", [v, p + "boffset"], [p + "offset"])]
+        v = p + "offset"
+    return nodes + [oh.make_node("Reshape", [v, "embed.flat"], [out])]
+
+
 def embedding_values(initializers, base_dir: str | None = None) -> np.ndarray | None:
     """The fp32 embedding table a whole graph looks tokens up in, from its initializers (TensorProtos; base_dir:
     where their external data lies): `embed.weight`, or the int8 codes and block scales as the graph computes

@@ -34,11 +34,78 @@ def table_chunks(w, arch: Arch, precision: str):
             yield rows.astype(np.float16 if precision == "fp16" else np.float32, copy=False), None
 
 
+EMBED = "model.embed_tokens.weight"
+
+
+class OffBlocks(Exception):
+    """The file's embedding blocks do not give transformers' values (the caller writes the table otherwise)."""
+
+
+def embedding_blocks(w, arch: Arch):
+    """The first row of the embedding table in the GGUF's own blocks (export.blocks.Blocks: its kind), or None for
+    a table the file stores otherwise or one the family scales (Gemma)."""
+    blocks = getattr(w, "blocks", None)
+    return None if blocks is None or arch.embed_scale != 1.0 else blocks(EMBED, 0, 1)
+
+
+def file_table_chunks(w, arch: Arch):
+    """The embedding table in the file's own blocks a chunk of rows at a time, each chunk checked bit for bit
+    against the values transformers looks up (embed_rows); raises OffBlocks where they differ."""
+    for a, z in row_chunks(arch.vocab_size):
+        blk = w.blocks(EMBED, a, z)
+        if not np.array_equal(blk.values().T, embed_rows(w, arch, a, z)):
+            raise OffBlocks
+        yield blk
+
+
+def packed_codes(blk) -> np.ndarray:
+    """A table chunk's codes as stored: [rows, blocks, bs] uint8, or for 4-bit kinds two codes a byte [rows,
+    blocks, bs / 2] (the block's first half in the low nibbles)."""
+    c, half = blk.codes, blk.block // 2
+    return (c[..., :half] | (c[..., half:] << 4)) if blk.bits == 4 else c
+
+
+def _write_file_blocks_table(folder: Path, w, arch: Arch) -> dict | None:
+    """weights/embed.bin as the GGUF's own blocks (codes, then weights/embed_scale.bin and, for kinds with an
+    offset, weights/embed_offset.bin: fp32 per block), the runtime dequantizing a row as gguf-py does
+    (offload.TableRows): the file's values exactly, in 4.5-10 bits a value. None when the file's table is not in
+    blocks (nothing left behind)."""
+    first = embedding_blocks(w, arch)
+    if first is None:
+        return None
+    path, digest, scales, offsets = folder / "weights" / "embed.bin", hashlib.sha256(), [], []
+    try:
+        with open(path, "wb") as f:
+            for blk in file_table_chunks(w, arch):
+                data = memoryview(np.ascontiguousarray(packed_codes(blk)).reshape(-1))
+                digest.update(data)
+                f.write(data)
+                scales.append(blk.scale)
+                if blk.offset is not None:
+                    offsets.append(blk.offset)
+    except OffBlocks:
+        path.unlink()
+        return None
+    (folder / "weights" / "embed_scale.bin").write_bytes(np.concatenate(scales).astype(np.float32).tobytes())
+    entry = {"file": "weights/embed.bin", "dtype": "uint8", "shape": [arch.vocab_size, arch.hidden],
+             "sha256": digest.hexdigest(), "scale_file": "weights/embed_scale.bin", "block": first.block,
+             "bits": first.bits, "zero": first.zero, "kind": first.kind}
+    if offsets:
+        (folder / "weights" / "embed_offset.bin").write_bytes(np.concatenate(offsets).astype(np.float32).tobytes())
+        entry["offset_file"] = "weights/embed_offset.bin"
+    return entry
+
+
 def write_embed_table(folder: Path, w, arch: Arch, precision: str) -> dict:
     """weights/embed.bin: the embedding table row-major, read a few rows a pass by the runtime (offload.TableRows).
     int8: codes with one fp32 scale per block of 32 values in weights/embed_scale.bin (28% of fp32's bytes);
     fp16: half floats (the whole graph's fp16 storage casts them to fp32 the same way); int8w: the fp32 values its
-    Cast and Mul give; fp32: the fp32 values the graph's Gather gave (table_chunks)."""
+    Cast and Mul give; fp32: the fp32 values the graph's Gather gave (table_chunks). int8 from a GGUF whose
+    table is in blocks: the file's own blocks (_write_file_blocks_table)."""
+    if precision == "int8":
+        entry = _write_file_blocks_table(folder, w, arch)
+        if entry is not None:
+            return entry
     path = folder / "weights" / "embed.bin"
     dtype = {"int8": np.int8, "fp16": np.float16}.get(precision, np.float32)
     digest, scales = hashlib.sha256(), []

@@ -18,12 +18,10 @@ from . import graph, save
 from .blocks import KINDS, Blocks, gguf_int4
 from .families import LayerTensors
 from .graph import Builder
-from .hf import Arch
-from .quant import rowwise_int8
+from .hf import Arch, final_norm
+from .quant import row_chunks, rowwise_int8
 from .save import DataFile
-from .hf import embed_rows, final_norm
-from .quant import row_chunks
-from .split import head_weights, table_chunks
+from .split import OffBlocks, embedding_blocks, file_table_chunks, head_weights, packed_codes, table_chunks
 
 # precisions whose quantization rewrites each weight's MatMul on its own; the others (int8dyn's per-tensor
 # activation scales, fp16 compute's graph-wide conversion) keep the in-memory path (core.py)
@@ -76,7 +74,7 @@ def _embedding(b: Builder, data: DataFile, w, arch: Arch, precision: str) -> Non
     (table_chunks): int8 codes with a scale per block of 32 (int8), int8 codes times a scale a row (int8w),
     half or single floats."""
     V, H = arch.vocab_size, arch.hidden
-    if precision == "int4" and _blocks_embedding(b, data, w, arch):
+    if precision in ("int4", "int8") and _blocks_embedding(b, data, w, arch):
         return
     scales = []
 
@@ -103,68 +101,38 @@ def _embedding(b: Builder, data: DataFile, w, arch: Arch, precision: str) -> Non
     b.node("Gather", [emb, "input_ids"], ["h0"], axis=0)
 
 
-EMBED = "model.embed_tokens.weight"
-
-
-def _embedding_blocks(w, arch: Arch):
-    """The embedding table's own GGUF blocks a chunk of rows at a time, each checked bit for bit against the
-    values the graph would look up (embed_rows); None for a table the file does not store so (or one the family
-    scales). Raises _OffBlocks when a chunk's values differ."""
-    if arch.embed_scale != 1.0 or w.blocks(EMBED, 0, 1) is None:
-        return None
-
-    def chunks():
-        for a, z in row_chunks(arch.vocab_size):
-            blk = w.blocks(EMBED, a, z)
-            if not np.array_equal(blk.values().T, embed_rows(w, arch, a, z)):
-                raise _OffBlocks
-            yield blk
-    return chunks()
-
-
-class _OffBlocks(Exception):
-    """The file's embedding blocks do not give transformers' values: the table is written as fp32 instead."""
-
-
 def _blocks_embedding(b: Builder, data: DataFile, w, arch: Arch) -> bool:
-    """int4 from a GGUF: the embedding table in the file's own blocks (codes, fp32 scales, offsets or a zero
+    """int4 and int8 from a GGUF: the embedding table in the file's own blocks (codes, fp32 scales, offsets or a zero
     point), looked up and dequantized per token in the graph exactly as gguf-py dequantizes the file (so the
     table is the file's, at 6-10 bits a value instead of fp32's 32). 4-bit codes are stored two to a byte (the
     block's first half in the low nibbles). False (nothing written) when the file's table is not in blocks."""
-    chunks = _embedding_blocks(w, arch)
-    if chunks is None:
+    first = embedding_blocks(w, arch)
+    if first is None:
         return False
-    first = w.blocks(EMBED, 0, 1)
     kind, bits, bs, zero = first.kind, first.bits, first.block, first.zero
     nb, V, half = arch.hidden // bs, arch.vocab_size, bs // 2
     scales, offsets = [], []
 
     def codes():
-        for blk in chunks:
+        for blk in file_table_chunks(w, arch):
             scales.append(blk.scale)
             if blk.offset is not None:
                 offsets.append(blk.offset)
-            c = blk.codes
-            yield (c[..., :half] | (c[..., half:] << 4)) if bits == 4 else c
+            yield packed_codes(blk)
     try:
         b.inits.append(data.table("embed.codes", np.uint8, (V, nb, half if bits == 4 else bs), codes()))
-    except _OffBlocks:      # (the chunks written so far stay in the data file, unreferenced)
+    except OffBlocks:      # (the chunks written so far stay in the data file, unreferenced)
         return False
     b.init("embed.bscale", np.concatenate(scales)[..., None])
-    rows = b.node("Gather", ["embed.codes", "input_ids"], ["h0.codes"], axis=0)          # [B, S, nb, w]
     if bits == 4:
-        lo = b.node("BitwiseAnd", [rows, b.init("embed.low_mask", np.array(15, np.uint8))], ["h0.lo"])
-        hi = b.node("BitShift", [rows, b.init("embed.shift", np.array(4, np.uint8))], ["h0.hi"], direction="RIGHT")
-        rows = b.node("Concat", [lo, hi], ["h0.unpacked"], axis=-1)
-    v = b.node("Cast", [rows], ["h0.codesf"], to=graph.F32)
+        b.init("embed.low_mask", np.array(15, np.uint8))
+        b.init("embed.shift", np.array(4, np.uint8))
     if zero:
-        v = b.node("Sub", [v, b.init("embed.bzero", np.array(zero, np.float32))], ["h0.centred"])
-    v = b.node("Mul", [v, b.node("Gather", ["embed.bscale", "input_ids"], ["h0.bscale"], axis=0)], ["h0.scaled"])
+        b.init("embed.bzero", np.array(zero, np.float32))
     if offsets:
         b.init("embed.boffset", np.concatenate(offsets)[..., None])
-        v = b.node("Add", [v, b.node("Gather", ["embed.boffset", "input_ids"], ["h0.boffset"], axis=0)],
-                   ["h0.offset"])
-    b.node("Reshape", [v, b.init("embed.flat", np.array([0, 0, arch.hidden], np.int64))], ["h0"])
+    b.init("embed.flat", np.array([0, 0, arch.hidden], np.int64))
+    b.nodes.extend(graph.blocks_lookup("input_ids", "h0", bits == 4, bool(zero), bool(offsets)))
     b.init("embed.kind", np.frombuffer(kind.encode().ljust(8, b"\0"), np.uint8))   # (graph.embedding_values)
     return True
 

@@ -167,8 +167,9 @@ class ModelConfig:
             table = cfg.files.get("embed_table")
             embed = table["file"] if isinstance(table, dict) and "file" in table else cfg.files["embed"]
             needed = [embed, cfg.files["layer"], cfg.files["head"]]
-            if isinstance(table, dict) and isinstance(table.get("scale_file"), str):
-                needed.append(table["scale_file"])     # an int8 table's block scales
+            for key in ("scale_file", "offset_file"):      # an int8 table's block scales; a GGUF blocks table's
+                if isinstance(table, dict) and isinstance(table.get(key), str):
+                    needed.append(table[key])
             resident = cfg.files.get("layer_resident")     # the resident layers' graph (export/resident.py)
             if resident is not None:
                 if not (isinstance(resident, dict) and {"graph", "tables", "tables_manifest"} <= resident.keys()):
@@ -182,7 +183,7 @@ class ModelConfig:
 
 # files.* entries that name one file each, and those that hold {key: file name}
 _FILE_KEYS = ("model", "embed", "layer", "head", "encoder", "layer_weights")
-_NESTED_FILE_KEYS = {"embed_table": ("file", "scale_file"), "layer_resident": ("graph", "tables")}
+_NESTED_FILE_KEYS = {"embed_table": ("file", "scale_file", "offset_file"), "layer_resident": ("graph", "tables")}
 
 
 def _check_file_names(files: dict, path: Path) -> dict[str, str]:
@@ -261,22 +262,28 @@ def _check_manifest(manifest, path: Path) -> None:
 
 
 def _check_embed_table(cfg: "ModelConfig", path: Path) -> None:
-    """files.embed_table: {file, dtype (float32 | float16 | int8), shape [vocab_size, hidden_size]} (int8: and
-    scale_file, one float32 per `block` values of a row), and files of exactly that many bytes (a truncated or
-    replaced table fails here, by name, not as wrong text)."""
+    """files.embed_table: {file, dtype (float32 | float16 | int8 | uint8), shape [vocab_size, hidden_size]} (int8:
+    and scale_file, one float32 per `block` values of a row; uint8, a GGUF's own blocks: scale_file, `block`,
+    `bits` 4 or 8, an integer `zero` and an optional offset_file of float32 per block), and files of exactly that
+    many bytes (a truncated or replaced table fails here, by name, not as wrong text)."""
     t = cfg.files["embed_table"]
-    sizes = {"float32": 4, "float16": 2, "int8": 1}
+    sizes = {"float32": 4, "float16": 2, "int8": 1, "uint8": 1}
+    blocked = isinstance(t, dict) and t.get("dtype") in ("int8", "uint8")
     ok = (isinstance(t, dict) and t.get("dtype") in sizes and isinstance(t.get("file"), str)
           and t.get("shape") == [cfg.vocab_size, cfg.hidden_size]
-          and (t["dtype"] != "int8" or (isinstance(t.get("scale_file"), str) and type(t.get("block")) is int
-                                        and t["block"] > 0 and cfg.hidden_size % t["block"] == 0)))
+          and (not blocked or (isinstance(t.get("scale_file"), str) and type(t.get("block")) is int
+                               and t["block"] > 0 and cfg.hidden_size % t["block"] == 0))
+          and (t.get("dtype") != "uint8" or (t.get("bits", 8) in (4, 8) and type(t.get("zero", 0)) is int
+                                             and isinstance(t.get("offset_file", ""), str))))
     if not ok:
-        raise ModelFolderError(f"{path}: files.embed_table must be {{file, dtype float32|float16|int8 (int8 with a "
-                               f"scale_file and a block dividing {cfg.hidden_size}), shape [{cfg.vocab_size}, "
-                               f"{cfg.hidden_size}]}}; re-export the model")
-    want = {t["file"]: cfg.vocab_size * cfg.hidden_size * sizes[t["dtype"]]}
-    if t["dtype"] == "int8":
+        raise ModelFolderError(f"{path}: files.embed_table must be {{file, dtype float32|float16|int8|uint8 (int8 and "
+                               f"uint8 with a scale_file and a block dividing {cfg.hidden_size}; uint8 with bits 4 "
+                               f"or 8), shape [{cfg.vocab_size}, {cfg.hidden_size}]}}; re-export the model")
+    want = {t["file"]: cfg.vocab_size * cfg.hidden_size * sizes[t["dtype"]] * t.get("bits", 8) // 8}
+    if blocked:
         want[t["scale_file"]] = cfg.vocab_size * cfg.hidden_size // t["block"] * 4
+        if "offset_file" in t:
+            want[t["offset_file"]] = want[t["scale_file"]]
     for name, size in want.items():
         got = (cfg.folder / name).stat().st_size
         if got != size:

