@@ -71,9 +71,10 @@ def test_parts_are_joined_checked_and_the_draft_comes_with_its_target(data):
     assert (precision, output, layout) == ("int8", "both", "split")      # the target streams; its draft is whole
     assert draft[1] == DRAFT and draft[4] == "whole"
     # the draft's export options (its head cut, fp32 attention), recorded; the target takes none
-    assert data["options"][draft[0]] == {"attention": "fp32", "head_tokens": 65536} and data["options"][name] == {}
+    assert data["options"][draft[0]] == {"attention": "fp32", "head_tokens": 65536, "int4_weights": "rtn"}
+    assert data["options"][name] == {}
     assert json.loads((fetch.folder("qwen2.5-coder-0.5b") / fetch.MARKER).read_text())["export_options"] == \
-        {"attention": "fp32", "head_tokens": 65536}
+        {"attention": "fp32", "head_tokens": 65536, "int4_weights": "rtn"}
     info = json.loads((dst / fetch.MARKER).read_text())
     assert info["parts"] == ["tgt-part1==1.0", "tgt-part2==1.0", "tgt-part3==1.0"] and info["layout"] == "split"
     assert fetch.default_draft("qwen2.5-coder-1.5b") == str(fetch.folder("qwen2.5-coder-0.5b"))
@@ -163,7 +164,7 @@ def test_a_draft_exported_with_older_settings_is_exported_again_from_the_kept_fi
     assert data["downloads"] == downloads and len(data["exports"]) == exports + 1       # the draft alone
     assert data["exports"][-1][1] == DRAFT
     assert "qwen2.5-coder-0.5b was exported with other settings" in capsys.readouterr().err
-    assert json.loads(marker.read_text())["export_options"] == {"attention": "fp32", "head_tokens": 65536}
+    assert json.loads(marker.read_text())["export_options"] == {"attention": "fp32", "head_tokens": 65536, "int4_weights": "rtn"}
     pipeline.fetch("qwen2.5-coder-1.5b", quiet=True)
     assert len(data["exports"]) == exports + 1
     assert leftovers() == []
