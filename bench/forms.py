@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 from . import common
-from .common import save_figure
 from .stream import PROMPTS, ROOT, Arm, hwm_mb, median_ratio, run_alternated
 
 
@@ -112,24 +111,11 @@ def bench(args) -> dict:
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
+    from .pair import bar_plot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    arms = report["arms"]
-    names = list(arms)
-    fig, ax = plt.subplots(figsize=(8, 3.6))
-    ax.bar(names, [arms[a]["tok_s"] for a in names], color="#47a")
-    for i, a in enumerate(names):
-        ax.text(i, arms[a]["tok_s"], f"{arms[a]['tok_s']:.1f}\n{arms[a]['steps_per_pass']:.1f}/pass", ha="center",
-                va="bottom", fontsize=7)
-    ax.set_ylabel("tokens / s (median over prompts)")
-    ax.tick_params(axis="x", rotation=20)
     m = report["machine"]
-    fig.suptitle(f"weight forms in memory, {m['cpu']}, {report['threads']} threads, {report['prompts']} prompts "
-                 f"x {report['max_new']}")
-    save_figure(fig, path)
+    bar_plot(report, path, f"weight forms in memory, {m['cpu']}, {report['threads']} threads, "
+                           f"{report['prompts']} prompts x {report['max_new']}")
 
 
 def main(argv=None) -> int:

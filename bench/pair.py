@@ -199,6 +199,13 @@ def identical(rows: dict) -> dict:
 
 
 def plot(report: dict, path: Path) -> None:
+    m = report["machine"]
+    bar_plot(report, path, f"Qwen2.5-Coder-1.5B + 0.5B in memory, {m['cpu']}, {report['threads']} threads, "
+                           f"{report['prompts']} prompts x {report['max_new']}")
+
+
+def bar_plot(report: dict, path: Path, title: str) -> None:
+    """tokens/s per arm (llama.cpp's arms in another colour), each bar labelled with its tokens a pass."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -214,9 +221,7 @@ def plot(report: dict, path: Path) -> None:
                 va="bottom", fontsize=7)
     ax.set_ylabel("tokens / s (median over prompts)")
     ax.tick_params(axis="x", rotation=20)
-    m = report["machine"]
-    fig.suptitle(f"Qwen2.5-Coder-1.5B + 0.5B in memory, {m['cpu']}, {report['threads']} threads, "
-                 f"{report['prompts']} prompts x {report['max_new']}")
+    fig.suptitle(title)
     save_figure(fig, path)
 
 

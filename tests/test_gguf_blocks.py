@@ -110,15 +110,7 @@ def test_int4_export_of_a_q4_1_gguf_keeps_its_blocks(tmp_path):
     folder = export(path, tmp_path / "sb", precision="int4", quiet=True)
     cfg = json.loads((folder / "specbeam_config.json").read_text())
     assert set(cfg["quantization"]["blocks"]) == {"q4_1"}               # every matrix as the file holds it
-    ref = tf.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32,
-                                                  local_files_only=True).eval()
-    ids = np.array([[3, 17, 33, 8, 99, 41, 7]])
-    with torch.no_grad():
-        want = ref(torch.tensor(ids)).logits[0].numpy()
-    lm = OnnxCausalLM(folder, threads=1)
-    T = ids.shape[1]
-    got = lm.forward(ids, np.arange(T)[None], np.tril(np.ones((T, T), bool))[None, None], lm.empty_past())[0][0]
-    assert np.abs(got - want).max() < 5e-2 * np.abs(want).max()
+    _near_transformers(folder, tmp_path, path)
 
 
 # -- blocks read from the file's bytes (from_ggml): K-quants and Q5 cannot be recovered from the values ----------
@@ -230,15 +222,7 @@ def test_int4_export_of_a_k_quant_gguf_keeps_every_block_and_the_embedding_exact
     table = embedding_values(onnx.load(folder / "model.onnx", load_external_data=False).graph.initializer,
                              str(folder))
     assert np.array_equal(table, gguf.quants.dequantize(embd.data, embd.tensor_type))   # the file's, exactly
-    ref = tf.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32,
-                                                  local_files_only=True).eval()
-    ids = np.array([[3, 17, 33, 8, 99, 41, 7]])
-    with torch.no_grad():
-        want = ref(torch.tensor(ids)).logits[0].numpy()
-    lm = OnnxCausalLM(folder, threads=1)
-    T = ids.shape[1]
-    got = lm.forward(ids, np.arange(T)[None], np.tril(np.ones((T, T), bool))[None, None], lm.empty_past())[0][0]
-    assert np.abs(got - want).max() < 5e-2 * np.abs(want).max()
+    _near_transformers(folder, tmp_path, path)
 
 
 def test_int4_weights_rtn_requantizes_the_matrices_and_keeps_the_files_embedding(tmp_path):
@@ -290,3 +274,21 @@ def test_int8_keeps_the_files_embedding_blocks_and_split_equals_whole(tmp_path, 
     mask = np.tril(np.ones((T, T), bool))[None, None]
     got = [lm.forward(ids, np.arange(T)[None], mask, lm.empty_past())[0] for lm in lms]
     assert np.array_equal(got[0], got[1])
+
+
+def _near_transformers(folder, hf_root, path) -> None:
+    """The folder's logits on a 7-token prompt within int8-activation rounding of transformers' dequantized GGUF."""
+    import torch
+    import transformers as tf
+
+    from specbeam_edge.model import OnnxCausalLM
+
+    ref = tf.AutoModelForCausalLM.from_pretrained(str(hf_root), gguf_file=path.name, dtype=torch.float32,
+                                                  local_files_only=True).eval()
+    ids = np.array([[3, 17, 33, 8, 99, 41, 7]])
+    with torch.no_grad():
+        want = ref(torch.tensor(ids)).logits[0].numpy()
+    lm = OnnxCausalLM(folder, threads=1)
+    T = ids.shape[1]
+    got = lm.forward(ids, np.arange(T)[None], np.tril(np.ones((T, T), bool))[None, None], lm.empty_past())[0][0]
+    assert np.abs(got - want).max() < 5e-2 * np.abs(want).max()
