@@ -193,6 +193,12 @@ BYTES = {"q4_0": (18, 32), "q4_1": (20, 32), "q8_0": (34, 32), "q4_k": (144, 256
          "q5_0": (22, 32), "q5_1": (24, 32)}
 
 
+def block_counts(kinds: dict[str, int]) -> dict:
+    """The quantization entry's counts for MatMuls by kind: blocks, matmuls, the widest codes, the smallest block."""
+    return {"bits": max(KINDS[k][0] for k in kinds), "block_size": min(KINDS[k][1] for k in kinds),
+            "blocks": dict(sorted(kinds.items())), "matmuls": sum(kinds.values())}
+
+
 def from_ggml(raw: np.ndarray, kind: str) -> Blocks:
     """A GGUF tensor's stored rows (uint8 [N, row bytes]: N output rows of K values in `kind`'s blocks) as Blocks
     of the [K, N] MatMul weight, the codes and scales exactly the file's."""
@@ -241,8 +247,10 @@ def gguf_int4(model: onnx.ModelProto, known: dict[str, Blocks] | None = None, tr
             b = (known or {}).get(n.input[1])
             if b is not None and (b.codes.shape[0] != t.dims[1] or b.codes.shape[1] * b.block != t.dims[0]):
                 b = None
-            if b is None or not (trusted or b.equals(onh.to_array(t))):   # the file's blocks give these values
-                b = recover(onh.to_array(t))
+            if b is None or not trusted:
+                w = onh.to_array(t)
+                if b is None or not b.equals(w):      # the file's blocks must give these very values
+                    b = recover(w)
             if b is None:
                 return None
             recovered[n.input[1]] = b
@@ -310,8 +318,6 @@ def gguf_int4(model: onnx.ModelProto, known: dict[str, Blocks] | None = None, tr
     g.initializer.extend(kept + new_inits + consts)
     if not any(i.domain == "com.microsoft" for i in model.opset_import):
         model.opset_import.append(oh.make_opsetid("com.microsoft", 1))
-    return {"method": METHOD, "bits": max(KINDS[k][0] for k in kinds), "block_size": min(KINDS[k][1] for k in kinds),
-            "accuracy_level": 4,
-            "blocks": dict(sorted(kinds.items())), "matmuls": sum(kinds.values()),
+    return {"method": METHOD, "accuracy_level": 4, **block_counts(kinds),
             "ops": "MatMulNBits (every weight MatMul incl. lm_head; q4_1, q4_k and q5_1 add their block offsets as a small fp32 "
                    "MatMul of the activations' block sums); embeddings, attention and norms as exported"}

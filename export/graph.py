@@ -443,9 +443,6 @@ def dequantize_embed(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
     return (q.astype(np.float32).reshape(*scale.shape, -1) * scale[..., None]).reshape(q.shape)
 
 
-FOUR_BIT = ("q4_0", "q4_1", "q4_k")     # the 4-bit kinds of export/blocks.py
-
-
 def blocks_lookup(ids: str, out: str, packed: bool, zero: bool, offset: bool) -> list:
     """Nodes giving `out` [B, S, H]: the embedding rows of `ids` from a table in a GGUF's own blocks (export/whole.py
     writes its initializers: embed.codes [V, blocks, bs or bs / 2 packed], embed.bscale and embed.boffset [V,
@@ -479,7 +476,7 @@ def embedding_values(initializers, base_dir: str | None = None) -> np.ndarray | 
     where their external data lies): `embed.weight`, or the int8 codes and block scales as the graph computes
     them. None when the graph holds neither."""
     names = ("embed.weight", "embed.weight.i8", "embed.weight.blockscale", "embed.codes", "embed.bscale",
-             "embed.bzero", "embed.boffset", "embed.kind")
+             "embed.bzero", "embed.boffset", "embed.low_mask")
     t = {i.name: i for i in initializers if i.name in names}
     read = lambda name: onh.to_array(t[name], base_dir)     # noqa: E731
     if "embed.weight" in t:
@@ -488,7 +485,7 @@ def embedding_values(initializers, base_dir: str | None = None) -> np.ndarray | 
         return dequantize_embed(read("embed.weight.i8"), read("embed.weight.blockscale"))
     if {"embed.codes", "embed.bscale"} <= t.keys():          # a GGUF's own blocks (export/whole.py)
         codes, scale = read("embed.codes"), read("embed.bscale")
-        if read("embed.kind").tobytes().rstrip(b"\0").decode() in FOUR_BIT:    # two codes a byte
+        if "embed.low_mask" in t:              # 4-bit codes, two a byte (blocks_lookup unpacks them with it)
             codes = np.concatenate([codes & 15, codes >> 4], -1)
         v = codes.astype(np.float32)
         if "embed.bzero" in t:

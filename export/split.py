@@ -44,8 +44,7 @@ class OffBlocks(Exception):
 def embedding_blocks(w, arch: Arch):
     """The first row of the embedding table in the GGUF's own blocks (export.blocks.Blocks: its kind), or None for
     a table the file stores otherwise or one the family scales (Gemma)."""
-    blocks = getattr(w, "blocks", None)
-    return None if blocks is None or arch.embed_scale != 1.0 else blocks(EMBED, 0, 1)
+    return None if arch.embed_scale != 1.0 else w.blocks(EMBED, 0, 1)
 
 
 def file_table_chunks(w, arch: Arch):

@@ -15,7 +15,7 @@ from onnx import helper as oh
 from specbeam_edge.contract import past_names, present_names
 
 from . import graph, save
-from .blocks import KINDS, Blocks, gguf_int4
+from .blocks import Blocks, block_counts, gguf_int4
 from .families import LayerTensors
 from .graph import Builder
 from .hf import Arch, final_norm
@@ -61,8 +61,7 @@ class _Quantizer:
                 blocks = dict((self.entry or {}).get("blocks", {}))
                 for k, v in q["blocks"].items():
                     blocks[k] = blocks.get(k, 0) + v
-                self.entry = {**q, "blocks": dict(sorted(blocks.items())), "matmuls": sum(blocks.values()),
-                              "bits": max(KINDS[k][0] for k in blocks), "block_size": min(KINDS[k][1] for k in blocks)}
+                self.entry = {**q, **block_counts(blocks)}
                 return piece
             self.mode = "rtn"
         piece, self.entry = save.rtn_int4(piece, self.block_size)
@@ -109,7 +108,7 @@ def _blocks_embedding(b: Builder, data: DataFile, w, arch: Arch) -> bool:
     first = embedding_blocks(w, arch)
     if first is None:
         return False
-    kind, bits, bs, zero = first.kind, first.bits, first.block, first.zero
+    bits, bs, zero = first.bits, first.block, first.zero
     nb, V, half = arch.hidden // bs, arch.vocab_size, bs // 2
     scales, offsets = [], []
 
@@ -133,7 +132,6 @@ def _blocks_embedding(b: Builder, data: DataFile, w, arch: Arch) -> bool:
         b.init("embed.boffset", np.concatenate(offsets)[..., None])
     b.init("embed.flat", np.array([0, 0, arch.hidden], np.int64))
     b.nodes.extend(graph.blocks_lookup("input_ids", "h0", bits == 4, bool(zero), bool(offsets)))
-    b.init("embed.kind", np.frombuffer(kind.encode().ljust(8, b"\0"), np.uint8))   # (graph.embedding_values)
     return True
 
 
@@ -143,9 +141,9 @@ def _head_blocks(w, head: str, ids):
     b = w.blocks(head)
     if b is None:
         return None
-    for a, z in row_chunks(b.codes.shape[0]):
-        if not np.array_equal(b.rows(a, z).values().T, np.asarray(w.rows(head, a, z), np.float32)):
-            return None
+    if not all(b.rows(a, z).equals(np.asarray(w.rows(head, a, z), np.float32).T)
+               for a, z in row_chunks(b.codes.shape[0])):
+        return None
     if ids is not None and len(ids) < b.codes.shape[0]:
         b = Blocks(b.kind, b.codes[ids], b.scale[ids], None if b.offset is None else b.offset[ids])
     return b

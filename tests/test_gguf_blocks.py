@@ -96,13 +96,10 @@ def test_graph_with_a_weight_off_the_grid_is_left_untouched():
 
 
 def test_int4_export_of_a_q4_1_gguf_keeps_its_blocks(tmp_path):
-    import torch
-    import transformers as tf
     from family_models import make_family_model
     from test_gguf import write_gguf
 
     from export import export
-    from specbeam_edge.model import OnnxCausalLM
 
     model = make_family_model(tmp_path / "hf", "smollm2", std=0.3, seed=3)
     path = tmp_path / "tiny.gguf"
@@ -193,14 +190,11 @@ def test_int4_export_of_a_k_quant_gguf_keeps_every_block_and_the_embedding_exact
     """A Llama GGUF (q/k rows permuted by the converter) of Q4_K, Q6_K, Q5_0 and Q5_1 matrices, as a Q4_K_M file
     mixes them: `-p int4` keeps every matrix's blocks and the embedding table's (Q4_K: codes two a byte, scales
     and offsets), and computes transformers' logits within int8-activation rounding."""
-    import torch
-    import transformers as tf
     from family_models import make_family_model
     from test_gguf import write_gguf
 
     from export import export
     from export.graph import embedding_values
-    from specbeam_edge.model import OnnxCausalLM
 
     model = make_family_model(tmp_path / "hf", "smollm2", std=0.3, seed=3, hidden_size=256, intermediate_size=512,
                               num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
