@@ -72,8 +72,9 @@ def main(argv=None) -> int:
                     help="for a draft: its head scores only the token ids below N and the tokenizer's added tokens "
                          "(a smaller head, a cheaper draft level; the target still scores every token, so output "
                          "is unchanged). Never for a target: it could not produce the other tokens")
-    ap.add_argument("--overwrite", action="store_true", help="replace the output folder if it holds a previous export "
-                    "(never the input, a folder around it, or other files)")
+    ap.add_argument("--overwrite", action="store_true", help="replace the previous export in the output folder: what "
+                    "an export writes is replaced, other files and folders in it are kept; a folder that holds no "
+                    "export, the input or a folder around it is refused")
     ap.add_argument("-q", "--quiet", action="store_true", help="no progress display")
     args = ap.parse_args(argv)
     try:

@@ -4,7 +4,8 @@ An export runs for minutes and then puts a finished folder in place, so everythi
 step fail or destroy data is checked first (`check_output`): a file or a symbolic link where the folder goes,
 an unwritable parent, and with --overwrite anything that is not a previous export, above all a folder that is,
 contains or lies inside the input (deleting it would delete the source). The replacement itself
-(`replace_folder`) renames the old folder aside, the new one in, and only then deletes the old one.
+(`replace_folder`) renames the old folder aside, the new one in, and only then deletes the old one; what the old
+folder holds that no export writes (EXPORT_NAMES: notes, another model in a subfolder) moves into the new one.
 """
 from __future__ import annotations
 
@@ -56,17 +57,34 @@ def signals_deferred():
             signal.raise_signal(n)
 
 
+# the top-level names an export writes (whole, split, encoder-decoder; an attach's leftovers): --overwrite replaces
+# these and keeps everything else (tests/test_export_safety.py checks that every export's names are here)
+EXPORT_NAMES = frozenset({"specbeam_config.json", "specbeam_config.json.tmp", "tokenizer.json",
+                          "tokenizer_config.json", "weights", "model.onnx.ahead.tmp",
+                          *(f"{g}{ext}" for g in ("model", "encoder", "layer", "layer_resident", "head")
+                            for ext in (".onnx", ".onnx.data"))})
+
+
+def _foreign(folder: Path, new: Path) -> list[str]:
+    """The names in `folder` that no export writes and the new export `new` does not hold: kept on overwrite."""
+    return sorted(p.name for p in folder.iterdir() if p.name not in EXPORT_NAMES and not (new / p.name).exists())
+
+
 def replace_folder(tmp: Path, dst: Path) -> None:
-    """Put the finished folder `tmp` at `dst`. An existing `dst` is renamed aside first, the new one renamed in,
-    and only then is the old one deleted (when the second rename fails the old folder goes back): an interrupt at
-    any point leaves the old or the new export at `dst`, never neither."""
+    """Put the finished folder `tmp` at `dst`. What the old `dst` holds that no export writes moves into `tmp`
+    first; then `dst` is renamed aside, the new one renamed in, and only then is the old one deleted (when a rename
+    fails the old folder and its other entries go back): an interrupt at any point leaves the old or the new
+    export at `dst`, never neither, and never loses a file the export did not write."""
     if not dst.exists():
         tmp.rename(dst)
         return
     aside = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old.", dir=dst.parent))
-    swapped = False
+    swapped, moved = False, []
     try:
         with signals_deferred():
+            for name in _foreign(dst, tmp):
+                (dst / name).rename(tmp / name)
+                moved.append(name)
             dst.rename(aside)              # onto the empty folder mkdtemp reserved: one atomic rename
             try:
                 tmp.rename(dst)
@@ -77,8 +95,11 @@ def replace_folder(tmp: Path, dst: Path) -> None:
     finally:                               # also when a deferred Ctrl-C arrives at the end of the swap
         if swapped:
             shutil.rmtree(aside, ignore_errors=True)
-        elif aside.is_dir() and not any(aside.iterdir()):
-            aside.rmdir()
+        else:
+            for name in moved:             # before the staged folder is removed
+                (tmp / name).rename(dst / name)
+            if aside.is_dir() and not any(aside.iterdir()):
+                aside.rmdir()
 
 
 def _within(a: Path, b: Path) -> bool:

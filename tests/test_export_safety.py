@@ -72,6 +72,40 @@ def test_overwrite_replaces_only_a_previous_export(src, tmp_path, monkeypatch):
     assert (other / "a.jpg").read_bytes() == b"x"
 
 
+def test_overwrite_keeps_what_the_export_did_not_write(src, tmp_path):
+    out = tmp_path / "out"
+    export(src, out, layout="split", quiet=True)
+    (out / "notes.txt").write_text("mine")
+    other = export(src, out / "other_model", quiet=True)          # another model in a subfolder
+    before = _files(other)
+    export(src, out, overwrite=True, quiet=True)                   # whole replaces split: weights/ goes
+    assert (out / "notes.txt").read_text() == "mine" and _files(other) == before
+    assert (out / "model.onnx").is_file() and not (out / "weights").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_overwrite_of_a_folder_that_is_no_export_is_one_line(src, tmp_path, monkeypatch, capsys):
+    _no_weights_read(monkeypatch)
+    other = tmp_path / "docs"
+    (other / "sub").mkdir(parents=True)
+    (other / "sub" / "a.txt").write_text("x")
+    assert main(["-i", str(src), "-o", str(other), "--overwrite", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not a specbeam model folder" in err
+    assert _files(other) == ["sub", "sub/a.txt"] and (other / "sub" / "a.txt").read_text() == "x"
+
+
+def test_every_export_writes_only_names_overwrite_replaces(exported, tmp_path):
+    from encdec_models import make_encdec_model
+    from export.safety import EXPORT_NAMES
+
+    make_encdec_model(tmp_path / "marian", "marian")
+    folders = [exported("llama"), exported("llama", layout="split"), exported("llama", precision="int4"),
+               export(tmp_path / "marian", tmp_path / "ed", quiet=True)]
+    for folder in folders:
+        assert {p.name for p in folder.iterdir()} <= EXPORT_NAMES, folder
+
+
 def test_a_file_or_a_symlink_as_output_is_refused_up_front(src, tmp_path, monkeypatch):
     _no_weights_read(monkeypatch)
     f = tmp_path / "model.txt"
@@ -92,6 +126,7 @@ def test_interrupt_while_replacing_keeps_the_old_export(src, tmp_path, monkeypat
     out = tmp_path / "out"
     export(src, out, quiet=True)
     old = (out / "specbeam_config.json").read_text()
+    (out / "notes.txt").write_text("mine")        # moved into the new folder, and back when the swap fails
     real_rename = Path.rename
 
     def rename(self, target):
@@ -102,6 +137,7 @@ def test_interrupt_while_replacing_keeps_the_old_export(src, tmp_path, monkeypat
     with pytest.raises(KeyboardInterrupt):
         export(src, out, overwrite=True, quiet=True)
     assert (out / "specbeam_config.json").read_text() == old and (out / "model.onnx").is_file()
+    assert (out / "notes.txt").read_text() == "mine"
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
@@ -120,7 +156,7 @@ def test_ctrl_c_during_the_swap_waits_until_the_new_export_is_in(src, tmp_path, 
 def _swap_with_ctrl_c(src, tmp_path, monkeypatch):
     out = tmp_path / "out"
     export(src, out, quiet=True)
-    (out / "marker").write_text("old")
+    (out / "weights").mkdir()                   # an export's name only the old folder holds
     real_rename = Path.rename
 
     def rename(self, target):
@@ -130,7 +166,7 @@ def _swap_with_ctrl_c(src, tmp_path, monkeypatch):
     monkeypatch.setattr(Path, "rename", rename)
     with pytest.raises(KeyboardInterrupt):
         export(src, out, overwrite=True, quiet=True)
-    assert (out / "specbeam_config.json").is_file() and not (out / "marker").exists()   # the new one, whole
+    assert (out / "specbeam_config.json").is_file() and not (out / "weights").exists()   # the new one, whole
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
