@@ -2,6 +2,8 @@
 annotations and inside functions: each is a dependency a reader follows), no runtime file over 500 lines and no
 function over 60."""
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import specbeam_edge
@@ -78,3 +80,51 @@ def test_runtime_files_and_functions_stay_short():
                 if n > 60:
                     long_functions.append(f"{p.name}:{node.lineno} {node.name}: {n} lines")
     assert long_files == [] and long_functions == []
+
+
+# the exporter and the apps import the runtime, never the reverse (an install may hold the runtime alone)
+OUTSIDE = ("export", "apps", "specbeam_export", "specbeam_apps")
+
+
+def outside_imports(path: Path) -> list[str]:
+    """`path`'s imports of the exporter or the apps: import statements anywhere in it, and import_module /
+    __import__ calls with a literal name."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names = [node.module or ""]
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) and \
+                getattr(node.func, "attr", getattr(node.func, "id", None)) in ("import_module", "__import__"):
+            names = [str(node.args[0].value)]
+        out += [f"{path.name}:{node.lineno} {n}" for n in names if n.split(".")[0] in OUTSIDE]
+    return out
+
+
+def test_the_runtime_imports_neither_the_exporter_nor_the_apps():
+    assert [hit for p in sorted(ROOT.rglob("*.py")) for hit in outside_imports(p)] == []
+
+
+def test_the_outside_import_finder_finds_planted_imports(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text("import export.core\nfrom apps.translate import job\nimport importlib\n"
+                       "def f():\n    from specbeam_apps import launch\n    importlib.import_module('specbeam_export.graph')\n"
+                       "import exporter\nfrom .apps import x\n")
+    assert [h.split(" ", 1)[1] for h in outside_imports(planted)] == [
+        "export.core", "apps.translate", "specbeam_apps", "specbeam_export.graph"]
+
+
+def test_the_contract_and_the_config_load_no_onnxruntime():
+    """The exporter writes its folders with specbeam_edge.contract; importing it (or the config) runs the package's
+    __init__, which names the public classes lazily instead of importing the engine and so onnxruntime."""
+    code = ("import sys, specbeam_edge.contract, specbeam_edge.config\n"
+            "assert 'onnxruntime' not in sys.modules, 'onnxruntime loaded'\n"
+            "from specbeam_edge import Engine, SpeculativeConfig, fetch\n"
+            "assert 'onnxruntime' in sys.modules and Engine.__module__ == 'specbeam_edge.generate'\n"
+            "import specbeam_edge\n"
+            "try:\n    specbeam_edge.Nothing\nexcept AttributeError as e:\n    print(e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT.parent)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "module 'specbeam_edge' has no attribute 'Nothing'\n"
