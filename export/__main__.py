@@ -11,6 +11,7 @@ import sys
 from specbeam_edge.contract import LAYOUTS, OUTPUT_KINDS
 
 from .hf import ExportError
+from .safety import Stopped
 
 EXTRA = "pip install 'specbeam-edge[export]'"
 
@@ -97,6 +98,10 @@ def main(argv=None) -> int:
         print("specbeam-export: interrupted; no partial export was left (the output holds the previous export, or "
               "the new one when the interrupt came as it was put in place)", file=sys.stderr)
         return 130
+    except Stopped as e:
+        print(f"specbeam-export: stopped by {e.name}; no partial export was left (the output holds the previous "
+              f"export, or the new one when the signal came as it was put in place)", file=sys.stderr)
+        return 128 + e.args[0]
     print(out)
     return 0
 

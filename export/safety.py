@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 from contextlib import contextmanager
@@ -32,22 +34,83 @@ def umask() -> int:
 
 def make_staging(dst: Path) -> Path:
     """An empty temporary folder beside `dst` with the permissions mkdir would give it: mkdtemp makes 0700, so
-    another account could not read the exported model."""
+    another account could not read the exported model. Its name holds this process's id, so the next export
+    knows a folder whose writer is gone (`sweep_stale`)."""
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+    sweep_stale(dst)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.export-{os.getpid()}-", dir=dst.parent))
     tmp.chmod(0o777 & ~umask())
     return tmp
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:                # another account's process
+        return True
+    return True
+
+
+def sweep_stale(dst: Path) -> None:
+    """Remove the staged and set-aside folders beside `dst` of an export whose process is gone (kill -9, power
+    loss). Entries no export writes (a kill in the middle of the swap left them there) go back into `dst`
+    first; one that cannot (`dst` is gone or has that name) keeps its folder, and a line says so."""
+    pattern = re.compile(rf"\.{re.escape(dst.name)}\.(?:export|old)-(\d+)-\w+")
+    for p in dst.parent.iterdir():
+        m = pattern.fullmatch(p.name)
+        if not m or p.is_symlink() or not p.is_dir() or _alive(int(m[1])):
+            continue
+        for name in _foreign(p, dst) if dst.is_dir() and not dst.is_symlink() else []:
+            (p / name).rename(dst / name)
+        if any(q.name not in EXPORT_NAMES for q in p.iterdir()):
+            print(f"specbeam-export: kept {p}: a killed export left files there that it did not write; move them "
+                  f"where they belong and remove the folder", file=sys.stderr)
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+class Stopped(BaseException):
+    """SIGTERM or SIGHUP during an export: unwinds like Ctrl-C, so the staged folder is removed."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.name = signal.Signals(signum).name
+
+
+# SIGHUP does not exist on Windows
+STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n))
+
+
+@contextmanager
+def stopped_on_signal():
+    """SIGTERM and SIGHUP raise `Stopped` while the block runs (their default ends the process at once and left
+    the staged folder for good); a signal set to be ignored (nohup) stays ignored. Outside the main thread
+    signals cannot be caught: `sweep_stale` removes what such an export leaves."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(n, _frame):
+        raise Stopped(n)
+    old = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS if signal.getsignal(sig) == signal.SIG_DFL}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
 @contextmanager
 def signals_deferred():
-    """SIGINT and SIGTERM wait until the block is done (a swap of two folders must not stop halfway) and are
-    delivered when it ends. Outside the main thread signals cannot be caught: the block runs as it is."""
+    """SIGINT, SIGTERM and SIGHUP wait until the block is done (a swap of two folders must not stop halfway) and
+    are delivered when it ends. Outside the main thread signals cannot be caught: the block runs as it is."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     got: list[int] = []
-    old = {sig: signal.signal(sig, lambda n, _frame: got.append(n)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    old = {sig: signal.signal(sig, lambda n, _frame: got.append(n)) for sig in (signal.SIGINT, *STOP_SIGNALS)}
     try:
         yield
     finally:
@@ -78,7 +141,7 @@ def replace_folder(tmp: Path, dst: Path) -> None:
     if not dst.exists():
         tmp.rename(dst)
         return
-    aside = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old.", dir=dst.parent))
+    aside = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-{os.getpid()}-", dir=dst.parent))
     swapped, moved = False, []
     try:
         with signals_deferred():

@@ -17,7 +17,7 @@ from onnx import numpy_helper as onh
 from .blocks import BLOCK, gguf_int4
 from .quant import rowwise_int8
 from .resident import _external
-from .safety import make_staging, replace_folder
+from .safety import make_staging, replace_folder, stopped_on_signal
 
 # batch-invariant (exact speculation): fp32, fp16, int8w (fp32 compute), int8 (per-row int8 compute, quant.py);
 # int8dyn (quantize_dynamic) is not; int4 (MatMulNBits) depends on the kernel: the engine measures it at load
@@ -125,16 +125,18 @@ class ExportProgress:
 @contextmanager
 def staged(dst: Path, prog: ExportProgress):
     """A temporary folder beside `dst` that replaces `dst` when the block completes, and is removed when it fails
-    (an interrupted export leaves no half-written model folder); the progress bar is closed either way."""
-    tmp = make_staging(dst)       # with the permissions mkdir would give (mkdtemp's are 0700)
-    try:
-        yield tmp
-        replace_folder(tmp, dst)   # old aside, new in, old deleted: an interrupt leaves one of them (safety.py)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        prog.close()
+    (an interrupted, terminated or hung-up export leaves no half-written model folder; one killed outright is
+    swept by the next export); the progress bar is closed either way."""
+    with stopped_on_signal():
+        tmp = make_staging(dst)       # with the permissions mkdir would give (mkdtemp's are 0700)
+        try:
+            yield tmp
+            replace_folder(tmp, dst)   # old aside, new in, old deleted: an interrupt leaves one of them (safety.py)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        finally:
+            prog.close()
 
 
 # protobuf refuses messages over 2 GB: larger graphs keep their tensors in `<file>.data` beside the graph

@@ -130,7 +130,7 @@ def test_interrupt_while_replacing_keeps_the_old_export(src, tmp_path, monkeypat
     real_rename = Path.rename
 
     def rename(self, target):
-        if Path(target) == out and self.name.startswith(".out.") and ".old." not in self.name:
+        if Path(target) == out and self.name.startswith(".out.export-"):
             raise KeyboardInterrupt            # Ctrl-C just when the new folder would go in
         return real_rename(self, target)
     monkeypatch.setattr(Path, "rename", rename)
@@ -168,6 +168,65 @@ def _swap_with_ctrl_c(src, tmp_path, monkeypatch):
         export(src, out, overwrite=True, quiet=True)
     assert (out / "specbeam_config.json").is_file() and not (out / "weights").exists()   # the new one, whole
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def _export_that_hangs(src, out, ready):
+    """An export in a child process that stops after writing its first graph (ready names a file it then makes)."""
+    code = ("import sys, time\nimport export.core as core, export.save as save\nreal = save._save\n"
+            "def slow(model, path):\n    real(model, path)\n    open(sys.argv[1], 'w').close()\n    time.sleep(120)\n"
+            "core._save = save._save = slow\nfrom export.__main__ import main\n"
+            "sys.exit(main(['-i', sys.argv[2], '-o', sys.argv[3], '-q']))")
+    child = subprocess.Popen([sys.executable, "-c", code, str(ready), str(src), str(out)], cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for _ in range(1200):
+        if ready.exists() or child.poll() is not None:
+            break
+        import time
+        time.sleep(0.1)
+    assert ready.exists(), child.communicate()
+    return child
+
+
+def _staged_beside(out):
+    return [p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_terminate_or_hangup_during_an_export_leaves_nothing(src, tmp_path, sig):
+    out = tmp_path / "out"
+    child = _export_that_hangs(src, out, tmp_path / "ready")
+    assert _staged_beside(out)                                   # the export is under way
+    child.send_signal(sig)
+    _, err = child.communicate(timeout=60)
+    assert child.returncode == 128 + sig and err.count("\n") == 1, err
+    assert err.startswith(f"specbeam-export: stopped by {signal.Signals(sig).name}; no partial export was left")
+    assert not out.exists() and _staged_beside(out) == []
+
+
+def test_the_next_export_sweeps_what_a_killed_one_left(src, tmp_path):
+    out = tmp_path / "out"
+    child = _export_that_hangs(src, out, tmp_path / "ready")
+    child.kill()
+    child.communicate(timeout=60)
+    [left] = _staged_beside(out)                                 # kill -9 cannot be caught
+    export(src, out, quiet=True)
+    assert (out / "specbeam_config.json").is_file() and _staged_beside(out) == []
+
+
+def test_a_sweep_gives_back_what_a_kill_in_the_swap_left(src, tmp_path):
+    """A kill between moving the other files into the new folder and the swap: they go back to the output."""
+    out = tmp_path / "out"
+    export(src, out, quiet=True)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    staged = tmp_path / f".out.export-{int(gone.stdout)}-abc123"
+    shutil.copytree(out, staged)
+    (staged / "notes.txt").write_text("mine")
+    (staged / "other").mkdir()
+    live = tmp_path / f".out.export-{os.getpid()}-def456"           # a running export's: left alone
+    live.mkdir()
+    export(src, out, overwrite=True, quiet=True)
+    assert (out / "notes.txt").read_text() == "mine" and (out / "other").is_dir()
+    assert _staged_beside(out) == [live.name]
 
 
 def test_exported_folders_follow_the_umask(src, tmp_path):
