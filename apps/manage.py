@@ -95,17 +95,38 @@ def cmd_list() -> int:
     return 0
 
 
+class Unremoved(Exception):
+    """A removal that failed: the error, and where what was not removed now is."""
+
+    def __init__(self, error: OSError, left: Path):
+        super().__init__(error)
+        self.error, self.left = error, left
+
+
 def _delete(path: Path) -> None:
     """A link or file is unlinked; a model folder is first renamed to a staged name (`.NAME.old-*`, which the next
-    fetch removes if this is killed midway), so it is never found half removed."""
-    if path.is_symlink() or not path.is_dir():
-        path.unlink()
-        return
-    if path.parent == models_dir():
-        gone = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
-        path.rename(gone / path.name)
-        path = gone
-    shutil.rmtree(path)
+    fetch removes if this is killed midway), so it is never found half removed. A failure raises Unremoved."""
+    where = path
+    try:
+        if path.is_symlink() or not path.is_dir():
+            path.unlink()
+            return
+        if path.parent == models_dir():
+            gone = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+            try:
+                path.rename(gone / path.name)
+            except OSError:
+                gone.rmdir()
+                raise
+            where = gone
+        shutil.rmtree(where)
+    except OSError as e:
+        raise Unremoved(e, where) from None
+
+
+def _left(paths: list[Path]) -> str:
+    """What is still there, with its disk use."""
+    return ", ".join(f"{p} ({size_text(disk_use(p))})" for p in paths if os.path.lexists(p)) or "nothing"
 
 
 def targets(name: str, sources: bool) -> list[Path]:
@@ -123,12 +144,15 @@ def cmd_rm(name: str, sources: bool) -> int:
                          + (f"the fetched ones are {', '.join(have)}" if have else f"none is in {data_dir()}"))
     name = source(name).name
     with data_folder_lock("rm"):
-        for path in targets(name, sources):
+        todo = targets(name, sources)
+        for i, path in enumerate(todo):
             size = disk_use(path)
             try:
                 _delete(path)
-            except OSError as e:
-                raise FetchError(f"cannot remove {path} ({e.strerror or e}); check its permissions") from None
+            except Unremoved as e:
+                left = _left([e.left] + todo[i + 1:])
+                raise FetchError(f"cannot remove {path} ({e.error.strerror or e.error}); left {left}: check the "
+                                 f"permissions and remove them yourself") from None
             print(f"removed {path} ({size_text(size)})")
     kept = [p for n in [name, source(name).draft_model] if n for p in own_sources(n) if os.path.lexists(p)]
     if kept:

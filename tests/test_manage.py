@@ -116,3 +116,22 @@ def test_the_specbeam_command_hands_list_and_rm_to_this_app(data, capsys):
     assert capsys.readouterr().err == "specbeam: error: rm is the fetch app's command: run specbeam rm (the " \
                                       "installed command) or python -m apps.manage rm in a checkout\n"
     assert fetch.is_complete(fetch.folder("smollm2"))
+
+
+def test_a_failed_rm_says_what_it_left(data, monkeypatch, capsys):
+    import errno
+    import shutil
+
+    def denied(path):
+        (path / fetch.folder("smollm2").name / fetch.MARKER).unlink()      # part of it goes, then a denial
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+    monkeypatch.setattr(manage.shutil, "rmtree", denied)
+    assert manage.main(["rm", "smollm2"]) == 2
+    err = capsys.readouterr().err
+    [aside] = [p for p in fetch.models_dir().iterdir() if p.name.startswith(".smollm2")]
+    monkeypatch.setattr(manage.shutil, "rmtree", shutil.rmtree)
+    left = [aside, fetch.draft_folder("smollm2")]
+    assert err == (f"specbeam: error: cannot remove {fetch.folder('smollm2')} (Permission denied); left "
+                   f"{', '.join(f'{p} ({manage.size_text(manage.disk_use(p))})' for p in left)}: check the "
+                   f"permissions and remove them yourself\n")
+    assert fetch.is_complete(fetch.draft_folder("smollm2"))
