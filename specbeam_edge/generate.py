@@ -24,6 +24,7 @@ from .config import GenerationConfig, ModelFolderError, SpeculativeConfig
 from .encdec import Encoder, is_encoder_decoder, shared_cross_layers
 from .invariance import Invariance, NotInvariantError, QuantizationWarning, saturation_warning
 from .model import OnnxCausalLM, share_threads, threads_shared
+from .online import PreparedRequest
 from .prompting import PromptMixin
 from .results import Alternative, Hypothesis, Result, Stats, StreamChunk, answer_tokens, peak_rss_mb
 from .protocol import Job
@@ -145,7 +146,23 @@ class Engine(PromptMixin, SearchSetup):
         base = asdict(generation) if generation is not None else dict(self.target.cfg.generation)
         return GenerationConfig.from_dict(base, **overrides)
 
-    # -- public API: generate_passes -> stream (one request); generate_iter -> generate (batches) -------------
+    # -- public API: request -> generate_passes -> stream (one request); generate_iter -> generate (batches) ---
+    def request(self, prompt: str | list[int], generation: GenerationConfig | None = None,
+                speculative: SpeculativeConfig | str | None = DEFAULT, *, drafter=None, src_lang: str | None = None,
+                tgt_lang: str | None = None, raw: bool = False, target_prefix=None, constraints=None,
+                **overrides) -> PreparedRequest:
+        """One request validated and its search built, ready for a scheduler (online.Batcher runs requests that
+        arrive while others run; stream runs one alone): every error of the request is raised here. The
+        arguments are generate_passes'."""
+        gen = self.generation_config(generation, **overrides)
+        speculative = self._speculative(speculative, gen)
+        forced_bos = self._forced_bos(tgt_lang)
+        ids = self.encode(prompt, src_lang, raw)
+        prefix = self._prefix_ids(target_prefix)
+        request = Request(tuple(ids), gen, speculative, drafter, self._statics([ids], 1)[0], forced_bos,
+                          tuple(prefix), lexical.parse(constraints, self._prefix_ids, self._decode, self._eos_of(gen)))
+        return PreparedRequest(self, prompt, ids, gen, self._lead(prefix, forced_bos), self._new_search(request))
+
     def generate_passes(self, prompt: str | list[int], generation: GenerationConfig | None = None,
                         speculative: SpeculativeConfig | str | None = DEFAULT, *, drafter=None,
                         src_lang: str | None = None, tgt_lang: str | None = None, raw: bool = False,
@@ -155,15 +172,10 @@ class Engine(PromptMixin, SearchSetup):
         SampleState. drafter: a custom tree-growth callable (exact beam search only). target_prefix: see
         generate (the state's hypotheses and stable prefix then start after it); constraints: this request's
         (see generate_iter)."""
-        gen = self.generation_config(generation, **overrides)
-        speculative = self._speculative(speculative, gen)
-        forced_bos = self._forced_bos(tgt_lang)
-        ids = self.encode(prompt, src_lang, raw)
-        prefix = self._prefix_ids(target_prefix)
-        request = Request(tuple(ids), gen, speculative, drafter, self._statics([ids], 1)[0], forced_bos,
-                          tuple(prefix), lexical.parse(constraints, self._prefix_ids, self._decode, self._eos_of(gen)))
-        job = Job(0, len(ids), self._new_search(request))
-        for _, progress, finished in Scheduler(self.target, max_batch_size=1).run([job]):
+        prepared = self.request(prompt, generation, speculative, drafter=drafter, src_lang=src_lang,
+                                tgt_lang=tgt_lang, raw=raw, target_prefix=target_prefix, constraints=constraints,
+                                **overrides)
+        for _, progress, finished in Scheduler(self.target, max_batch_size=1).run([prepared.job]):
             if not finished:
                 yield progress.state, progress.stats
 
@@ -178,25 +190,17 @@ class Engine(PromptMixin, SearchSetup):
         skip them with `if chunk.text`. src_lang/tgt_lang: NLLB/M2M100 language codes (see generate_iter); raw:
         see encode; target_prefix: see generate (the first chunk with text starts with the prefix's); constraints:
         this prompt's (see generate_iter)."""
-        gen = self.generation_config(generation, **overrides)
-        forced = self._prefix_ids(target_prefix)
-        lead = self._lead(forced, self._forced_bos(tgt_lang))
-        shown, n_stable = "", 0
-        bs = stats = None
-        for bs, stats in self.generate_passes(prompt, gen, speculative, src_lang=src_lang, tgt_lang=tgt_lang,
-                                            raw=raw, target_prefix=forced, constraints=constraints):
-            prefix, delta = lead + bs.stable_prefix(), ""
-            if len(prefix) > n_stable:        # decode only when more tokens became final
-                n_stable = len(prefix)
-                text = self.tokenizer.decode_stable(prefix)
-                if len(text) > len(shown) and text.startswith(shown):
-                    delta, shown = text[len(shown):], text
-            snap = stats.snapshot()
-            snap.generated_tokens = len(prefix) - len(lead)     # the answer's tokens final so far
+        prepared = self.request(prompt, generation, speculative, src_lang=src_lang, tgt_lang=tgt_lang, raw=raw,
+                                target_prefix=target_prefix, constraints=constraints, **overrides)
+        for _, progress, finished in Scheduler(self.target, max_batch_size=1).run([prepared.job]):
+            if finished:
+                result = prepared.result(progress.state, progress.stats)
+                yield StreamChunk(prepared.rest(result), progress.stats, result)
+                return
+            delta = prepared.new_text(progress.state)
+            snap = progress.stats.snapshot()
+            snap.generated_tokens = prepared.answer_tokens(progress.state)     # the answer's tokens final so far
             yield StreamChunk(delta, snap)   # one chunk per target pass (maybe empty): callers can stop here
-        result = self._result(prompt, bs, stats, gen, lead)
-        final = result.text
-        yield StreamChunk(final[len(shown):] if final.startswith(shown) else "", stats, result)
 
     def generate(self, prompts, generation: GenerationConfig | None = None,
                  speculative: SpeculativeConfig | str | None = DEFAULT, drafter=None, *, max_batch_size: int = 32,
@@ -284,7 +288,7 @@ class Engine(PromptMixin, SearchSetup):
         sched = Scheduler(self.target, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens)
         for i, progress, finished in sched.run(jobs):
             if finished:
-                yield i, self._result(prompts[i], progress.state, progress.stats, gen,
+                yield i, self.result_of(prompts[i], progress.state, progress.stats, gen,
                                       self._lead(prefixes[i], forced_bos))
 
     # -- alternatives at a position (interactive translation) ----------------------------------------------
@@ -370,8 +374,8 @@ class Engine(PromptMixin, SearchSetup):
             logp[np.array(eos, np.int64)] = -np.inf
         return logp
 
-    def _result(self, prompt, bs, stats: Stats, gen: GenerationConfig, lead=()) -> Result:
-        """lead: the target prefix tokens the hypotheses start with (see _lead)."""
+    def result_of(self, prompt, bs, stats: Stats, gen: GenerationConfig, lead=()) -> Result:
+        """A request's Result from its search state: its hypotheses decoded, each with why it ended. lead: the target prefix tokens the hypotheses start with (see _lead)."""
         eos = set(self.eos if gen.eos_token_id is None else np.atleast_1d(gen.eos_token_id).tolist())
         decode = self.tokenizer.decode if self.tokenizer else (lambda ids: "")
         hyps = [Hypothesis(decode([t for t in toks if t not in eos]), toks, score,

@@ -81,3 +81,4 @@ class Job:
     tag: object          # the caller's name for the request (e.g. its index)
     tokens: int          # its prompt tokens (counted against max_batch_tokens)
     search: object       # ExactSearch or SamplingSearch: `run(ctx)` is the coroutine above
+    cancelled: bool = False  # set by the caller (any thread): the scheduler drops the request before its next pass

@@ -26,7 +26,9 @@ class _Running:
 
 class Scheduler:
     """Runs jobs with at most `max_batch_size` requests and `max_batch_tokens` prompt tokens in flight
-    (None: no token limit; a single request larger than the limit still runs, alone)."""
+    (None: no token limit; a single request larger than the limit still runs, alone). The jobs' iterator is asked
+    again after every round once it ran dry, so an open queue (online.Batcher) can add requests while others run;
+    a job whose `cancelled` is set leaves before the next pass (reported finished, with its state so far)."""
 
     def __init__(self, target, *, max_batch_size: int = 32, max_batch_tokens: int | None = None):
         if max_batch_size < 1:
@@ -46,6 +48,12 @@ class Scheduler:
         upcoming = PassContext((id(self), 0), 1)        # what the running requests were told about the next pass
         stacks = StaticStacks()                          # the running requests' stacked encoder outputs
         while running or nxt is not None:
+            # cancelled requests leave before the next pass (a client that went away: apps/serve)
+            for r in [r for r in running if r.job.cancelled]:
+                running.remove(r)
+                yield r.job.tag, self._stop(r), True
+            while nxt is not None and nxt.cancelled:
+                nxt = next(queue, None)
             tokens = sum(r.job.tokens for r in running)
             joining: list[Job] = []
             while nxt is not None and len(running) + len(joining) < self.max_batch_size and (
@@ -54,6 +62,8 @@ class Scheduler:
                 joining.append(nxt)
                 tokens += nxt.tokens
                 nxt = next(queue, None)
+                while nxt is not None and nxt.cancelled:
+                    nxt = next(queue, None)
             # joiners share the next pass with the running requests, which already chose for it under their label
             first = PassContext((id(self), self.target_passes), upcoming.load if running else len(joining))
             for job in joining:
@@ -75,6 +85,16 @@ class Scheduler:
                 beam.step_many([r.call.state for r in stepping], [r.call.rows for r in stepping])
                 for r in stepping:
                     yield from self._advance(r, None, running, upcoming)
+            if nxt is None:       # an open queue (Batcher, online.py) may have been given requests meanwhile
+                nxt = next(queue, None)
+
+    @staticmethod
+    def _stop(r: _Running) -> Progress:
+        """End a cancelled request's search where it stands: its coroutine closed, its caches let go."""
+        r.coro.close()
+        search = r.job.search
+        search.release()
+        return Progress(search.state, search.stats)
 
     def _advance(self, r: _Running, value, running: list[_Running], ctx: PassContext):
         """Send a pass's output into a search and run it to its next ScoreCall, reporting Progress on the way (a

@@ -141,6 +141,10 @@ class ExactSearch:
     def state(self) -> BeamSearch:
         return self.bs
 
+    def release(self) -> None:
+        """A request stopped before its end (cancelled): its caches let go of their KV."""
+        _finish(self.target, self.draft)
+
     def _start(self) -> None:
         """An encoder-decoder request's caches take its static inputs (encoder outputs) when it starts: the
         encoders run for the requests about to start, not for a whole job at once."""
@@ -302,6 +306,10 @@ class SamplingSearch:
     @property
     def state(self) -> SampleState:
         return self.st
+
+    def release(self) -> None:
+        """As ExactSearch.release."""
+        _finish(self.target, self.draft)
 
     def _scored(self, cache: TreeCache, rows: dict, nodes):
         """Log-probs of `nodes` (and any missing ancestors) in `rows`, by one pass; returns how many were new."""

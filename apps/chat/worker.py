@@ -57,7 +57,7 @@ class Generation(QThread):
                 if self._stop.is_set():
                     break
             else:
-                self.answer = self._finished(self.engine._result(self.prompt, state, stats, gen), stats, t0)
+                self.answer = self._finished(self.engine.result_of(self.prompt, state, stats, gen), stats, t0)
                 self.answered.emit()
                 return
             self.answer = self._partial(state, stats, live, t0)
