@@ -18,10 +18,11 @@ def cache_dir() -> Path:
 
 
 def entries(path: Path) -> dict:
-    """The cache file's entries ({} when it is missing or damaged)."""
+    """The cache file's entries ({} when it is missing or damaged: a cache is never a reason to fail, and the
+    next store_entry writes it anew)."""
     try:
         found = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except Exception:        # any damage: OSError, ValueError, RecursionError on deep nesting, MemoryError
         return {}
     return found if isinstance(found, dict) else {}
 

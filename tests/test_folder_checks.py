@@ -173,3 +173,20 @@ def test_whole_folders_exported_before_the_field_still_load(exported, tmp_path):
     OnnxCausalLM(folder)
     edit(folder, lambda c: c["files"].update(sha256={"model.onnx": "00"}))
     assert refusal(folder).endswith("files.sha256 must map file names to hex SHA-256 digests; re-export the model")
+
+
+@pytest.mark.parametrize("damage", ["[" * 100_000, '{"a": ' * 100_000, "\x00garbage", '{"k": [1, 2'],
+                         ids=["deep_list", "deep_object", "garbage", "truncated"])
+def test_a_damaged_checksum_cache_is_dropped_not_fatal(exported, tmp_path, damage):
+    """Before: a deeply nested JSON in the cache raised RecursionError on every load; now it is recomputed."""
+    from apps.translate.fingerprint import cache_path, folder_sha256
+    from specbeam_edge import integrity
+    from specbeam_edge.cachefile import cache_dir
+
+    folder = copy(exported, tmp_path, "whole")
+    for path in (cache_dir() / integrity.CACHE_FILE, cache_path()):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(damage)
+    OnnxCausalLM(folder)                                           # verified again, and the cache written anew
+    assert json.loads((cache_dir() / integrity.CACHE_FILE).read_text())
+    assert "model.onnx" in folder_sha256(folder) and json.loads(cache_path().read_text())

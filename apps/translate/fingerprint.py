@@ -34,7 +34,7 @@ def _load_cache(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
         return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
+    except Exception:        # any damage (RecursionError on deep nesting too): the hashes are computed again
         return {}
 
 
