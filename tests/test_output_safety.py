@@ -252,3 +252,25 @@ def test_ray_starts_only_the_actors_the_cluster_holds():
     nodes = two_cpus + [{"Alive": True, "Resources": {"CPU": 8.0, "GPU": 1.0}}, {"Alive": False,
                                                                                "Resources": {"CPU": 64.0}}]
     assert actors_that_fit(nodes, 2, 0) == 5 and actors_that_fit(nodes, 1, 0.5) == 2
+
+
+@pytest.mark.parametrize("how", ["file", "folder"])
+def test_a_symlink_to_the_output_is_the_same_writer(tmp_path, how):
+    """Before: the lock was <the name given>.lock, so a symlink to the same output took a second lock."""
+    from apps.translate.journal import JournalError, OutputLock
+
+    (tmp_path / "real").mkdir()
+    out = tmp_path / "real" / "out.txt"
+    if how == "file":
+        out.write_text("")
+        other = tmp_path / "link.txt"
+        other.symlink_to(out)
+    else:
+        (tmp_path / "linked").symlink_to(tmp_path / "real", target_is_directory=True)
+        other = tmp_path / "linked" / "out.txt"
+    with OutputLock(out):
+        with pytest.raises(JournalError, match=r"is being written by pid \d+; wait for it to finish"):
+            with OutputLock(other):
+                pass
+    with OutputLock(other):                      # free again once the first writer is done
+        pass

@@ -196,11 +196,13 @@ class OutputLock:
     in `<output>.lock.pid` (written whole through a rename, removed before release) so a refused second writer
     can name it. The pid lives beside the lock, not in it: a holder that has just won the lock has not written
     anything yet (two runs started together raced there). Both files are removed on release, so a finished run
-    leaves nothing beside its output."""
+    leaves nothing beside its output. The lock is the resolved output's: the output is written at its target,
+    so two names of one file (a symlink, a linked folder) are one writer."""
 
     PID_WAIT_S = 2.0      # how long a refused writer waits for a just-started holder to publish its pid
 
     def __init__(self, output: Path):
+        output = Path(os.path.realpath(output))
         self.path = output.with_name(output.name + ".lock")
         self.pid_path = output.with_name(output.name + ".lock.pid")
         self.lock = _Flock(self.path)
