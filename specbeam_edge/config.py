@@ -2,15 +2,12 @@
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from . import folder_files as check
 from .contract import CONFIG_FILE, FORMAT_VERSION, LAYOUTS, OUTPUT_KINDS, read_json_object
-
-
-class ModelFolderError(ValueError):
-    """A model folder that cannot be used; the message names the folder and the problem."""
+from .folder_files import ModelFolderError, few, inside, short  # noqa: F401  (imported from here too)
 
 
 def _int(value, name: str, low: int | None = None, high: int | None = None) -> int:
@@ -33,19 +30,6 @@ def _float(value, name: str) -> float:
 MASK_VALUE_MAX = -1e4   # the largest mask value that still hides a position (exp(-1e4) underflows to 0 in fp32)
 _MODEL_INTS = {"vocab_size": 1, "hidden_size": 1, "num_layers": 1, "num_heads": 1, "num_kv_heads": 1,
                "head_dim": 1, "context_length": 2}
-
-
-def short(value, limit: int = 60) -> str:
-    """repr(value), cut to `limit` characters: a message quotes what it found, never a megabyte of it."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def few(names, limit: int = 4) -> str:
-    """The first `limit` names, then how many more: a listing in a message stays one short line."""
-    names = list(names)
-    more = f" and {len(names) - limit} more" if len(names) > limit else ""
-    return ", ".join(map(str, names[:limit])) + more
 
 
 def _model_fields(raw: dict, path: Path) -> dict:
@@ -136,27 +120,27 @@ class ModelConfig:
             raise ModelFolderError(f"{path}: missing key {e}") from None
         if cfg.layout not in LAYOUTS:
             raise ModelFolderError(f"{path}: unknown layout {cfg.layout!r}")
-        keys = _check_file_names(cfg.files, path)
+        keys = check.check_file_names(cfg.files, path)
         _check_tree(raw.get("speculative"), path)
         try:
             if cfg.layout == "split":
-                _check_layer_count(cfg, path)
+                check.check_layer_count(cfg, path)
             needed = cls._needed_files(cfg)
         except KeyError as e:
             raise ModelFolderError(f"{path}: missing key files.{e.args[0]}; re-export the model") from None
         for name in needed + [f"{n}.data" for n in needed if (folder / f"{n}.data").exists()]:
             inside(folder, name, keys.get(name), path)
-        _check_graph_sums(cfg.files.get("sha256"), folder, path)
+        check.check_graph_sums(cfg.files.get("sha256"), folder, path)
         missing = [n for n in needed if not (folder / n).is_file()]
         if missing:
             raise ModelFolderError(f"{folder}: missing file(s) {few(missing)}")
         if (folder / "tokenizer_config.json").is_file():      # read later by the tokenizer: fail here, named
             read_json_object(inside(folder, "tokenizer_config.json"), ModelFolderError)
         if cfg.layout == "split":
-            _check_manifest(cfg.files.get("layer_manifest"), path)
-            _check_checksums(cfg.files.get("layer_sha256"), cfg.num_layers, path)
+            check.check_manifest(cfg.files.get("layer_manifest"), path)
+            check.check_checksums(cfg.files.get("layer_sha256"), cfg.num_layers, path)
             if "embed_table" in cfg.files:
-                _check_embed_table(cfg, path)
+                check.check_embed_table(cfg, path)
         return cfg
 
     @staticmethod
@@ -181,40 +165,6 @@ class ModelConfig:
         return needed
 
 
-# files.* entries that name one file each, and those that hold {key: file name}
-_FILE_KEYS = ("model", "embed", "layer", "head", "encoder", "layer_weights")
-_NESTED_FILE_KEYS = {"embed_table": ("file", "scale_file", "offset_file"), "layer_resident": ("graph", "tables")}
-
-
-def _check_file_names(files: dict, path: Path) -> dict[str, str]:
-    """Every file name files.* holds is a non-empty string ({name: its key} for messages): an int or a list
-    failed as a traceback deep in the loader."""
-    named = [(k, files[k]) for k in _FILE_KEYS if k in files]
-    named += [(f"{k}.{sub}", files[k][sub]) for k, subs in _NESTED_FILE_KEYS.items()
-              if isinstance(files.get(k), dict) for sub in subs if sub in files[k]]
-    for key, name in named:
-        if not isinstance(name, str) or not name:
-            raise ModelFolderError(f"{path}: files.{key} must be a file name in the model folder (a string), got "
-                                   f"{short(name)}; re-export the model")
-    return {name: f"files.{key}" for key, name in named}
-
-
-def inside(folder: Path, name: str, what: str | None = None, config: Path | None = None) -> Path:
-    """folder / name, refused unless it stays inside the folder with links followed: an absolute or ../ name in
-    the config, or a file linked from elsewhere, made the runtime read files outside the model folder."""
-    folder = Path(folder)
-    root = folder.resolve()
-    target = (root / name).resolve()
-    if target == root or target.is_relative_to(root):
-        return folder / name
-    if Path(name).is_absolute() or ".." in Path(name).parts:
-        what = f"{what} is {short(name, 200)}," if what else f"{short(name, 200)} is"
-        raise ModelFolderError(f"{config or folder}: {what} outside the model folder; name a file inside the folder "
-                               f"(re-export the model)")
-    raise ModelFolderError(f"{folder / name} links outside the model folder (to {short(str(target), 200)}); put a "
-                           f"copy of the file in the folder instead of a link")
-
-
 def _check_tree(tree, path: Path) -> None:
     """`speculative` (the folder's own draft tree, written by fetch): SpeculativeConfig's fields with valid
     values; an unknown key raised a TypeError deep in the Engine."""
@@ -232,90 +182,6 @@ def _check_tree(tree, path: Path) -> None:
         SpeculativeConfig(**tree)
     except ValueError as e:
         raise ModelFolderError(f"{path}: speculative: {str(e)[:120]}; fix or remove it") from None
-
-
-def _check_layer_count(cfg: "ModelConfig", path: Path) -> None:
-    """num_layers within what the folder holds, before any per-layer list is built: a count of a million took
-    seconds and wrote a 14 MB error. files.layer_weights must name each layer's file by "{i}"."""
-    template = cfg.files["layer_weights"]
-    try:
-        first = template.format(i=0) if "{i}" in template else None
-    except (AttributeError, TypeError, IndexError, KeyError, ValueError):
-        first = None
-    if first is None:
-        raise ModelFolderError(f"{path}: files.layer_weights must be a file name with {{i}} for the layer number "
-                               f"(e.g. weights/layer_{{i}}.bin), got {short(template)}; re-export the model")
-    parent = (cfg.folder / first).parent
-    held = sum(1 for _ in os.scandir(parent)) if parent.is_dir() else 0
-    if cfg.num_layers > held:
-        raise ModelFolderError(f"{path}: num_layers is {cfg.num_layers}, but {parent} holds {held} files; set it "
-                               f"to the model's layer count or re-export the model")
-
-
-def _check_manifest(manifest, path: Path) -> None:
-    """files.layer_manifest: [{name, dtype, shape, offset}...], the tensor layout every layer file shares."""
-    keys = {"name", "dtype", "shape", "offset"}
-    if not isinstance(manifest, list) or not manifest or not all(isinstance(m, dict) and keys <= m.keys()
-                                                                  for m in manifest):
-        raise ModelFolderError(f"{path}: files.layer_manifest must be a non-empty list of {{name, dtype, shape, "
-                               f"offset}} objects; re-export the model")
-
-
-def _check_embed_table(cfg: "ModelConfig", path: Path) -> None:
-    """files.embed_table: {file, dtype (float32 | float16 | int8 | uint8), shape [vocab_size, hidden_size]} (int8:
-    and scale_file, one float32 per `block` values of a row; uint8, a GGUF's own blocks: scale_file, `block`,
-    `bits` 4 or 8, an integer `zero` and an optional offset_file of float32 per block), and files of exactly that
-    many bytes (a truncated or replaced table fails here, by name, not as wrong text)."""
-    t = cfg.files["embed_table"]
-    sizes = {"float32": 4, "float16": 2, "int8": 1, "uint8": 1}
-    blocked = isinstance(t, dict) and t.get("dtype") in ("int8", "uint8")
-    ok = (isinstance(t, dict) and t.get("dtype") in sizes and isinstance(t.get("file"), str)
-          and t.get("shape") == [cfg.vocab_size, cfg.hidden_size]
-          and (not blocked or (isinstance(t.get("scale_file"), str) and type(t.get("block")) is int
-                               and t["block"] > 0 and cfg.hidden_size % t["block"] == 0))
-          and (t.get("dtype") != "uint8" or (t.get("bits", 8) in (4, 8) and type(t.get("zero", 0)) is int
-                                             and isinstance(t.get("offset_file", ""), str))))
-    if not ok:
-        raise ModelFolderError(f"{path}: files.embed_table must be {{file, dtype float32|float16|int8|uint8 (int8 and "
-                               f"uint8 with a scale_file and a block dividing {cfg.hidden_size}; uint8 with bits 4 "
-                               f"or 8), shape [{cfg.vocab_size}, {cfg.hidden_size}]}}; re-export the model")
-    want = {t["file"]: cfg.vocab_size * cfg.hidden_size * sizes[t["dtype"]] * t.get("bits", 8) // 8}
-    if blocked:
-        want[t["scale_file"]] = cfg.vocab_size * cfg.hidden_size // t["block"] * 4
-        if "offset_file" in t:
-            want[t["offset_file"]] = want[t["scale_file"]]
-    for name, size in want.items():
-        got = (cfg.folder / name).stat().st_size
-        if got != size:
-            raise ModelFolderError(f"{cfg.folder / name}: {got} bytes, the embedding table needs {size} (truncated "
-                                   f"or replaced after export); restore it or re-export the model")
-
-
-def _check_graph_sums(sums, folder: Path, path: Path) -> None:
-    """files.sha256 (optional; exports before it lack it): {file in the folder: hex SHA-256} of a whole graph
-    and its tensors' file, checked on load (integrity.py)."""
-    if sums is None:
-        return
-    if not isinstance(sums, dict) or not all(isinstance(n, str) and _is_digest(h) for n, h in sums.items()):
-        raise ModelFolderError(f"{path}: files.sha256 must map file names to hex SHA-256 digests; re-export the "
-                               f"model")
-    for name in sums:
-        if not inside(folder, name, "files.sha256 entry", path).is_file():
-            raise ModelFolderError(f"{folder}: missing file {short(name, 200)} (files.sha256 names it)")
-
-
-def _is_digest(h) -> bool:
-    return isinstance(h, str) and len(h) == 64 and all(c in "0123456789abcdef" for c in h)
-
-
-def _check_checksums(sums, num_layers: int, path: Path) -> None:
-    """files.layer_sha256 (optional; older exports lack it): one hex SHA-256 per layer weight file."""
-    if sums is None:
-        return
-    if not isinstance(sums, list) or len(sums) != num_layers or not all(
-            isinstance(h, str) and len(h) == 64 and all(c in "0123456789abcdef" for c in h) for h in sums):
-        raise ModelFolderError(f"{path}: files.layer_sha256 must list {num_layers} hex SHA-256 digests (one per "
-                               f"layer file); re-export the model")
 
 
 @dataclass(frozen=True, kw_only=True)
