@@ -122,6 +122,7 @@ class ModelConfig:
             raise ModelFolderError(f"{path}: unknown layout {cfg.layout!r}")
         keys = check.check_file_names(cfg.files, path)
         _check_tree(raw.get("speculative"), path)
+        _check_head_tokens(raw.get("head_tokens"), cfg.vocab_size, path)
         try:
             if cfg.layout == "split":
                 check.check_layer_count(cfg, path)
@@ -182,6 +183,31 @@ def _check_tree(tree, path: Path) -> None:
         SpeculativeConfig(**tree)
     except ValueError as e:
         raise ModelFolderError(f"{path}: speculative: {str(e)[:120]}; fix or remove it") from None
+
+
+def head_width(cfg) -> int:
+    """How many tokens a model's head scores (cfg: its ModelConfig): a cut head's count (`head_tokens`: export
+    --head_tokens, or a checkpoint's lm_head.token_ids), else every token. A top-k head's k stays within it."""
+    cut = cfg.raw.get("head_tokens")
+    return cut["count"] if isinstance(cut, dict) else cfg.vocab_size
+
+
+def draft_only(cfg) -> bool:
+    """The head scores fewer tokens than the vocabulary and the folder does not say it may run as a target
+    (`head_tokens.target`): a draft, whose other tokens its target scores; as a target it could never produce
+    them (the fetched 0.5B, cut to 65,536 ids, answered in another language than its 1.5B)."""
+    return head_width(cfg) < cfg.vocab_size and cfg.raw["head_tokens"].get("target") is not True
+
+
+def _check_head_tokens(cut, vocab_size: int, path: Path) -> None:
+    """`head_tokens` (a head over fewer ids than the vocabulary): {count: 1..vocab_size, target: optional bool}."""
+    if cut is None:
+        return
+    count = cut.get("count") if isinstance(cut, dict) else None
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= vocab_size or \
+            not isinstance(cut.get("target", False), bool):
+        raise ModelFolderError(f"{path}: head_tokens must be {{count: 1 to {vocab_size}, target: true or false}}, "
+                               f"got {short(cut)}; re-export the model")
 
 
 @dataclass(frozen=True, kw_only=True)

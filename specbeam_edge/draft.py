@@ -16,7 +16,7 @@ import numpy as np
 
 from .protocol import ScoreCall
 from .cache import TreeCache
-from .config import SpeculativeConfig
+from .config import SpeculativeConfig, head_width
 
 
 class Drafter(Protocol):
@@ -60,8 +60,10 @@ class _Expansions:
             index = {n: j for j, n in enumerate(need)}
             fresh = [f for f in frontier if f in index]
             rows = [index[f] for f in fresh]
-            out = yield ScoreCall(dcache, need, topk=self.width, head_from=min(rows))
-            top, lps = out.top(rows, self.width)
+            # never more children than the head scores: a top-k head's TopK refuses a k beyond them
+            width = min(self.width, head_width(dcache.model.cfg))
+            out = yield ScoreCall(dcache, need, topk=width, head_from=min(rows))
+            top, lps = out.top(rows, width)
             self.memo.update((f, (t, v)) for f, t, v in zip(fresh, top, lps))
         nodes = [f for f in frontier if f in self.memo]
         if not nodes:

@@ -9,7 +9,7 @@ import numpy as np
 
 from . import constraints as lexical
 from .adaptive import ChoosersByLoad, auto_budget, cost_curve, streamed_cost_curve
-from .config import GenerationConfig, SpeculativeConfig, streamed_tree
+from .config import GenerationConfig, SpeculativeConfig, head_width, streamed_tree
 from .contract import probe_source
 from .draft import custom_drafter, make_drafter
 from .encdec import EncoderQueue, logits_processor, shared_statics
@@ -149,8 +149,10 @@ class SearchSetup:
         if gen.do_sample:
             return self._sampling_search(req, ids, max_new, eos, use_draft, encdec)
         speculation = self._speculation(req, eos, source) if use_draft else None
+        topk = self._beam_head_k(req, eos, source is not None)
+        self._check_beams(gen.num_beams, topk, use_draft)
         return ExactSearch(ids, self.target, self.draft, BeamSettings.of(gen, max_new, eos),
-                           speculation=speculation, topk=self._beam_head_k(req, eos, source is not None),
+                           speculation=speculation, topk=topk,
                            encdec=encdec, constraints=_after_prefix(req.constraints, req.prefix),
                            min_finished=gen.num_return_sequences)
 
@@ -238,6 +240,22 @@ class SearchSetup:
         grow = custom_drafter(req.drafter) if req.drafter else make_drafter(spec, K, eos, min(ctx, dctx),
                                                                             source=source)
         return Speculation(budget_for=budget_for, grow=grow, chooser=self._chooser(gen, spec) if adaptive else None)
+
+    def _check_beams(self, num_beams: int, topk: int | None, use_draft: bool) -> None:
+        """Beam search keeps at most as many beams as the vocabulary has tokens (a first step has no more distinct
+        continuations; the draft's vocabulary when it drafts), and with a top-k head (k = `topk`) at most what a k
+        within the vocabulary holds: onnxruntime refuses a wider TopK, as a traceback. (num_return_sequences <=
+        num_beams; sampling draws with replacement, so it has no such bound.)"""
+        vocab = self.target.cfg.vocab_size
+        if use_draft and self.draft is not None:
+            vocab = min(vocab, self.draft.cfg.vocab_size)
+        limit, why = vocab, f"its vocabulary has {vocab} tokens"
+        if topk is not None:
+            extra, width = topk - 2 * num_beams, head_width(self.target.cfg)
+            limit = min(limit, (width - extra) // 2)
+            why = f"its top-k head reads 2 x num_beams + {extra} of the {width} tokens it scores"
+        if num_beams > limit:
+            raise ValueError(f"num_beams={num_beams} is more than this model allows ({why}); pass at most {limit}")
 
     def _beam_head_k(self, req: Request, eos, encdec: bool) -> int | None:
         """The k a top-k (or 'both') head returns per node, or None for full rows. Its best 2K + #EOS + 1 log-probs

@@ -233,3 +233,34 @@ def test_tree_widths_over_the_vocabulary_are_a_value_error(engine):
             engine.generate("hello", num_beams=2, max_new_tokens=4, speculative=SpeculativeConfig(**kw))
         with pytest.raises(ValueError, match="larger than the model's vocabulary"):
             engine.generate("hello", num_beams=2, max_new_tokens=4, speculative=kw)
+
+
+def test_beams_beyond_what_the_vocabulary_allows_are_one_line(exported):
+    """Before: a top-k head got k = 2 x num_beams + #EOS + 1 past its vocabulary, and onnxruntime's TopK failed
+    as a traceback; a full-logits head ran more beams than a first step has tokens."""
+    topk = Engine(exported("llama", output="both", std=0.3, seed=3))
+    V, extra = topk.target.cfg.vocab_size, len(topk.eos) + 1
+    limit = (V - extra) // 2
+    with pytest.raises(ValueError) as e:
+        topk.generate("hello", num_beams=limit + 1, max_new_tokens=2, num_return_sequences=limit + 1)
+    assert str(e.value) == (f"num_beams={limit + 1} is more than this model allows (its top-k head reads 2 x "
+                            f"num_beams + {extra} of the {V} tokens it scores); pass at most {limit}")
+    assert len(topk.generate("hello", num_beams=limit, max_new_tokens=2)) == 1
+    dense = Engine(exported("llama", std=0.3, seed=3))
+    with pytest.raises(ValueError, match=rf"^num_beams={V + 1} .*\(its vocabulary has {V} tokens\); pass at most "
+                                         rf"{V}$"):
+        dense.generate("hello", num_beams=V + 1, max_new_tokens=2)
+    with pytest.raises(ValueError, match=rf"pass at most {limit}"):       # the CLI's and the server's way in
+        topk.request("hello", num_beams=limit + 1, max_new_tokens=2)
+
+
+def test_a_top_k_draft_drafts_no_wider_than_its_head(exported):
+    """Before: the draft's default width (up to 4 x num_beams) reached its TopK past the vocabulary."""
+    target, draft = (exported("llama", output="both", std=0.3, seed=s, layers=n) for s, n in ((3, 2), (11, 1)))
+    engine = Engine(target, draft=draft)
+    K = 100                                        # 4K = 400 > 320 tokens
+    spec = dict(budget=1000, max_depth=2, adaptive=False)
+    got = engine.generate("hello", num_beams=K, max_new_tokens=3, speculative=spec)[0]
+    plain = engine.generate("hello", num_beams=K, max_new_tokens=3, speculative=None)[0]
+    assert [h.tokens for h in got.hypotheses] == [h.tokens for h in plain.hypotheses]
+    assert got.stats.draft_tokens_proposed > 0
