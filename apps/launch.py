@@ -98,8 +98,8 @@ def _settle(old_sigint) -> None:
 
 def specbeam(argv=None) -> int:
     """`specbeam generate|chat` run the runtime's CLI; `specbeam translate` is the translate tool, `specbeam fetch`
-    the fetch app and `specbeam list|rm` its neighbour (apps: the runtime imports no app, so the dispatch lives
-    here)."""
+    the fetch app, `specbeam list|rm` its neighbour and `specbeam serve` the server (apps: the runtime imports no
+    app, so the dispatch lives here)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["translate"]:     # every later flag, --help included, belongs to the translate tool
         return translate(argv[1:])
@@ -107,6 +107,8 @@ def specbeam(argv=None) -> int:
         return _run("specbeam_apps.fetch", "specbeam fetch", argv[1:])
     if argv[:1] in (["list"], ["rm"]):  # the fetched models on disk: rm takes the fetch app's lock
         return _run("specbeam_apps.manage", f"specbeam {argv[0]}", argv)
+    if argv[:1] == ["serve"]:         # the OpenAI-compatible server (the serve extra)
+        return _run("specbeam_apps.serve.__main__", "specbeam serve", argv[1:])
     return _run("specbeam_edge.cli", "specbeam", argv, ("specbeam_edge.generate",))
 
 

@@ -391,7 +391,9 @@ def _add_app_commands(sub) -> None:
                                  "SHA-256 and export it into the per-user data folder (specbeam fetch --help)"),
                        ("list", "the fetched models with their disk use, complete or not (specbeam list --help)"),
                        ("rm", "remove a fetched model and its draft; --sources: its kept sources too (specbeam rm "
-                              "--help)")):
+                              "--help)"),
+                       ("serve", "an OpenAI-compatible server (and LibreTranslate's /translate) on localhost for "
+                                 "editors, chat UIs and scripts (specbeam serve --help)")):
         sub.add_parser(name, help=what, add_help=False).add_argument("rest", nargs=argparse.REMAINDER)
 
 
@@ -427,9 +429,11 @@ def main(argv=None) -> int:
     add_search_args(c)
     _add_app_commands(sub)
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] in (["translate"], ["fetch"], ["list"], ["rm"]):
+    if argv[:1] in (["translate"], ["fetch"], ["list"], ["rm"], ["serve"]):
         tool = "the translate tool's command: run specbeam translate (the installed command) or specbeam-translate" \
-            if argv[0] == "translate" else f"the fetch app's command: run specbeam {argv[0]} (the installed " \
+            if argv[0] == "translate" else "the server's command: run specbeam serve (the installed command) or " \
+            "python -m apps.serve in a checkout" if argv[0] == "serve" else \
+            f"the fetch app's command: run specbeam {argv[0]} (the installed " \
             f"command) or python -m apps.{'fetch' if argv[0] == 'fetch' else 'manage ' + argv[0]} in a checkout"
         print(f"specbeam: error: {argv[0]} is {tool}", file=sys.stderr)
         return 2
