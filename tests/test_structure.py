@@ -110,7 +110,8 @@ def test_the_runtime_imports_neither_the_exporter_nor_the_apps():
 def test_the_outside_import_finder_finds_planted_imports(tmp_path):
     planted = tmp_path / "planted.py"
     planted.write_text("import export.core\nfrom apps.translate import job\nimport importlib\n"
-                       "def f():\n    from specbeam_apps import launch\n    importlib.import_module('specbeam_export.graph')\n"
+                       "def f():\n    from specbeam_apps import launch\n"
+                       "    importlib.import_module('specbeam_export.graph')\n"
                        "import exporter\nfrom .apps import x\n")
     assert [h.split(" ", 1)[1] for h in outside_imports(planted)] == [
         "export.core", "apps.translate", "specbeam_apps", "specbeam_export.graph"]
