@@ -1,0 +1,20 @@
+"""bench.serve's load generator and report on the shipped demo model, our server alone (llama.cpp's server is a
+peer the benchmark starts only where it is installed): the rounds run, answers at 2 clients equal those at 1."""
+import json
+
+import pytest
+
+pytest.importorskip("uvicorn")
+pytest.importorskip("matplotlib")
+
+
+def test_bench_serve_runs(tmp_path):
+    from bench import serve
+
+    assert serve.main(["--model", "models/ende/target", "--no_llama", "--clients", "1,2", "--rounds", "1",
+                       "--max_tokens", "6", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "serve.json").read_text())
+    assert [r["clients"] for r in report["rows"]] == [1, 2]
+    assert all(r["tok_s"] > 0 and r["ttft_p95_s"] >= r["ttft_p50_s"] > 0 for r in report["rows"])
+    assert report["identical_to_alone"] == {"2": "2/2"}
+    assert (tmp_path / "serve.png").stat().st_size > 0
