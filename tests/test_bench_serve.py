@@ -18,3 +18,13 @@ def test_bench_serve_runs(tmp_path):
     assert all(r["tok_s"] > 0 and r["ttft_p95_s"] >= r["ttft_p50_s"] > 0 for r in report["rows"])
     assert report["identical_to_alone"] == {"2": "2/2"}
     assert (tmp_path / "serve.png").stat().st_size > 0
+
+
+def test_bench_serve_soak_runs(tmp_path):
+    from bench import serve_soak
+
+    assert serve_soak.main(["--model", "models/ende/target", "--clients", "3", "--requests", "4", "--long_tokens",
+                            "200", "--max_tokens", "6", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "serve_soak.json").read_text())
+    assert report["lost"] == 0 and report["answered"] + report["left_by_client"] == 12
+    assert (tmp_path / "serve_soak.png").stat().st_size > 0
