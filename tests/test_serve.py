@@ -413,3 +413,20 @@ def test_the_command(chat_pair, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "apps.serve", "--model", str(tmp_path / "nothing"), "--port",
                           str(_free_port())], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "no such folder" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_full_queue_is_429_with_retry_after(server, client, monkeypatch):
+    from specbeam_edge.online import QueueFull
+
+    batcher = server.registry.models["text"].batcher
+    real, calls = batcher.submit, []
+
+    def full(prepared, emit):
+        calls.append(prepared)
+        raise QueueFull("12 requests are in flight (at most 4 run and 8 wait)")
+    monkeypatch.setattr(batcher, "submit", full)
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": "text", "messages": MESSAGES})
+    assert r.status_code == 429 and r.headers["retry-after"] and r.json()["error"]["code"] == "queue_full"
+    assert calls and calls[0].cancelled
+    monkeypatch.setattr(batcher, "submit", real)
+    assert client.chat.completions.create(model="text", messages=MESSAGES, max_tokens=2).choices
