@@ -430,3 +430,15 @@ def test_a_full_queue_is_429_with_retry_after(server, client, monkeypatch):
     assert calls and calls[0].cancelled
     monkeypatch.setattr(batcher, "submit", real)
     assert client.chat.completions.create(model="text", messages=MESSAGES, max_tokens=2).choices
+
+
+def test_kv_memory_admits_what_fits(server, client, monkeypatch):
+    served = server.registry.models["text"]
+    ids = prompt_ids(server, MESSAGES)
+    monkeypatch.setattr(served, "kv_tokens", len(ids) + 10)
+    r = httpx.post(server.url + "/v1/chat/completions",
+                   json={"model": "text", "messages": MESSAGES, "max_tokens": 11, "temperature": 0})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "kv_memory_exceeded"
+    # without max_tokens the answer gets the room the budget leaves
+    r = client.chat.completions.create(model="text", messages=MESSAGES, temperature=0, extra_body={"min_tokens": 10})
+    assert r.usage.completion_tokens == 10 and r.choices[0].finish_reason == "length"

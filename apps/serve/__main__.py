@@ -14,7 +14,7 @@ import time
 
 from specbeam_edge.flags import PROVIDERS, parse_size, positive_int
 
-from .models import NO_DRAFT, ModelSpec, Registry, Served, resolve
+from .models import NO_DRAFT, ModelSpec, Registry, Served, kv_bytes_per_token, resolve
 
 PROG = "specbeam serve"
 
@@ -35,9 +35,10 @@ def parse_args(argv) -> argparse.Namespace:
     ap.add_argument("--max_batch_size", type=positive_int, default=8, help="requests that share each pass")
     ap.add_argument("--max_waiting", type=int, default=32,
                     help="requests that wait for a place; more are answered 429 with Retry-After")
-    ap.add_argument("--kv_tokens", type=positive_int, default=None,
-                    help="KV cache tokens the requests in flight may hold together ((prompt + max_tokens) x beams "
-                         "each); a request larger than that alone is refused (default: no bound)")
+    ap.add_argument("--kv_memory", type=parse_size, default=None,
+                    help="KV cache the requests in flight of a model may hold together, e.g. 2GB (each may hold "
+                         "(prompt + max_tokens) x beams tokens); a request larger than that alone is refused, others "
+                         "wait their turn (default: no bound)")
     ap.add_argument("--max_body", type=parse_size, default=None, help="largest request body (default 8MB)")
     ap.add_argument("--threads", type=positive_int, default=None, help="onnxruntime intra-op threads")
     ap.add_argument("--max_memory", type=parse_size, default=None,
@@ -76,8 +77,9 @@ def loader(args, batch: dict):
         engine = Engine(folder, draft=draft, threads=args.threads, max_memory=args.max_memory,
                         providers=PROVIDERS[args.provider])
         codes = sorted(engine.encoder.language_codes) if engine.encoder is not None else []
-        return Served(spec.name, engine, Batcher(engine, **batch), ahead=ahead, created=int(time.time()),
-                      languages=codes)
+        kv = args.kv_memory // kv_bytes_per_token(engine.target) if args.kv_memory else None
+        return Served(spec.name, engine, Batcher(engine, max_batch_tokens=kv, **batch), ahead=ahead,
+                      created=int(time.time()), languages=codes, kv_tokens=kv)
     return load
 
 
@@ -94,9 +96,9 @@ def main(argv=None) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"{PROG}: warning: listening on {args.host} without --api_key: anyone who reaches this address can "
               f"use the models", file=sys.stderr, flush=True)
-    batch = dict(max_batch_size=args.max_batch_size, max_waiting=args.max_waiting, max_batch_tokens=args.kv_tokens)
+    batch = dict(max_batch_size=args.max_batch_size, max_waiting=args.max_waiting)
     registry = Registry(specs(args), loader(args, batch))
-    server = Server(registry, api_key=args.api_key, max_body=args.max_body or MAX_BODY, kv_tokens=args.kv_tokens)
+    server = Server(registry, api_key=args.api_key, max_body=args.max_body or MAX_BODY)
     config = uvicorn.Config(build(server), host=args.host, port=args.port, log_level=args.log_level,
                             access_log=args.log_level in ("info", "debug"))
     web = uvicorn.Server(config)

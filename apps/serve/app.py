@@ -29,9 +29,8 @@ MAX_BODY = 8 * 2**20           # a request body larger than this is refused (413
 class Server:
     """What the routes share: the models, the key, and the limits."""
 
-    def __init__(self, registry, *, api_key: str | None = None, max_body: int = MAX_BODY,
-                 kv_tokens: int | None = None):
-        self.registry, self.api_key, self.max_body, self.kv_tokens = registry, api_key, max_body, kv_tokens
+    def __init__(self, registry, *, api_key: str | None = None, max_body: int = MAX_BODY):
+        self.registry, self.api_key, self.max_body = registry, api_key, max_body
 
     def authorize(self, request: Request, body_key: str | None = None) -> None:
         if self.api_key is None:
@@ -144,7 +143,7 @@ async def _complete(request: Request, chat: bool):
     call = parse(body, chat)
     served = server.registry.get(call.model)
     ids = await run_in_threadpool(chat_ids if chat else completion_ids, served, body)
-    groups = await run_in_threadpool(prepare, served, call, ids, server.kv_tokens)
+    groups = await run_in_threadpool(prepare, served, call, ids)
     run = Run(served, call, groups, sum(g.count for g in groups))
     run.submit()
     if call.stream:

@@ -73,7 +73,7 @@ def rest_of_context(served, ids: list[int], call: Call) -> int:
     return call.max_tokens or room
 
 
-def prepare(served, call: Call, prompts: list[list[int]], kv_budget: int | None) -> list[Group]:
+def prepare(served, call: Call, prompts: list[list[int]]) -> list[Group]:
     """The engine requests of a call (run in a worker thread: building a search may measure the model once)."""
     groups, index = [], 0
     for ids in prompts:
@@ -82,16 +82,20 @@ def prepare(served, call: Call, prompts: list[list[int]], kv_budget: int | None)
             overrides = dict(call.overrides, max_new_tokens=max_new)
             if "seed" in overrides:
                 overrides["seed"] += s
+            beams = overrides.get("num_beams", 1)
+            if call.max_tokens is None and served.kv_tokens is not None:    # the answer's room within --kv_memory
+                max_new = max(1, min(max_new, served.kv_tokens // beams - len(ids)))
+                overrides["max_new_tokens"] = max_new
             need = kv_tokens(len(ids), max_new, overrides)
-            if kv_budget is not None and need > kv_budget:
-                raise ApiError(400, f"this request may hold {need} tokens of KV cache (prompt, max_tokens and "
-                                    f"beams); the server admits {kv_budget} (--kv_tokens): ask for fewer "
-                                    f"max_tokens or beams", param="max_tokens")
+            if served.kv_tokens is not None and need > served.kv_tokens:
+                raise ApiError(400, f"this request may hold {need} tokens of KV cache ((prompt + max_tokens) x "
+                                    f"beams); the server's --kv_memory holds {served.kv_tokens}: ask for fewer "
+                                    f"max_tokens or beams", param="max_tokens", code="kv_memory_exceeded")
             try:
                 prepared = served.engine.request(ids, speculative=served.speculative(overrides), **overrides)
             except (ValueError, TypeError) as e:
                 raise ApiError(400, str(e)) from None
-            prepared.job.tokens = need          # what the batcher admits against --kv_tokens
+            prepared.job.tokens = need          # what the batcher admits against --kv_memory
             count = call.per_request if call.samples == 1 else 1
             groups.append(Group(prepared, index, count, len(ids), StopScan(call.stop)))
             index += count

@@ -40,6 +40,7 @@ class Served:
     ahead: bool = False                 # greedy requests draft with the target's lookahead head
     created: int = 0
     languages: list[str] = field(default_factory=list)    # an NLLB/M2M100 model's language codes
+    kv_tokens: int | None = None        # --kv_memory in tokens of this model's KV cache (None: no bound)
 
     @property
     def chat(self) -> bool:
@@ -109,6 +110,14 @@ class Registry:
     def close(self) -> None:
         for m in self.models.values():
             m.batcher.close()
+
+
+def kv_bytes_per_token(model) -> int:
+    """Bytes of KV cache one token takes in `model` (keys and values of every layer)."""
+    import numpy as np
+
+    c = model.cfg
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * np.dtype(model.kv_dtype).itemsize
 
 
 def resolve(spec: ModelSpec) -> tuple[str, str | None, bool]:
