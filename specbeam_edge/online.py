@@ -133,7 +133,7 @@ class Batcher:
         """Stop taking requests, cancel those in flight, and end the thread."""
         with self._cond:
             self._closed = True
-            for p in self._waiting:
+            for p, _ in self._emit.values():
                 p.cancel()
             self._cond.notify()
         self._thread.join(timeout=30)
