@@ -165,6 +165,8 @@ def test_stream_shape_and_text(server, beams):
     body_events = events[1:-1]
     assert all(e["usage"] is None for e in body_events)
     reasons = [c["finish_reason"] for e in body_events for c in e["choices"] if c["finish_reason"]]
+    last = [e for e in body_events if any(c["finish_reason"] for c in e["choices"])][-1]
+    assert last["timings"]["target_passes"] > 0        # the engine's figures, as llama-server's last chunk
     want = eng.generate(ids, num_beams=beams, max_new_tokens=24, speculative=None)[0]
     assert reasons == [want.hypotheses[0].finish_reason]
     text = "".join(c["delta"].get("content") or "" for e in body_events for c in e["choices"])

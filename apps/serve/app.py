@@ -215,8 +215,10 @@ async def _stream(run: Run, chat: bool):
                     rest = g.texts[j][len(shown):] if g.texts[j].startswith(shown) else ""
                     rows = await run.logprobs(g, j)
                     lp = (shapes.chat_logprobs if chat else shapes.completion_logprobs)(tok, g.tokens[j], rows)
+                    figures = shapes.timings(g.stats, len(g.tokens[j]), time.perf_counter() - run.t0) \
+                        if g.stats is not None else None
                     yield shapes.sse(dict(top, choices=[shapes.delta(chat, g.first + j, rest, g.reasons[j], lp)],
-                                          **extra))
+                                          timings=figures, **extra))
         if run.call.include_usage:
             use = shapes.usage(run)
             yield shapes.sse(dict(top, choices=[], usage=use, timings=shapes.timings(
