@@ -282,6 +282,12 @@ DEFAULT_BUDGET = 80
 # its path at least this. SmolLM2-135M, 24 prompts x 128 tokens (bench/README): the chain on every pass gave 1.73
 # tokens a pass but 1.08x plain (rows are not free: 4 rows cost 1.28x one row in that run), 0.1: 1.64 tokens, 1.16x.
 AHEAD_MIN_PATH_PROB = 0.1
+# Bounds of a tree, for what the engine can use: budget "auto" never drafts past 1,024 nodes (where its measured
+# cost curve stops), and 64 levels are more than twice the deepest tree measured to pay (24, STREAMED_TREE); each
+# level is a draft pass. The shipped en->de pair at the bounds, K=4, 32 tokens: 10.6 s (best_first 19 s) against
+# 98 s for 4,096 nodes x 16 levels; a folder's tree of 100,000 x 100,000 gave no answer in 60 s.
+MAX_BUDGET = 1024
+MAX_DEPTH = 64
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -332,12 +338,13 @@ class SpeculativeConfig:
             raise ValueError(f"drafter must be one of {DRAFTERS}, got {self.drafter!r}")
         if self.budget != "auto":
             try:
-                _int(self.budget, "budget", 1)
+                _int(self.budget, "budget", 1, MAX_BUDGET)
             except ValueError:
-                raise ValueError(f"budget must be an integer >= 1 or 'auto', got {self.budget!r}") from None
+                raise ValueError(f"budget must be an integer in [1, {MAX_BUDGET}] (draft nodes a pass) or 'auto', "
+                                 f"got {short(self.budget)}") from None
         if _float(self.auto_slack, "auto_slack") < 1:
             raise ValueError(f"auto_slack must be >= 1, got {self.auto_slack}")
-        _int(self.max_depth, "max_depth", 1)
+        _int(self.max_depth, "max_depth", 1, MAX_DEPTH)
         _int(self.max_branch_width, "max_branch_width", 1)
         if not 0 <= _float(self.min_path_prob, "min_path_prob") < 1:
             raise ValueError(f"min_path_prob must be in [0, 1), got {self.min_path_prob}")

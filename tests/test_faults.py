@@ -486,9 +486,11 @@ def test_nan_length_penalty_cannot_reach_the_search(pair):
     (dict(auto_slack=float("nan")), "auto_slack must be a finite number, got nan"),
     (dict(decay_factor=float("nan")), "decay_factor must be a finite number, got nan"),
     (dict(width_threshold=float("inf")), "width_threshold must be a finite number, got inf"),
-    (dict(budget=0), "budget must be an integer >= 1 or 'auto', got 0"),
-    (dict(budget=True), "budget must be an integer >= 1 or 'auto', got True"),
+    (dict(budget=0), "budget must be an integer in [1, 1024] (draft nodes a pass) or 'auto', got 0"),
+    (dict(budget=True), "budget must be an integer in [1, 1024] (draft nodes a pass) or 'auto', got True"),
+    (dict(budget=100000), "budget must be an integer in [1, 1024] (draft nodes a pass) or 'auto', got 100000"),
     (dict(max_depth=1.5), "max_depth must be an integer, got 1.5"),
+    (dict(max_depth=100000), "max_depth must be in [1, 64], got 100000"),
     (dict(min_num_beams=0), "min_num_beams must be >= 1, got 0"),
     (dict(adaptive="no"), "adaptive must be True or False, got 'no'"),
 ])

@@ -68,7 +68,12 @@ def test_a_file_entry_of_the_wrong_kind_is_named(exported, tmp_path, layout, key
 
 @pytest.mark.parametrize("tree, message", [
     ({"bogus": 1}, "speculative.bogus is not a tree setting (known: drafter, budget, "),
-    ({"budget": -1}, "speculative: budget must be an integer >= 1 or 'auto', got -1; fix or remove it"),
+    ({"budget": -1}, "speculative: budget must be an integer in [1, 1024] (draft nodes a pass) or 'auto', got -1; "
+                     "fix or remove it"),
+    # before: no answer to one line in 60 s
+    ({"budget": 100000, "max_depth": 100000}, "speculative: budget must be an integer in [1, 1024] (draft nodes a "
+                                              "pass) or 'auto', got 100000; fix or remove it"),
+    ({"max_depth": 100000}, "speculative: max_depth must be in [1, 64], got 100000; fix or remove it"),
     ([4], "speculative must be a JSON object of tree settings, got [4]; fix or remove it"),
 ])
 def test_a_bad_tree_in_the_folder_is_named(pair, tmp_path, tree, message):
