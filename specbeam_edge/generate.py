@@ -134,8 +134,9 @@ class Engine(PromptMixin, SearchSetup):
             raise NotInvariantError(invariance.refusal(self.target, self._invariance))
 
     def generation_config(self, generation: GenerationConfig | dict | None = None, **overrides) -> GenerationConfig:
-        """The request's settings: the model's defaults, then `generation` (a GenerationConfig, or a dict of its
-        fields applied over the defaults), then keyword overrides."""
+        """The request's settings: the model's defaults (model_generation: a chat model answers up to 512 tokens),
+        then `generation` (a GenerationConfig, or a dict of its fields applied over the defaults), then keyword
+        overrides."""
         if isinstance(generation, dict):
             overrides, generation = {**generation, **overrides}, None
         elif generation is not None and not isinstance(generation, GenerationConfig):
@@ -143,7 +144,7 @@ class Engine(PromptMixin, SearchSetup):
                             f"{type(generation).__name__}")
         if generation is not None and not overrides:
             return generation
-        base = asdict(generation) if generation is not None else dict(self.target.cfg.generation)
+        base = asdict(generation) if generation is not None else self.model_generation()
         return GenerationConfig.from_dict(base, **overrides)
 
     # -- public API: request -> generate_passes -> stream (one request); generate_iter -> generate (batches) ---

@@ -3,11 +3,14 @@ the context, token ids checked, target prefixes and forced language tokens, and 
 (a part of `Engine`, generate.py, kept in a file of its own job)."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 
 from .config import GenerationConfig, SpeculativeConfig
 from .search_setup import DEFAULT
-from .tokenizer import PromptText
+from .tokenizer import PromptText, _chat_template
 
 
 def check_text(text: str, what: str) -> None:
@@ -21,8 +24,31 @@ def check_text(text: str, what: str) -> None:
             from None
 
 
+# a chat model's answers run this long unless its folder or the caller says otherwise: the search's own default of
+# 128 cut a function in the middle (llama.cpp and Ollama generate until the end-of-text token)
+CHAT_MAX_NEW_TOKENS = 512
+
+
+def has_chat_template(folder) -> bool:
+    """Whether a model folder has a chat template, read without loading its tokenizer (the CLI picks a chat
+    model's defaults before the engine loads); False where the folder cannot be read (the engine says why)."""
+    folder = Path(folder)
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+        return bool(_chat_template(folder, config if isinstance(config, dict) else {}))
+    except (OSError, ValueError):       # ModelFolderError is a ValueError
+        return False
+
+
 class PromptMixin:
     """Engine's prompt handling; uses the engine's tokenizer, target, draft and encoder."""
+
+    def model_generation(self) -> dict:
+        """The model folder's generation settings, the defaults of every request (API, CLI, apps): a decoder-only
+        chat model whose folder names no max_new_tokens gets CHAT_MAX_NEW_TOKENS, not the search's 128."""
+        own = dict(self.target.cfg.generation)
+        chat = self.tokenizer is not None and self.tokenizer.chat_template and self.encoder is None
+        return own if "max_new_tokens" in own or not chat else {**own, "max_new_tokens": CHAT_MAX_NEW_TOKENS}
 
     def chat_prompt(self, messages: list[dict], room: int = 0) -> tuple[str, int]:
         """(the conversation in the model's chat template, how many of the earliest messages were left out): when

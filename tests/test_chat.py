@@ -21,6 +21,7 @@ from apps.chat.render import draft_spans, insert_answer  # noqa: E402
 from apps.chat.store import ChatStore  # noqa: E402
 from apps.chat.window import ChatWindow, pair_name, status_text  # noqa: E402
 from specbeam_edge import Engine  # noqa: E402
+from specbeam_edge.prompting import CHAT_MAX_NEW_TOKENS  # noqa: E402
 
 ENDE = Path(__file__).resolve().parents[1] / "models" / "ende"
 
@@ -373,3 +374,16 @@ def test_picking_another_model_folder_clears_its_old_draft(qtbot, tmp_path, fold
     win.draft_edit.setText(folders[1])
     win._pick_model()
     assert win.model_edit.text() == other and win.draft_edit.text() == folders[1]
+
+
+
+def test_max_new_tokens_on_a_first_start_is_the_engines_default(qtbot, tmp_path, folders):
+    """A chat model's answers were cut at 128 tokens by the panel's default (code stopped mid-line) while the CLI
+    gave 512: on a first start the panel shows the engine's default for the folder (a saved value stays: see
+    test_settings_are_remembered_and_temperature_only_for_sampling)."""
+    for name in ("chat", "text"):
+        (tmp_path / name).mkdir()
+    win = make_window(qtbot, tmp_path / "chat", folders)
+    assert win.max_new.value() == CHAT_MAX_NEW_TOKENS == Engine(folders[0]).generation_config().max_new_tokens
+    text = make_window(qtbot, tmp_path / "text", [str(ENDE.parent / "text" / t) for t in ("target", "draft")])
+    assert text.max_new.value() == 128

@@ -10,7 +10,10 @@ import sys
 import pytest
 
 from specbeam_edge import cli
+from specbeam_edge.config import GenerationConfig, ModelConfig
 from specbeam_edge.generate import Engine
+from specbeam_edge.prompting import CHAT_MAX_NEW_TOKENS, has_chat_template
+from specbeam_edge.shipped import shipped
 
 STREAM = Engine.stream           # the real one: each run's spy wraps it, not the spy of the run before
 ARGS = ["generate", "the lazy dog", "--num_beams", "1", "--max_new_tokens", "12", "--min_new_tokens", "12"]
@@ -87,8 +90,42 @@ def test_a_chat_model_answers_past_128_tokens(folder, monkeypatch, tmp_path):
     assert cli.main(["generate", "the lazy dog", "--model", str(folder), "--num_beams", "1", "--min_new_tokens",
                      "150", "--stats"]) == 0, err.getvalue()
     assert json.loads(err.getvalue().splitlines()[-1])["generated_tokens"] >= 150
+
+
+def test_the_api_gives_a_chat_model_the_clis_length(folder):
+    """Engine.generate / chat / stream take the same default as the CLI (issue 66: the API kept 128 and cut code
+    mid-line); a folder's own max_new_tokens or the caller's wins, and a model without a chat template keeps the
+    search's 128."""
     engine = Engine(folder)
-    assert cli.length_default(engine, {}) == {"max_new_tokens": cli.CHAT_MAX_NEW_TOKENS}
-    assert cli.length_default(engine, {"max_new_tokens": 7}) == {"max_new_tokens": 7}
+    assert engine.generation_config().max_new_tokens == CHAT_MAX_NEW_TOKENS == cli.CHAT_MAX_NEW_TOKENS
+    assert engine.generation_config(max_new_tokens=7).max_new_tokens == 7
+    assert engine.generation_config({"num_beams": 1}).max_new_tokens == CHAT_MAX_NEW_TOKENS
+    long = engine.chat([{"role": "user", "content": "the lazy dog"}], num_beams=1, min_new_tokens=150)
+    assert len(long.hypotheses[0].tokens) >= 150 and long.finish_reason != "length"
+    engine.target.cfg.generation["max_new_tokens"] = 9        # the folder's own limit wins
+    assert engine.generation_config().max_new_tokens == 9
+    del engine.target.cfg.generation["max_new_tokens"]
     engine.tokenizer.chat_template = None                      # a model without a chat template keeps its default
-    assert cli.length_default(engine, {}) == {}
+    assert engine.generation_config().max_new_tokens == GenerationConfig().max_new_tokens
+
+
+def test_generate_on_a_chat_model_is_greedy_as_chat_is(folder, monkeypatch):
+    """`specbeam generate` searched a chat model with the engine's 4 beams (translation's default) while `specbeam
+    chat` and the app were greedy: 6.5 vs 10.1 tok/s on the coder pair, and no lookahead head. Now a chat folder
+    that names no num_beams is greedy in both; --num_beams still wins, and a folder without a chat template keeps
+    its beams."""
+    seen = []
+
+    def spy(self, prompt, gen, *a, **kw):
+        seen.append(gen.num_beams)
+        yield from STREAM(self, prompt, gen, *a, **kw)
+    monkeypatch.setattr(Engine, "stream", spy)
+    base = ["generate", "the lazy dog", "--max_new_tokens", "3", "-q"]
+    assert cli.main([*base, "--model", str(folder)]) == 0
+    assert cli.main([*base, "--model", str(folder), "--num_beams", "3"]) == 0
+    assert seen == [1, 3]
+    assert has_chat_template(folder)
+    assert cli.main([*base]) == 0              # the shipped translation pair: its folder's beams
+    ende = shipped("ende", "target")
+    assert not has_chat_template(ende) and seen[-1] == GenerationConfig.from_dict(
+        ModelConfig.load(ende).generation).num_beams > 1

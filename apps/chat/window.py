@@ -18,8 +18,10 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog
                                QTextBrowser, QVBoxLayout, QWidget)
 
 from specbeam_edge import Engine, fetch
-from specbeam_edge.config import AHEAD_MIN_PATH_PROB, DEFAULT_BUDGET, ModelConfig, SpeculativeConfig
+from specbeam_edge.config import (AHEAD_MIN_PATH_PROB, DEFAULT_BUDGET, GenerationConfig, ModelConfig,
+                                  SpeculativeConfig)
 from specbeam_edge.flags import parse_size, speculative_config, streaming_note
+from specbeam_edge.prompting import CHAT_MAX_NEW_TOKENS, has_chat_template
 from specbeam_edge.shipped import missing_message, models_root
 from specbeam_edge.tokenizer import ChatTemplateError
 
@@ -496,7 +498,8 @@ class ChatWindow(QMainWindow):
         self.beams.setValue(number("beams", 4 if s.contains("beams") else default_beams(self.model_edit.text()),
                                    self.beams))
         self.budget.setValue(number("budget", DEFAULT_BUDGET, self.budget))
-        self.max_new.setValue(number("max_new_tokens", 128, self.max_new))
+        self.max_new.setValue(number("max_new_tokens", 128 if s.contains("max_new_tokens")
+                                     else default_max_new(self.model_edit.text()), self.max_new))
         self.temperature.setValue(number("temperature", 1.0, self.temperature, float))
         self.highlight.setChecked(flag("highlight", True))
         self.want_speculate = flag("speculate", True)
@@ -966,6 +969,18 @@ def default_beams(model: str) -> int:
         return int(ModelConfig.load(model).generation.get("num_beams", 1))
     except Exception:
         return 1
+
+
+def default_max_new(model: str) -> int:
+    """Max new tokens on a first start: the engine's default for the folder (its generation config's, else 512
+    for a chat model, whose code 128 cut mid-line, else 128)."""
+    try:
+        own = ModelConfig.load(model).generation.get("max_new_tokens")
+    except Exception:
+        own = None
+    if isinstance(own, int) and own >= 1:
+        return own
+    return CHAT_MAX_NEW_TOKENS if has_chat_template(model) else GenerationConfig().max_new_tokens
 
 
 def whole_layout(model: str) -> bool:
