@@ -142,6 +142,17 @@ def head_subset(ids: np.ndarray | None, arch: Arch, tokenizer: Path, below: int)
     return None if len(ids) >= arch.vocab_size else ids
 
 
+def _head_tokens(below: int | None, head_ids: np.ndarray | None, arch: Arch) -> dict:
+    """The config's `head_tokens` entry of a cut head (--head_tokens, or the checkpoint's own subset): how many
+    tokens it scores, so the runtime keeps a top-k within them and runs the folder as a draft only."""
+    if below is not None:
+        return {"head_tokens": {"below": below, "count": arch.vocab_size if head_ids is None else int(len(head_ids)),
+                                "rule": "the ids below `below` and the tokenizer's added tokens"}}
+    if head_ids is not None:
+        return {"head_tokens": {"count": int(len(head_ids)), "rule": f"the checkpoint's {HEAD_TOKEN_IDS}"}}
+    return {}
+
+
 def _whole_in_memory(tmp: Path, weights, arch: Arch, head_ids, precision: str, output: str, attention: str,
                      block_size: int, reduce_range: bool, compute: str, prog) -> dict | None:
     """model.onnx built whole in memory, for the rewrites that need the whole graph (int8dyn's quantize_dynamic,
@@ -219,10 +230,7 @@ def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str
             "batch_invariant": INVARIANT[precision],
             "mask": "additive_float32", "mask_value": MASK_VALUE, "present": "concat",
             "output": output, "files": files, **_layer_info(arch),
-            **({"head_tokens": {"below": head_tokens,
-                                "count": arch.vocab_size if head_ids is None else int(len(head_ids)),
-                                "rule": "the ids below `below` and the tokenizer's added tokens"}}
-               if head_tokens is not None else {}),
+            **_head_tokens(head_tokens, head_ids, arch),
             "io": graph_io(output, key_positions=graph.needs_key_positions(arch)),
             "generation": _generation_defaults(src),
             "source": {"folder_name": source_name, "export_seconds": round(time.time() - t0, 2)},

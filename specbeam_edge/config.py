@@ -192,11 +192,15 @@ def head_width(cfg) -> int:
     return cut["count"] if isinstance(cut, dict) else cfg.vocab_size
 
 
-def draft_only(cfg) -> bool:
-    """The head scores fewer tokens than the vocabulary and the folder does not say it may run as a target
-    (`head_tokens.target`): a draft, whose other tokens its target scores; as a target it could never produce
-    them (the fetched 0.5B, cut to 65,536 ids, answered in another language than its 1.5B)."""
-    return head_width(cfg) < cfg.vocab_size and cfg.raw["head_tokens"].get("target") is not True
+def check_full_head(cfg) -> None:
+    """A target's head scores every token: a cut head (`head_tokens`) could never produce the others, and gave
+    silent garbage as a target (the fetched 0.5B, cut to 65,536 ids, answered in another language than its 1.5B).
+    A draft only, unless the folder says it may run as a target (`head_tokens.target`)."""
+    width = head_width(cfg)
+    if width < cfg.vocab_size and cfg.raw["head_tokens"].get("target") is not True:
+        raise ModelFolderError(f"{cfg.folder}: its head scores {width} of its {cfg.vocab_size} tokens (a cut head: "
+                               f"export --head_tokens), so it is a draft only; pass it as --draft beside its full "
+                               f"model (or set head_tokens.target to true in its specbeam_config.json)")
 
 
 def _check_head_tokens(cut, vocab_size: int, path: Path) -> None:

@@ -20,7 +20,7 @@ from . import constraints as lexical
 from .adaptive import PassChooser
 from .batch import score_one
 from .cache import TreeCache
-from .config import GenerationConfig, ModelFolderError, SpeculativeConfig
+from .config import GenerationConfig, ModelFolderError, SpeculativeConfig, check_full_head
 from .encdec import Encoder, is_encoder_decoder, shared_cross_layers
 from .invariance import Invariance, NotInvariantError, QuantizationWarning, saturation_warning
 from .model import OnnxCausalLM, share_threads, threads_shared
@@ -72,6 +72,7 @@ class Engine(PromptMixin, SearchSetup):
             self.target.min_rows = invariance.row_floor(self.target)
         self.tokenizer = Tokenizer(target)
         check_vocabulary(self.tokenizer, self.target.cfg)
+        check_full_head(self.target.cfg)
         self.draft = None
         if draft is not None:
             if not Path(draft).is_dir():

@@ -139,3 +139,33 @@ def test_a_head_tokens_int4_draft_leaves_speculative_output_unchanged(exported, 
         [b] = spec.generate([3, 17, 33, 8, 99], speculative=cfg, num_beams=num_beams, max_new_tokens=16)
         assert_same_hypotheses(a, b, scores=False)
         assert b.stats.draft_passes > 0
+
+
+def test_a_cut_head_runs_as_a_draft_only(exported, hf_models, draft_src, tmp_path):
+    """Before: a folder exported with --head_tokens ran as a target and answered garbage, exit 0 (it can never
+    produce the tokens its head does not score)."""
+    from specbeam_edge import cli
+    from specbeam_edge.config import ModelFolderError
+
+    src, _ = hf_models("llama", std=0.3, seed=11, layers=1)
+    cut = export(src, tmp_path / "cut", precision="fp32", output="both", quiet=True, head_tokens=100)
+    sub = export(draft_src, tmp_path / "sub", precision="fp32", output="both", quiet=True)   # the checkpoint's own
+    for folder, n in ((cut, json.loads((cut / "specbeam_config.json").read_text())["head_tokens"]["count"]),
+                      (sub, len(SUBSET))):
+        with pytest.raises(ModelFolderError) as e:
+            Engine(folder)
+        assert str(e.value) == (f"{folder}: its head scores {n} of its 320 tokens (a cut head: export --head_tokens), "
+                                f"so it is a draft only; pass it as --draft beside its full model (or set "
+                                f"head_tokens.target to true in its specbeam_config.json)")
+    target = exported("llama", std=0.3, seed=3, output="both")
+    assert Engine(target, draft=cut).generate("hello", max_new_tokens=3)[0].text is not None
+    assert cli.main(["generate", "--model", str(cut), "--max_new_tokens", "2", "hello"]) == 2
+    path = cut / "specbeam_config.json"
+    cfg = json.loads(path.read_text())
+    cfg["head_tokens"]["target"] = True                            # the folder says its answers never need the rest
+    path.write_text(json.dumps(cfg))
+    Engine(cut).generate("hello", max_new_tokens=2)
+    cfg["head_tokens"]["count"] = 100000
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ModelFolderError, match=r"head_tokens must be \{count: 1 to 320, target: true or false\}"):
+        Engine(cut)
