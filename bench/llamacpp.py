@@ -165,7 +165,7 @@ def bench(gguf: Path, folders: dict[str, Path], *, n_prompts: int = 12, max_new:
 
     from specbeam_edge import Engine, SpeculativeConfig
 
-    engines = {f"specbeam {k}": Engine(p, threads=threads) for k, p in folders.items()}
+    engines = {f"specbeam {k}": Engine(p, draft=None, threads=threads) for k, p in folders.items()}   # plain
     first = next(iter(engines.values()))
     eos = list(first.eos)
     prompts = PROMPTS[:n_prompts]

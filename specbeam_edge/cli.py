@@ -41,8 +41,8 @@ def add_search_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--top_p", type=finite_float, default=None, help="top-p on the joint (beam, token) scores")
     g.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     add_speculation_args(ap, sampling=True,
-                         draft_help="draft model folder (enables speculative search; default: a fetched model's own "
-                                    "draft, or the shipped pair's draft with the default model)")
+                         draft_help="draft model folder or fetched model's name (enables speculative search; default: "
+                                    "a fetched model's own draft, or the shipped pair's draft with the default model)")
     ap.add_argument("--threads", type=positive_int, default=None, help="onnxruntime intra-op threads")
     ap.add_argument("--stats", action="store_true", help="print statistics (JSON) to stderr")
     ap.add_argument("-q", "--quiet", action="store_true",
@@ -142,7 +142,9 @@ def _model(args) -> str:
 def open_engine(args, spec):
     """The engine of the flags, checked against them (tree widths within the vocabulary, the prompt format)."""
     model = _model(args)
-    engine = engine_from_args(args, model, None if args.no_draft else args.draft)
+    # --draft takes a fetched model's name as --model does (`specbeam list` shows them)
+    draft = None if args.no_draft or not args.draft else resolve_model(args.draft, "--draft")
+    engine = engine_from_args(args, model, draft)
     if spec is not None:
         check_widths(engine, args.max_branch_width, args.draft_width)
     check_prompt_format(engine, model)

@@ -203,9 +203,14 @@ def draft_folder(name: str) -> Path:
 
 
 def draft_path(name: str) -> Path | None:
-    """The built draft of a fetched model, or None (none is shipped, or `specbeam fetch NAME` has not built it)."""
+    """The draft that goes with a fetched model: the fetched model that drafts for it (the 1.5B coder's 0.5B),
+    else the draft `specbeam fetch` trained beside it; None when it has none or it is not there (yet)."""
+    src = source(name)
+    if src.draft_model:
+        other = folder(src.draft_model)
+        return other if is_complete(other) else None
     path = draft_folder(name)
-    return path if source(name).draft and is_complete(path) else None
+    return path if src.draft and is_complete(path) else None
 
 
 def fetched() -> dict[str, Path]:
@@ -231,30 +236,59 @@ def _fetched_ahead(name: str) -> dict:
         return {}
 
 
-def resolve_model(model: str) -> str:
-    """A `--model` value: a folder as it is; the name of a fetchable model (`smollm2`, see specbeam_edge.fetch)
-    its fetched folder, or an error that says how to fetch it. A folder of that name wins over the name."""
+def resolve_model(model: str, flag: str = "--model") -> str:
+    """A `--model` (or `--draft`) value: a folder as it is; the name of a fetchable model (`smollm2`, see
+    specbeam_edge.fetch) its fetched folder, or an error that says how to fetch it. A folder of that name wins
+    over the name. A GGUF file is refused with the commands that make a model folder of it."""
+    model = str(model)
     if Path(model).expanduser().is_dir() or not is_name(model):
+        if model.lower().endswith(".gguf"):
+            raise ModelFolderError(gguf_refusal(model, flag))
         return model
     return str(model_path(model))
 
 
-def default_ahead(model: str) -> bool:
-    """Whether a `--model` value speculates with its target's lookahead head by default: a fetched model's name
-    whose head was measured to pay (Source.ahead_pays) and is attached; a folder: no (pass --drafter ahead)."""
-    if Path(model).expanduser().is_dir() or not is_name(model) or not source(model).ahead_pays:
+def gguf_refusal(path: str, flag: str = "--model") -> str:
+    """One line for a GGUF file given where a model folder goes: the export command that makes one (or the
+    fetch of a known model)."""
+    name = next((s.name for s in SOURCES.values() if s.member == Path(path).name), None)
+    fetch_it = f"`specbeam fetch {name}` does it for this file, or " if name else ""
+    stem = Path(path).name[: -len(".gguf")] or "model"
+    missing = "" if Path(path).expanduser().is_file() else " (and that file does not exist)"
+    return (f"{flag} {path} is a GGUF file{missing}; {flag} takes a model folder, exported once: {fetch_it}run "
+            f"`specbeam-export -i {path} -p int8 --output_kind both -o {stem}`, then pass {flag} {stem}")
+
+
+def fetched_name(model) -> str | None:
+    """The fetchable name a `--model` value or an Engine's folder stands for: the name itself (unless a folder
+    of that name is there), or the fetched folder of a name (the path fetch.model_path gives); else None."""
+    text = str(model)
+    path = Path(text).expanduser()
+    if not path.is_dir():
+        return _ALIASES.get(text, text) if is_name(text) else None
+    for name in SOURCES:
+        if folder(name).is_dir() and path.resolve() == folder(name).resolve():
+            return name
+    return None
+
+
+def default_ahead(model) -> bool:
+    """Whether a `--model` value speculates with its target's lookahead head by default: a fetched model (its
+    name or its fetched folder) whose head was measured to pay (Source.ahead_pays) and is attached; another
+    folder: no (pass --drafter ahead)."""
+    name = fetched_name(model)
+    if name is None or not source(name).ahead_pays:
         return False
-    return has_ahead(model) and is_complete(folder(model))
+    return has_ahead(name) and is_complete(folder(name))
 
 
-def default_draft(model: str) -> str | None:
-    """The draft that goes with a `--model` value: a fetched model's name gives the draft `specbeam fetch` built
-    beside it when that draft was measured to pay (Source.draft_pays; else None: pass it with --draft to try it);
-    a folder gives None (its draft is named with --draft)."""
-    if Path(model).expanduser().is_dir() or not is_name(model) or not source(model).draft_pays:
+def default_draft(model) -> str | None:
+    """The draft that goes with a `--model` value or an Engine's folder (the tools' and Engine's default): a
+    fetched model (its name or its fetched folder) gives draft_path when that draft was measured to pay
+    (Source.draft_pays; else None: pass it with --draft to try it); another folder gives None (its draft is
+    named with --draft)."""
+    name = fetched_name(model)
+    if name is None or not source(name).draft_pays:
         return None
-    other = source(model).draft_model
-    if other:
-        return str(folder(other)) if is_complete(folder(other)) else None
-    path = draft_path(model)
+    path = draft_path(name)
     return str(path) if path else None

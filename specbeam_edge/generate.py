@@ -22,6 +22,7 @@ from .batch import score_one
 from .cache import TreeCache
 from .config import GenerationConfig, ModelFolderError, SpeculativeConfig, check_full_head
 from .encdec import Encoder, is_encoder_decoder, shared_cross_layers
+from .fetch import default_draft, resolve_model
 from .invariance import Invariance, NotInvariantError, QuantizationWarning, saturation_warning
 from .model import OnnxCausalLM, share_threads, threads_shared
 from .online import PreparedRequest
@@ -49,17 +50,22 @@ class Engine(PromptMixin, SearchSetup):
         self._init_state()
         return self
 
-    def __init__(self, target: str | Path, draft: str | Path | None = None, *, threads: int | None = None,
+    def __init__(self, target: str | Path, draft: str | Path | None = DEFAULT, *, threads: int | None = None,
                  max_memory: int | None = None, host_memory: int | None = 0, placement: list[str] | None = None,
                  providers: list[str] | None = None, kv_resident: bool | None = None, min_rows: int | None = None,
                  shared_pool: bool = True):
-        """max_memory/host_memory/placement stream the target's layers (split layout; see offload.py);
-        providers: onnxruntime execution providers (default CPU); kv_resident: keep KV caches on the session's
-        device between passes (default: on CUDA only; see OnnxCausalLM); min_rows: the target's row floor
-        (default: measured for a quantized target, see OnnxCausalLM). shared_pool: run every session of the
-        process on one onnxruntime thread pool of `threads` threads, as the tools do (model.share_threads: the
-        first engine sizes it; afterwards onnxruntime refuses sessions with pools of their own); False keeps a
-        pool per session, unless the process already shares one."""
+        """target, draft: model folders, or the names of fetched models (`specbeam list`); draft "default" (the
+        default) is the draft the tools use with a fetched model (fetch.default_draft: the 1.5B coder's 0.5B), none
+        for another folder; None: no draft. max_memory/host_memory/placement stream the target's layers (split
+        layout; see offload.py); providers: onnxruntime execution providers (default CPU); kv_resident: keep KV
+        caches on the session's device between passes (default: on CUDA only; see OnnxCausalLM); min_rows: the
+        target's row floor (default: measured for a quantized target, see OnnxCausalLM). shared_pool: run every
+        session of the process on one onnxruntime thread pool of `threads` threads, as the tools do
+        (model.share_threads: the first engine sizes it; afterwards onnxruntime refuses sessions with pools of
+        their own); False keeps a pool per session, unless the process already shares one."""
+        target = resolve_model(target, "target")
+        draft = default_draft(target) if isinstance(draft, str) and draft == DEFAULT else \
+            None if draft is None else resolve_model(draft, "draft")
         if shared_pool:
             share_threads(threads)
         self.target = OnnxCausalLM(target, threads=threads, max_memory=max_memory, host_memory=host_memory,

@@ -454,7 +454,11 @@ def test_the_fetched_name_brings_its_draft_to_generate_once_it_pays(with_draft, 
     assert default_draft("smollm2") is None                 # built, but not measured faster than plain
     monkeypatch.setitem(fetch.SOURCES, "smollm2", replace(fetch.SOURCES["smollm2"], draft_pays=True))
     assert default_draft("smollm2") == str(fetch.draft_folder("smollm2"))
-    assert default_draft(str(fetch.folder("smollm2"))) is None       # a folder names its draft with --draft
+    # its fetched folder is the model too (Engine(fetch.model_path(NAME)) gets the draft --model NAME gets); a copy
+    # of it elsewhere is a folder, which names its draft with --draft
+    assert default_draft(str(fetch.folder("smollm2"))) == str(fetch.draft_folder("smollm2"))
+    copy = shutil.copytree(fetch.folder("smollm2"), fetch.data_dir().parent / "copy")
+    assert default_draft(str(copy)) is None
 
 
 @pytest.fixture
