@@ -45,9 +45,11 @@ def score_batch(calls: list[ScoreCall], stacks: StaticStacks | None = None) -> l
     past is left-aligned and zero-padded to the longest, its new rows follow the padded past; padding columns
     are masked out, padding rows see only themselves). Returns each call's head output (heads.DenseOutput, or
     heads.TopKOutput limited to its own k). Requests whose shapes differ a lot run as separate sub-batches (see
-    `_buckets`). Passes longer than the model's context (a draft cache catching up, a very wide first step)
-    are split into chunks that fit: the rotary tables hold `context_length` rows. stacks: the run's stacked
-    static inputs (None: stacked afresh)."""
+    `_buckets`). A call of more new nodes than the model's `prefill_chunk` (a long prompt, a draft cache
+    catching up) runs as passes of at most that many rows, each recording its KV before the next: the pass's
+    attention and head buffers stay the chunk's size, so the KV cache is the only thing that grows with a
+    prompt (its first pass over 5,600 tokens took 9 GB). stacks: the run's stacked static inputs (None: stacked
+    afresh)."""
     model = calls[0].cache.model
     if model.cfg.output == "both":
         # a replayed call reads rows of several passes together, so it gets its top-k in every pass: beside a
@@ -63,7 +65,7 @@ def score_batch(calls: list[ScoreCall], stacks: StaticStacks | None = None) -> l
                 for i, o in zip(part, score_batch([calls[i] for i in part], stacks)):
                     out[i] = o
             return out
-    limit = model.cfg.context_length
+    limit = min(model.cfg.context_length, model.prefill_chunk)      # (the rotary tables hold context_length rows)
     outs: list[list] = [[] for _ in calls]
     todo = [(i, list(c.nodes)) for i, c in enumerate(calls) if c.nodes]
     # a 'both' head answers with its top-k when every call of the pass takes one (a sampling draft beside exact
@@ -82,10 +84,12 @@ def score_batch(calls: list[ScoreCall], stacks: StaticStacks | None = None) -> l
             skip = min(max(calls[i].head_from - start, 0) for i, _ in sub)
             for (i, part), out in zip(sub, _one_pass(model, [(calls[i].cache, part) for i, part in sub], k, ahead,
                                                            stacks, skip)):
-                outs[i].append(out.limit(calls[i].topk))
+                # a chunk nobody reads (a long prompt's before its last) is not kept: its logits would add up
+                read = start + len(part) > calls[i].head_from
+                outs[i].append(out.limit(calls[i].topk) if read else heads.Unread(len(part)))
         todo = [(i, nodes[limit:]) for i, nodes in todo if len(nodes) > limit]
         start += limit
-    return [type(o[0]).join(o) if o else heads.empty(c.cache.model) for o, c in zip(outs, calls)]
+    return [heads.join(o, c.cache.model) if o else heads.empty(c.cache.model) for o, c in zip(outs, calls)]
 
 
 def _buckets(shapes: list[tuple[int, int]], min_split: int = 4) -> list[list[int]]:

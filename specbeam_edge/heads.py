@@ -50,8 +50,8 @@ class DenseOutput:
         return ids, np.take_along_axis(logp, ids, axis=1)
 
     @staticmethod
-    def join(parts: list["DenseOutput"]) -> "DenseOutput":
-        return parts[0] if len(parts) == 1 else DenseOutput(np.concatenate([p.logits for p in parts]))
+    def join(parts: list) -> "DenseOutput":
+        return parts[0] if len(parts) == 1 else DenseOutput(_rows(parts, lambda p: p.logits))
 
 
 def _top_ids(x: np.ndarray, w: int) -> np.ndarray:
@@ -106,12 +106,44 @@ class TopKOutput:
         return self.ids[rows, :width], self.logprobs[rows, :width]
 
     @staticmethod
-    def join(parts: list["TopKOutput"]) -> "TopKOutput":
+    def join(parts: list) -> "TopKOutput":
         if len(parts) == 1:
             return parts[0]
-        ahead = (None, None) if any(p.ahead_ids is None for p in parts) else \
-            (np.concatenate([p.ahead_logprobs for p in parts]), np.concatenate([p.ahead_ids for p in parts]))
-        return TopKOutput(np.concatenate([p.logprobs for p in parts]), np.concatenate([p.ids for p in parts]), *ahead)
+        read = [p for p in parts if not isinstance(p, Unread)]
+        ahead = (None, None) if any(p.ahead_ids is None for p in read) else \
+            (_rows(parts, lambda p: p.ahead_logprobs), _rows(parts, lambda p: p.ahead_ids))
+        return TopKOutput(_rows(parts, lambda p: p.logprobs), _rows(parts, lambda p: p.ids), *ahead)
+
+
+class Unread:
+    """The rows of a pass that no caller reads (before a ScoreCall's `head_from`: a long prompt's chunks before its
+    last), counted, not kept: a join gives them zero rows."""
+
+    def __init__(self, rows: int):
+        self.rows = rows
+
+
+def join(parts: list, model) -> DenseOutput | TopKOutput:
+    """The output of one call's passes, in order (batch.score_batch's chunks); Unread parts read as zeros."""
+    read = [p for p in parts if not isinstance(p, Unread)]
+    if not read:             # nothing of it is read: zero rows of the model's kind
+        read = [empty(model)]
+        parts = [read[0]] + parts
+    return type(read[0]).join(parts)
+
+
+def _rows(parts: list, field) -> np.ndarray:
+    """The parts' arrays `field(part)` stacked along rows, an Unread part's rows left zero: never written, so a
+    long prompt's unread logits take no memory (np.zeros maps a large array's pages on their first write)."""
+    like = field(next(p for p in parts if not isinstance(p, Unread)))
+    n = [p.rows if isinstance(p, Unread) else len(field(p)) for p in parts]
+    out = np.zeros((sum(n),) + like.shape[1:], like.dtype)
+    at = 0
+    for p, k in zip(parts, n):
+        if not isinstance(p, Unread):
+            out[at:at + k] = field(p)
+        at += k
+    return out
 
 
 def wrap(raw) -> list:

@@ -1,7 +1,6 @@
 """An exported causal LM: onnxruntime sessions and one forward over a token tree (DESIGN section 4)."""
 from __future__ import annotations
 
-import os
 import threading
 import time
 from pathlib import Path
@@ -15,77 +14,9 @@ from .contract import (CONFIG_FILE, HIDDEN, KEY_POSITIONS, LAYER_HIDDEN_OUT, LAY
                        present_names)
 from .integrity import verify
 from .offload import LayerStore, TableRows, layer_nbytes, plan
-from .providers import CUDA, ProviderError, cuda_session, default_providers, wants_cuda
-
-
-def _session(path: Path, threads: int | None, providers, spin: bool = True,
-             arena: bool = True) -> ort.InferenceSession:
-    """arena False: the session's CPU tensors come from malloc and go back after each run instead of staying in
-    onnxruntime's arena, which keeps its largest run's memory for good (OnnxCausalLM's `arena`)."""
-    so = session_options(threads, spin)
-    so.enable_cpu_mem_arena = arena
-    providers = list(providers or default_providers())
-    try:
-        if wants_cuda(providers):   # every node on CUDA, or ProviderError naming the ones that would not be
-            return cuda_session(path, so, providers)
-        return ort.InferenceSession(str(path), so, providers=providers)
-    except ProviderError:
-        raise
-    except Exception as e:  # onnxruntime raises several exception types for bad files
-        raise ModelFolderError(f"{path}: onnxruntime cannot load this graph ({str(e).splitlines()[0][:200]})") from None
-
-
-_POOL: list[int] = []      # the size of the process's shared thread pool, once made
-
-
-def default_threads(threads: int | None) -> int:
-    """The onnxruntime threads of a session that names none: the cores, at most 8."""
-    return threads or min(os.cpu_count() or 1, 8)
-
-
-def share_threads(threads: int | None = None) -> bool:
-    """Run every onnxruntime session of this process on one shared thread pool of `threads` threads (default
-    min(cores, 8)); call it before the first Engine. Sessions that run one after another (28 resident layer
-    sessions, a draft and its target) then share warm threads that may spin. With a pool each, spinning threads
-    of one session took the cores from the next, and without spinning every small node waited for a thread to
-    wake (Qwen2.5-Coder-1.5B resident, 2 threads: 8.8 -> 11.0 tok/s plain, its 0.5B draft's chain 280 -> 180 ms
-    a pass, same tokens). Every Engine calls it unless made with shared_pool=False, so the library runs as the
-    tools do. Process-wide: afterwards onnxruntime refuses sessions made with a pool of their own (your own
-    InferenceSession needs `SessionOptions.use_per_session_threads = False`), and a later Engine's `threads` no
-    longer changes anything. Returns whether the pool is shared (SPECBEAM_SHARED_POOL=0 keeps a pool per
-    session)."""
-    if os.environ.get("SPECBEAM_SHARED_POOL", "1") == "0":
-        return False
-    if not _POOL:
-        n = default_threads(threads)
-        ort.set_global_thread_pool_sizes(n, 1)
-        _POOL.append(n)
-    return True
-
-
-def threads_shared() -> bool:
-    """Whether this process runs its sessions on one shared pool (share_threads)."""
-    return bool(_POOL)
-
-
-def session_options(threads: int | None, spin: bool = True, fold_limit_bytes: int = 0) -> ort.SessionOptions:
-    """The CPU/CUDA session options of every graph; fold_limit_bytes other than 0 only for tests."""
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    so.log_severity_level = 3
-    if _POOL:
-        so.use_per_session_threads = False
-    else:
-        so.intra_op_num_threads = default_threads(threads)
-        so.inter_op_num_threads = 1
-        # a session with a pool of its own must not busy-wait between runs when another alternates with it:
-        # its spinning threads steal the cores from the other (measured: target pass 16.6 ms instead of 6.9 ms)
-        so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
-    # fold every constant subgraph, however large (0: no limit): fp16 and int8w weights are widened to fp32
-    # once, at load. onnxruntime >= 1.27 leaves a node whose output exceeds 1 GiB unfolded by default (an
-    # embedding of 65,536 x 4,097 fp32 was then widened on every pass: 2.3 s per pass, measured)
-    so.add_session_config_entry("optimization.constant_folding_max_output_size_in_bytes", str(fold_limit_bytes))
-    return so
+from .providers import CUDA
+# default_threads, share_threads and threads_shared: imported from here by the engine and the tools
+from .sessions import _session, default_threads, session_options, share_threads, threads_shared  # noqa
 
 
 # precisions whose graphs quantize activations (export/quant.py, MatMulNBits level 4, quantize_dynamic)
@@ -120,13 +51,22 @@ def _graph_layers(sess, cfg: ModelConfig, folder: Path) -> int:
     return held
 
 
+def prefill_rows(streamed: int) -> int:
+    """The default prefill chunk: PREFILL_CHUNK rows, or STREAMED_CHUNK when layers stream (each chunk reads them
+    again)."""
+    return STREAMED_CHUNK if streamed else PREFILL_CHUNK
+
+
+PREFILL_CHUNK, STREAMED_CHUNK = 256, 1024
+
+
 class OnnxCausalLM:
     """Loads and validates a model folder; `forward` scores new tokens given a tree mask and past KV."""
 
     def __init__(self, folder: str | Path, *, threads: int | None = None, providers=None,
                  max_memory: int | None = None, host_memory: int | None = 0, placement: list[str] | None = None,
                  spin: bool = True, kv_resident: bool | None = None, min_rows: int | None = None,
-                 arena: bool | None = None):
+                 arena: bool | None = None, prefill_chunk: int | None = None):
         """max_memory (bytes): budget for weights held in memory; in the split layout, layers that do not fit
         are streamed per pass from host memory (up to host_memory bytes, None = unlimited) or from disk.
         placement: an explicit list of 'resident' / 'host' / 'disk' per layer instead of the planner.
@@ -141,7 +81,9 @@ class OnnxCausalLM:
         decides its floor once (Engine: invariance.row_floor, measured per model file, onnxruntime version and
         CPU); a draft needs no invariance (Engine passes 1).
         arena: keep onnxruntime's CPU arena, which holds each session's largest run for good (default: off when
-        layers stream, RSS no budget counts; Engine turns it off for their draft; docs/HISTORY.md "Arenas")."""
+        layers stream, RSS no budget counts; Engine turns it off for their draft; docs/HISTORY.md "Arenas").
+        prefill_chunk: the most new rows a pass scores (batch.score_batch splits a longer call, a long prompt, into
+        passes of this many rows; default: `prefill_rows`)."""
         self.cfg = cfg = ModelConfig.load(folder)
         self.folder = Path(folder)
         self.min_rows = (2 if cfg.precision in QUANTIZED_ACTIVATIONS else 1) if min_rows is None else min_rows
@@ -170,6 +112,7 @@ class OnnxCausalLM:
         else:
             self._load_split(threads, providers, spin, head_inputs, all_heads, max_memory, host_memory, placement)
         self._check_shapes()
+        self.prefill_chunk = prefill_chunk or prefill_rows(self.streamed_layers())
         first = self.sess if cfg.layout == "whole" else self.layer
         self.kv_device = "cuda" if CUDA in first.get_providers() else "cpu"
         past0 = self.past_names[0][0] if cfg.layout == "whole" else LAYER_PAST[0]

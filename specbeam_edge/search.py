@@ -315,8 +315,10 @@ class SamplingSearch:
         """Log-probs of `nodes` (and any missing ancestors) in `rows`, by one pass; returns how many were new."""
         new = cache.missing_ancestors(nodes)
         if new:
-            logp = (yield ScoreCall(cache, new, head_from=_unread(self.tree, new, self.chain_len))).log_probs()
-            for j, n in enumerate(new):
+            skip = _unread(self.tree, new, self.chain_len)
+            # the rows read only: a long prompt's others would be [prompt tokens, vocabulary] log-probs
+            logp = (yield ScoreCall(cache, new, head_from=skip)).take(slice(skip, None)).log_probs()
+            for j, n in enumerate(new[skip:]):
                 d = self.tree.depths[n]
                 if d >= self.chain_len - 1:     # the row of a node at depth d predicts the token at length d + 1
                     rows[n] = logp[j] if self.process is None else self.process(logp[j:j + 1], d + 1)[0]

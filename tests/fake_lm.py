@@ -12,6 +12,7 @@ class FakeLM:
     needs_key_positions = False
     kv_resident = False
     min_rows = 1
+    prefill_chunk = 512
 
     def __init__(self, vocab: int, seed: int, sharpness: float = 1.5, eos=(0,), ctx: int = 64):
         rng = np.random.default_rng(seed)

@@ -1,0 +1,140 @@
+"""Long prompts in bounded memory: a call of more new nodes than the model's `prefill_chunk` runs as passes of at
+most that many rows (batch.score_batch), and changes nothing: the KV cache, the scores and the outputs are those of
+the prompt in one pass, speculative == plain and batched == alone still hold, and the rows nobody reads are not
+kept."""
+import numpy as np
+import pytest
+
+from specbeam_edge import Engine, SpeculativeConfig
+from specbeam_edge import heads
+from specbeam_edge.batch import score_batch
+from specbeam_edge.cache import TreeCache
+from specbeam_edge.model import OnnxCausalLM
+from specbeam_edge.protocol import ScoreCall
+from specbeam_edge.tree import TokenTree
+from helpers import assert_same_hypotheses, plain, speculative_equals_plain
+
+PROMPT = np.random.default_rng(0).integers(3, 250, 150).tolist()     # the tiny models' context is 256
+WHOLE = 10_000                                                        # a chunk that holds any prompt here
+FORMS = [("fp32", "whole", "logits"), ("fp32", "split", "logits"), ("int8", "whole", "both")]
+
+
+@pytest.fixture
+def pass_rows(monkeypatch):
+    """The new rows of every model pass run while the test runs."""
+    rows = []
+    real = OnnxCausalLM.forward
+
+    def spy(self, input_ids, *a, **k):
+        rows.append(input_ids.shape[1])
+        return real(self, input_ids, *a, **k)
+    monkeypatch.setattr(OnnxCausalLM, "forward", spy)
+    return rows
+
+
+def chunked(engine, rows: int):
+    for m in (engine.target, engine.draft):
+        if m is not None:
+            m.prefill_chunk = rows
+    return engine
+
+
+@pytest.mark.parametrize("form", FORMS, ids="-".join)
+def test_chunked_prefill_caches_what_one_pass_caches(exported, pass_rows, form):
+    """The prompt's KV after passes of 7 rows, the last row alone read, is bit for bit the KV of the model's one
+    causal pass over it, and so is the row read (the last); no pass has more than 7 rows."""
+    precision, layout, output = form
+    model = OnnxCausalLM(exported("llama", precision, layout, output, std=0.3, seed=3))
+    n, topk = len(PROMPT), 4 if output == "both" else None
+    head, want = model.forward(np.array([PROMPT]), np.arange(n)[None], np.tril(np.ones((n, n), bool))[None, None],
+                               model.empty_past(), topk=topk)
+    want_row = head[0][0, -1] if topk else head[0, -1]
+    model.prefill_chunk = 7
+    tree = TokenTree()
+    cache = TreeCache(model, tree)
+    nodes = tree.add_chain(PROMPT)
+    pass_rows.clear()
+    [out] = score_batch([ScoreCall(cache, nodes, topk=topk, head_from=n - 1)])
+    assert max(pass_rows) <= 7 and sum(pass_rows) >= n, pass_rows
+    for (k1, v1), (k7, v7) in zip(want, cache.past):
+        assert np.array_equal(k1, k7) and np.array_equal(v1, v7)
+    got_row = out.logprobs[n - 1] if topk else out.logits[n - 1]
+    assert np.array_equal(want_row[:topk], got_row)
+
+
+@pytest.mark.parametrize("form", FORMS, ids="-".join)
+@pytest.mark.parametrize("K", [1, 4])
+def test_chunked_generate_equals_unchunked(exported, form, K):
+    """Greedy and beam search answer a prompt prefilled in chunks of 16 and of 7 rows exactly as in one pass:
+    tokens and scores."""
+    eng = Engine(exported("llama", *form, std=0.3, seed=3))
+    kw = dict(num_beams=K, num_return_sequences=K, max_new_tokens=12, do_sample=False)
+    [ref] = plain(chunked(eng, WHOLE), PROMPT, **kw)
+    for rows in (16, 7):
+        [got] = plain(chunked(eng, rows), PROMPT, **kw)
+        assert_same_hypotheses(ref, got, atol=0)
+
+
+def test_sampling_reads_only_the_rows_it_needs(exported, monkeypatch):
+    """Beam sampling over a chunked prompt draws what it draws over one pass (same seed), and takes the
+    log-softmax of the prompt's last row only: all of a 5,600-token prompt's rows were 1.1 GB of log-probs."""
+    eng = Engine(exported("llama", std=0.3, seed=3))
+    softmax_rows = []
+    real = heads.DenseOutput.log_probs
+
+    def spy(self):
+        softmax_rows.append(len(self.logits))
+        return real(self)
+    kw = dict(num_beams=2, do_sample=True, seed=5, max_new_tokens=10)
+    [ref] = chunked(eng, WHOLE).generate(PROMPT, speculative=None, **kw)
+    monkeypatch.setattr(heads.DenseOutput, "log_probs", spy)
+    [got] = chunked(eng, 16).generate(PROMPT, speculative=None, **kw)
+    assert_same_hypotheses(ref, got, atol=0)
+    assert max(softmax_rows) <= 16, softmax_rows
+
+
+def test_unread_chunks_are_not_kept():
+    """A join of a call's chunks gives the unread ones zero rows, never written (a long prompt's logits before its
+    last chunk took [prompt tokens, vocabulary] floats), and keeps the read rows as they are."""
+    read = heads.DenseOutput(np.arange(12, dtype=np.float32).reshape(3, 4))
+    out = heads.join([heads.Unread(5), read], model=None)
+    assert out.logits.shape == (8, 4) and not out.logits[:5].any()
+    assert np.array_equal(out.logits[5:], read.logits)
+    top = heads.TopKOutput(np.ones((2, 3), np.float32), np.full((2, 3), 7))
+    out = heads.join([heads.Unread(4), top, heads.Unread(1)], model=None)
+    assert out.ids.shape == (7, 3) and np.array_equal(out.ids[4:6], top.ids) and not out.ids[[0, 3, 6]].any()
+
+
+@pytest.mark.parametrize("K", [1, 4])
+def test_speculative_equals_plain_over_a_chunked_prompt(exported, pass_rows, K):
+    """A prompt longer than the chunk: both searches prefill it in the same chunks (the target's first tree pass
+    carries the prompt's last chunk), and speculative search is still plain search."""
+    target = exported("llama", std=0.3, seed=3)
+    eng = chunked(Engine(target, draft=exported("llama", std=0.3, seed=11, layers=1)), 16)
+    spec = SpeculativeConfig(adaptive=False, budget=12, max_depth=4)
+    ref, fast = speculative_equals_plain(eng, PROMPT, spec, num_beams=K, max_new_tokens=14,
+                                         num_return_sequences=K)
+    assert fast.stats.draft_passes > 0
+    assert max(pass_rows) <= 16 + 12, pass_rows        # a chunk, or the last chunk and a tree
+    [whole] = plain(chunked(eng, WHOLE), PROMPT, num_beams=K, max_new_tokens=14, num_return_sequences=K)
+    assert_same_hypotheses(whole, ref, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["plain", "speculative"])
+def test_batched_equals_alone_with_one_long_prompt(exported, pass_rows, mode):
+    """A long prompt among short ones: its chunks run before it joins the others' passes, and every request's
+    answer is the one it gets alone, scores included (an int8 target: its attention sums in double, so a batch's
+    padding columns change no bit; fp32 attention differs by 5e-7 there, chunks or not)."""
+    eng = chunked(Engine(exported("llama", "int8", "whole", "both", std=0.3, seed=3),
+                         draft=exported("llama", std=0.3, seed=11, layers=1)), 16)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, 250, int(n)).tolist() for n in (5, 9)] + [PROMPT] + [[4, 8, 15]]
+    kw = dict(num_beams=2, max_new_tokens=10, num_return_sequences=2,
+              speculative=None if mode == "plain" else SpeculativeConfig(adaptive=False, budget=8, max_depth=3))
+    alone = [eng.generate(p, **kw)[0] for p in prompts]
+    pass_rows.clear()
+    together = eng.generate(prompts, max_batch_size=4, **kw)
+    for a, b in zip(alone, together):
+        assert_same_hypotheses(a, b, atol=0)
+    assert max(max(r.stats.batch_sizes) for r in together) > 1
+    assert max(pass_rows) <= 4 * 16, pass_rows
