@@ -36,9 +36,12 @@ def add_search_args(ap: argparse.ArgumentParser) -> None:
                    help="transformers' early_stopping")
     g.add_argument("--num_return_sequences", type=positive_int, default=None, help="hypotheses to return (<= beams)")
     g.add_argument("--do_sample", action="store_true", help="beam sampling (speculative: DSBD) instead of search")
-    g.add_argument("--temperature", type=finite_float, default=None, help="sampling temperature")
-    g.add_argument("--top_k", type=int, default=None, help="top-k on the joint (beam, token) scores")
-    g.add_argument("--top_p", type=finite_float, default=None, help="top-p on the joint (beam, token) scores")
+    g.add_argument("--temperature", type=finite_float, default=None,
+                   help="sampling temperature; implies --do_sample, as in llama.cpp and Ollama (0: greedy search)")
+    g.add_argument("--top_k", type=int, default=None,
+                   help="top-k on the joint (beam, token) scores; implies --do_sample")
+    g.add_argument("--top_p", type=finite_float, default=None,
+                   help="top-p on the joint (beam, token) scores; implies --do_sample")
     g.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     add_speculation_args(ap, sampling=True,
                          draft_help="draft model folder or fetched model's name (enables speculative search; default: "
@@ -49,6 +52,22 @@ def add_search_args(ap: argparse.ArgumentParser) -> None:
                     help="no notes on stderr (that the model loads, that layers stream from disk, the closing line "
                          "of speed); a cut answer is still reported")
     add_memory_args(ap)
+
+
+SAMPLING_FLAGS = ("temperature", "top_k", "top_p")
+
+
+def implied_sampling(args) -> None:
+    """--temperature, --top_k or --top_p sample, as llama.cpp and Ollama do with them (transformers ignored them
+    without do_sample, and so did this tool, silently); --temperature 0 is greedy search (llama.cpp's meaning)."""
+    if args.do_sample:
+        return
+    if args.temperature == 0:
+        args.temperature = None
+        if args.num_beams is None:
+            args.num_beams = 1
+    if any(getattr(args, k) is not None for k in SAMPLING_FLAGS):
+        args.do_sample = True
 
 
 def configs(args) -> tuple[dict, SpeculativeConfig | None]:
@@ -179,6 +198,7 @@ def _request_options(args) -> dict:
 
 
 def cmd_generate(args) -> int:
+    implied_sampling(args)
     _chat_defaults(args)
     overrides, spec = configs(args)
     prompts = _read_prompts(args)
@@ -259,8 +279,9 @@ def _chat_defaults(args) -> None:
     generate does for it: its generation_config's settings, and where that names no num_beams, greedy decoding
     (transformers' default). The engine's own default of 4 beams is for translation: on a small chat model beam
     search favours a short loop (SmolLM2-135M repeated a phrase twelve times), is slower (the coder pair 6.5 vs
-    10.1 tok/s), and one beam streams word by word and drafts with a lookahead head."""
-    if args.num_beams is not None or args.do_sample:
+    10.1 tok/s), and one beam streams word by word and drafts with a lookahead head. Sampling too samples one
+    sequence (transformers' multinomial sampling), not 4 beams."""
+    if args.num_beams is not None:
         return
     from .config import ModelConfig
 
@@ -274,6 +295,7 @@ def _chat_defaults(args) -> None:
 
 
 def cmd_chat(args) -> int:
+    implied_sampling(args)
     _chat_defaults(args)
     overrides, spec = configs(args)
     engine = open_engine(args, spec)

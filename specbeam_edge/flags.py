@@ -189,13 +189,15 @@ def is_terminal(stream) -> bool:
 
 
 def end_line(result, gen, context_length: int) -> str:
-    """The closing line of an answer: its tokens, speed, tokens a target pass and why it ended."""
+    """The closing line of an answer: its tokens, speed, tokens a target pass (beam steps with beams: a step
+    extends every beam by one token) and why it ended."""
     s = result.stats
+    per_pass = "tokens a pass" if gen.num_beams == 1 else "beam steps a pass"
     why = {"stop": "finished (the model's end token)",
            "length": f"cut at --max_new_tokens {gen.max_new_tokens} (a larger one lets it finish)",
            "context": f"cut by the model's context length ({context_length} tokens: prompt and answer fill it)"}
     return (f"{s.generated_tokens} tokens in {s.seconds:.1f} s, {s.tokens_per_second:.1f} tok/s, "
-            f"{s.beam_steps_per_pass:.2f} tokens a pass; {why.get(result.finish_reason, 'ended')}")
+            f"{s.beam_steps_per_pass:.2f} {per_pass}; {why.get(result.finish_reason, 'ended')}")
 
 
 def engine_from_args(args, model: str, draft: str | None):

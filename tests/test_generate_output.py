@@ -129,3 +129,23 @@ def test_generate_on_a_chat_model_is_greedy_as_chat_is(folder, monkeypatch):
     ende = shipped("ende", "target")
     assert not has_chat_template(ende) and seen[-1] == GenerationConfig.from_dict(
         ModelConfig.load(ende).generation).num_beams > 1
+
+
+def test_sampling_flags_sample_and_beams_say_beam_steps(folder, monkeypatch):
+    """--temperature without --do_sample was ignored in silence (transformers' rule); as in llama.cpp and Ollama
+    it samples now (--top_k and --top_p too), one sequence on a chat model, and --temperature 0 is greedy search.
+    The closing line said "tokens a pass" for beam steps (fewer tokens than passes) with beams."""
+    seen = []
+
+    def spy(self, prompt, gen, *a, **kw):
+        seen.append((gen.do_sample, gen.num_beams, gen.temperature))
+        yield from STREAM(self, prompt, gen, *a, **kw)
+    monkeypatch.setattr(Engine, "stream", spy)
+    base = ["generate", "the lazy dog", "--model", str(folder), "--max_new_tokens", "3", "-q", "--seed", "1"]
+    for flags in (["--temperature", "0.7"], ["--top_k", "5"], ["--top_p", "0.9"], ["--temperature", "0"], []):
+        assert cli.main([*base, *flags]) == 0
+    assert seen == [(True, 1, 0.7), (True, 1, 1.0), (True, 1, 1.0), (False, 1, 1.0), (False, 1, 1.0)]
+    _, err, _ = run(monkeypatch, folder, "--num_beams", "2")
+    assert " beam steps a pass; " in err and " tokens a pass" not in err
+    _, err, _ = run(monkeypatch, folder)
+    assert " tokens a pass; " in err
