@@ -16,7 +16,7 @@ from .integrity import verify
 from .offload import LayerStore, TableRows, layer_nbytes, plan
 from .providers import CUDA
 # default_threads, share_threads and threads_shared: imported from here by the engine and the tools
-from .sessions import _session, default_threads, session_options, share_threads, threads_shared  # noqa
+from .sessions import _session, default_threads, run_options, session_options, share_threads, threads_shared  # noqa
 
 
 # precisions whose graphs quantize activations (export/quant.py, MatMulNBits level 4, quantize_dynamic)
@@ -120,6 +120,7 @@ class OnnxCausalLM:
         self.kv_dtype = np.float16 if next(i.type for i in first.get_inputs() if i.name == past0) == \
             "tensor(float16)" else np.float32
         self.kv_resident = (self.kv_device == "cuda") if kv_resident is None else bool(kv_resident)
+        self._runs = run_options(self.arena, self.kv_device), run_options(True, self.kv_device)  # (own layers')
         # the streamed layers share two buffers: one pass at a time per model (threads sharing an Engine)
         self._lock = threading.Lock()
 
@@ -309,9 +310,9 @@ class OnnxCausalLM:
             for (kn, vn), (k, v) in zip(self.past_names, past):
                 feed[kn], feed[vn] = k, v
             if self.kv_resident:
-                outs = self._run_bound(self.sess, feed, names, self.present_flat)
+                outs = self._run_bound(self.sess, feed, names, self.present_flat, self._runs[0])
             else:
-                outs = self.sess.run(names + self.present_flat, feed)
+                outs = self.sess.run(names + self.present_flat, feed, self._runs[0])
             n = len(names)
             head = outs[0] if n == 1 else tuple(outs[:n])
             presents = [(outs[n + 2 * i], outs[n + 2 * i + 1]) for i in range(self.cfg.num_layers)]
@@ -319,10 +320,11 @@ class OnnxCausalLM:
         with self._lock:
             return self._forward_layers(ids, pos, mask, past, kpos, extra, names, head_from)
 
-    def _run_bound(self, sess, feed: dict, host_outputs: list[str], device_outputs: list[str]) -> list:
+    def _run_bound(self, sess, feed: dict, host_outputs: list[str], device_outputs: list[str], runs=None) -> list:
         """One run with IOBinding: inputs are host arrays or OrtValues already on the device (bound as they
         are: a resident cache is not copied); `host_outputs` come back as numpy arrays, `device_outputs` stay
-        OrtValues on the session's device (allocated by onnxruntime, so nothing crosses the bus)."""
+        OrtValues on the session's device (allocated by onnxruntime, so nothing crosses the bus). runs: its
+        onnxruntime RunOptions."""
         io = sess.io_binding()
         for name, a in feed.items():
             if isinstance(a, ort.OrtValue):
@@ -333,7 +335,7 @@ class OnnxCausalLM:
             io.bind_output(name, "cpu")
         for name in device_outputs:
             io.bind_output(name, self.kv_device)
-        sess.run_with_iobinding(io)
+        sess.run_with_iobinding(io, runs)
         outs = io.get_outputs()
         return [o.numpy() for o in outs[:len(host_outputs)]] + list(outs[len(host_outputs):])
 
@@ -394,16 +396,16 @@ class OnnxCausalLM:
         for i, (k, v) in enumerate(past):
             own = self.layer_sessions.get(i)      # a resident layer with its weights inside its session
             weights = self.layer_feeds[i] if own is not None else store.get(i)
-            sess = own if own is not None else self.layer
+            sess, runs = (own, self._runs[1]) if own is not None else (self.layer, self._runs[0])
             if i in self._next_streamed:
                 store.prefetch(self._next_streamed[i])   # the next streamed layer loads while this one computes
             t0 = time.perf_counter()
             feed = {HIDDEN: hidden, "position_ids": pos, "attention_mask": mask, LAYER_PAST[0]: k, LAYER_PAST[1]: v,
                     **kpos}
             if self.kv_resident:   # hidden state and cache stay on the device between layers and passes
-                hidden, pk, pv = self._run_bound(sess, {**feed, **weights}, [], layer_out)
+                hidden, pk, pv = self._run_bound(sess, {**feed, **weights}, [], layer_out, runs)
             elif self.device == "cpu":
-                hidden, pk, pv = sess.run(layer_out, {**feed, **weights})
+                hidden, pk, pv = sess.run(layer_out, {**feed, **weights}, runs)
             else:  # device weights are OrtValues: run with OrtValues throughout
                 feed = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in feed.items()}
                 outs = self.layer.run_with_ort_values(layer_out, {**feed, **weights})
@@ -417,9 +419,9 @@ class OnnxCausalLM:
         if skip:
             hidden = host(hidden)[:, skip:]
         if self.kv_resident:
-            outs = self._run_bound(self.head, {HIDDEN: hidden, **extra}, names, [])
+            outs = self._run_bound(self.head, {HIDDEN: hidden, **extra}, names, [], self._runs[0])
         else:
-            outs = self.head.run(names, {HIDDEN: hidden, **extra})
+            outs = self.head.run(names, {HIDDEN: hidden, **extra}, self._runs[0])
         if skip:        # the skipped rows read as zeros: nobody reads them
             outs = [np.concatenate([np.zeros((o.shape[0], skip) + o.shape[2:], o.dtype), o], axis=1) for o in outs]
         return (outs[0] if len(outs) == 1 else tuple(outs)), presents

@@ -1,5 +1,5 @@
-"""onnxruntime sessions: their options and the process's shared thread pool (model.py loads the graphs with
-them)."""
+"""onnxruntime sessions: their options, the process's shared thread pool, and the run options that give a run's
+arena memory back (model.py loads the graphs with them)."""
 from __future__ import annotations
 
 import os
@@ -80,3 +80,13 @@ def session_options(threads: int | None, spin: bool = True, fold_limit_bytes: in
     so.add_session_config_entry("optimization.constant_folding_max_output_size_in_bytes", str(fold_limit_bytes))
     return so
 
+
+def run_options(arena: bool, device: str) -> ort.RunOptions | None:
+    """A CPU session with an arena gives the memory no tensor holds back at the end of each run: the arena
+    otherwise keeps its largest run for good, and the runs of a long prompt grow with its KV cache (a 3,000-token
+    prompt left 3.1 GB behind). A later, smaller run allocates afresh: no slower in measurement."""
+    if not arena or device != "cpu":
+        return None
+    ro = ort.RunOptions()
+    ro.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+    return ro
