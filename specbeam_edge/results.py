@@ -58,6 +58,22 @@ class Stats:
                 d["mean_width"] = round(sum(widths) / len(widths), 3)
         return d
 
+    def __str__(self) -> str:
+        """One line for people (print(result.stats)): tokens, time, speed, passes, drafting, memory."""
+        drafted = f", {self.draft_tokens_accepted} of {self.draft_tokens_proposed} drafted tokens accepted" \
+            if self.draft_tokens_proposed else ""
+        return (f"{self.generated_tokens} tokens in {self.seconds:.2f} s ({self.tokens_per_second:.1f} tok/s), "
+                f"{self.target_passes} target passes, {self.beam_steps_per_pass:.2f} beam steps a pass{drafted}, "
+                f"peak memory {self.peak_memory_mb:.0f} MB")
+
+    def __repr__(self) -> str:
+        """The fields of as_dict, its per-step lists summarised and floats rounded: the lists of a long answer
+        filled screens (they stay fields; as_dict(per_step=True) gives them)."""
+        d = self.as_dict()
+        d.pop("offload")
+        shown = (f"{k}={round(v, 3) if isinstance(v, float) else v}" for k, v in d.items())
+        return f"Stats({', '.join(shown)})"
+
     def snapshot(self) -> "Stats":
         """An independent copy (stream chunks carry snapshots, not the live object)."""
         return replace(self, widths=list(self.widths), from_draft=list(self.from_draft),

@@ -149,3 +149,18 @@ def test_sampling_flags_sample_and_beams_say_beam_steps(folder, monkeypatch):
     assert " beam steps a pass; " in err and " tokens a pass" not in err
     _, err, _ = run(monkeypatch, folder)
     assert " tokens a pass; " in err
+
+
+def test_printed_stats_are_a_summary_not_the_per_step_lists(folder):
+    """print(result.stats) dumped the per-step lists (a value per beam step and per pass); now one line, and repr
+    (inside print(result)) the summarised fields."""
+    engine = Engine(folder, draft=folder)
+    [result] = engine.generate("the lazy dog", num_beams=2, max_new_tokens=40, min_new_tokens=40,
+                               speculative={"adaptive": False})
+    stats = result.stats
+    assert len(stats.from_draft) >= 40 and stats.draft_tokens_proposed
+    line = str(stats)
+    assert "\n" not in line and "[" not in line and line.startswith(f"{stats.generated_tokens} tokens in ")
+    assert f"{stats.draft_tokens_accepted} of {stats.draft_tokens_proposed} drafted tokens accepted" in line
+    assert "[" not in repr(stats) and "steps_from_draft=" in repr(stats) and len(repr(stats)) < 600
+    assert "[" not in repr(result).split("stats=")[1]
