@@ -22,7 +22,7 @@ from pathlib import Path
 from specbeam_edge.fetch import (ENV, SOURCES, FetchError, data_dir, draft_folder, folder, is_complete, is_name,
                                  models_dir, source, sources_dir)
 
-from .fetch import data_folder_lock, parts_dir
+from .fetch import LOCK, data_folder_lock, parts_dir
 
 
 def disk_use(path: Path) -> int:
@@ -65,10 +65,29 @@ def fetched_names() -> list[str]:
     return [n for n in SOURCES if present(n)]
 
 
-def state(name: str) -> str:
-    """Complete, incomplete (with the fix), or only its source kept; and whom it drafts for, or is drafted by."""
+def fetch_running() -> bool:
+    """Whether a `specbeam fetch` holds the data folder's lock now (probed without waiting, and let go at once)."""
+    from filelock import FileLock, Timeout
+
+    path = models_dir() / LOCK
+    if path.is_symlink() or not path.is_file():
+        return False
+    lock = FileLock(str(path))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        return True
+    except OSError:
+        return False
+    lock.release()
+    return False
+
+
+def state(name: str, running: bool = False) -> str:
+    """Complete, being fetched (while a fetch runs), incomplete (with the fix), or only its source kept; and whom
+    it drafts for, or is drafted by."""
     path = folder(name)
-    what = "complete" if is_complete(path) else \
+    what = "complete" if is_complete(path) else "being fetched (a `specbeam fetch` is running)" if running else \
         f"incomplete: `specbeam fetch {name} --force` exports it again" if os.path.lexists(path) else \
         "not fetched, its source kept"
     draft = source(name).draft_model
@@ -79,15 +98,16 @@ def state(name: str) -> str:
 
 
 def cmd_list() -> int:
-    names = fetched_names()
+    names, running = fetched_names(), fetch_running()
     if not names:
-        print(f"specbeam: no fetched models in {data_dir()} (`specbeam fetch NAME`: {', '.join(SOURCES)}; "
-              f"{ENV} picks another data folder)", file=sys.stderr)
+        doing = "yet; a `specbeam fetch` is running" if running else \
+            f"(`specbeam fetch NAME`: {', '.join(SOURCES)}; {ENV} picks another data folder)"
+        print(f"specbeam: no fetched models in {data_dir()} {doing}", file=sys.stderr)
         return 0
     rows = [("NAME", "MODEL", "SOURCES", "STATE")]
     for n in names:
         rows.append((n, size_text(sum(map(disk_use, own_folders(n)))), size_text(sum(map(disk_use, own_sources(n)))),
-                     state(n)))
+                     state(n, running)))
     wide = [max(len(r[i]) for r in rows) for i in range(3)]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, wide)) + "  " + r[3])

@@ -135,3 +135,24 @@ def test_a_failed_rm_says_what_it_left(data, monkeypatch, capsys):
                    f"{', '.join(f'{p} ({manage.size_text(manage.disk_use(p))})' for p in left)}: check the "
                    f"permissions and remove them yourself\n")
     assert fetch.is_complete(fetch.draft_folder("smollm2"))
+
+
+def test_list_while_a_fetch_runs_says_being_fetched(data, tmp_path, monkeypatch, capsys):
+    """During a fetch `specbeam list` said "not fetched" (or "incomplete ... --force") for the model on its way;
+    while the fetch lock is held an unfinished model is "being fetched", and an empty data folder says a fetch
+    runs. Once the lock is let go the states are the usual ones."""
+    from filelock import FileLock
+
+    lock = FileLock(str(fetch.models_dir() / LOCK))
+    with lock:
+        assert manage.main(["list"]) == 0
+        rows = _rows(capsys.readouterr().out)
+        assert "being fetched (a `specbeam fetch` is running), the draft of" in rows["qwen2.5-coder-0.5b"]
+        assert rows["smollm2"].split()[5] == "complete"
+    assert manage.main(["list"]) == 0
+    assert "incomplete: " in _rows(capsys.readouterr().out)["qwen2.5-coder-0.5b"]
+    monkeypatch.setenv(fetch.ENV, str(tmp_path / "starting"))
+    fetch.models_dir().mkdir(parents=True)
+    with FileLock(str(fetch.models_dir() / LOCK)):
+        assert manage.main(["list"]) == 0
+        assert capsys.readouterr().err.endswith("yet; a `specbeam fetch` is running\n")
