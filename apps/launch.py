@@ -58,7 +58,21 @@ def _interrupt(signum, frame):
     deliver(signum, frame, KeyboardInterrupt())
 
 
+def version() -> str:
+    """The installed package's version, from its metadata (a checkout that was not installed has none)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("specbeam-edge")
+    except PackageNotFoundError:
+        return "unknown (not installed: pip install -e . in the checkout)"
+
+
 def _run(module: str, prog: str, argv, preload: tuple[str, ...] = ()) -> int:
+    if (sys.argv[1:] if argv is None else list(argv))[:1] == ["--version"]:    # before the seconds of imports
+        print(f"{prog} {version()}")
+        return 0
     try:
         main, got = _import_held(module, preload)
     except KeyboardInterrupt:           # delivered to another thread during the imports

@@ -176,3 +176,17 @@ def test_the_launcher_delivers_sigint_while_a_command_runs_and_restores_the_hand
     monkeypatch.undo()
     assert seen == [launch._interrupt] and signal.getsignal(signal.SIGINT) is before
     capsys.readouterr()
+
+
+@pytest.mark.parametrize("command, prog, argv", [("specbeam", "specbeam", ["--version"]),
+                                                 ("specbeam", "specbeam-translate", ["translate", "--version"]),
+                                                 ("translate", "specbeam-translate", ["--version"]),
+                                                 ("chat", "specbeam-chat", ["--version"]),
+                                                 ("export", "specbeam-export", ["--version"])])
+def test_every_command_has_a_version(command, prog, argv, monkeypatch, capsys):
+    """No command had --version (issue 66); each prints its name and the package's version, importing no tool."""
+    from importlib.metadata import version
+
+    monkeypatch.setattr(launch.importlib, "import_module", lambda name: pytest.fail(f"imported {name}"))
+    assert getattr(launch, command)(argv) == 0
+    assert capsys.readouterr().out == f"{prog} {version('specbeam-edge')}\n"
