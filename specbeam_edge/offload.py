@@ -8,15 +8,19 @@ background thread loads the next streamed layer into the other buffer.
 
 Integrity: each layer file's SHA-256 (files.layer_sha256 in specbeam_config.json) is verified once per file,
 the first time it is read (at load for resident and host layers, on its first stream for disk layers), and
-every streamed read checks the file's size: a corrupted or truncated file fails with its name instead of
-giving fluent wrong text. Threads: a lock guards the prefetch bookkeeping; one forward pass at a time owns the
-two stream buffers (OnnxCausalLM serialises its streamed passes).
+every streamed read checks the file by cheap means: a regular file (opened non-blocking, so a FIFO put in its
+place cannot hang the loader), of the identity (device, inode, size, mtime, ctime) it had when its hash was
+checked; a changed identity (bytes rewritten in place, another file renamed over it) is hashed again. A
+corrupted, replaced or removed file fails with its name instead of giving fluent wrong text. Threads: a lock
+guards the prefetch bookkeeping; one forward pass at a time owns the two stream buffers (OnnxCausalLM serialises
+its streamed passes).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import stat
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -110,6 +114,7 @@ class LayerStore:
         self.paths = [folder / pattern.format(i=i) for i in range(len(placement.places))]
         self.checksums = checksums if checksums is not None else _config_checksums(folder)
         self.unverified = set(range(len(self.paths))) if self.checksums else set()
+        self.identity: dict[int, tuple] = {}      # layer -> _identity of its file when its hash was checked
         for p in self.paths:
             if not p.is_file():
                 raise ModelFolderError(f"{p}: layer weight file is missing")
@@ -164,10 +169,28 @@ class LayerStore:
                                    f"restore it or re-export the model")
         self.unverified.discard(i)
 
-    def _read_with(self, i: int, buf: np.ndarray, flags: int) -> np.ndarray:
-        fd = os.open(self.paths[i], os.O_RDONLY | flags)
+    def _open(self, i: int, flags: int) -> int:
+        """Layer i's file opened for a read, refused in one line unless it is a regular file; a file whose identity
+        changed since its hash was checked is checked again (`_verify`)."""
         try:
-            size = os.fstat(fd).st_size
+            fd = os.open(self.paths[i], os.O_RDONLY | os.O_NONBLOCK | flags)
+        except FileNotFoundError:
+            raise ModelFolderError(f"{self.paths[i]}: the layer file was removed while the model was in use; "
+                                   f"restore it or load the model again") from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise ModelFolderError(f"{self.paths[i]}: not a regular file any more (a FIFO, device or folder was put "
+                                   f"in its place); restore the layer file or re-export the model")
+        if self.checksums and self.identity.get(i) != _identity(st):
+            self.unverified.add(i)
+        return fd
+
+    def _read_with(self, i: int, buf: np.ndarray, flags: int) -> np.ndarray:
+        fd = self._open(i, flags)
+        try:
+            st = os.fstat(fd)
+            size = st.st_size
             if size < self.nbytes or (self.checksums and size != self.nbytes):
                 raise ModelFolderError(f"{self.paths[i]}: {size} bytes, the manifest needs {self.nbytes} (the file "
                                        f"was truncated or replaced after loading); restore it or re-export the model")
@@ -179,9 +202,11 @@ class LayerStore:
                 off += n
             if not flags and hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)   # release the page cache: budget holds
+            if i in self.unverified:
+                self._verify(i, buf)
+                self.identity[i] = _identity(st)
         finally:
             os.close(fd)
-        self._verify(i, buf)
         return buf
 
     def _load(self, i: int) -> tuple[dict, float]:
@@ -276,6 +301,11 @@ class TableRows:
                 v = v + self.offsets[uniq][:, :, None]
             rows = v.reshape(len(uniq), self.shape[1])
         return rows[inverse].reshape(ids.shape + (self.shape[1],))
+
+
+def _identity(st: os.stat_result) -> tuple:
+    """What a file's version is known by without reading it."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def _config_checksums(folder: Path) -> list[str] | None:
