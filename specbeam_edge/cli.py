@@ -17,9 +17,10 @@ from .flags import (DEFAULT_MODELS, PROVIDERS, DefaultsHelp, Status, add_beam_ar
                     check_prompt_format, check_widths, decoding_constraints, end_line, engine_from_args,
                     finite_float, guard_std_streams, is_terminal, parse_size, positive_int, read_bounded,
                     speculative_from_args, streaming_note)
-from .fetch import FetchError, default_ahead, default_draft, resolve_model
+from .fetch import FetchError, default_ahead, default_draft, fetched, resolve_model
 from .prompting import CHAT_MAX_NEW_TOKENS, has_chat_template
 from .providers import ProviderError
+from .shipped import ENV as SHIPPED_ENV
 from .shipped import shipped
 from .tokenizer import ChatTemplateError
 
@@ -155,7 +156,22 @@ def cut_note(result, gen, context_length: int, flag: str = "--max_new_tokens") -
 
 
 def _model(args) -> str:
-    return resolve_model(args.model) if args.model else str(shipped("ende", "target"))
+    """--model's folder; without it the shipped en->de pair's target, which a regular install does not carry: then
+    the fetched models are named (or how to fetch one), not a path that cannot exist."""
+    if args.model:
+        return resolve_model(args.model)
+    try:
+        return str(shipped("ende", "target"))
+    except ModelFolderError:
+        if os.environ.get(SHIPPED_ENV):       # pointed at a models/ folder: missing_message says what is wrong
+            raise
+    have = list(fetched())
+    if have:
+        raise ModelFolderError(f"pass --model: the fetched models are {', '.join(have)} (e.g. --model {have[0]}; "
+                               f"`specbeam list`); this installation has no shipped demo pair") from None
+    raise ModelFolderError("pass --model: no model is fetched yet and this installation has no shipped demo pair; "
+                           "run `specbeam fetch smollm2` (93 MB), then --model smollm2 (or pass a model folder)") \
+        from None
 
 
 def open_engine(args, spec):

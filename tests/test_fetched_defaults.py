@@ -70,3 +70,22 @@ def test_a_gguf_file_as_the_model_names_the_command_that_exports_it(tmp_path, mo
         Engine(tmp_path, draft=gguf)
     assert cli.main(["chat", "--model", str(tmp_path / "gone.gguf")]) == 2
     assert "is a GGUF file (and that file does not exist)" in capsys.readouterr().err
+
+
+def test_no_model_in_a_regular_install_names_the_fetched_models(pair, tmp_path, monkeypatch, capsys):
+    """A regular install carries no shipped pair: `specbeam generate` without --model named a path that cannot
+    exist; now it names the fetched models, or the fetch that gets one."""
+    from specbeam_edge import shipped
+
+    monkeypatch.setattr(shipped, "_BESIDE", tmp_path / "no-models")
+    monkeypatch.delenv(shipped.ENV, raising=False)
+    monkeypatch.setenv(fetch.ENV, str(tmp_path / "data"))
+    assert cli.main(["generate", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no model is fetched yet" in err and "run `specbeam fetch smollm2`" in err
+    shutil.copytree(pair[0], fetch.folder("smollm2"))
+    (fetch.folder("smollm2") / fetch.MARKER).write_text("{}")
+    assert cli.main(["chat"]) == 2
+    err = capsys.readouterr().err
+    assert err == "specbeam: error: pass --model: the fetched models are smollm2 (e.g. --model smollm2; " \
+                  "`specbeam list`); this installation has no shipped demo pair\n"
