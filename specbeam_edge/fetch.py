@@ -272,6 +272,20 @@ def fetched_name(model) -> str | None:
     return None
 
 
+def streaming_refusal(model) -> str | None:
+    """One line for --max_memory or a placement on a fetched model exported in the whole layout, naming what a
+    fetch user can run (its kept GGUF exported split); None for any other model (the loader says the rest)."""
+    name = fetched_name(model)
+    if name is None or source(name).layout != "whole":
+        return None
+    src, gguf = source(name), gguf_path(name)
+    out = f"{src.folder}-split"
+    kept = "" if gguf.is_file() else f" (`specbeam fetch {name} --force` downloads it again)"
+    return (f"{name} is exported in the whole layout (every layer in memory), which --max_memory cannot stream: "
+            f"drop --max_memory, or export its kept GGUF{kept} in the split layout: `specbeam-export -i {gguf} -p "
+            f"{src.precision} --output_kind {src.output} --layout split -o {out}`, then pass --model {out}")
+
+
 def default_ahead(model) -> bool:
     """Whether a `--model` value speculates with its target's lookahead head by default: a fetched model (its
     name or its fetched folder) whose head was measured to pay (Source.ahead_pays) and is attached; another

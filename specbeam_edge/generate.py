@@ -22,7 +22,7 @@ from .batch import score_one
 from .cache import TreeCache
 from .config import GenerationConfig, ModelFolderError, SpeculativeConfig, check_full_head
 from .encdec import Encoder, is_encoder_decoder, shared_cross_layers
-from .fetch import default_draft, resolve_model
+from .fetch import default_draft, resolve_model, streaming_refusal
 from .invariance import Invariance, NotInvariantError, QuantizationWarning, saturation_warning
 from .model import OnnxCausalLM, share_threads, threads_shared
 from .online import PreparedRequest
@@ -64,6 +64,10 @@ class Engine(PromptMixin, SearchSetup):
         (model.share_threads: the first engine sizes it; afterwards onnxruntime refuses sessions with pools of
         their own); False keeps a pool per session, unless the process already shares one."""
         target = resolve_model(target, "target")
+        if max_memory is not None or placement is not None:
+            refusal = streaming_refusal(target)        # a fetched whole-layout model: the command that splits it
+            if refusal:
+                raise ModelFolderError(refusal)
         draft = default_draft(target) if isinstance(draft, str) and draft == DEFAULT else \
             None if draft is None else resolve_model(draft, "draft")
         if shared_pool:

@@ -89,3 +89,22 @@ def test_no_model_in_a_regular_install_names_the_fetched_models(pair, tmp_path, 
     err = capsys.readouterr().err
     assert err == "specbeam: error: pass --model: the fetched models are smollm2 (e.g. --model smollm2; " \
                   "`specbeam list`); this installation has no shipped demo pair\n"
+
+
+def test_max_memory_on_a_fetched_whole_model_names_a_command_a_fetch_user_can_run(pair, tmp_path, monkeypatch,
+                                                                                  capsys):
+    """Before: "export with --layout split", an exporter flag a fetch user never ran; now the export command of
+    the GGUF the fetch kept, and the --model to pass after it."""
+    monkeypatch.setenv(fetch.ENV, str(tmp_path / "data"))
+    shutil.copytree(pair[0], fetch.folder("smollm2"))
+    (fetch.folder("smollm2") / fetch.MARKER).write_text("{}")
+    with pytest.raises(ModelFolderError) as e:
+        Engine(fetch.model_path("smollm2"), max_memory=100 << 20)
+    split = "smollm2-135m-instruct-split"
+    assert str(e.value).startswith("smollm2 is exported in the whole layout (every layer in memory), which "
+                                   "--max_memory cannot stream: drop --max_memory, or export its kept GGUF")
+    assert f"`specbeam-export -i {fetch.gguf_path('smollm2')} -p int8 --output_kind both --layout split -o " \
+           f"{split}`, then pass --model {split}" in str(e.value)
+    assert cli.main(["generate", "x", "--model", "smollm2", "--max_memory", "100MB"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot stream" in err and "--force` downloads it again" in err
