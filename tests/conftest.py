@@ -27,6 +27,18 @@ USER_FOLDERS = {"SPECBEAM_DATA_DIR": "data", "SPECBEAM_CACHE_DIR": "cache", "SPE
                 "XDG_CACHE_HOME": "xdg_cache"}
 
 
+def pytest_terminal_summary(terminalreporter):
+    """Say how often speculative == plain let a difference through at a tie (helpers.TIES), so the allowance is
+    counted where everyone sees it, not silent."""
+    import helpers
+
+    if helpers.TIES:
+        terminalreporter.write_line(f"speculative == plain: {len(helpers.TIES)} difference(s) allowed at a tie "
+                                    f"(at most {helpers.MAX_TIES_PER_TEST} a test):")
+        for test, step, rank, gap in helpers.TIES:
+            terminalreporter.write_line(f"  {test}: step {step}, rank {rank}, plain's gap {gap:.2g}")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _private_folders(tmp_path_factory):
     """Every per-user folder in this test session's temporary folder, never the user's: a test that read the real

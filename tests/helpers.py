@@ -1,7 +1,9 @@
 """Tiny random Hugging Face models built locally (no downloads) and a byte-level tokenizer for them."""
 from __future__ import annotations
 
+import os
 import textwrap
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -158,3 +160,128 @@ def chat_session_script(ready: str, platform: str | None = None) -> str:
         QTimer.singleShot(10, drive)
         sys.exit(chat_main.main(sys.argv[1:]))
     """)
+
+
+def plain(engine, prompts, **kw):
+    """engine.generate(prompts, **kw) as plain beam search (speculative=None), asserting that no draft pass ran and
+    no step came from a tree: an engine holding a draft speculates by default, so a baseline that did not say
+    otherwise compared speculation with speculation. Returns generate's list of Results."""
+    assert "speculative" not in kw and "drafter" not in kw, "plain() runs without speculation"
+    results = engine.generate(prompts, speculative=None, **kw)
+    for r in results:
+        s = r.stats
+        assert s.draft_passes == 0 and s.draft_tokens_proposed == 0 and not any(s.from_draft), (
+            f"the plain baseline speculated: {s.draft_passes} draft passes, {s.draft_tokens_proposed} tokens drafted")
+    return results
+
+
+# speculative == plain may differ where the plain run's candidates tie: a tree pass and a small pass round
+# differently in the last bit. Every such difference is recorded here (test, step, rank, gap) and counted per test.
+TIES: list[tuple[str, int, int, float]] = []
+MAX_TIES_PER_TEST = 2
+
+
+def tie_tolerance(value: float) -> float:
+    """The engine's own invariance tolerance (relative to the largest logit; invariance.TOLERANCE) applied to a
+    cumulative log-prob: relative to its size, never below the tolerance itself."""
+    from specbeam_edge.invariance import TOLERANCE
+
+    return TOLERANCE * max(1.0, abs(value))
+
+
+@contextmanager
+def beam_steps():
+    """Record every beam step of the (one) search run inside: a list with, per step, (M, ranked candidates): the
+    number of candidates the step chooses from (1 for greedy search) and those M and the next one (which a
+    rounding difference could let in), best first, as (token path from the root, cumulative log-prob)."""
+    from specbeam_edge.beam import NEG, BeamRows, BeamSearch
+    from specbeam_edge.constraints import ConstrainedBeamSearch
+
+    steps, searches = [], set()
+
+    def spy_on(cls):
+        real = cls.step
+
+        def step(self, rows):
+            searches.add(id(self))
+            x = self.process(rows if isinstance(rows, BeamRows) else BeamRows(rows))
+            M = 1 if self.num_beams == 1 else self.n_candidates
+            vals, idx = x.top(self.scores, M + 1)
+            paths = [tuple(self.tree.path(n)) for n in self.running]
+            ranked = [(paths[i // x.vocab] + (int(i % x.vocab),), float(v))
+                      for i, v in zip(idx, vals) if v > NEG / 2]
+            steps.append((M if isinstance(self, ConstrainedBeamSearch) else _deciding(self, ranked, M), ranked))
+            return real(self, rows)
+        return real, step
+    saved = {cls: spy_on(cls) for cls in (BeamSearch, ConstrainedBeamSearch)}
+    for cls, (_, spy) in saved.items():
+        cls.step = spy
+    try:
+        yield steps
+    finally:
+        for cls, (real, _) in saved.items():
+            cls.step = real
+    assert len(searches) <= 1, "beam_steps records one request's search"
+
+
+def _deciding(bs, ranked: list, M: int) -> int:
+    """How many of a (plain) beam step's best M candidates decide it: beam search keeps the first K that do not
+    stop (EOS, or the length limit) as its beams and the stopping ones among the first K as hypotheses, so the
+    ranks after both are not read; greedy search reads the best alone. (A constrained search ranks its own way:
+    the caller takes all M.)"""
+    K = bs.num_beams
+    if K == 1:
+        return 1
+    if bs.cur_len + 1 >= bs.max_length:      # every candidate stops: the search ends with the first K
+        return K
+    going = 0
+    for r, (path, _) in enumerate(ranked[:M]):
+        going += path[-1] not in bs.eos
+        if r + 1 >= K and going >= K:
+            return r + 1
+    return M
+
+
+def _parting(a: list, b: list):
+    """The first (step, rank) where two runs' recorded steps (beam_steps) part within the M candidates a step
+    chooses from, or None; on the way, the candidates they share must have equal log-probs within the tie
+    tolerance."""
+    for t, ((M, ca), (_, cb)) in enumerate(zip(a, b)):
+        for r, ((pa, va), (pb, vb)) in enumerate(zip(ca[:M], cb[:M])):
+            if pa != pb:
+                return t, r
+            assert abs(va - vb) <= tie_tolerance(va), f"step {t} rank {r}: log-prob {va} (plain) vs {vb}"
+        if len(ca[:M]) != len(cb[:M]):
+            return t, min(len(ca), len(cb), M)
+    return None if len(a) == len(b) else (min(len(a), len(b)), 0)
+
+
+def speculative_equals_plain(engine, prompt, speculative, **kw):
+    """Run one prompt plainly (plain()) and with `speculative`, and assert they are the same search: every beam
+    step ranks the same candidates with the same log-probs (within tie_tolerance), and so the same hypotheses.
+    The runs may part only at a step and rank where the plain run's own candidates tie within that tolerance
+    (the speculative run's candidate there is plain's next one and scored the same); after such a step the
+    outputs may differ. Each such difference is recorded in TIES and a test may have MAX_TIES_PER_TEST.
+    Returns (plain Result, speculative Result)."""
+    with beam_steps() as a:
+        [ref] = plain(engine, prompt, **kw)
+    with beam_steps() as b:
+        [fast] = engine.generate(prompt, speculative=speculative, **kw)
+    assert len(a) == ref.stats.beam_steps and len(b) == fast.stats.beam_steps, "a beam step went unrecorded"
+    part = _parting(a, b)
+    if part is None:
+        assert_same_hypotheses(ref, fast, atol=tie_tolerance(max((abs(h.score) for h in ref.hypotheses), default=0)))
+        return ref, fast
+    t, r = part
+    ca, cb = a[t][1] if t < len(a) else [], b[t][1] if t < len(b) else []
+    where = f"the runs part at step {t} rank {r}"
+    assert r < len(ca) and r < len(cb), f"{where}: one of them has no candidate there"
+    plain_values = dict(ca)
+    assert cb[r][0] in plain_values, f"{where}: the speculative run's candidate is not among plain's {len(ca)}"
+    gap = abs(ca[r][1] - plain_values[cb[r][0]])
+    assert gap <= tie_tolerance(ca[r][1]), f"{where}, where plain's log-probs do not tie: gap {gap:.3g}"
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
+    TIES.append((test, t, r, gap))
+    used = sum(1 for x in TIES if x[0] == test)
+    assert used <= MAX_TIES_PER_TEST, f"{used} differences at ties in {test} (at most {MAX_TIES_PER_TEST})"
+    return ref, fast

@@ -6,6 +6,7 @@ import pytest
 
 from specbeam_edge import Engine, GenerationConfig, ModelFolderError, SpeculativeConfig
 from specbeam_edge.cli import main as cli_main
+from helpers import plain
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +25,8 @@ def test_stream_prefixes_are_final(engine, K, spec):
     final = chunk.result.text
     assert shown == final
     assert all(final.startswith(p) for p in pieces)
-    [plain] = engine.generate("the quick brown fox", num_beams=K, max_new_tokens=20, speculative=None)
-    assert final == plain.text
+    [ref] = plain(engine, "the quick brown fox", num_beams=K, max_new_tokens=20)
+    assert final == ref.text
 
 
 @pytest.mark.parametrize("K", [1, 4])
@@ -88,11 +89,11 @@ def test_cli_generate_same_text_with_and_without_draft(exported, capsys):
     t = exported("llama", std=0.3, seed=3)
     d = exported("llama", std=0.3, seed=11, layers=1)
     assert cli_main(["generate", "the lazy dog", "--model", str(t), "--num_beams", "4", "--max_new_tokens", "12"]) == 0
-    plain = capsys.readouterr().out
+    without_draft = capsys.readouterr().out
     assert cli_main(["generate", "the lazy dog", "--model", str(t), "--draft", str(d), "--num_beams", "4",
                      "--max_new_tokens", "12", "--stats"]) == 0
     cap = capsys.readouterr()
-    assert cap.out == plain
+    assert cap.out == without_draft
     stats = json.loads(cap.err.strip().splitlines()[-1])
     assert stats["target_passes"] >= 1 and stats["beam_steps"] >= 12
     # the target as its own draft, trees on every pass: the draft is used (its levels are accepted, several beam
@@ -100,7 +101,7 @@ def test_cli_generate_same_text_with_and_without_draft(exported, capsys):
     assert cli_main(["generate", "the lazy dog", "--model", str(t), "--draft", str(t), "--num_beams", "4",
                      "--max_new_tokens", "12", "--always_speculate", "--stats"]) == 0
     cap = capsys.readouterr()
-    assert cap.out == plain
+    assert cap.out == without_draft
     stats = json.loads(cap.err.strip().splitlines()[-1])
     assert stats["plain_passes"] == 0 and stats["draft_tokens_proposed"] > 0 and stats["steps_from_draft"] > 0
     assert stats["beam_steps_per_pass"] > 1.5, stats

@@ -17,7 +17,7 @@ from family_models import FAMILIES, check_parity, make_family_model
 from specbeam_edge import Engine, SpeculativeConfig, invariance
 from specbeam_edge.invariance import NotInvariantError
 from specbeam_edge.model import OnnxCausalLM
-from helpers import assert_same_hypotheses
+from helpers import assert_same_hypotheses, plain
 
 # an fp32 graph's tree pass differs from its single passes by up to 1e-6 here (attention sums over more key
 # columns in another order); an invariant precision may not differ by more than that order
@@ -88,9 +88,9 @@ def test_encoder_decoder_int8_is_invariant_and_exact(kind, tmp_path):
     eng = Engine(int8, draft=int8)
     src = [5, 17, 33, 8, 0 if kind == "marian" else 2]
     for K in (1, 4):
-        [plain] = eng.generate(src, num_beams=K, max_new_tokens=10, num_return_sequences=K, speculative=None)
+        [ref] = plain(eng, src, num_beams=K, max_new_tokens=10, num_return_sequences=K)
         [fast] = eng.generate(src, num_beams=K, max_new_tokens=10, num_return_sequences=K, speculative=SPEC)
-        assert_same_hypotheses(plain, fast, scores=False)
+        assert_same_hypotheses(ref, fast, scores=False)
 def test_dynamic_int8_is_measured_not_invariant(exported):
     folder = exported("qwen2", "int8dyn")
     assert json.loads((folder / "specbeam_config.json").read_text())["batch_invariant"] is False
@@ -102,9 +102,9 @@ def test_engine_refuses_a_target_that_is_not_invariant_for_exact_speculation(exp
     difference and the fix; the per-row int8 export of the same weights is accepted."""
     dyn = exported("llama", "int8dyn", std=0.3, seed=3)
     eng = Engine(dyn, draft=dyn)
-    [plain] = eng.generate([3, 17, 33], num_beams=2, max_new_tokens=4, speculative=None)
+    [ref] = plain(eng, [3, 17, 33], num_beams=2, max_new_tokens=4)
     # plain search runs, and as it does without a draft loaded (it asserted only that some token came out)
-    assert plain.hypotheses[0].tokens == Engine(dyn).generate([3, 17, 33], num_beams=2, max_new_tokens=4)[0] \
+    assert ref.hypotheses[0].tokens == Engine(dyn).generate([3, 17, 33], num_beams=2, max_new_tokens=4)[0] \
         .hypotheses[0].tokens
     with pytest.raises(NotInvariantError, match=r"int8dyn target is not batch-invariant.*-p int8") as e:
         eng.generate([3, 17, 33], num_beams=2, max_new_tokens=4, speculative=SPEC)
@@ -195,10 +195,10 @@ def test_speculative_equals_plain_on_quantized_targets(exported, precision, K):
     if precision == "int4" and not invariance.check(eng.target).ok:
         pytest.skip("MatMulNBits is not batch-invariant on this CPU / onnxruntime (the engine refuses it)")
     for prompt in ([3, 17, 33, 8, 99, 41, 7], [250, 12, 9, 77]):
-        [plain] = eng.generate(prompt, num_beams=K, max_new_tokens=16, num_return_sequences=K)
+        [ref] = plain(eng, prompt, num_beams=K, max_new_tokens=16, num_return_sequences=K)
         [fast] = eng.generate(prompt, num_beams=K, max_new_tokens=16, num_return_sequences=K, speculative=SPEC)
-        assert_same_hypotheses(plain, fast, scores=False)
-        np.testing.assert_allclose([h.score for h in plain.hypotheses], [h.score for h in fast.hypotheses],
+        assert_same_hypotheses(ref, fast, scores=False)
+        np.testing.assert_allclose([h.score for h in ref.hypotheses], [h.score for h in fast.hypotheses],
                                    atol=1e-3)
 
 

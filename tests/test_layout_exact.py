@@ -8,6 +8,7 @@ from export import export
 from specbeam_edge import Engine, SpeculativeConfig
 from specbeam_edge.invariance import NotInvariantError
 from specbeam_edge.model import OnnxCausalLM
+from helpers import plain
 
 PROMPT = [3, 17, 33, 8, 99, 41, 7, 250, 12, 9, 77, 5, 61, 140, 22, 18, 4, 90, 31, 201, 6, 13, 55, 70]
 CHAIN = [11, 42, 87, 9, 130, 64]
@@ -73,7 +74,7 @@ def test_an_int8_target_with_fp32_attention_is_refused_for_exact_speculation(exp
     engine = Engine(old, draft=exported("llama", std=0.3, seed=11, layers=1))
     with pytest.raises(NotInvariantError, match="computes attention in fp32.*specbeam-export -p int8"):
         engine.generate(PROMPT[:6], num_beams=2, max_new_tokens=4, speculative=SpeculativeConfig(adaptive=False))
-    [plain] = Engine(old).generate(PROMPT[:6], num_beams=2, max_new_tokens=4)    # plain search still runs
+    [no_draft] = plain(Engine(old), PROMPT[:6], num_beams=2, max_new_tokens=4)    # plain search still runs
     # ...and gives the search the refused engine gives without speculation (it asserted only a non-empty output)
-    [same] = engine.generate(PROMPT[:6], num_beams=2, max_new_tokens=4, speculative=None)
-    assert plain.hypotheses[0].tokens == same.hypotheses[0].tokens
+    [same] = plain(engine, PROMPT[:6], num_beams=2, max_new_tokens=4)
+    assert no_draft.hypotheses[0].tokens == same.hypotheses[0].tokens

@@ -9,7 +9,7 @@ import pytest
 
 from specbeam_edge import Engine, ModelFolderError, SpeculativeConfig
 
-from helpers import assert_same_hypotheses
+from helpers import assert_same_hypotheses, plain
 from specbeam_edge.model import OnnxCausalLM
 from specbeam_edge.offload import plan
 
@@ -196,7 +196,7 @@ def test_streamed_target_grows_the_streamed_tree_and_stays_exact(split4):
     (best-first, deeper, with a path-probability floor); its output is plain search's, K=1 and K=4."""
     from dataclasses import replace
     from specbeam_edge.config import STREAMED_BEAM_TREE, STREAMED_TREE
-    plain = Engine(split4)
+    resident_alone = Engine(split4)
     off = Engine(split4, draft=split4, placement=["disk", "host", "disk", "resident"])
     default = SpeculativeConfig(adaptive=False)
     chosen = off.speculative_for(default)
@@ -215,7 +215,7 @@ def test_streamed_target_grows_the_streamed_tree_and_stays_exact(split4):
     resident = Engine(split4, draft=split4)
     assert resident.speculative_for(default) == default      # resident passes keep the usual tree
     for K in (1, 4):
-        a = plain.generate(PROMPT, num_beams=K, max_new_tokens=12)[0]
+        [a] = plain(resident_alone, PROMPT, num_beams=K, max_new_tokens=12)
         b = off.generate(PROMPT, num_beams=K, max_new_tokens=12, speculative=default)[0]
         # tokens exactly; scores to fp32 rounding (a one-row fp32 pass may take another kernel path than a tree's
         # rows, as in test_speculative)
@@ -364,7 +364,7 @@ def test_a_folder_names_its_own_tree_for_a_resident_target(pair, tmp_path):
     assert engine.speculative_for(SpeculativeConfig(adaptive=False)).adaptive is False
     assert engine.speculative_for(SpeculativeConfig(budget=24)).budget == 24         # the caller's knob
     assert Engine(target, draft=draft).speculative_for(SpeculativeConfig()) == SpeculativeConfig()
-    plain = engine.generate(PROMPT, num_beams=1, max_new_tokens=10, speculative=None)[0]
+    [ref] = plain(engine, PROMPT, num_beams=1, max_new_tokens=10)
     spec = engine.generate(PROMPT, num_beams=1, max_new_tokens=10, speculative=SpeculativeConfig(adaptive=False))[0]
-    assert spec.hypotheses[0].tokens == plain.hypotheses[0].tokens
+    assert spec.hypotheses[0].tokens == ref.hypotheses[0].tokens
     assert spec.stats.draft_tokens_proposed > 0

@@ -7,6 +7,7 @@ import pytest
 
 from specbeam_edge import Engine, ModelFolderError, SpeculativeConfig
 from specbeam_edge.tokenizer import Tokenizer
+from helpers import plain
 
 PAIR = Path(__file__).resolve().parents[1] / "models" / "text"
 GOLDEN = Path(__file__).with_name("golden_text.json")
@@ -40,6 +41,6 @@ def test_speculative_equals_plain(engine, K):
     prompts = [engine.tokenizer.format_prompt(l[:120]) for l in
                (PAIR / "test_sample.txt").read_text("utf-8").splitlines()[:4]]
     for spec in (SpeculativeConfig(adaptive=False), SpeculativeConfig(adaptive=False, drafter="lookup", budget=16)):
-        plain = engine.generate(prompts, num_beams=K, max_new_tokens=48, speculative=None)
+        ref = plain(engine, prompts, num_beams=K, max_new_tokens=48)
         fast = engine.generate(prompts, num_beams=K, max_new_tokens=48, speculative=spec)
-        assert [r.hypotheses[0].tokens for r in plain] == [r.hypotheses[0].tokens for r in fast]
+        assert [r.hypotheses[0].tokens for r in ref] == [r.hypotheses[0].tokens for r in fast]

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specbeam_edge import Engine, SpeculativeConfig
-from helpers import assert_same_hypotheses, run_drafter
+from helpers import assert_same_hypotheses, plain, run_drafter, speculative_equals_plain
 
 PROMPTS = [[3, 17, 33, 8, 99, 41, 7], [250, 12, 9, 77]]
 MAX_NEW = 16
@@ -36,20 +36,12 @@ SPECS = [SpeculativeConfig(adaptive=False, drafter="beam", budget=8, max_depth=2
 def test_speculative_equals_plain(engines, draft, K, spec):
     eng = engines[draft]
     for prompt in PROMPTS:
-        [plain] = eng.generate(prompt, num_beams=K, max_new_tokens=MAX_NEW, num_return_sequences=K, speculative=None)
         if spec.budget < K:
             continue
-        [fast] = eng.generate(prompt, num_beams=K, max_new_tokens=MAX_NEW, num_return_sequences=K, speculative=spec)
-        a = [h.tokens for h in plain.hypotheses]
-        b = [h.tokens for h in fast.hypotheses]
-        if a != b:
-            # a tree pass and a small pass round differently: only a demonstrated near-tie may flip
-            gaps = np.abs(np.diff([h.score for h in plain.hypotheses]))
-            assert gaps.size and gaps.min() < 1e-4, (a, b)
-        np.testing.assert_allclose([h.score for h in plain.hypotheses], [h.score for h in fast.hypotheses],
-                                   atol=1e-4)
-        assert plain.stats.beam_steps_per_pass == 1.0
-        assert fast.stats.beam_steps == plain.stats.beam_steps
+        ref, fast = speculative_equals_plain(eng, prompt, spec, num_beams=K, max_new_tokens=MAX_NEW,
+                                             num_return_sequences=K)
+        assert ref.stats.beam_steps_per_pass == 1.0
+        assert fast.stats.beam_steps == ref.stats.beam_steps
         if draft == "same" and spec.drafter == "beam" and spec.min_path_prob == 0 and spec.budget >= K:
             # the draft's own beams are the target's next beams: every pass covers several steps
             assert fast.stats.beam_steps_per_pass > 1.5, fast.stats.beam_steps_per_pass
@@ -120,9 +112,9 @@ def test_prompt_lookup_needs_no_draft_and_is_exact(exported, K):
     eng = Engine(exported("llama", std=0.3, seed=3))          # no draft model at all
     spec = SpeculativeConfig(adaptive=False, drafter="lookup", budget=32, max_depth=6)
     prompt = [3, 17, 33, 8, 99, 41, 7, 3, 17, 33, 8]            # repeats itself: lookups have material
-    [plain] = eng.generate(prompt, num_beams=K, max_new_tokens=24)
+    [ref] = plain(eng, prompt, num_beams=K, max_new_tokens=24)
     [fast] = eng.generate(prompt, num_beams=K, max_new_tokens=24, speculative=spec)
-    assert_same_hypotheses(fast, plain, scores=False)
+    assert_same_hypotheses(fast, ref, scores=False)
     assert fast.stats.draft_passes == 0 and fast.stats.draft_tokens_proposed > 0
     with pytest.raises(ValueError, match="drafter='sample'"):
         eng.generate(prompt, num_beams=2, do_sample=True, speculative=SpeculativeConfig(adaptive=False, drafter="lookup"))
@@ -369,10 +361,10 @@ def test_adaptive_speculation_equals_plain(engines, draft, monkeypatch):
     seen = []
     for K in (1, 3):
         for prompt in PROMPTS:
-            [plain] = eng.generate(prompt, num_beams=K, max_new_tokens=24, speculative=None)
+            [ref] = plain(eng, prompt, num_beams=K, max_new_tokens=24)
             choices.clear()
             [fast] = eng.generate(prompt, num_beams=K, max_new_tokens=24, speculative=spec)
-            assert_same_hypotheses(fast, plain, scores=False)
+            assert_same_hypotheses(fast, ref, scores=False)
             s = fast.stats
             # one choice per target pass; plain_passes counts the passes without a tree, the rest drafted one
             assert len(choices) == s.target_passes, (choices, s)
@@ -419,9 +411,9 @@ def test_merged_lookup_tree_equals_plain(engines, draft, K, drafter, monkeypatch
     eng = engines[draft]
     prompt = [3, 17, 33, 8, 99, 41, 7, 3, 17, 33, 8]
     spec = SpeculativeConfig(adaptive=False, drafter=drafter, budget=24, max_depth=4, with_lookup=True)
-    [plain] = eng.generate(prompt, num_beams=K, max_new_tokens=20, num_return_sequences=K, speculative=None)
+    [ref] = plain(eng, prompt, num_beams=K, max_new_tokens=20, num_return_sequences=K)
     [fast] = eng.generate(prompt, num_beams=K, max_new_tokens=20, num_return_sequences=K, speculative=spec)
-    assert_same_hypotheses(fast, plain, scores=False)
+    assert_same_hypotheses(fast, ref, scores=False)
     assert len(looked) == len(merged) == fast.stats.target_passes     # one merged tree per pass (no adaptivity)
     assert sum(map(len, looked)) > 0, looked                           # lookup found spans to propose
     assert all(set(lk) <= set(m) for lk, m in zip(looked, merged)), (looked, merged)
@@ -504,9 +496,9 @@ def test_default_budget_deepens_K4_and_leaves_K1_K2_trees_alone():
 
 def test_default_tree_at_K4_is_exact_and_uses_its_width(engines):
     spec = SpeculativeConfig(budget=48, max_depth=6, adaptive=False)
-    [plain] = engines["random"].generate(PROMPTS[0], num_beams=4, max_new_tokens=MAX_NEW, speculative=None)
+    [ref] = plain(engines["random"], PROMPTS[0], num_beams=4, max_new_tokens=MAX_NEW)
     [fast] = engines["random"].generate(PROMPTS[0], num_beams=4, max_new_tokens=MAX_NEW, speculative=spec)
-    assert_same_hypotheses(fast, plain, scores=False)
+    assert_same_hypotheses(fast, ref, scores=False)
     # 16 nodes per level, three levels: 48 per pass (a pass near the end may stop early at the length limit)
     assert fast.stats.draft_tokens_proposed > 24 * fast.stats.target_passes
 
@@ -557,10 +549,10 @@ def test_a_loaded_draft_drafts_by_default_as_the_tools_do(exported):
     target = exported("llama", std=0.3, seed=3)
     eng = Engine(target, draft=target)          # its own: choosers learnt in other tests do not carry over
     for K in (1, 3):
-        [plain] = eng.generate(PROMPTS[0], num_beams=K, max_new_tokens=24, speculative=None)
+        [ref] = plain(eng, PROMPTS[0], num_beams=K, max_new_tokens=24)
         [default] = eng.generate(PROMPTS[0], num_beams=K, max_new_tokens=24)
-        assert_same_hypotheses(default, plain, scores=False)
-        assert plain.stats.draft_passes == 0 and plain.stats.beam_steps_per_pass == 1.0
+        assert_same_hypotheses(default, ref, scores=False)
+        assert ref.stats.beam_steps_per_pass == 1.0
         assert default.stats.draft_passes > 0 and default.stats.beam_steps_per_pass > 1, default.stats
     [sampled] = eng.generate(PROMPTS[0], num_beams=2, do_sample=True, seed=1, max_new_tokens=8)
     assert sampled.stats.draft_passes > 0          # sampling drafts with the 'sample' drafter

@@ -10,9 +10,8 @@ import pytest
 
 from specbeam_edge import Engine, SpeculativeConfig
 from test_beam import MAX_NEW as DEC_MAX_NEW, PROMPTS, hf_beam, peer  # noqa: F401 (fixture)
-from test_encdec import (DSBD, LANGS, MAX_NEW, PAD, SOURCES, SPEC, _same_or_near_tie, encdec,  # noqa: F401
-                         peers)
-from helpers import assert_same_hypotheses
+from test_encdec import DSBD, LANGS, MAX_NEW, PAD, SOURCES, SPEC, encdec, peers  # noqa: F401
+from helpers import assert_same_hypotheses, plain, speculative_equals_plain
 
 PREFIXES = {"marian": [[7, 12], [9]], "m2m100": [[7, 12], [9]], "nllb": [[7, 12], [9]]}
 PAIR = Path(__file__).resolve().parents[1] / "models" / "ende"
@@ -98,11 +97,9 @@ def test_encoder_decoder_prefix_speculative_equals_plain(encdec, kind, K):
         eng = Engine(target, draft=draft)
         for src in SOURCES[kind]:
             for prefix in PREFIXES[kind]:
-                kw = dict(target_prefix=prefix, num_beams=K, max_new_tokens=14, num_return_sequences=K)
-                [plain] = eng.generate(src, **kw)
-                [fast] = eng.generate(src, speculative=spec, **kw)
-                _same_or_near_tie(plain, fast)
-                assert fast.stats.beam_steps == plain.stats.beam_steps
+                ref, fast = speculative_equals_plain(eng, src, spec, target_prefix=prefix, num_beams=K,
+                                                     max_new_tokens=14, num_return_sequences=K)
+                assert fast.stats.beam_steps == ref.stats.beam_steps
 
 
 @pytest.mark.parametrize("K", [1, 4])
@@ -112,12 +109,12 @@ def test_decoder_only_prefix_speculative_equals_plain(pair, K):
     spec = SpeculativeConfig(adaptive=False, drafter="beam", budget=24, max_depth=4, max_branch_width=3)
     for prompt in PROMPTS:
         kw = dict(target_prefix=[5, 40, 7], num_beams=K, max_new_tokens=12, num_return_sequences=K)
-        [plain] = eng.generate(prompt, **kw)
+        [ref] = plain(eng, prompt, **kw)
         [fast] = eng.generate(prompt, speculative=spec, **kw)
-        assert_same_hypotheses(fast, plain, scores=False)
-        np.testing.assert_allclose([h.score for h in fast.hypotheses], [h.score for h in plain.hypotheses],
+        assert_same_hypotheses(fast, ref, scores=False)
+        np.testing.assert_allclose([h.score for h in fast.hypotheses], [h.score for h in ref.hypotheses],
                                    atol=1e-5)
-        assert all(h.tokens[:3] == [5, 40, 7] for h in plain.hypotheses)
+        assert all(h.tokens[:3] == [5, 40, 7] for h in ref.hypotheses)
 
 
 @pytest.mark.parametrize("mode", ["plain", "beam"])
@@ -201,7 +198,7 @@ def test_text_prefix_on_the_shipped_pair():
     """A text prefix is encoded as plain target text; the translation (text and tokens) starts with it."""
     eng = Engine(PAIR / "target", PAIR / "draft")
     prefix = eng.tokenizer.encode("Die Datei")
-    [res] = eng.generate("Open the file.", target_prefix="Die Datei", num_beams=4, speculative=None)
+    [res] = plain(eng, "Open the file.", target_prefix="Die Datei", num_beams=4)
     assert res.text.startswith("Die Datei") and res.hypotheses[0].tokens[:len(prefix)] == prefix
     [fast] = eng.generate("Open the file.", target_prefix="Die Datei", num_beams=4, speculative={"adaptive": False})
     assert fast.hypotheses[0].tokens == res.hypotheses[0].tokens

@@ -8,6 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers import plain
+
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("models_train", ROOT / "models" / "train.py")
 train = importlib.util.module_from_spec(_spec)
@@ -399,6 +401,6 @@ def test_frozen_encoder_draft_uses_the_targets_encoder_at_run_time(tiny_corpus, 
     eng = Engine(out / "target", draft=out / "draft")
     assert eng.draft_cross == [1] and eng.draft_encoder is None
     src = eng.tokenizer.format_prompt("open the file")
-    [plain] = eng.generate(src, num_beams=2, max_new_tokens=6, speculative=None)
+    [ref] = plain(eng, src, num_beams=2, max_new_tokens=6)
     [fast] = eng.generate(src, num_beams=2, max_new_tokens=6, speculative=SpeculativeConfig(adaptive=False, budget=8, max_depth=3))
-    assert plain.hypotheses[0].tokens == fast.hypotheses[0].tokens
+    assert ref.hypotheses[0].tokens == fast.hypotheses[0].tokens
