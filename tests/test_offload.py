@@ -233,8 +233,26 @@ def test_streamed_cost_curve_is_the_disk_until_compute_outgrows_it(split4, monke
     monkeypatch.setattr(lm, "part_seconds", lambda q, past, reps: (0.01 * q, 0.5))
     curve = streamed_cost_curve(lm, sizes=(1, 16, 64, 128))
     assert curve == pytest.approx({1: 3.5, 16: 3.5, 64: 3.5, 128: 4 * 1.28 + 0.5})
-    layer, head = OnnxCausalLM.part_seconds(lm, 4, reps=1)                 # the real measurement runs
-    assert layer > 0 and head > 0
+    # the real measurement: `reps` passes of a decoder layer, then of the head, over q rows each, the fastest of
+    # each kept (a clock that says how long each pass took)
+    import time
+
+    import onnxruntime as ort
+
+    from specbeam_edge.contract import HIDDEN, LAYER_HIDDEN_OUT
+    monkeypatch.undo()
+    ticks, passes = [0.0, 3.0, 10.0, 11.0, 20.0, 22.0, 30.0, 34.0], []      # layer: 3 s, 1 s; head: 2 s, 4 s
+    real_run = ort.InferenceSession.run
+
+    def run(sess, names, feed, *a, **kw):
+        passes.append((list(names) == [LAYER_HIDDEN_OUT], feed[HIDDEN].shape))
+        return real_run(sess, names, feed, *a, **kw)
+    monkeypatch.setattr(ort.InferenceSession, "run", run)
+    monkeypatch.setattr(time, "perf_counter", lambda: ticks.pop(0))
+    assert OnnxCausalLM.part_seconds(lm, 4, reps=2) == (1.0, 2.0)
+    monkeypatch.undo()
+    H = lm.cfg.hidden_size
+    assert passes == [(True, (1, 4, H))] * 2 + [(False, (1, 4, H))] * 2 and ticks == []
     assert OnnxCausalLM(split4).streamed_layers() == 0
 
 

@@ -155,8 +155,12 @@ def test_sampling_on_onnx_models(exported):
     a = eng.generate("the quick fox", seed=7, **kw)[0]
     b = eng.generate("the quick fox", seed=7, **kw)[0]
     assert_same_hypotheses(a, b)
-    assert len(a.hypotheses[0].tokens) >= 1
-    assert a.stats.target_passes >= 1 and a.stats.beam_steps >= a.stats.target_passes
+    # a whole sample: it ends at EOS ("stop") or at max_new_tokens ("length"), its text is its tokens' decoding,
+    # and the search took a step per token in fewer target passes than steps (the draft's levels kept)
+    h = a.hypotheses[0]
+    assert h.tokens[-1] in eng.eos if h.finish_reason == "stop" else (h.finish_reason, len(h.tokens)) == ("length", 12)
+    assert h.text == eng.tokenizer.decode(h.tokens) and h.text
+    assert len(h.tokens) <= a.stats.beam_steps <= 12 and a.stats.target_passes < a.stats.beam_steps, a.stats
     # batched with other prompts (each request draws from its own seeded generator): the draws it gets alone
     together = eng.generate(["the quick fox", "hello world", "the quick fox"], seed=7, **kw)
     assert max(together[0].stats.batch_sizes) > 1

@@ -92,19 +92,30 @@ def test_stats_fields(engines):
     assert len(s.from_draft) == s.beam_steps and s.from_draft.count(False) == s.target_passes
 
 
-def test_auto_budget_from_cost_curve(engines):
-    eng = engines["random"]
+def test_auto_budget_from_cost_curve(exported):
+    """budget="auto": the largest tree whose pass costs at most auto_slack times a pass over the beams alone, read
+    off the engine's cost curve (measured once per engine); a request with it drafts that tree, exactly as one
+    naming the same budget, and gives plain search's output."""
+    from specbeam_edge.adaptive import auto_budget
+
+    cpu = {1: 1.0, 2: 1.0, 4: 1.1, 8: 1.5, 16: 2.0, 32: 4.0, 64: 8.0}            # a CPU-like curve
+    assert auto_budget(cpu, 1, slack=1.6) == 8 and auto_budget(cpu, 4, slack=2.0) == 16
+    assert auto_budget({q: 1.0 for q in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)}, 4) == 1024   # streamed
+    assert auto_budget({1: 1.0, 2: 5.0}, 2) == 2                                 # never fewer nodes than beams
+    # an engine of its own: the measured curve stays with it
+    eng = Engine(exported("llama", std=0.3, seed=3), draft=exported("llama", std=0.3, seed=11, layers=1))
     curve = eng.cost_curve(sizes=(1, 2, 4, 8), reps=1)
     assert set(curve) == {1, 2, 4, 8} and all(t > 0 for t in curve.values())
-    eng._curve = {1: 1.0, 2: 1.0, 4: 1.1, 8: 1.5, 16: 2.0, 32: 4.0, 64: 8.0}   # a CPU-like curve
-    assert eng.auto_budget(1, slack=1.6) == 8 and eng.auto_budget(4, slack=2.0) == 16
-    eng._curve = {q: 1.0 for q in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)}  # streamed weights: flat
-    assert eng.auto_budget(4) == 1024
-    eng._curve = {1: 1.0, 2: 1.0, 4: 1.1, 8: 1.5, 16: 2.0}
-    [plain] = eng.generate(PROMPTS[0], num_beams=2, max_new_tokens=MAX_NEW)
-    [auto] = eng.generate(PROMPTS[0], num_beams=2, max_new_tokens=MAX_NEW, speculative=SpeculativeConfig(adaptive=False, budget="auto"))
-    assert auto.hypotheses[0].tokens == plain.hypotheses[0].tokens
-    del eng._curve
+    auto_spec = SpeculativeConfig(adaptive=False, budget="auto")
+    budget = eng.auto_budget(2, slack=auto_spec.auto_slack)
+    kw = dict(num_beams=2, max_new_tokens=MAX_NEW)
+    [ref] = plain(eng, PROMPTS[0], **kw)
+    [auto] = eng.generate(PROMPTS[0], speculative=auto_spec, **kw)
+    [named] = eng.generate(PROMPTS[0], speculative=SpeculativeConfig(adaptive=False, budget=budget), **kw)
+    assert_same_hypotheses(auto, ref, scores=False)
+    assert_same_hypotheses(auto, named, atol=0)
+    assert (auto.stats.target_passes, auto.stats.draft_tokens_proposed) == \
+        (named.stats.target_passes, named.stats.draft_tokens_proposed) and auto.stats.draft_tokens_proposed > 0
 
 
 @pytest.mark.parametrize("K", [1, 2, 4])
