@@ -18,6 +18,7 @@ from .flags import (DEFAULT_MODELS, PROVIDERS, DefaultsHelp, Status, add_beam_ar
                     finite_float, guard_std_streams, is_terminal, parse_size, positive_int, read_bounded,
                     speculative_from_args, streaming_note)
 from .fetch import FetchError, default_ahead, default_draft, fetched, resolve_model
+from .chat_input import CHAT_KEYS, command_help, read_message
 from .prompting import CHAT_MAX_NEW_TOKENS, has_chat_template
 from .providers import ProviderError
 from .shipped import ENV as SHIPPED_ENV
@@ -213,6 +214,17 @@ def _request_options(args) -> dict:
     return options
 
 
+def _with_system(engine, args, prompt: str):
+    """--system and a prompt in the chat template (system, then user), formatted once (the engine takes it as
+    is)."""
+    if args.raw or not engine.tokenizer.chat_template:
+        raise ValueError("--system goes into a chat model's template: " + (
+            "--raw sends prompts as they are (put the system prompt into them)" if args.raw else
+            "this model has none (a chat model's folder has chat_template in tokenizer_config.json)"))
+    return engine.tokenizer.apply_chat_template([{"role": "system", "content": args.system},
+                                                 {"role": "user", "content": prompt}])
+
+
 def cmd_generate(args) -> int:
     implied_sampling(args)
     _chat_defaults(args)
@@ -228,6 +240,8 @@ def cmd_generate(args) -> int:
     stream = args.stream if args.stream is not None else \
         is_terminal(sys.stdout) and gen.num_return_sequences == 1
     options = _request_options(args)
+    if args.system is not None:
+        prompts = [_with_system(engine, args, p) for p in prompts]
     for n, prompt in enumerate(prompts):
         chunk, shown, stopped = _generate_one(engine, prompt, gen, spec, options, stream, status)
         if stopped:                     # Ctrl-C: the text final so far (and --stats) is kept
@@ -286,10 +300,6 @@ def _report_end(engine, args, gen, result, label: str) -> None:
         print(json.dumps({**result.stats.as_dict(), "finish_reason": result.finish_reason}), file=sys.stderr)
 
 
-CHAT_KEYS = ("keys: Enter sends a message; Ctrl-C stops an answer (what it wrote so far is kept in the "
-             "conversation); an empty line, Ctrl-D, or Ctrl-C at the prompt quits")
-
-
 def _chat_defaults(args) -> None:
     """A chat model (`specbeam chat`, or `generate` on a folder with a chat template) searches as transformers'
     generate does for it: its generation_config's settings, and where that names no num_beams, greedy decoding
@@ -322,14 +332,19 @@ def cmd_chat(args) -> int:
     print(f"chat: {CHAT_KEYS}", file=sys.stderr)
     say_streaming(engine, args)
     while True:
-        line = _read_message()
-        if line is None:            # Ctrl-C at the prompt
+        line = read_message()
+        if line is None or line == "/bye":      # Ctrl-D, Ctrl-C at the prompt, /bye
             return 0
         if line is False:           # not valid UTF-8: said so, nothing sent
             continue
-        if not line:
-            print(file=sys.stderr)
-            break
+        if line == "/clear":
+            messages = messages[:1] if args.system else []
+            print("chat: the conversation is empty" + (" (the system prompt stays)" if args.system else ""),
+                  file=sys.stderr)
+            continue
+        if line in ("/?", "/help"):
+            print(command_help(), file=sys.stderr)
+            continue
         turn = messages + [{"role": "user", "content": line}]
         answered = _answer(engine, turn, gen, spec)
         if answered is None:        # refused before the answer: said so, the conversation is unchanged
@@ -338,23 +353,6 @@ def cmd_chat(args) -> int:
         _report_turn(engine, args, gen, chunk, stopped)
         messages = turn + [{"role": "assistant", "content": answer}]
     return 0
-
-
-def _read_message():
-    """The user's next message (stripped; '' ends the chat), None on Ctrl-C, False for bytes that are not UTF-8
-    (reported)."""
-    print(">>> ", end="", file=sys.stderr, flush=True)      # the marker between turns (Ollama's)
-    try:
-        raw = read_bounded(sys.stdin.buffer, "that message", "send shorter messages", line=True)
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        return None
-    try:
-        return raw.decode("utf-8").strip()
-    except UnicodeDecodeError as e:
-        print(f"chat: that message is not valid UTF-8 ({e.reason} at byte {e.start}) and was not sent; type it "
-              f"again", file=sys.stderr)
-        return False
 
 
 def _answer(engine, turn: list[dict], gen, spec):
@@ -439,6 +437,8 @@ def main(argv=None) -> int:
     g.add_argument("--raw", action="store_true",
                    help="send prompts as they are; by default each is put in the model folder's format (its chat "
                         "template as one user message, else tokenizer_config.json's prompt_format)")
+    g.add_argument("--system", default=None,
+                   help="system prompt, before each prompt in a chat model's template (as specbeam chat --system)")
     g.add_argument("--format", action="store_true", help=argparse.SUPPRESS)   # the default now; kept for old scripts
     g.add_argument("--stream", action="store_const", const=True, default=None,
                    help="print text as soon as it is final (the default when stdout is a terminal and one answer "

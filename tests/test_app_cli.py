@@ -102,7 +102,7 @@ def test_an_endless_chat_message_is_refused_at_the_limit(monkeypatch):
     """Before: `specbeam chat < /dev/zero` read one endless line until memory ran out."""
     from types import SimpleNamespace
 
-    from specbeam_edge import cli
+    from specbeam_edge import chat_input
 
     class Endless:
         def readline(self, size=-1):
@@ -110,7 +110,7 @@ def test_an_endless_chat_message_is_refused_at_the_limit(monkeypatch):
             return b"\0" * size
     monkeypatch.setattr(sys, "stdin", SimpleNamespace(buffer=Endless()))
     with pytest.raises(ValueError, match=r"^that message is longer than 64 MiB, .*; send shorter messages$"):
-        cli._read_message()
+        chat_input.read_message()
 
 
 def test_cuda_without_the_gpu_build_and_widths_over_the_vocabulary_are_one_line():
