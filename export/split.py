@@ -85,14 +85,21 @@ def _write_file_blocks_table(folder: Path, w, arch: Arch) -> dict | None:
     except OffBlocks:
         path.unlink()
         return None
-    (folder / "weights" / "embed_scale.bin").write_bytes(np.concatenate(scales).astype(np.float32).tobytes())
     entry = {"file": "weights/embed.bin", "dtype": "uint8", "shape": [arch.vocab_size, arch.hidden],
-             "sha256": digest.hexdigest(), "scale_file": "weights/embed_scale.bin", "block": first.block,
-             "bits": first.bits, "zero": first.zero, "kind": first.kind}
+             "sha256": digest.hexdigest(), "block": first.block, "bits": first.bits, "zero": first.zero,
+             "kind": first.kind}
+    entry.update(_side_file(folder, "scale", scales))
     if offsets:
-        (folder / "weights" / "embed_offset.bin").write_bytes(np.concatenate(offsets).astype(np.float32).tobytes())
-        entry["offset_file"] = "weights/embed_offset.bin"
+        entry.update(_side_file(folder, "offset", offsets))
     return entry
+
+
+def _side_file(folder: Path, what: str, parts: list) -> dict:
+    """weights/embed_{what}.bin (fp32 per block of the table) and its files.embed_table keys: the file and its
+    SHA-256, which the runtime checks at load as it checks the table's."""
+    data = np.concatenate(parts).astype(np.float32).tobytes()
+    (folder / "weights" / f"embed_{what}.bin").write_bytes(data)
+    return {f"{what}_file": f"weights/embed_{what}.bin", f"{what}_sha256": hashlib.sha256(data).hexdigest()}
 
 
 def write_embed_table(folder: Path, w, arch: Arch, precision: str) -> dict:
@@ -120,9 +127,7 @@ def write_embed_table(folder: Path, w, arch: Arch, precision: str) -> dict:
     entry = {"file": "weights/embed.bin", "dtype": np.dtype(dtype).name, "shape": [arch.vocab_size, arch.hidden],
              "sha256": digest.hexdigest()}
     if precision == "int8":
-        scale = np.concatenate(scales).astype(np.float32)
-        (folder / "weights" / "embed_scale.bin").write_bytes(scale.tobytes())
-        entry.update(scale_file="weights/embed_scale.bin", block=graph.embed_block(arch.hidden))
+        entry.update(_side_file(folder, "scale", scales), block=graph.embed_block(arch.hidden))
     return entry
 
 

@@ -89,7 +89,8 @@ def check_embed_table(cfg, path: Path) -> None:      # cfg: the config.ModelConf
     """files.embed_table: {file, dtype (float32 | float16 | int8 | uint8), shape [vocab_size, hidden_size]} (int8:
     and scale_file, one float32 per `block` values of a row; uint8, a GGUF's own blocks: scale_file, `block`,
     `bits` 4 or 8, an integer `zero` and an optional offset_file of float32 per block), and files of exactly that
-    many bytes (a truncated or replaced table fails here, by name, not as wrong text)."""
+    many bytes (a truncated or replaced table fails here, by name, not as wrong text); its optional sha256,
+    scale_sha256 and offset_sha256 are hex digests."""
     t = cfg.files["embed_table"]
     sizes = {"float32": 4, "float16": 2, "int8": 1, "uint8": 1}
     blocked = isinstance(t, dict) and t.get("dtype") in ("int8", "uint8")
@@ -103,6 +104,10 @@ def check_embed_table(cfg, path: Path) -> None:      # cfg: the config.ModelConf
         raise ModelFolderError(f"{path}: files.embed_table must be {{file, dtype float32|float16|int8|uint8 (int8 and "
                                f"uint8 with a scale_file and a block dividing {cfg.hidden_size}; uint8 with bits 4 "
                                f"or 8), shape [{cfg.vocab_size}, {cfg.hidden_size}]}}; re-export the model")
+    for key in ("sha256", "scale_sha256", "offset_sha256"):     # checked on load (offload.embedding_table)
+        if key in t and not _is_digest(t[key]):
+            raise ModelFolderError(f"{path}: files.embed_table.{key} must be a hex SHA-256 digest, got "
+                                   f"{short(t[key])}; re-export the model")
     want = {t["file"]: cfg.vocab_size * cfg.hidden_size * sizes[t["dtype"]] * t.get("bits", 8) // 8}
     if blocked:
         want[t["scale_file"]] = cfg.vocab_size * cfg.hidden_size // t["block"] * 4

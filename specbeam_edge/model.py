@@ -13,7 +13,7 @@ from .contract import (CONFIG_FILE, HIDDEN, KEY_POSITIONS, LAYER_HIDDEN_OUT, LAY
                        TOKEN_INPUTS, TOPK_INPUT, TOPK_OUTPUTS, AHEAD_INPUT, AHEAD_OUTPUTS, head_io, past_names,
                        present_names)
 from .integrity import verify
-from .offload import LayerStore, TableRows, layer_nbytes, plan
+from .offload import LayerStore, embedding_table, layer_nbytes, plan
 from .providers import CUDA
 # default_threads, share_threads and threads_shared: imported from here by the engine and the tools
 from .sessions import _session, default_threads, run_options, session_options, share_threads, threads_shared  # noqa
@@ -163,12 +163,8 @@ class OnnxCausalLM:
             self.arena = all(p == "resident" for p in self.placement.places)
         self.embed = None if table else _session(self.folder / cfg.files["embed"], threads, providers, spin,
                                                  self.arena)
-        def blockwise(key):             # an int8 table's block scales; a GGUF blocks table's scales and offsets
-            return np.fromfile(self.folder / table[key], np.float32).reshape(cfg.vocab_size, -1) if key in table \
-                else None
-        self.embed_table = None if not table else TableRows(
-            self.folder / table["file"], table["dtype"], tuple(table["shape"]), blockwise("scale_file"),
-            table.get("bits", 8), table.get("zero", 0), blockwise("offset_file"))
+        # checked against the SHA-256 the export recorded, here and as its rows are read
+        self.embed_table = None if not table else embedding_table(self.folder, table, cfg.vocab_size)
         self.layer = _session(self.folder / cfg.files["layer"], threads, providers, spin, self.arena)
         self.head = _session(self.folder / cfg.files["head"], threads, providers, spin, self.arena)
         if self.embed is not None:

@@ -11,7 +11,8 @@ the first time it is read (at load for resident and host layers, on its first st
 every streamed read checks the file by cheap means: a regular file (opened non-blocking, so a FIFO put in its
 place cannot hang the loader), of the identity (device, inode, size, mtime, ctime) it had when its hash was
 checked; a changed identity (bytes rewritten in place, another file renamed over it) is hashed again. A
-corrupted, replaced or removed file fails with its name instead of giving fluent wrong text. Threads: a lock
+corrupted, replaced or removed file fails with its name instead of giving fluent wrong text. The embedding table
+(TableRows) is checked the same way through integrity.verify_open, its block scales at load. Threads: a lock
 guards the prefetch bookkeeping; one forward pass at a time owns the two stream buffers (OnnxCausalLM serialises
 its streamed passes).
 """
@@ -30,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import ModelFolderError
+from .integrity import verify_open
 
 PLACES = ("resident", "host", "disk")
 
@@ -267,14 +269,38 @@ class TableRows:
     still keeps recent rows, as it keeps any file."""
 
     def __init__(self, path: Path, dtype: str, shape: tuple[int, int], scales: np.ndarray | None = None,
-                 bits: int = 8, zero: int = 0, offsets: np.ndarray | None = None):
+                 bits: int = 8, zero: int = 0, offsets: np.ndarray | None = None, sha256: str | None = None):
         """scales: for an int8 table, or one in a GGUF's own blocks (uint8 codes), fp32 [rows, blocks]: one scale
         per block of a row's values; a value is (code - zero) x its block's scale (+ its block's offset: offsets
         [rows, blocks]), in fp32, as gguf-py dequantizes. bits 4: two codes a byte, a block's first half in the
-        low nibbles (export/split.py)."""
+        low nibbles (export/split.py). sha256: the table file's, as the export recorded it (files.embed_table;
+        older exports have none): checked here, and on a read whenever the file's identity changed since."""
         self.path, self.dtype, self.shape = Path(path), np.dtype(dtype), tuple(shape)
         self.bits, self.zero, self.scales, self.offsets = bits, zero, scales, offsets
         self.row_bytes = self.shape[1] * self.dtype.itemsize * bits // 8
+        self.sha256, self.identity = sha256, None      # identity: _identity of the version last checked
+        os.close(self._open())
+
+    def _open(self) -> int:
+        """The table file opened for a read, refused in one line unless a regular file (opened non-blocking: a FIFO
+        in its place cannot hang it); a version other than the one last checked is checked against its SHA-256
+        (integrity.verify_open: rows reordered in place or another table renamed over it gave fluent garbage)."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+        except FileNotFoundError:
+            raise ModelFolderError(f"{self.path}: the embedding table was removed while the model was in use; "
+                                   f"restore it or load the model again") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ModelFolderError(f"{self.path}: not a regular file (a FIFO, device or folder is in its place); "
+                                       f"restore the embedding table or re-export the model")
+            if self.sha256 and _identity(st) != self.identity:
+                self.identity = _identity(verify_open(self.path, fd, self.sha256))
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     def __getitem__(self, ids: np.ndarray) -> np.ndarray:
         """The rows of `ids` (any shape of ints within the table), shape ids.shape + (columns,); each distinct
@@ -282,7 +308,7 @@ class TableRows:
         ids = np.asarray(ids)
         uniq, inverse = np.unique(ids.reshape(-1), return_inverse=True)
         rows = np.empty((len(uniq), self.row_bytes // self.dtype.itemsize), self.dtype)
-        with open(self.path, "rb", buffering=0) as f:
+        with open(self._open(), "rb", buffering=0) as f:
             for k, i in enumerate(uniq.tolist()):
                 f.seek(i * self.row_bytes)
                 if f.readinto(memoryview(rows[k]).cast("B")) != self.row_bytes:
@@ -301,6 +327,23 @@ class TableRows:
                 v = v + self.offsets[uniq][:, :, None]
             rows = v.reshape(len(uniq), self.shape[1])
         return rows[inverse].reshape(ids.shape + (self.shape[1],))
+
+
+def embedding_table(folder: Path, table: dict, rows: int) -> TableRows:
+    """files.embed_table's table (its entry checked by folder_files.check_embed_table): the block scales and offsets
+    it names read whole, each checked first against the SHA-256 the export recorded (scale_sha256, offset_sha256),
+    and the table file, read by row, against its own (sha256). Exports older than a field go unchecked by it."""
+    def blockwise(key):
+        if key not in table:
+            return None
+        file, want = Path(folder) / table[key], table.get(key.replace("_file", "_sha256"))
+        with open(file, "rb", buffering=0) as f:
+            if want:
+                verify_open(file, f.fileno(), want)
+                f.seek(0)
+            return np.fromfile(f, np.float32).reshape(rows, -1)
+    return TableRows(Path(folder) / table["file"], table["dtype"], tuple(table["shape"]), blockwise("scale_file"),
+                     table.get("bits", 8), table.get("zero", 0), blockwise("offset_file"), table.get("sha256"))
 
 
 def _identity(st: os.stat_result) -> tuple:
