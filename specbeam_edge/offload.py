@@ -92,6 +92,22 @@ def plan(num_layers: int, layer_bytes: int, fixed_bytes: int, max_memory: int | 
 
 
 PAGE = 4096
+SWAP_WAIT = 0.5      # seconds a read waits for a model file missing while `export --overwrite` swaps folders
+
+
+def open_through_swap(path: Path, flags: int) -> int:
+    """os.open(path, flags), waiting out a folder swap: `export --overwrite` renames the old folder aside and then
+    the new one in, and a streaming reader that opened in between (milliseconds on an overlay file system) stopped;
+    now it reads the new file, which its SHA-256 check accepts only if it holds the same weights. A file still
+    missing after SWAP_WAIT raises FileNotFoundError."""
+    deadline = time.monotonic() + SWAP_WAIT
+    while True:
+        try:
+            return os.open(path, flags)
+        except FileNotFoundError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.005)
 
 
 def _aligned(nbytes: int) -> np.ndarray:
@@ -175,7 +191,7 @@ class LayerStore:
         """Layer i's file opened for a read, refused in one line unless it is a regular file; a file whose identity
         changed since its hash was checked is checked again (`_verify`)."""
         try:
-            fd = os.open(self.paths[i], os.O_RDONLY | os.O_NONBLOCK | flags)
+            fd = open_through_swap(self.paths[i], os.O_RDONLY | os.O_NONBLOCK | flags)
         except FileNotFoundError:
             raise ModelFolderError(f"{self.paths[i]}: the layer file was removed while the model was in use; "
                                    f"restore it or load the model again") from None
@@ -286,7 +302,7 @@ class TableRows:
         in its place cannot hang it); a version other than the one last checked is checked against its SHA-256
         (integrity.verify_open: rows reordered in place or another table renamed over it gave fluent garbage)."""
         try:
-            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+            fd = open_through_swap(self.path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
         except FileNotFoundError:
             raise ModelFolderError(f"{self.path}: the embedding table was removed while the model was in use; "
                                    f"restore it or load the model again") from None
