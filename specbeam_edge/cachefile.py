@@ -8,10 +8,14 @@ from pathlib import Path
 
 
 def cache_dir() -> Path:
-    """SPECBEAM_CACHE_DIR, else the per-user cache folder (platformdirs)."""
+    """SPECBEAM_CACHE_DIR, else <SPECBEAM_DATA_DIR>/cache (a user who moved the data out of the home folder moved
+    all of it), else the per-user cache folder (platformdirs)."""
     env = os.environ.get("SPECBEAM_CACHE_DIR")
     if env:
-        return Path(env)
+        return Path(env).expanduser()
+    data = os.environ.get("SPECBEAM_DATA_DIR")      # fetch.ENV (not imported: fetch reads config, this nothing)
+    if data:
+        return Path(data).expanduser() / "cache"
     import platformdirs
 
     return Path(platformdirs.user_cache_dir("specbeam-edge"))

@@ -4,8 +4,8 @@
 Every regular file of the folder counts (model.onnx and its external data, encoder.onnx, split layer files,
 tokenizer and config), except documentation (*.md) and hidden files. Hashing a large model on every run costs
 seconds, so each file's digest is cached by (real path, device, inode, size, mtime_ns, ctime_ns) in
-<user cache>/specbeam-edge/sha256.json: any write to a file changes its mtime or ctime (ctime cannot be set
-back), so a cached digest is used only for the very bytes it was computed from. The cache is optional: a cache
+sha256.json of the cache folder (specbeam_edge.cachefile.cache_dir): any write to a file changes its mtime or
+ctime (ctime cannot be set back), so a cached digest is used only for the very bytes it was computed from. The cache is optional: a cache
 that cannot be read or written is ignored.
 """
 from __future__ import annotations
@@ -16,14 +16,14 @@ import os
 import tempfile
 from pathlib import Path
 
+from specbeam_edge.cachefile import cache_dir
 from specbeam_edge.contract import file_sha256
 
 SKIP_SUFFIXES = (".md",)
 
 
 def cache_path() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "specbeam-edge" / "sha256.json"
+    return cache_dir() / "sha256.json"
 
 
 def _key(path: Path, st: os.stat_result) -> str:
