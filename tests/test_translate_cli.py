@@ -144,6 +144,17 @@ def test_help_has_no_doubled_or_empty_defaults(capsys):
     assert "(default: stdin)" in out and "--num_beams" in out and "--with_lookup" in out
 
 
+@pytest.mark.parametrize("argv", [["--beam_size", "0"], ["--resume"], ["--no_such_flag"]])
+def test_a_usage_error_is_two_lines(argv, capsys):
+    """The problem, then where the flags are, as `specbeam`'s usage errors (issue 66: 40 lines of usage before)."""
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    problem, where = capsys.readouterr().err.splitlines()
+    assert problem.startswith("specbeam-translate: error: ") and argv[0] in problem
+    assert where == "specbeam-translate: see specbeam-translate --help for the flags"
+
+
 def test_beam_size_and_num_beams_are_one_flag_and_with_lookup_is_accepted(pair, text_in, tmp_path):
     """Before: specbeam-translate rejected --num_beams and --with_lookup (documented next to translation)."""
     assert run(pair, text_in, tmp_path / "a.txt", "--beam_size", "2") == 0
@@ -274,7 +285,7 @@ def test_the_journal_covers_a_graph_named_outside_the_folder(tmp_path, monkeypat
     changed model on --resume."""
     from apps.translate.fingerprint import folder_sha256
 
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("SPECBEAM_CACHE_DIR", str(tmp_path / "cache"))
     model = tmp_path / "m"
     model.mkdir()
     (model / "specbeam_config.json").write_text(json.dumps({"files": {"model": "../graph.onnx",

@@ -42,6 +42,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from specbeam_edge.cli import ShortErrors
 from specbeam_edge.config import ModelFolderError
 from specbeam_edge.flags import (DefaultsHelp, add_beam_arg, add_decoding_constraint_args, add_length_penalty_arg,
                                  add_memory_args, add_speculation_args, guard_std_streams, positive_int)
@@ -59,7 +60,7 @@ class _Help(argparse.RawDescriptionHelpFormatter, DefaultsHelp):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=_Help)
+    ap = ShortErrors(prog=PROG, description=__doc__, formatter_class=_Help)
     ap.add_argument("-i", "--input", default=None, help="input file, one sentence per line (default: stdin)")
     ap.add_argument("-o", "--output", default=None, help="output file (default: stdout)")
     ap.add_argument("--model", default=None,
