@@ -375,6 +375,24 @@ def test_code_blocks_render_as_code_with_a_copy_link(qtbot, tmp_path, pair):
     assert win.status.text() == "copied the code block (1 line)"
 
 
+def test_an_answer_that_opens_with_code_has_its_first_line_in_the_code(qtbot, tmp_path, pair):
+    """Issue 66: the answer's first block merged into the empty line under "Assistant:", which kept its own
+    format, so the first line of an answer opening with a fence was drawn outside the code background (the
+    coder's screenshot) and left out of Copy code."""
+    import re
+
+    win = window(qtbot, tmp_path, pair, show=False)
+    cid = win.current()
+    win.store.add(cid, "user", "a function")
+    win.store.add(cid, "assistant", "```python\ndef f():\n    return 1\n```\nThen:\n\n```\nls -l\n```", {})
+    win._show_conversation()
+    html = win.transcript.document().toHtml()
+    shaded = [re.sub(r"<[^>]+>", "", m) for m in re.findall(r'<pre style="[^"]*background-color:[^"]*">(.*?)</pre>',
+                                                           html)]
+    assert shaded == ["def f():", "    return 1", "ls -l"], html
+    assert "Assistant:</span></p>" in html.replace("\n", "")
+
+
 def test_memory_budget_streams_layers_and_the_status_says_so(qtbot, tmp_path, exported, monkeypatch):
     """Issue 46 item 4: the app's memory budget reloads the engine with max_memory; the status says how many
     layers stream. Before: no such setting."""

@@ -127,9 +127,22 @@ def insert_answer(cursor: QTextCursor, text: str, spans: Sequence[Sequence[int]]
     source, flags = markdown_source(text[lead:], char_flags(text, spans)[lead:])
     start = cursor.position()
     cursor.insertMarkdown(source, MARKDOWN)
+    _keep_first_fence(cursor.document().findBlock(start), start, source)
     end = cursor.position()
     _highlight(cursor, start, end, source, flags, highlight)
     style_code(cursor, start)
+
+
+def _keep_first_fence(block: QTextBlock, start: int, source: str) -> None:
+    """Markdown inserted into a block merges its first line into that block, which keeps its own format: an
+    answer that opens with a fenced code block lost its first line's fence (drawn outside the code background,
+    not copied). The fence is given back from the source's own first block."""
+    if block.position() != start or not source.lstrip(" ").startswith(("```", "~~~")) or is_code(block):
+        return          # (text before the answer in its block: not code)
+    alone = QTextDocument()
+    alone.setMarkdown(source, MARKDOWN)
+    if is_code(alone.begin()):
+        QTextCursor(block).mergeBlockFormat(alone.begin().blockFormat())
 
 
 def _highlight(cursor: QTextCursor, start: int, end: int, source: str, flags: list[bool], highlight: bool) -> None:
