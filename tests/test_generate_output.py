@@ -107,6 +107,24 @@ def test_the_api_gives_a_chat_model_the_clis_length(folder):
     del engine.target.cfg.generation["max_new_tokens"]
     engine.tokenizer.chat_template = None                      # a model without a chat template keeps its default
     assert engine.generation_config().max_new_tokens == GenerationConfig().max_new_tokens
+    assert engine.generation_config().num_beams == GenerationConfig().num_beams > 1
+
+
+def test_the_api_searches_a_chat_model_greedily_as_the_cli_does(folder):
+    """Engine.generate on a chat folder searched with 4 beams (translation's default) while specbeam chat and
+    generate were greedy (issue 66); the folder's own num_beams or the caller's wins."""
+    engine = Engine(folder)
+    assert engine.generation_config().num_beams == 1
+    assert engine.generation_config({"max_new_tokens": 5}).num_beams == 1
+    seen = []
+    real = Engine.generation_config
+    engine.generation_config = lambda *a, **kw: seen.append(real(engine, *a, **kw)) or seen[-1]
+    engine.generate("the lazy dog", max_new_tokens=4)
+    del engine.generation_config
+    assert [gen.num_beams for gen in seen] == [1]
+    assert engine.generation_config(num_beams=3).num_beams == 3
+    engine.target.cfg.generation["num_beams"] = 2             # the folder's own beams win
+    assert engine.generation_config().num_beams == 2
 
 
 def test_generate_on_a_chat_model_is_greedy_as_chat_is(folder, monkeypatch):

@@ -70,7 +70,7 @@ def test_cancel_stops_before_the_next_pass(engine):
         prepared.cancel()
     try:
         box = Inbox(cancel_now)
-        prepared = engine.request([3, 1, 4, 1, 5], max_new_tokens=40, min_new_tokens=40)
+        prepared = engine.request([3, 1, 4, 1, 5], num_beams=4, max_new_tokens=40, min_new_tokens=40)
         batcher.submit(prepared, box)
         end = box.end()
         assert isinstance(end, Done) and end.result is None
@@ -78,8 +78,8 @@ def test_cancel_stops_before_the_next_pass(engine):
         assert prepared.job.search.stats.target_passes == 1
         # the batcher goes on serving
         box2 = Inbox()
-        batcher.submit(engine.request([3, 1, 4], max_new_tokens=4), box2)
-        assert box2.end().result.hypotheses[0].tokens == engine.generate([3, 1, 4], max_new_tokens=4)[0] \
+        batcher.submit(engine.request([3, 1, 4], num_beams=4, max_new_tokens=4), box2)
+        assert box2.end().result.hypotheses[0].tokens == engine.generate([3, 1, 4], num_beams=4, max_new_tokens=4)[0] \
             .hypotheses[0].tokens
     finally:
         batcher.close()
