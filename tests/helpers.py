@@ -47,7 +47,10 @@ def save_random(model, folder: Path, *, std: float, eos, vocab: int = VOCAB):
             p.normal_(0, std)
     model.eval()
     model.save_pretrained(folder)
-    tf.GenerationConfig(bos_token_id=0, eos_token_id=eos, pad_token_id=0).save_pretrained(folder)
+    # num_beams 4 of its own, as a translation folder has: export/tiny.py gives every test model a chat template, and
+    # a chat folder naming no beams is searched greedily (prompting.CHAT_DEFAULTS), which turned the beam-search
+    # tests that use the default into greedy ones; tests of the chat defaults drop it (chat_defaults_folder)
+    tf.GenerationConfig(bos_token_id=0, eos_token_id=eos, pad_token_id=0, num_beams=4).save_pretrained(folder)
     make_tokenizer(folder, vocab)
     return model
 
@@ -285,3 +288,18 @@ def speculative_equals_plain(engine, prompt, speculative, **kw):
     used = sum(1 for x in TIES if x[0] == test)
     assert used <= MAX_TIES_PER_TEST, f"{used} differences at ties in {test} (at most {MAX_TIES_PER_TEST})"
     return ref, fast
+
+
+def chat_defaults_folder(folder, dest: Path) -> Path:
+    """A copy of an exported test folder whose generation settings name no num_beams and no max_new_tokens: a chat
+    model as fetched ones are, which gets prompting.CHAT_DEFAULTS."""
+    import json
+    import shutil
+
+    shutil.copytree(folder, dest)
+    cfg_path = Path(dest) / "specbeam_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    for k in ("num_beams", "max_new_tokens"):
+        cfg.get("generation", {}).pop(k, None)
+    cfg_path.write_text(json.dumps(cfg, indent=1))
+    return Path(dest)

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from helpers import chat_defaults_folder
 from specbeam_edge import cli
 from specbeam_edge.config import GenerationConfig, ModelConfig
 from specbeam_edge.generate import Engine
@@ -29,8 +30,9 @@ class Console(io.StringIO):
 
 
 @pytest.fixture(scope="module")
-def folder(exported):
-    return exported("llama", std=0.3, seed=3)       # a chat model: export/tiny.py gives it a chat template
+def folder(exported, tmp_path_factory):
+    # a chat model (export/tiny.py gives it a chat template) whose folder names no beams or length, as a fetched one
+    return chat_defaults_folder(exported("llama", std=0.3, seed=3), tmp_path_factory.mktemp("chat") / "m")
 
 
 def run(monkeypatch, folder, *flags, tty=False, err_tty=False):
