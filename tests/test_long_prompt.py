@@ -174,3 +174,16 @@ def test_memory_of_a_long_run_is_given_back(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     loaded, after = map(int, out.stdout.split())
     assert after - loaded < 60, (loaded, after)
+
+
+def test_bench_long_prompt_row(exported):
+    """bench.long_prompt's row: a prompt of exactly the length asked, the same answer and score in chunks as in
+    one pass, and the memory figures of the process."""
+    from bench.long_prompt import child, prompt_ids
+
+    folder = str(exported("llama", std=0.3, seed=3))
+    eng = Engine(folder, None)
+    assert len(prompt_ids(eng.tokenizer, 150)) == 150
+    rows = [child(folder, None, 150, chunk, "plain", 1, 4) for chunk in (0, 16)]
+    assert rows[0]["tokens"] == rows[1]["tokens"] and rows[0]["score"] == rows[1]["score"]
+    assert all(r["peak_rss_mb"] >= r["rss_loaded_mb"] > 0 for r in rows)
