@@ -76,7 +76,9 @@ def score_batch(calls: list[ScoreCall], stacks: StaticStacks | None = None) -> l
     start = 0                  # the first node of this round's chunks in every call's nodes
     while todo:
         chunk = [(i, nodes[:limit]) for i, nodes in todo]
-        for group in _buckets([(len(calls[i].cache), len(part)) for i, part in chunk]):
+        groups = _buckets([(len(calls[i].cache), len(part)) for i, part in chunk])
+        for group in _within(groups, [len(p) for _, p in chunk], [calls[i].head_from > start for i, _ in chunk],
+                             limit):
             sub = [chunk[g] for g in group]
             k = (max((calls[i].topk or 0) for i, _ in sub) or None) if use_topk else None
             ahead = k is not None and any(calls[i].ahead for i, _ in sub)
@@ -90,6 +92,26 @@ def score_batch(calls: list[ScoreCall], stacks: StaticStacks | None = None) -> l
         todo = [(i, nodes[limit:]) for i, nodes in todo if len(nodes) > limit]
         start += limit
     return [heads.join(o, c.cache.model) if o else heads.empty(c.cache.model) for o, c in zip(outs, calls)]
+
+
+def _within(groups: list[list[int]], rows: list[int], prompt: list[bool], limit: int) -> list[list[int]]:
+    """Sub-batches holding prompt rows (`prompt`) split into passes of at most `limit` rows, a request at least
+    each: a batch of prompts is a long prompt too (its attention, and a whole graph's head over every row).
+    Sub-batches of decoding steps and trees stay as they are."""
+    out = []
+    for group in groups:
+        if not any(prompt[j] for j in group) or sum(rows[j] for j in group) <= limit:
+            out.append(group)
+            continue
+        part, n = [], 0
+        for j in group:
+            if part and n + rows[j] > limit:
+                out.append(part)
+                part, n = [], 0
+            part.append(j)
+            n += rows[j]
+        out.append(part)
+    return out
 
 
 def _buckets(shapes: list[tuple[int, int]], min_split: int = 4) -> list[list[int]]:
