@@ -95,21 +95,21 @@ def score_batch(calls: list[ScoreCall], stacks: StaticStacks | None = None) -> l
 
 
 def _within(groups: list[list[int]], rows: list[int], prompt: list[bool], limit: int) -> list[list[int]]:
-    """Sub-batches holding prompt rows (`prompt`) split into passes of at most `limit` rows, a request at least
-    each: a batch of prompts is a long prompt too (its attention, and a whole graph's head over every row).
-    Sub-batches of decoding steps and trees stay as they are."""
+    """Sub-batches holding prompt rows (`prompt`) split into passes of at most `limit` rows, padding included (a
+    request at least each): a batch of prompts is a long prompt too (its attention, and a whole graph's head over
+    every row). Sub-batches of decoding steps and trees stay as they are."""
     out = []
     for group in groups:
-        if not any(prompt[j] for j in group) or sum(rows[j] for j in group) <= limit:
+        if not any(prompt[j] for j in group) or len(group) * max(rows[j] for j in group) <= limit:
             out.append(group)
             continue
-        part, n = [], 0
+        part, widest = [], 0
         for j in group:
-            if part and n + rows[j] > limit:
+            if part and (len(part) + 1) * max(widest, rows[j]) > limit:
                 out.append(part)
-                part, n = [], 0
+                part, widest = [], 0
             part.append(j)
-            n += rows[j]
+            widest = max(widest, rows[j])
         out.append(part)
     return out
 
