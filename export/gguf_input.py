@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .gguf_checks import check_header
 from .hf import ExportError, Tensors, quiet_transformers, read_rows
 
 # general.architecture values transformers reads (and dequantizes) whose model classes export/families/ covers
@@ -41,6 +42,8 @@ def _named_errors(path: Path):
     """transformers' and gguf-py's failures on a file as one-line ExportErrors naming it."""
     try:
         yield
+    except ExportError:
+        raise                           # already one line naming the file (gguf_checks)
     except ImportError as e:
         raise ExportError(f"{path}: reading GGUF files needs the export extra's `gguf` and `accelerate` packages "
                           f"(pip install -e \".[export]\"): {str(e).splitlines()[0]}") from None
@@ -62,6 +65,7 @@ def unpack(path: Path, side: Path, quiet: bool = False) -> Tensors:
 
     kw = dict(gguf_file=path.name, local_files_only=True)
     with _named_errors(path), quiet_transformers(quiet), _one_reader(path) as reader:
+        check_header(path, reader)      # before transformers builds anything from the header's numbers
         cfg = tf.AutoConfig.from_pretrained(str(path.parent), **kw)
         tok = tf.AutoTokenizer.from_pretrained(str(path.parent), **kw)
         parsed = gguf_utils.load_gguf_checkpoint(str(path), return_tensors=False)
@@ -168,4 +172,13 @@ def _read_tensor(path: Path, t: _Stored, processor, names: dict, rows: slice | N
     raw = read_rows(path, t.offset, t.dtype, t.shape, rows)
     w = dequantize(raw, t.qtype)
     w = processor.process(weights=w, name=t.name, tensor_key_mapping=names, parsed_parameters={"tensors": {}}).weights
-    return np.array(w, dtype=np.float32)        # transformers copies it into an fp32 parameter
+    return finite(path, t.name, np.array(w, dtype=np.float32))   # transformers copies it into an fp32 parameter
+
+
+def finite(path: Path, name: str, w: np.ndarray) -> np.ndarray:
+    """w, refused in one line when it holds a NaN or an infinity: such a file exported silently and then answered
+    nothing at one beam and raised an IndexError at two."""
+    if not np.isfinite(w).all():
+        raise ExportError(f"{path}: tensor {name} holds NaN or infinite values ({int((~np.isfinite(w)).sum())} of "
+                          f"{w.size}); the file is damaged: download it again or convert the model anew")
+    return w

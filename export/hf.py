@@ -123,16 +123,22 @@ def _eos_list(eos) -> list[int]:
 
 
 _SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+MAX_CONTEXT = 1 << 20     # positions the rotary tables are built for: 1M x 64 frequencies is 512 MB of cos/sin
 
 
 def _check_sizes(cfg, folder: Path) -> None:
-    """The sizes that shape the graph are positive integers (transformers accepts num_hidden_layers -2)."""
+    """The sizes that shape the graph are positive integers (transformers accepts num_hidden_layers -2), and the
+    context within MAX_CONTEXT (a config of 1e8 positions built 13 GB of rotary tables)."""
     for key in _SIZES + ("num_key_value_heads", "head_dim"):
         v = getattr(cfg, key, None)
         if v is None and key not in _SIZES:
             continue
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ExportError(f"{folder / 'config.json'}: {key} must be an integer >= 1, got {v!r}")
+    context = getattr(cfg, "max_position_embeddings", None)
+    if context is not None and not (isinstance(context, int) and 1 <= context <= MAX_CONTEXT):
+        raise ExportError(f"{folder / 'config.json'}: max_position_embeddings must be 1 to {MAX_CONTEXT:,} (the "
+                          f"export builds rotary tables that long), got {context!r}; set it to the model's context")
 
 
 def check_layer_count(weights: dict, layers: int, where: str, prefix: str = "model.layers.") -> None:
