@@ -370,7 +370,10 @@ class SpeculativeConfig:
 
     def check_against(self, num_beams: int):
         if self.budget != "auto" and self.budget < num_beams:
-            raise ValueError(f"budget ({self.budget}) must be >= num_beams ({num_beams}): every beam needs a node")
+            over = f"; a tree holds at most {MAX_BUDGET} nodes: search without a draft (speculative=None, " \
+                f"--no_draft) for more beams" if num_beams > MAX_BUDGET else ""
+            raise ValueError(f"budget ({self.budget}) must be >= num_beams ({num_beams}): every beam needs a node"
+                             f"{over}")
         if self.draft_width is not None and self.draft_width < num_beams:
             raise ValueError(f"draft_width ({self.draft_width}) must be >= num_beams ({num_beams})")
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from . import constraints as lexical
 from .adaptive import ChoosersByLoad, auto_budget, cost_curve, streamed_cost_curve
-from .config import GenerationConfig, SpeculativeConfig, head_width, streamed_tree
+from .config import DEFAULT_BUDGET, MAX_BUDGET, GenerationConfig, SpeculativeConfig, head_width, streamed_tree
 from .contract import probe_source
 from .draft import custom_drafter, make_drafter
 from .encdec import EncoderQueue, logits_processor, shared_statics
@@ -78,7 +78,15 @@ class SearchSetup:
         default (adaptive as asked) and a draft model drafts: a target streaming layers takes
         config.streamed_tree(num_beams) (a streamed pass costs a read of the weights whatever the tree, so a tree
         sized for resident passes wastes it), a resident one the tree its folder names (config key
-        `speculative`), if any."""
+        `speculative`), if any. A tree left at the default budget grows to one node a beam (up to MAX_BUDGET)
+        when more beams are asked: 81 beams with a draft were refused ("budget (80) must be >= num_beams") though
+        no budget was set."""
+        tree = self._tree_for(spec, num_beams)
+        if tree.budget == DEFAULT_BUDGET and num_beams > DEFAULT_BUDGET:
+            tree = replace(tree, budget=min(num_beams, MAX_BUDGET))
+        return tree
+
+    def _tree_for(self, spec: SpeculativeConfig, num_beams: int) -> SpeculativeConfig:
         if not isinstance(self.target, OnnxCausalLM) or self.draft is None or \
                 replace(spec, adaptive=True) != SpeculativeConfig():
             return spec
