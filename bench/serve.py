@@ -21,6 +21,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -43,7 +44,9 @@ class ServerArm:
     def __init__(self, name: str, cmd: list[str], port: int, model: str, ready_path: str):
         self.name, self.port, self.model = name, port, model
         self.url = f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        # its log into a file: a pipe nobody reads fills up and stops the server (llama.cpp logs a lot)
+        self.log = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
         self._wait(ready_path)
 
     def _wait(self, path: str, timeout: float = 600) -> None:
@@ -52,7 +55,8 @@ class ServerArm:
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited: {self.proc.stderr.read()[-2000:]}")
+                self.log.seek(0)
+                raise RuntimeError(f"{self.name} exited: {self.log.read()[-2000:]}")
             try:
                 if httpx.get(self.url + path, timeout=5).status_code == 200:
                     return
