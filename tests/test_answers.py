@@ -5,6 +5,7 @@ import json
 import sys
 
 import pytest
+from helpers import chat_defaults_folder
 
 from specbeam_edge import Engine
 from specbeam_edge.cli import main as cli_main
@@ -12,8 +13,9 @@ from specbeam_edge.generate import Engine as _Engine
 
 
 @pytest.fixture(scope="module")
-def folder(exported):
-    return exported("llama", std=0.3, seed=3)       # a chat model: export/tiny.py gives it a chat template
+def folder(exported, tmp_path_factory):
+    # a chat model (export/tiny.py gives it a chat template) whose folder names no beams or length, as a fetched one
+    return chat_defaults_folder(exported("llama", std=0.3, seed=3), tmp_path_factory.mktemp("chat") / "m")
 
 
 @pytest.fixture(scope="module")
