@@ -54,6 +54,12 @@ def send(arm: ServerArm, body: dict, leave: bool) -> dict:
     return {"text": "".join(text)}
 
 
+def arm_rss(arm: ServerArm) -> float:
+    """The server's resident memory now (MB)."""
+    status = Path(f"/proc/{arm.proc.pid}/status").read_text()
+    return next(int(l.split()[1]) for l in status.splitlines() if l.startswith("VmRSS")) / 1024
+
+
 def soak(args) -> dict:
     rng = random.Random(args.seed)
     plan = [[(k, c * args.requests + j) for j, k in enumerate(rng.choices(KINDS, WEIGHTS, k=args.requests))]
@@ -67,8 +73,7 @@ def soak(args) -> dict:
 
     def sample_rss():
         while not stop.wait(1.0):
-            status = Path(f"/proc/{arm.proc.pid}/status").read_text()
-            rss.append(next(int(l.split()[1]) for l in status.splitlines() if l.startswith("VmRSS")) / 1024)
+            rss.append(arm_rss(arm))
 
     def client(items):
         for kind, i in items:
@@ -79,6 +84,7 @@ def soak(args) -> dict:
                 errors.append(f"request {i} ({kind}): {type(e).__name__}: {e}")
     try:
         send(arm, request_of("greedy", 0, 0, 8), False)          # warm-up
+        rss.append(arm_rss(arm))
         watcher = threading.Thread(target=sample_rss, daemon=True)
         watcher.start()
         t0 = time.perf_counter()
@@ -89,6 +95,7 @@ def soak(args) -> dict:
             t.join(args.deadline)
         seconds = time.perf_counter() - t0
         stop.set()
+        rss.append(arm_rss(arm))                # a soak shorter than the sampling period still has a figure
         # every finished answer against the same request alone
         mismatched = [i for i, (kind, body, got) in results.items() if "text" in got
                       and send(arm, body, False)["text"] != got["text"]]

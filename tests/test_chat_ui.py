@@ -236,12 +236,11 @@ def test_a_template_error_is_a_dialog_and_the_status_says_so(qtbot, tmp_path, ex
 
 def fetched_as(data, name, source_folder):
     """A tiny model placed where `specbeam fetch NAME` puts its folder (complete: with fetched.json)."""
-    import shutil
-
+    from helpers import chat_defaults_folder
     from specbeam_edge import fetch
 
     dst = data / "models" / fetch.SOURCES[name].folder
-    shutil.copytree(source_folder, dst)
+    chat_defaults_folder(source_folder, dst)     # a GGUF's export names no beams or length of its own
     (dst / fetch.MARKER).write_text("{}")
     return dst
 
