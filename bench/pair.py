@@ -46,9 +46,11 @@ def tool_path() -> Path:
     return fetch.data_dir() / "tools" / LLAMA_TOOL
 
 
-def build_llama(dest: Path, threads: int = 2) -> Path:
-    """llama.cpp's speculative-simple example, built from the llama.cpp sources that the installed
-    llama-cpp-python's source distribution vendors (the same llama.cpp version as the plain arm)."""
+def build_llama(dest: Path, threads: int = 2, target: str = LLAMA_TOOL) -> Path:
+    """llama.cpp's speculative-simple example (or another of its programs: `llama-server` for bench.serve), built
+    from the llama.cpp sources that the installed llama-cpp-python's source distribution vendors (the same
+    llama.cpp version as the plain arm), with the CMake options in $CMAKE_ARGS as pip's build of it took them
+    (on a CPU whose AMX kernels crash: GGML_NATIVE=OFF, AVX-512 on, GGML_AMX_*=OFF; bench/README)."""
     import importlib.metadata
 
     version = importlib.metadata.version("llama-cpp-python")
@@ -59,11 +61,13 @@ def build_llama(dest: Path, threads: int = 2) -> Path:
         shutil.unpack_archive(sdist, tmp)
         src = next(Path(tmp).glob("llama_cpp_python-*/vendor/llama.cpp"))
         build = src / "build"
+        server = "ON" if target == "llama-server" else "OFF"
         subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
-                        "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DBUILD_SHARED_LIBS=OFF"], check=True)
-        subprocess.run(["cmake", "--build", str(build), "-j", str(threads), "--target", LLAMA_TOOL], check=True)
+                        "-DLLAMA_BUILD_TESTS=OFF", f"-DLLAMA_BUILD_SERVER={server}", "-DBUILD_SHARED_LIBS=OFF",
+                        *os.environ.get("CMAKE_ARGS", "").split()], check=True)
+        subprocess.run(["cmake", "--build", str(build), "-j", str(threads), "--target", target], check=True)
         dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(build / "bin" / LLAMA_TOOL, dest)
+        shutil.copy2(build / "bin" / target, dest)
     return dest
 
 

@@ -7,10 +7,12 @@ chat requests (bench/data/code_prompts.json in turn, greedy, `--max_tokens`); me
 first token (the first text chunk), and per round the aggregate tokens/s (completion tokens of every request over
 the round's wall time). Our answers at C > 1 are compared with ours at 1 client for the same prompt (each answer
 equals the request alone). Reported: per arm and C the median aggregate tok/s and TTFT p50/p95 over rounds, the
-ratio ours/llama.cpp, the server's peak RSS (VmHWM).
+ratio ours/each peer, the server's peak RSS (VmHWM). Peers: llama-cpp-python's server (`llama_cpp.server`) and,
+with --llama_server, llama.cpp's own `llama-server` with a slot per client (its continuous batching).
 
     pip install -e ".[cpu,serve,llamacpp]" && pip install "llama-cpp-python[server]==0.3.36"
     python -m bench.serve --model qwen2.5-coder-1.5b --clients 1,4,8 --rounds 2
+    python -m bench.serve --build_llama_server      # then --llama_server DATA/tools/llama-server
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from pathlib import Path
 from . import common
 
 ROOT = Path(__file__).resolve().parents[1]
+OURS, LLAMA_PY, LLAMA_SERVER = "specbeam serve", "llama_cpp.server", "llama-server"
 PROMPTS = json.loads((ROOT / "bench" / "data" / "code_prompts.json").read_text())
 
 
@@ -135,9 +138,10 @@ def summarize(rounds: dict, arms: list[str], clients: list[int]) -> list[dict]:
             ttft = [t for r in rs for t in r["ttft"]]
             rows.append({"arm": a, "clients": c, "tok_s": round(statistics.median(r["tok_s"] for r in rs), 2),
                          "ttft_p50_s": round(percentile(ttft, 0.5), 2), "ttft_p95_s": round(percentile(ttft, 0.95), 2)})
-        if len(arms) == 2:
-            ours, peer = (r for r in rows[-2:])
-            ours["vs_llama.cpp"] = round(ours["tok_s"] / peer["tok_s"], 2) if peer["tok_s"] else None
+        here = rows[-len(arms):]
+        ours = next(r for r in here if r["arm"] == OURS)
+        for peer in (r for r in here if r["arm"] != OURS):     # aggregate tok/s over each peer's at this C
+            ours[f"x {peer['arm']}"] = round(ours["tok_s"] / peer["tok_s"], 2) if peer["tok_s"] else None
     return rows
 
 
@@ -157,15 +161,20 @@ def start_arms(args) -> dict[str, ServerArm]:
     from specbeam_edge import fetch
 
     name = os.path.basename(os.path.normpath(args.model))      # the id the server gives a folder
-    arms = {"specbeam serve": ServerArm("specbeam serve", [
+    arms = {OURS: ServerArm(OURS, [
         sys.executable, "-m", "apps.serve", "--model", args.model, "--port", str(port := free_port()),
         "--max_batch_size", str(max(args.clients))] + (["--draft", "none"] if args.no_draft else []),
         port, name, "/health")}
-    if not args.no_llama:
-        gguf = args.gguf or str(fetch.gguf_path(args.model))
+    gguf = args.gguf or str(fetch.gguf_path(args.model))
+    if not args.no_llama:         # llama-cpp-python's OpenAI server: one model, requests in turn
         cmd = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--port", str(port := free_port()),
                "--n_ctx", str(args.n_ctx), "--n_threads", str(os.cpu_count()), "--model_alias", "peer"]
-        arms["llama.cpp server"] = ServerArm("llama.cpp server", cmd, port, "peer", "/v1/models")
+        arms[LLAMA_PY] = ServerArm(LLAMA_PY, cmd, port, "peer", "/v1/models")
+    if args.llama_server:         # llama.cpp's own server: a slot per client, continuous batching
+        slots = max(args.clients)
+        cmd = [str(args.llama_server), "-m", gguf, "--port", str(port := free_port()), "-t", str(os.cpu_count()),
+               "-c", str(args.n_ctx * slots), "-np", str(slots), "-a", "peer"]
+        arms[LLAMA_SERVER] = ServerArm(LLAMA_SERVER, cmd, port, "peer", "/health")
     return arms
 
 
@@ -186,7 +195,7 @@ def bench(args) -> dict:
                     print(f"{n} at {c} clients: {r['tok_s']:.2f} tok/s, TTFT p50 {percentile(r['ttft'], .5):.2f} s",
                           file=sys.stderr, flush=True)
         report["rows"] = summarize(rounds, names, args.clients)
-        report["identical_to_alone"] = identical(rounds, "specbeam serve", args.clients)
+        report["identical_to_alone"] = identical(rounds, OURS, args.clients)
         report["peak_rss_mb"] = {n: round(a.rss_mb()) for n, a in arms.items()}
     finally:
         for a in arms.values():
@@ -223,11 +232,25 @@ def main(argv=None) -> int:
     ap.add_argument("--max_tokens", type=int, default=64)
     ap.add_argument("--n_ctx", type=int, default=4096)
     ap.add_argument("--no_draft", action="store_true", help="our server without the draft")
-    ap.add_argument("--no_llama", action="store_true", help="our server alone")
+    ap.add_argument("--no_llama", action="store_true", help="without llama-cpp-python's server (llama_cpp.server)")
+    ap.add_argument("--llama_server", type=Path, default=None,
+                    help="llama.cpp's llama-server program: an arm with a slot per client (python -m bench.serve "
+                         "--build_llama_server builds it)")
+    ap.add_argument("--build_llama_server", action="store_true",
+                    help="build llama-server from the vendored llama.cpp of the installed llama-cpp-python (CMake; "
+                         "$CMAKE_ARGS as for pip) into the data folder's tools/, then exit")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
     args = ap.parse_args(argv)
+    if args.build_llama_server:
+        from specbeam_edge import fetch
+
+        from .pair import build_llama
+        print(build_llama(fetch.data_dir() / "tools" / LLAMA_SERVER, target=LLAMA_SERVER))
+        return 0
     report = bench(args)
-    print(common.table(report["rows"], ["arm", "clients", "tok_s", "ttft_p50_s", "ttft_p95_s", "vs_llama.cpp"]))
+    cols = ["arm", "clients", "tok_s", "ttft_p50_s", "ttft_p95_s"] + [f"x {a}" for a in (LLAMA_PY, LLAMA_SERVER)
+                                                                       if any(f"x {a}" in r for r in report["rows"])]
+    print(common.table(report["rows"], cols))
     print("identical to alone:", report["identical_to_alone"], " peak RSS MB:", report["peak_rss_mb"])
     print(common.write(args.out, "serve", report))
     plot(report, args.out / "serve.png")
