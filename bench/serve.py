@@ -50,7 +50,11 @@ class ServerArm:
         # its log into a file: a pipe nobody reads fills up and stops the server (llama.cpp logs a lot)
         self.log = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
-        self._wait(ready_path)
+        try:
+            self._wait(ready_path)
+        except BaseException:
+            self.proc.kill()
+            raise
 
     def _wait(self, path: str, timeout: float = 600) -> None:
         import httpx
@@ -158,14 +162,26 @@ def identical(rounds: dict, arm: str, clients: list[int]) -> dict:
 
 
 def start_arms(args) -> dict[str, ServerArm]:
+    """Every arm's server, started and ready; those started are stopped when a later one fails to start."""
+    arms: dict[str, ServerArm] = {}
+    try:
+        _start_arms(args, arms)
+    except BaseException:
+        for a in arms.values():
+            a.stop()
+        raise
+    return arms
+
+
+def _start_arms(args, arms: dict) -> None:
     from specbeam_edge import fetch
 
     name = os.path.basename(os.path.normpath(args.model))      # the id the server gives a folder
-    arms = {OURS: ServerArm(OURS, [
+    arms[OURS] = ServerArm(OURS, [
         sys.executable, "-m", "apps.serve", "--model", args.model, "--port", str(port := free_port()),
         "--max_batch_size", str(max(args.clients))] + (["--draft", "none"] if args.no_draft else []),
-        port, name, "/health")}
-    gguf = args.gguf or str(fetch.gguf_path(args.model))
+        port, name, "/health")
+    gguf = (args.gguf or str(fetch.gguf_path(args.model))) if not args.no_llama or args.llama_server else None
     if not args.no_llama:         # llama-cpp-python's OpenAI server: one model, requests in turn
         cmd = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--port", str(port := free_port()),
                "--n_ctx", str(args.n_ctx), "--n_threads", str(os.cpu_count()), "--model_alias", "peer"]
@@ -175,7 +191,6 @@ def start_arms(args) -> dict[str, ServerArm]:
         cmd = [str(args.llama_server), "-m", gguf, "--port", str(port := free_port()), "-t", str(os.cpu_count()),
                "-c", str(args.n_ctx * slots), "-np", str(slots), "-a", "peer"]
         arms[LLAMA_SERVER] = ServerArm(LLAMA_SERVER, cmd, port, "peer", "/health")
-    return arms
 
 
 def bench(args) -> dict:
