@@ -167,7 +167,11 @@ class ExactSearch:
             chooser = self.chooser.at(ctx.load) if self.chooser is not None else None
             if chooser is not None and stats.target_passes == 1:   # the pass after the prompt's: new text, on
                 chooser.new_request()     # which the choice that lost may win (probed once per request)
-            speculate = self.speculative and (chooser is None or chooser.choose(ctx.pass_id))
+            # adaptive speculation drafts no tree in the prompt's pass: its first text then waits for the target's
+            # prefill alone, not for the draft's prompt pass and levels too (time to first token); the draft
+            # catches up over the prompt in its next pass
+            first = chooser is not None and stats.target_passes == 0
+            speculate = self.speculative and not first and (chooser is None or chooser.choose(ctx.pass_id))
             steps0, depth0 = stats.beam_steps, self.tree.depths[self.bs.running[0]]
             drafted = (yield from self._grow(self.budget_for(ctx.load))) if speculate else []
             # a lookahead head's guesses feed the next pass: computed when that one may speculate

@@ -377,10 +377,12 @@ def test_adaptive_speculation_equals_plain(engines, draft, monkeypatch):
             [fast] = eng.generate(prompt, num_beams=K, max_new_tokens=24, speculative=spec)
             assert_same_hypotheses(fast, ref, scores=False)
             s = fast.stats
-            # one choice per target pass; plain_passes counts the passes without a tree, the rest drafted one
-            assert len(choices) == s.target_passes, (choices, s)
-            assert s.plain_passes == choices.count(False), (choices, s)
+            # the prompt's pass drafts no tree (its first text waits for the target's prefill alone), then one choice
+            # per target pass; plain_passes counts the passes without a tree, the rest drafted one
+            assert len(choices) == s.target_passes - 1, (choices, s)
+            assert s.plain_passes == choices.count(False) + 1, (choices, s)
             assert s.target_passes - s.plain_passes == choices.count(True)
+            assert not s.from_draft[0], "the prompt's pass drafted a tree"
             # tree passes draft; a request of plain passes only drafts nothing and takes one step per pass
             if True in choices:
                 assert s.draft_passes > 0 and s.draft_tokens_proposed > 0, (choices, s)
