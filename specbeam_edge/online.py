@@ -61,6 +61,11 @@ class PreparedRequest:
     def answer_tokens(self, state) -> int:
         return len(self.final_tokens(state)) - len(self.lead)
 
+    def answer_ids(self, tokens) -> list[int]:
+        """A hypothesis's own tokens: after the lead, its EOS (the request's, else the model's) left out."""
+        eos = set(self.engine._eos_of(self.gen))
+        return [t for t in tokens[len(self.lead):] if t not in eos]
+
     def result(self, state, stats: Stats) -> Result:
         return self.engine.result_of(self.prompt, state, stats, self.gen, self.lead)
 
@@ -221,19 +226,29 @@ def token_logprobs(engine, ids: list[int], answer: list[int], top: int = 0,
             score_batch([ScoreCall(cache, nodes[:start], k, head_from=start)])
         for a in range(start, len(nodes) - 1, chunk):
             rows = nodes[a:min(a + chunk, len(nodes) - 1)]
-            head = score_one(cache, rows, k)
-            out += [_row_logprobs(head, j, int(answer[a - start + j]), top) for j in range(len(rows))]
+            out += _chunk_logprobs(score_one(cache, rows, k), answer[a - start:a - start + len(rows)], top)
     finally:
         cache.release()
     return out
 
 
-def _row_logprobs(head, j: int, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+def _chunk_logprobs(head, tokens, top: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """(each row's chosen token's log-prob, its `top` best) for a pass's rows: one log-softmax over the chunk and
+    the top found by partition, not a sort of the vocabulary per token."""
+    tokens = np.asarray(tokens, np.int64)
+    rows = np.arange(len(tokens))
     if hasattr(head, "logits"):
-        logp = head.take([j]).log_probs()[0].astype(np.float32)
-        best = np.argsort(-logp, kind="stable")[:top] if top else []
-        return float(logp[token]), [(int(t), float(logp[t])) for t in best]
-    ids, lps = head.ids[j], head.logprobs[j]
-    hit = np.nonzero(ids == token)[0]
-    chosen = float(lps[hit[0]]) if len(hit) else float("-inf")
-    return chosen, [(int(t), float(lp)) for t, lp in zip(ids[:top], lps[:top])]
+        logp = head.log_probs().astype(np.float32)                       # [R, V]
+        chosen = logp[rows, tokens]
+        if top:
+            part = np.sort(np.argpartition(-logp, top - 1, axis=1)[:, :top], axis=1)   # ties: lower id first
+            order = np.argsort(-np.take_along_axis(logp, part, 1), axis=1, kind="stable")
+            ids = np.take_along_axis(part, order, 1)
+            lps = np.take_along_axis(logp, ids, 1)
+        else:
+            ids = lps = np.zeros((len(rows), 0))
+    else:           # a top-k head: sorted, best first; a token outside its k has no log-prob there
+        hit = head.ids == tokens[:, None]
+        chosen = np.where(hit.any(1), np.where(hit, head.logprobs, 0).sum(1), -np.inf)
+        ids, lps = head.ids[:, :top], head.logprobs[:, :top]
+    return [(float(c), [(int(t), float(lp)) for t, lp in zip(i, lp_)]) for c, i, lp_ in zip(chosen, ids, lps)]

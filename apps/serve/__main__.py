@@ -76,10 +76,9 @@ def loader(args, batch: dict):
               file=sys.stderr, flush=True)
         engine = Engine(folder, draft=draft, threads=args.threads, max_memory=args.max_memory,
                         providers=PROVIDERS[args.provider])
-        codes = sorted(engine.encoder.language_codes) if engine.encoder is not None else []
         kv = args.kv_memory // kv_bytes_per_token(engine.target) if args.kv_memory else None
         return Served(spec.name, engine, Batcher(engine, max_batch_tokens=kv, **batch), ahead=ahead,
-                      created=int(time.time()), languages=codes, kv_tokens=kv)
+                      created=int(time.time()), kv_tokens=kv)
     return load
 
 

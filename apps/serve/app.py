@@ -19,7 +19,7 @@ from starlette.routing import Route
 from specbeam_edge.tokenizer import ChatTemplateError
 
 from . import shapes
-from .complete import Run, prepare
+from .complete import Run, follow, prepare
 from .params import ApiError, Call, parse
 from .translate import languages, translate
 
@@ -154,23 +154,15 @@ async def _complete(request: Request, chat: bool):
 
 async def _whole(run: Run, chat: bool, request: Request):
     """The answer whole; a client that left has its requests cancelled (checked twice a second)."""
-    checked = time.monotonic()
     try:
-        while not run.finished:
-            try:
-                await run.next(timeout=0.5)
-            except TimeoutError:
-                pass
-            if time.monotonic() - checked >= 0.5:
-                checked = time.monotonic()
-                if await request.is_disconnected():
-                    run.cancel()
-                    return JSONResponse({}, status_code=499)
+        if not await follow(request, run.next, lambda: run.finished):
+            run.cancel()
+            return JSONResponse({}, status_code=499)
     except asyncio.CancelledError:
         run.cancel()
         raise
     if run.failed is not None:
-        return _failed(run.failed)
+        return error_response(_failure(run.failed))
     choices = []
     tok = run.served.engine.tokenizer
     for g in run.groups:
@@ -184,10 +176,10 @@ async def _whole(run: Run, chat: bool, request: Request):
     return JSONResponse(body)
 
 
-def _failed(error: BaseException) -> JSONResponse:
+def _failure(error: BaseException) -> ApiError:
+    """A request the engine failed on: one line on stderr, a 500 for the client (no traceback)."""
     print(f"specbeam serve: a request failed: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
-    return error_response(ApiError(500, f"the engine failed on this request ({type(error).__name__}); the "
-                                        f"server goes on"))
+    return ApiError(500, f"the engine failed on this request ({type(error).__name__}); the server goes on")
 
 
 async def _stream(run: Run, chat: bool):
@@ -201,16 +193,15 @@ async def _stream(run: Run, chat: bool):
             yield shapes.sse(dict(top, choices=[shapes.delta(chat, i, role=True) for i in range(run.n_choices)],
                                   **extra))
         while not run.finished:
-            sent = {id(g): g.scan.sent for g in run.groups}
             g, text = await run.next()
             if run.failed is not None:
-                yield shapes.sse(json.loads(_failed(run.failed).body))
+                yield shapes.sse(_failure(run.failed).body())
                 return
             if text:
                 yield shapes.sse(dict(top, choices=[shapes.delta(chat, g.first + j, text) for j in range(g.count)],
                                       **extra))
             elif text is None:
-                shown = g.scan.text[:sent[id(g)]]
+                shown = g.scan.text[:g.scan.sent]          # what this group's chunks gave so far
                 for j in range(g.count):
                     rest = g.texts[j][len(shown):] if g.texts[j].startswith(shown) else ""
                     rows = await run.logprobs(g, j)
@@ -237,7 +228,7 @@ def build(server: Server) -> Starlette:
         return error_response(ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}"))
 
     async def crash(request, e: Exception):
-        return _failed(e)
+        return error_response(_failure(e))
 
     app = Starlette(routes=[
         Route("/health", health, methods=["GET"]),

@@ -107,34 +107,76 @@ def kv_tokens(prompt: int, max_new: int, overrides: dict) -> int:
     return (prompt + max_new) * overrides.get("num_beams", 1)
 
 
-class Run:
-    """A call's groups in one model's batcher, their events bridged into this event loop."""
+class Bridge:
+    """Engine requests in one model's batcher, their events bridged into this event loop: `next` gives (index, event)
+    one at a time; a full queue is a 429 and cancels what it had submitted."""
 
-    def __init__(self, served, call: Call, groups: list[Group], n_choices: int):
-        self.served, self.call, self.groups, self.n_choices = served, call, groups, n_choices
+    def __init__(self, batcher, prepared: list):
+        self.batcher, self.prepared = batcher, prepared
         self.events: asyncio.Queue = asyncio.Queue()
-        self.id = uuid.uuid4().hex[:24]
-        self.created = int(time.time())
-        self.failed: BaseException | None = None
         self._get: asyncio.Future | None = None
-        self.t0 = time.perf_counter()
 
     def submit(self) -> None:
         loop = asyncio.get_running_loop()
         try:
-            for g, group in enumerate(self.groups):
-                self.served.batcher.submit(group.prepared, lambda ev, g=g: loop.call_soon_threadsafe(
-                    self.events.put_nowait, (g, ev)))
+            for i, p in enumerate(self.prepared):
+                self.batcher.submit(p, lambda ev, i=i: loop.call_soon_threadsafe(self.events.put_nowait, (i, ev)))
         except QueueFull as e:
             self.cancel()
             raise ApiError(429, f"the server is busy: {e}; retry shortly", code="queue_full",
                            headers={"Retry-After": "2"}) from None
 
     def cancel(self) -> None:
-        for group in self.groups:
-            group.prepared.cancel()
+        for p in self.prepared:
+            p.cancel()
         if self._get is not None and not self._get.done():
             self._get.cancel()
+
+    async def next(self, timeout: float | None = None) -> tuple[int, object]:
+        """The next event; TimeoutError after `timeout` seconds without one (one pending get across timeouts, so a
+        timed-out wait loses no event)."""
+        if self._get is None:
+            self._get = asyncio.ensure_future(self.events.get())
+        done, _ = await asyncio.wait({self._get}, timeout=timeout)
+        if not done:
+            raise TimeoutError
+        item, self._get = self._get.result(), None
+        return item
+
+
+async def follow(request, step, finished) -> bool:
+    """Await `step(0.5)` until `finished()`; False as soon as the client has gone (asked twice a second, whatever
+    the events: a fast model never leaves the wait idle)."""
+    checked = time.monotonic()
+    while not finished():
+        try:
+            await step(0.5)
+        except TimeoutError:
+            pass
+        if time.monotonic() - checked >= 0.5:
+            checked = time.monotonic()
+            if await request.is_disconnected():
+                return False
+    return True
+
+
+class Run:
+    """A call's groups in one model's batcher: their text as it may be sent, stop strings cut, each group's
+    choices when it ends."""
+
+    def __init__(self, served, call: Call, groups: list[Group], n_choices: int):
+        self.served, self.call, self.groups, self.n_choices = served, call, groups, n_choices
+        self.bridge = Bridge(served.batcher, [g.prepared for g in groups])
+        self.id = uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.failed: BaseException | None = None
+        self.t0 = time.perf_counter()
+
+    def submit(self) -> None:
+        self.bridge.submit()
+
+    def cancel(self) -> None:
+        self.bridge.cancel()
 
     @property
     def finished(self) -> bool:
@@ -143,13 +185,7 @@ class Run:
     async def next(self, timeout: float | None = None):
         """(group, the text that may be sent now for its choices) after its next event; (group, None) when it
         ended (its texts and reasons set)."""
-        if self._get is None:      # one pending get across timeouts: a timed-out wait loses no event
-            self._get = asyncio.ensure_future(self.events.get())
-        done, _ = await asyncio.wait({self._get}, timeout=timeout)
-        if not done:
-            raise TimeoutError
-        g, event = self._get.result()
-        self._get = None
+        g, event = await self.bridge.next(timeout)
         group = self.groups[g]
         if isinstance(event, Update):
             delta = group.scan.feed(event.text)
@@ -167,10 +203,8 @@ class Run:
         prepared = group.prepared
         search = prepared.job.search
         group.stats, group.done = search.stats, True
-        own = prepared.gen.eos_token_id
-        eos = set(prepared.engine.eos if own is None else [own] if isinstance(own, int) else own)
         if event.result is None:           # stopped at a stop string (or by the client)
-            tokens = prepared.final_tokens(search.state)[len(prepared.lead):]
+            tokens = prepared.answer_ids(prepared.final_tokens(search.state))
             group.texts = [group.scan.text] * group.count
             group.reasons = ["stop"] * group.count
             group.tokens = [self._tokens_of(tokens, group.scan.text)] * group.count
@@ -179,18 +213,20 @@ class Run:
         for h in hyps:
             cut = group.scan.cut(h.text)
             text = h.text if cut is None else h.text[:cut]
-            tokens = [t for t in h.tokens[len(prepared.lead):] if t not in eos]
+            tokens = prepared.answer_ids(h.tokens)
             group.texts.append(text)
             group.reasons.append("stop" if cut is not None or h.finish_reason == "stop" else "length")
             group.tokens.append(tokens if cut is None else self._tokens_of(tokens, text))
 
     def _tokens_of(self, tokens: list[int], text: str) -> list[int]:
-        """The tokens of an answer cut at a stop string: those whose text lies within it."""
+        """The tokens of an answer cut at a stop string: the longest prefix whose text lies within it (decoded
+        lengths grow with the prefix: a bisection, not a decode per token)."""
         decode = self.served.engine.tokenizer.decode
-        n = len(tokens)
-        while n and len(decode(tokens[:n])) > len(text):
-            n -= 1
-        return tokens[:n]
+        lo, hi = 0, len(tokens)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if len(decode(tokens[:mid])) <= len(text) else (lo, mid - 1)
+        return tokens[:lo]
 
     def stats(self) -> Stats:
         total = Stats()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from specbeam_edge.config import AHEAD_MIN_PATH_PROB, SpeculativeConfig
@@ -39,7 +39,6 @@ class Served:
     batcher: object
     ahead: bool = False                 # greedy requests draft with the target's lookahead head
     created: int = 0
-    languages: list[str] = field(default_factory=list)    # an NLLB/M2M100 model's language codes
     kv_tokens: int | None = None        # --kv_memory in tokens of this model's KV cache (None: no bound)
 
     @property

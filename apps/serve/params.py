@@ -132,8 +132,9 @@ def search(body: dict, call: Call) -> dict:
     penalty = number(body, "repetition_penalty", 0, 10, low_open=True)
     if penalty is not None and penalty != 1.0:
         out["repetition_penalty"] = penalty
-    if boolean(body, "use_beam_search") or integer(body, "num_beams", 1) not in (None, 1):
-        beams = max(call.n, integer(body, "best_of", 1, default=1), integer(body, "num_beams", 1, default=1))
+    num_beams = integer(body, "num_beams", 1, default=1)
+    if boolean(body, "use_beam_search") or num_beams > 1:
+        beams = max(call.n, integer(body, "best_of", 1, default=1), num_beams)
         out.update(num_beams=beams, num_return_sequences=call.n, do_sample=False,
                    length_penalty=number(body, "length_penalty", -10, 10, default=1.0))
         early = get(body, "early_stopping", lambda v: isinstance(v, bool) or v == "never", "true, false or 'never'")

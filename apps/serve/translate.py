@@ -4,16 +4,15 @@ it; `glossary` (an extra field: {"source term": "target term" or [forms]}) makes
 tool's --glossary does (constrained beam search), and format html keeps the tags (its --keep_markup)."""
 from __future__ import annotations
 
-import asyncio
-import time
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from specbeam_edge.markup import find_spans, markup_constraints
-from specbeam_edge.online import Done, Failed, QueueFull
+from specbeam_edge.online import Done, Failed
 
+from .complete import Bridge, follow
 from .params import ApiError, integer
 
 # LibreTranslate's two-letter codes -> NLLB's codes (M2M100 uses the two-letter codes themselves)
@@ -114,35 +113,19 @@ async def translate(request: Request):
 
 async def _run(served, prepared: list, request: Request):
     """The texts' requests in the model's batcher, together; None when the client went away."""
-    loop, events = asyncio.get_running_loop(), asyncio.Queue()
-    try:
-        for i, p in enumerate(prepared):
-            served.batcher.submit(p, lambda ev, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, ev)))
-    except QueueFull as e:
-        for p in prepared:
-            p.cancel()
-        raise ApiError(429, f"the server is busy: {e}; retry shortly", headers={"Retry-After": "2"}) from None
-    results: list = [None] * len(prepared)
-    pending, getter, checked = len(prepared), None, time.monotonic()
-    while pending:
-        getter = getter or asyncio.ensure_future(events.get())
-        done, _ = await asyncio.wait({getter}, timeout=0.5)
-        if time.monotonic() - checked >= 0.5:
-            checked = time.monotonic()
-            if await request.is_disconnected():
-                for p in prepared:
-                    p.cancel()
-                getter.cancel()
-                return None
-        if not done:
-            continue
-        (i, ev), getter = getter.result(), None
+    bridge, results, pending = Bridge(served.batcher, prepared), [None] * len(prepared), [len(prepared)]
+    bridge.submit()
+
+    async def step(timeout):
+        i, ev = await bridge.next(timeout)
         if isinstance(ev, Failed):
-            for p in prepared:
-                p.cancel()
+            bridge.cancel()
             raise ev.error
         if isinstance(ev, Done):
-            results[i], pending = ev.result, pending - 1
+            results[i], pending[0] = ev.result, pending[0] - 1
+    if not await follow(request, step, lambda: not pending[0]):
+        bridge.cancel()
+        return None
     return results
 
 
