@@ -110,6 +110,22 @@ def open_through_swap(path: Path, flags: int) -> int:
             time.sleep(0.005)
 
 
+def open_regular(path: Path, flags: int, what: str) -> tuple[int, os.stat_result]:
+    """(fd, its stat): `path` opened for a read through a folder swap (open_through_swap), non-blocking so a FIFO put
+    in its place cannot hang the loader, and refused in one line naming `what` unless it is a regular file."""
+    try:
+        fd = open_through_swap(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0) | flags)
+    except FileNotFoundError:
+        raise ModelFolderError(f"{path}: the {what} was removed while the model was in use; restore it or load the "
+                               f"model again") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise ModelFolderError(f"{path}: not a regular file any more (a FIFO, device or folder was put in its place); "
+                               f"restore the {what} or re-export the model")
+    return fd, st
+
+
 def _aligned(nbytes: int) -> np.ndarray:
     """A uint8 buffer of nbytes rounded up to whole pages, starting on a page boundary."""
     n = -(-nbytes // PAGE) * PAGE
@@ -187,27 +203,17 @@ class LayerStore:
                                    f"restore it or re-export the model")
         self.unverified.discard(i)
 
-    def _open(self, i: int, flags: int) -> int:
-        """Layer i's file opened for a read, refused in one line unless it is a regular file; a file whose identity
-        changed since its hash was checked is checked again (`_verify`)."""
-        try:
-            fd = open_through_swap(self.paths[i], os.O_RDONLY | os.O_NONBLOCK | flags)
-        except FileNotFoundError:
-            raise ModelFolderError(f"{self.paths[i]}: the layer file was removed while the model was in use; "
-                                   f"restore it or load the model again") from None
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            os.close(fd)
-            raise ModelFolderError(f"{self.paths[i]}: not a regular file any more (a FIFO, device or folder was put "
-                                   f"in its place); restore the layer file or re-export the model")
+    def _open(self, i: int, flags: int) -> tuple[int, os.stat_result]:
+        """Layer i's file opened for a read (open_regular); a file whose identity changed since its hash was checked
+        is checked again (`_verify`)."""
+        fd, st = open_regular(self.paths[i], flags, "layer file")
         if self.checksums and self.identity.get(i) != _identity(st):
             self.unverified.add(i)
-        return fd
+        return fd, st
 
     def _read_with(self, i: int, buf: np.ndarray, flags: int) -> np.ndarray:
-        fd = self._open(i, flags)
+        fd, st = self._open(i, flags)
         try:
-            st = os.fstat(fd)
             size = st.st_size
             if size < self.nbytes or (self.checksums and size != self.nbytes):
                 raise ModelFolderError(f"{self.paths[i]}: {size} bytes, the manifest needs {self.nbytes} (the file "
@@ -298,19 +304,11 @@ class TableRows:
         os.close(self._open())
 
     def _open(self) -> int:
-        """The table file opened for a read, refused in one line unless a regular file (opened non-blocking: a FIFO
-        in its place cannot hang it); a version other than the one last checked is checked against its SHA-256
-        (integrity.verify_open: rows reordered in place or another table renamed over it gave fluent garbage)."""
+        """The table file opened for a read (open_regular); a version other than the one last checked is checked
+        against its SHA-256 (integrity.verify_open: rows reordered in place or another table renamed over it gave
+        fluent garbage)."""
+        fd, st = open_regular(self.path, 0, "embedding table")
         try:
-            fd = open_through_swap(self.path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
-        except FileNotFoundError:
-            raise ModelFolderError(f"{self.path}: the embedding table was removed while the model was in use; "
-                                   f"restore it or load the model again") from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise ModelFolderError(f"{self.path}: not a regular file (a FIFO, device or folder is in its place); "
-                                       f"restore the embedding table or re-export the model")
             if self.sha256 and _identity(st) != self.identity:
                 self.identity = _identity(verify_open(self.path, fd, self.sha256))
         except BaseException:
