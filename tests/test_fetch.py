@@ -562,28 +562,6 @@ def test_a_symlinked_lock_file_is_one_line(data, tmp_path):
     assert victim.read_text() == "keep me"
 
 
-def test_the_runtime_imports_neither_the_exporter_nor_an_app():
-    """Issue 48: the fetch pipeline (download, export, draft, head) is an app (apps/fetch.py); specbeam_edge
-    imports nothing of export/ or apps/, by an import statement or by importlib (fetch.py used to load the
-    exporter with import_module)."""
-    import ast
-    root = Path(fetch.__file__).parent
-    bad = []
-    for path in root.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0:
-                names = [node.module or ""]
-            elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in \
-                    ("import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant):
-                names = [str(node.args[0].value)]
-            bad += [f"{path.name}:{node.lineno} {n}" for n in names
-                    if n.split(".")[0] in ("export", "specbeam_export", "apps", "specbeam_apps")]
-    assert bad == []
-
-
 def test_specbeam_fetch_is_the_fetch_app(data, capsys):
     from apps import launch
     assert launch.specbeam(["fetch", "--list"]) == 0
