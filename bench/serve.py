@@ -32,6 +32,7 @@ from . import common
 
 ROOT = Path(__file__).resolve().parents[1]
 OURS, LLAMA_PY, LLAMA_SERVER = "specbeam serve", "llama_cpp.server", "llama-server"
+BASELINE = "specbeam serve, baseline"
 PROMPTS = json.loads((ROOT / "bench" / "data" / "code_prompts.json").read_text())
 
 
@@ -44,12 +45,13 @@ def free_port() -> int:
 class ServerArm:
     """A server process, its base URL and the model name its clients send."""
 
-    def __init__(self, name: str, cmd: list[str], port: int, model: str, ready_path: str):
+    def __init__(self, name: str, cmd: list[str], port: int, model: str, ready_path: str, cwd: Path | None = None):
         self.name, self.port, self.model = name, port, model
         self.url = f"http://127.0.0.1:{port}"
         # its log into a file: a pipe nobody reads fills up and stops the server (llama.cpp logs a lot)
         self.log = tempfile.TemporaryFile("w+")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
+        env = None if cwd is None else dict(os.environ, PYTHONPATH=str(cwd))     # another checkout's code
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, text=True, cwd=cwd, env=env)
         try:
             self._wait(ready_path)
         except BaseException:
@@ -177,10 +179,14 @@ def _start_arms(args, arms: dict) -> None:
     from specbeam_edge import fetch
 
     name = os.path.basename(os.path.normpath(args.model))      # the id the server gives a folder
-    arms[OURS] = ServerArm(OURS, [
-        sys.executable, "-m", "apps.serve", "--model", args.model, "--port", str(port := free_port()),
-        "--max_batch_size", str(max(args.clients))] + (["--draft", "none"] if args.no_draft else []),
-        port, name, "/health")
+    def ours(arm: str, cwd: Path | None) -> ServerArm:
+        return ServerArm(arm, [sys.executable, "-m", "apps.serve", "--model", str(Path(args.model).resolve())
+                               if os.path.sep in args.model else args.model, "--port", str(port := free_port()),
+                               "--max_batch_size", str(max(args.clients))]
+                         + (["--draft", "none"] if args.no_draft else []), port, name, "/health", cwd)
+    arms[OURS] = ours(OURS, None)
+    if args.baseline:             # the same server from another checkout (a change measured against its parent)
+        arms[BASELINE] = ours(BASELINE, args.baseline.resolve())
     gguf = (args.gguf or str(fetch.gguf_path(args.model))) if not args.no_llama or args.llama_server else None
     if not args.no_llama:         # llama-cpp-python's OpenAI server: one model, requests in turn
         cmd = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--port", str(port := free_port()),
@@ -248,6 +254,9 @@ def main(argv=None) -> int:
     ap.add_argument("--n_ctx", type=int, default=4096)
     ap.add_argument("--no_draft", action="store_true", help="our server without the draft")
     ap.add_argument("--no_llama", action="store_true", help="without llama-cpp-python's server (llama_cpp.server)")
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help="another checkout of this project (git worktree add BASE REV): its server as an arm, "
+                         "alternated with this one's")
     ap.add_argument("--llama_server", type=Path, default=None,
                     help="llama.cpp's llama-server program: an arm with a slot per client (python -m bench.serve "
                          "--build_llama_server builds it)")
@@ -263,7 +272,8 @@ def main(argv=None) -> int:
         print(build_llama(fetch.data_dir() / "tools" / LLAMA_SERVER, target=LLAMA_SERVER))
         return 0
     report = bench(args)
-    cols = ["arm", "clients", "tok_s", "ttft_p50_s", "ttft_p95_s"] + [f"x {a}" for a in (LLAMA_PY, LLAMA_SERVER)
+    cols = ["arm", "clients", "tok_s", "ttft_p50_s", "ttft_p95_s"] + [f"x {a}" for a in (BASELINE, LLAMA_PY,
+                                                                                         LLAMA_SERVER)
                                                                        if any(f"x {a}" in r for r in report["rows"])]
     print(common.table(report["rows"], cols))
     print("identical to alone:", report["identical_to_alone"], " peak RSS MB:", report["peak_rss_mb"])

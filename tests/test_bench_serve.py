@@ -28,3 +28,14 @@ def test_bench_serve_soak_runs(tmp_path):
     report = json.loads((tmp_path / "serve_soak.json").read_text())
     assert report["lost"] == 0 and report["answered"] + report["left_by_client"] == 12
     assert (tmp_path / "serve_soak.png").stat().st_size > 0
+
+
+def test_bench_serve_baseline_arm(tmp_path):
+    """--baseline: the same server from another checkout (here this one) as an arm, with its ratio."""
+    from bench import serve
+
+    root = serve.ROOT
+    assert serve.main(["--model", str(root / "models/ende/target"), "--no_llama", "--baseline", str(root),
+                       "--clients", "1", "--rounds", "1", "--max_tokens", "4", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "serve.json").read_text())["rows"]
+    assert [r["arm"] for r in rows] == [serve.OURS, serve.BASELINE] and rows[0][f"x {serve.BASELINE}"] > 0
