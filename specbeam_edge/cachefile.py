@@ -31,15 +31,19 @@ def entries(path: Path) -> dict:
     return found if isinstance(found, dict) else {}
 
 
-def store_entry(path: Path, key: str, value) -> None:
-    """Add one entry to a JSON cache file (under a file lock; a cache that cannot be written is only slower)."""
+def store_entry(path: Path, key: str, value, keep: int | None = None) -> None:
+    """Add one entry to a JSON cache file (under a file lock; a cache that cannot be written is only slower);
+    `keep`: the most entries kept, the oldest dropped first."""
     from filelock import FileLock, Timeout
 
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(path) + ".lock", timeout=5):
             stored = entries(path)
+            stored.pop(key, None)           # a stored key moves to the end: the newest
             stored[key] = value
+            for old in list(stored)[:max(0, len(stored) - keep)] if keep else ():
+                del stored[old]
             tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
             tmp.write_text(json.dumps(stored, indent=1))
             os.replace(tmp, path)

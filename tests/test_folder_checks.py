@@ -195,3 +195,17 @@ def test_a_damaged_checksum_cache_is_dropped_not_fatal(exported, tmp_path, damag
     OnnxCausalLM(folder)                                           # verified again, and the cache written anew
     assert json.loads((cache_dir() / integrity.CACHE_FILE).read_text())
     assert "model.onnx" in folder_sha256(folder) and json.loads(cache_path().read_text())
+
+
+def test_a_bounded_cache_file_keeps_the_newest_entries(tmp_path):
+    """The record of finished translate runs is one entry per output: bounded (keep=), the oldest dropped first,
+    and an entry stored again counts as new."""
+    from specbeam_edge.cachefile import entries, store_entry
+
+    path = tmp_path / "c.json"
+    for key in "abcd":
+        store_entry(path, key, key.upper(), keep=3)
+    assert list(entries(path)) == ["b", "c", "d"]
+    store_entry(path, "b", "B2", keep=3)
+    store_entry(path, "e", "E", keep=3)
+    assert entries(path) == {"d": "D", "b": "B2", "e": "E"}

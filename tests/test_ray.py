@@ -116,8 +116,12 @@ def test_ray_output_is_byte_identical_to_single_process(cluster, pair, job, tmp_
     assert f"specbeam-translate: {N_LINES} lines, " in err
     # --resume on the finished output: nothing to do, said once, the output untouched
     assert main(ray_args(pair, inp, out, "--resume")) == 0
-    assert capsys.readouterr().err == f"specbeam-translate: {out} is complete (its run finished); nothing to do\n"
+    assert capsys.readouterr().err == (f"specbeam-translate: {out} is complete (its run finished, with these "
+                                       f"settings); nothing to do\n")
     assert out.read_bytes() == ref.read_bytes()
+    # ... and with another setting it is refused, naming it (before: exit 0, taken as done)
+    assert main(ray_args(pair, inp, out, "--resume", "--beam_size", "3")) == 2
+    assert "was finished with other settings (beam_size: 4 in the finished run, 3 now)" in capsys.readouterr().err
     # A folder of files: one output per input at the same relative path, each equal to the single file run.
     (tmp_path / "docs" / "sub").mkdir(parents=True)
     raw = inp.read_bytes().split(b"\n")

@@ -90,11 +90,36 @@ def test_resume_on_a_finished_output_does_nothing(pair, text_in, reference, tmp_
     out = tmp_path / "ref.txt"
     monkeypatch.setattr(job, "engine_from_args", lambda *a, **k: pytest.fail("the model was loaded"))
     assert run(pair, text_in, out, "--resume") == 0
-    assert capsys.readouterr().err == f"specbeam-translate: {out} is complete (its run finished); nothing to do\n"
+    assert capsys.readouterr().err == (f"specbeam-translate: {out} is complete (its run finished, with these "
+                                       f"settings); nothing to do\n")
     assert out.read_bytes() == reference
     (tmp_path / "other.txt").write_text("not\nthis\n")            # a file that is not this input's output
     assert run(pair, text_in, tmp_path / "other.txt", "--resume") == 2
     assert "holds 2 lines, not the 6 of a finished run on this input; delete it" in capsys.readouterr().err
+
+
+def test_resume_on_a_finished_output_with_other_settings_or_input_is_refused(pair, text_in, reference, tmp_path,
+                                                                            monkeypatch, capsys):
+    """Before: --resume with a changed setting on a finished output exited 0 (its journal was gone, so nothing
+    was left to compare with): the output of other settings was taken as done. Now the finished run's record
+    (the cache folder) is compared, without loading the model; without a record, the line count is all there is."""
+    import apps.translate.job as job
+
+    out = tmp_path / "ref.txt"
+    monkeypatch.setattr(job, "engine_from_args", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert run(pair, text_in, out, "--resume", "--beam_size", "3", "--max_decoding_length", "7") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and ("ref.txt was finished with other settings (max_decoding_length: 6 in the "
+                                      "finished run, 7 now; beam_size: 4 in the finished run, 3 now); delete it"
+                                      in err)
+    other = tmp_path / "other_in.txt"                     # same line count, other text
+    other.write_text(text_in.read_text().replace("the", "a"))
+    assert run(pair, other, out, "--resume") == 2
+    assert "ref.txt was finished from other input; delete it" in capsys.readouterr().err
+    out.write_bytes(out.read_bytes().replace(b"e", b"E", 1))   # edited since: the record no longer speaks for it
+    assert run(pair, text_in, out, "--resume", "--beam_size", "3") == 0
+    assert "no record of its settings is left, so only its line count was checked" in capsys.readouterr().err
+    assert out.read_bytes() != reference                  # untouched
 
 
 def test_summary_counts_every_input_line_and_the_log_gets_no_bar(pair, tmp_path, capsys):

@@ -48,10 +48,10 @@ from specbeam_edge.flags import (DefaultsHelp, add_beam_arg, add_decoding_constr
                                  add_memory_args, add_speculation_args, guard_std_streams, positive_int)
 from specbeam_edge.providers import ProviderError
 
-from .job import (LABELS, NO_ALTERNATIVES, PROG, InOrder, Settings, UsageError, check_output, journal_settings,
-                  jsonl_line, open_engine, prepare, read_file, read_input, read_jsonl, read_prefixes, refuse_device,
-                  report_line, resolve, split_lines, summary, translate)
-from .journal import Journal, JournalError, OutputLock, Terminated, raise_terminated
+from .job import (LABELS, NO_ALTERNATIVES, PROG, InOrder, Settings, UsageError, check_output, file_settings,
+                  journal_settings, jsonl_line, open_engine, prepare, read_file, read_input, read_jsonl, read_prefixes,
+                  refuse_device, report_line, resolve, split_lines, summary, translate)
+from .journal import Journal, JournalError, OutputLock, Terminated, finished_as, raise_terminated
 from .ray_engine import add_ray_args, run_ray
 
 
@@ -114,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a bad line (invalid UTF-8, over the model's context): write an empty line, copy the "
                          "source, or stop")
     ap.add_argument("--resume", action="store_true",
-                    help="continue an interrupted run (needs -o); on a finished output it says so and does nothing")
+                    help="continue an interrupted run (needs -o); on a finished output it says so and does nothing, "
+                         "or refuses it when that run had other input or settings")
     ap.add_argument("--eval", default=None, metavar="REF", help="print BLEU and chrF against this reference file")
     add_speculation_args(ap, sampling=False,
                          draft_help="draft model folder (speculative beam search; default: the shipped en->de draft, "
@@ -183,6 +184,7 @@ def run(args, writer: InOrder | None) -> int:
         s = dataclasses.replace(s, jsonl=True, prefixes=tuple(prefixes), line_terms=tuple(terms), line_ids=tuple(ids))
     with OutputLock(Path(args.output)) if args.output else contextlib.nullcontext():
         if args.resume and finished(Path(args.output), len(lines) * (1 if args.jsonl else args.n_best)):
+            check_finished(args, s, lines)
             return 0
         return run_locked(args, s, lines, writer, sources, known_bad)
 
@@ -198,8 +200,18 @@ def finished(output: Path, n_out: int) -> bool:
     if have != n_out:
         raise UsageError(f"{output} exists without a journal and holds {have} lines, not the {n_out} of a "
                          f"finished run on this input; delete it (or drop --resume) to translate again")
-    print(f"{PROG}: {output} is complete (its run finished); nothing to do", file=sys.stderr)
     return True
+
+
+def check_finished(args, s: Settings, lines: list[bytes]) -> None:
+    """A finished output is taken as done by --resume only when the run that finished it had this input and these
+    settings (its record in the cache folder: journal.finished_as); without a record, by its line count."""
+    output = Path(args.output)
+    if finished_as(output, hashlib.sha256(b"\n".join(lines)).hexdigest(), file_settings(s), LABELS):
+        how = "with these settings"
+    else:
+        how = "no record of its settings is left, so only its line count was checked"
+    print(f"{PROG}: {output} is complete (its run finished, {how}); nothing to do", file=sys.stderr)
 
 
 def run_locked(args, s: Settings, lines: list[bytes], writer: InOrder | None, sources: list[bytes] | None = None,
@@ -256,7 +268,7 @@ def run_locked(args, s: Settings, lines: list[bytes], writer: InOrder | None, so
     stats.seconds = time.time() - t0
     if journal:
         journal.done.update(fixed)
-        journal.finish(Path(args.output), len(lines))
+        journal.finish(Path(args.output), len(lines), file_settings(s))
     if bad:
         print(f"{PROG}: {bad} bad line(s) handled by --on_error {args.on_error}", file=sys.stderr)
     if not args.quiet:      # lines of this run: every input line but those resumed (as the Ray engine counts)

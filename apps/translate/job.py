@@ -17,7 +17,7 @@ import unicodedata
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from specbeam_edge.config import SpeculativeConfig
+from specbeam_edge.config import GenerationConfig, ModelConfig, SpeculativeConfig
 from specbeam_edge.flags import (check_prompt_format, check_widths, decoding_constraints, engine_from_args,
                                  speculative_from_args)
 from specbeam_edge.markup import emptied, find_spans, markup_constraints, out_of_order, survives
@@ -277,6 +277,12 @@ def journal_settings(s: Settings, generation) -> dict:
             **({"keep_markup": list(s.markup_patterns)} if s.keep_markup else {}),
             **({"jsonl": True} if s.jsonl else {}),
             **({"alternatives": s.alternatives} if s.alternatives else {})}
+
+
+def file_settings(s: Settings) -> dict:
+    """journal_settings from the flags and the model folder alone (no model loaded): the Ray driver's manifest
+    and the record of finished runs (journal.remember_finished)."""
+    return journal_settings(s, GenerationConfig.from_dict(dict(ModelConfig.load(s.model).generation), **s.generation))
 
 
 # settings as the flags name them, for a refused --resume ("beam_size: 4 in the journal, 5 now")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import signal
@@ -261,7 +262,7 @@ def flatten(settings: dict, prefix: str = "") -> dict:
     return out
 
 
-def differences(old: dict, new: dict, labels: dict | None = None) -> list[str]:
+def differences(old: dict, new: dict, labels: dict | None = None, then: str = "in the journal") -> list[str]:
     """Each setting that differs, as 'beam_size: 4 in the journal, 5 now' (labels: dotted key -> flag name)."""
     labels = labels or {}
     a, b = flatten(old), flatten(new)
@@ -275,7 +276,7 @@ def differences(old: dict, new: dict, labels: dict | None = None) -> list[str]:
             out.append(f"model file {name} {state}")
             continue
         show = lambda v: "not set" if v is ... else repr(v)   # noqa: E731
-        out.append(f"{labels.get(key, key)}: {show(a.get(key, ...))} in the journal, {show(b.get(key, ...))} now")
+        out.append(f"{labels.get(key, key)}: {show(a.get(key, ...))} {then}, {show(b.get(key, ...))} now")
     return out
 
 
@@ -374,12 +375,68 @@ class Journal:
         os.fsync(self.f.fileno())
         self.done[i] = out
 
-    def finish(self, output: Path, n: int) -> None:
+    def finish(self, output: Path, n: int, settings: dict | None = None) -> None:
         """Write the output file atomically from the records (in input order), then drop the journal; a new
-        output takes the journal's permission bits (which were the old output's)."""
+        output takes the journal's permission bits (which were the old output's). `settings`: what the record
+        of finished runs keeps for a later --resume (remember_finished)."""
         atomic_write(output, output_lines(self.done, 0, n), mode=file_mode(self.path))
+        if settings is not None:
+            remember_finished(output, self.header["input_sha256"], settings)
         self.f.close()
         self.path.unlink()
 
     def close(self) -> None:
         self.f.close()
+
+
+# -- the record of finished runs ---------------------------------------------------------------------------------
+# A finished run drops its journal, so a later --resume would find only the output. Its input's SHA-256 and its
+# settings as the flags and the folder decide them (job.file_settings: no model is loaded to check them) are kept
+# in the cache folder, keyed by the output's real path, beside the output's SHA-256: a --resume with other
+# settings or other input is refused instead of taken as done. Losing the cache loses only that check.
+FINISHED = "translate_finished.json"
+KEEP_FINISHED = 512                # the most recent outputs remembered
+
+
+def remember_finished(output: Path, input_sha256: str, settings: dict) -> None:
+    """Record the finished `output` (written just now) with its input's SHA-256 and settings."""
+    from specbeam_edge.cachefile import cache_dir, store_entry
+
+    store_entry(cache_dir() / FINISHED, str(output.resolve()),
+                {"output_sha256": _sha256(output), "input_sha256": input_sha256, "settings": settings},
+                keep=KEEP_FINISHED)
+
+
+def finished_record(output: Path) -> dict | None:
+    """The record of the run that finished `output` as it is now; None when there is none or the output changed
+    since (edited, or written by something else)."""
+    from specbeam_edge.cachefile import cache_dir, entries
+
+    rec = entries(cache_dir() / FINISHED).get(str(output.resolve()))
+    if not isinstance(rec, dict) or not isinstance(rec.get("settings"), dict):
+        return None
+    return rec if rec.get("output_sha256") == _sha256(output) else None
+
+
+def finished_as(output: Path, input_sha256: str, settings: dict, labels: dict | None = None) -> bool:
+    """True when the record says `output` was finished from this input with these settings; False when there is
+    no record of it as it is now. Other input or settings: JournalError naming what differs."""
+    rec = finished_record(output)
+    if rec is None:
+        return False
+    if rec.get("input_sha256") != input_sha256:
+        raise JournalError(f"{output} was finished from other input; delete it (or write to another -o) to "
+                           f"translate this input")
+    changed = differences(rec["settings"], settings, labels, then="in the finished run")
+    if changed:
+        raise JournalError(f"{output} was finished with other settings ({'; '.join(changed)}); delete it (or "
+                           f"write to another -o) to translate with these, or rerun with the same settings")
+    return True
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

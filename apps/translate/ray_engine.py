@@ -45,13 +45,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from specbeam_edge.config import GenerationConfig, ModelConfig
 from specbeam_edge.flags import positive_int
 from specbeam_edge.results import Stats
 
-from .job import (LABELS, PROG, Settings, UsageError, check_output, journal_settings, open_engine, prepare,
+from .job import (LABELS, PROG, Settings, UsageError, check_output, file_settings, open_engine, prepare,
                   split_lines, summary, translate)
-from .journal import Journal, OutputLock, atomic_write, atomic_write_chunks, output_lines, raise_terminated
+from .journal import (Journal, OutputLock, atomic_write, atomic_write_chunks, finished_as, output_lines,
+                      raise_terminated, remember_finished)
 
 PART_DIGITS = 6
 
@@ -282,28 +282,33 @@ def run_ray(args, s: Settings) -> int:
     outputs = output_paths(Path(args.output), files, folder)
     # The driver decides the settings from the model folder alone (no Engine here): bad settings and a broken
     # folder fail before the cluster starts, and the manifest refuses a resume under other settings.
-    gen = GenerationConfig.from_dict(dict(ModelConfig.load(s.model).generation), **s.generation)
-    setting = {**journal_settings(s, gen), "shard_lines": args.shard_lines}
+    setting = {**file_settings(s), "shard_lines": args.shard_lines}
     if folder:
         Path(args.output).mkdir(exist_ok=True)
     with OutputLock(Path(args.output)):
-        if args.resume and finished(args, files, outputs):
+        if args.resume and finished(args, files, outputs, file_settings(s)):
             return 0
         return RayRun(args, s, files, outputs, setting).run()
 
 
-def finished(args, files, outputs: list[Path]) -> bool:
-    """--resume after a run that finished (no shard folder; every output there with its line count): say so."""
+def finished(args, files, outputs: list[Path], settings: dict) -> bool:
+    """--resume after a run that finished (no shard folder; every output there with its line count): say so. Each
+    output must have been finished from its input with these settings where its record says (journal.finished_as)."""
     out = Path(args.output)
     if out.with_name(out.name + ".shards").exists() or not all(o.is_file() for o in outputs):
         return False
+    recorded = 0
     for (path, _), o in zip(files, outputs):
-        want = len(split_lines(path.read_bytes())) * args.n_best
+        raw = path.read_bytes()
+        want = len(split_lines(raw)) * args.n_best
         have = o.read_bytes().count(b"\n")
         if have != want:
             raise UsageError(f"{o} exists without a shard folder and holds {have} lines, not the {want} of a "
                              f"finished run on {path}; delete it (or drop --resume) to translate again")
-    print(f"{PROG}: {args.output} is complete (its run finished); nothing to do", file=sys.stderr)
+        recorded += finished_as(o, hashlib.sha256(raw).hexdigest(), settings, LABELS)
+    how = ("with these settings" if recorded == len(outputs) else
+           "no record of its settings is left, so only its line count was checked")
+    print(f"{PROG}: {args.output} is complete (its run finished, {how}); nothing to do", file=sys.stderr)
     return True
 
 
@@ -320,6 +325,8 @@ class RayRun:
             except OSError as e:
                 raise UsageError(f"cannot read input {path}: {e.strerror}") from None
         self.lines = [split_lines(raw) for raw in raws]
+        self.input_sha256 = [hashlib.sha256(raw).hexdigest() for raw in raws]   # the record of finished runs'
+        self.file_settings = {k: v for k, v in setting.items() if k != "shard_lines"}
         self.shards = plan([len(x) for x in self.lines], args.shard_lines)
         out = Path(args.output)
         self.state = out.with_name(out.name + ".shards")
@@ -521,6 +528,7 @@ class RayRun:
             out.parent.mkdir(parents=True, exist_ok=True)
             parts = [self.state / s.part for s in self.shards if s.file == f]
             atomic_write_chunks(out, (p.read_bytes() for p in parts))
+            remember_finished(out, self.input_sha256[f], self.file_settings)
         shutil.rmtree(self.state)
 
 
