@@ -47,7 +47,8 @@ def add_search_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     add_speculation_args(ap, sampling=True,
                          draft_help="draft model folder or fetched model's name (enables speculative search; default: "
-                                    "a fetched model's own draft, or the shipped pair's draft with the default model)")
+                                    "a fetched model's own draft, or the shipped pair's draft with the default model; none: "
+                                    "no draft, as --no_draft)")
     ap.add_argument("--threads", type=positive_int, default=None, help="onnxruntime intra-op threads")
     ap.add_argument("--stats", action="store_true", help="print statistics (JSON) to stderr")
     ap.add_argument("-q", "--quiet", action="store_true",
@@ -75,6 +76,8 @@ def implied_sampling(args) -> None:
 def configs(args) -> tuple[dict, SpeculativeConfig | None]:
     """The search flags as GenerationConfig overrides (those given) and the speculative settings; a fetched
     model's own draft applies to it when no --draft is given."""
+    if args.draft is not None and args.draft.lower() == "none":      # as `specbeam serve --draft none`
+        args.draft, args.no_draft = None, True
     early = {"true": True, "false": False, "never": "never", None: None}[args.early_stopping]
     sample = getattr(args, "do_sample", False)
     overrides = dict(num_beams=args.num_beams, max_new_tokens=getattr(args, "max_new_tokens", None),

@@ -6,6 +6,7 @@ import argparse
 import math
 import os
 import sys
+from pathlib import Path
 
 from .config import AHEAD_MIN_PATH_PROB, DEFAULT_BUDGET, SpeculativeConfig
 from .shipped import models_root
@@ -135,7 +136,8 @@ def parse_size(text: str | None) -> int | None:
 def add_memory_args(ap: argparse.ArgumentParser) -> None:
     m = ap.add_argument_group("memory (split-layout targets)")
     m.add_argument("--max_memory", type=parse_size, default=None,
-                   help="budget for the target's weights in memory (e.g. 2GB); other layers are streamed per pass")
+                   help="budget for the target's weights in memory (e.g. 2GB); other layers are streamed per pass (the "
+                        "draft, the KV cache and the runtime come on top)")
     m.add_argument("--host_memory", type=parse_size, default=0,
                    help="streamed layers kept in host memory (GPU providers); the rest stream from disk")
     m.add_argument("--placement", default=None,
@@ -154,8 +156,19 @@ def streaming_note(engine, max_memory: int | None = None) -> str | None:
     total = target.cfg.num_layers
     n = total - target.placement.count("resident")
     where = "from disk" if not target.placement.count("host") else "from disk or host memory"
-    budget = "" if max_memory is None else f" (budget {_megabytes(max_memory)} MB)"
+    budget = ""
+    if max_memory is not None:      # the budget is the target's weights; say what it leaves out (before: a 400 MB
+        draft = getattr(engine, "draft", None)          # budget peaked at 1.25 GB with the coder pair, unsaid)
+        extra = f"the draft's {_megabytes(weight_bytes(draft.folder))} MB, " if draft is not None else ""
+        budget = (f" (budget {_megabytes(max_memory)} MB for the target's weights; {extra}the KV cache and the "
+                  f"runtime come on top)")
     return f"{n} of {total} layers stream {where} each pass{budget}"
+
+
+def weight_bytes(folder) -> int:
+    """The bytes of a model folder's graphs and weights (what a whole-layout model holds in memory)."""
+    return sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file() and (
+        f.suffix in (".onnx", ".data", ".bin") or f.name.endswith(".onnx.data")))
 
 
 def _megabytes(nbytes: int) -> str:

@@ -536,6 +536,7 @@ def test_a_fetched_model_whose_head_pays_speculates_with_it_by_default(with_head
     assert spec_of("--num_beams", "1", "--min_path_prob", "0.3").min_path_prob == 0.3
     assert spec_of() is None and spec_of("--num_beams", "4") is None   # beam search (the default K = 4): plain
     assert spec_of("--num_beams", "1", "--no_draft") is None
+    assert spec_of("--num_beams", "1", "--draft", "none") is None   # as `specbeam serve --draft none`
     assert spec_of("--num_beams", "1", "--drafter", "lookup").drafter == "lookup"
     assert spec_of("--num_beams", "1", "--do_sample") is None
 

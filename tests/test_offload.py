@@ -266,8 +266,8 @@ def test_generate_and_chat_say_when_layers_stream(split4, capsys, monkeypatch):
     place = OnnxCausalLM(split4).placement
     budget = place.resident_minimum + 3 * place.layer_bytes        # 1 of 4 layers resident
     flags = ["--model", str(split4), "--max_new_tokens", "3", "--num_beams", "1"]
-    line = (f"specbeam: 3 of 4 layers stream from disk each pass (budget {budget / 2**20:.2g} MB); the first "
-            f"answer token can take a few seconds")
+    line = (f"specbeam: 3 of 4 layers stream from disk each pass (budget {budget / 2**20:.2g} MB for the target's "
+            f"weights; the KV cache and the runtime come on top); the first answer token can take a few seconds")
     assert cli.main(["generate", "hello", *flags, "--max_memory", f"{budget}B"]) == 0
     assert line in capsys.readouterr().err.splitlines()
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"hello\n\n")))
