@@ -111,7 +111,7 @@ def bench(pair: Path, *, n_prompts=64, max_new=128, K=4, reps=2, threads=2) -> d
         eng.generate(prompts[:2], num_beams=K, max_new_tokens=16, max_batch_size=1, speculative=None)  # warm-up
     for name in engines:
         if spec[name] is not None:   # the adaptive chooser's probes belong to the run, not to the warm-up
-            engines[name]._init_state()
+            engines[name].reset_learning()
     runs = {name: [] for name in [*engines, "ctranslate2_int8"]}
     outputs = {}
     for _ in range(reps):

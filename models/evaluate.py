@@ -54,7 +54,7 @@ def agreement(engine: Engine, prompts, ref, sep: int, report: dict, key: str = "
         if engine.encoder is not None:     # encoder-decoder: the decoder reads its prompt, then the translation
             prompt = engine.encoder.decoder_prompt()
             ids, start = prompt + out, len(prompt) - 1
-            statics = [{n: a for n, (a, _) in st.items()} for st in engine._statics([engine.encode(p)], 1)[0](True)]
+            statics = [{n: a for n, (a, _) in st.items()} for st in engine.encoder_outputs(engine.encode(p))]
         else:
             ids = engine.encode(p) + out
             start = ids.index(sep)

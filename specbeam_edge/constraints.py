@@ -316,7 +316,7 @@ def parse(constraints, phrase, decode=None, eos=()) -> Constraints | None:
     one satisfies it, or a dict {"phrase": any of those, or "text": a string matched in the decoded output
     text, however it is tokenized; "count": times it must appear (1), "exact": it may not appear more often
     (False), "after": the index of a constraint it may not appear more often than} (markup.py builds text ones
-    for copied spans). phrase(x): a text or token ids -> validated token ids (Engine._prefix_ids: texts are
+    for copied spans). phrase(x): a text or token ids -> validated token ids (Engine.prefix_ids: texts are
     encoded as plain target-side text); decode(ids) -> text, for "text" constraints; eos: the end-of-sequence
     ids, which no phrase may hold (a hypothesis ends there). A text phrase also gets its form after a space
     (" " + text) as an alternative, as a word inside a sentence is often tokenized differently from the word

@@ -130,6 +130,17 @@ class Engine(PromptMixin, SearchSetup):
         self._choosers: dict = {}
         self._invariance: Invariance | None = None
 
+    def reset_learning(self) -> None:
+        """Forget what the engine learned across requests (cost curve, pass choosers, the invariance
+        measurement): a benchmark's warm-up then does not carry into its run (bench/kv.py)."""
+        self._init_state()
+
+    def skip_invariance_check(self) -> None:
+        """Speculate even on a target the invariance check refuses, for a benchmark that measures what the check
+        prevents (bench/quant.py): speculative output may then differ from plain search."""
+        measured = self._invariance.max_diff if self._invariance is not None else float("nan")
+        self._invariance = Invariance(measured, True)
+
     def _require_invariant(self) -> None:
         """Exact speculation needs a target whose tree passes equal its single passes on this machine: measured
         once per engine (invariance.py; cached on disk per model file), refused with the fix when it is not."""
@@ -170,9 +181,9 @@ class Engine(PromptMixin, SearchSetup):
         speculative = self._speculative(speculative, gen)
         forced_bos = self._forced_bos(tgt_lang)
         ids = self.encode(prompt, src_lang, raw)
-        prefix = self._prefix_ids(target_prefix)
+        prefix = self.prefix_ids(target_prefix)
         request = Request(tuple(ids), gen, speculative, drafter, self._statics([ids], 1)[0], forced_bos,
-                          tuple(prefix), lexical.parse(constraints, self._prefix_ids, self._decode, self._eos_of(gen)))
+                          tuple(prefix), lexical.parse(constraints, self.prefix_ids, self._decode, self._eos_of(gen)))
         return PreparedRequest(self, prompt, ids, gen, self._lead(prefix, forced_bos), self._new_search(request))
 
     def generate_passes(self, prompt: str | list[int], generation: GenerationConfig | None = None,
@@ -289,9 +300,9 @@ class Engine(PromptMixin, SearchSetup):
                     raise
                 raise type(e)(f"prompt {i}: {e}") from None
         prefixes = self._per_prompt(target_prefix, len(prompts), "target_prefix",
-                                    "prefix (a string, token ids, None or '')", self._prefix_ids)
+                                    "prefix (a string, token ids, None or '')", self.prefix_ids)
         lexicon = self._per_prompt(constraints, len(prompts), "constraints", "list of constraints (or None)",
-                                   lambda c: lexical.parse(c, self._prefix_ids, self._decode,
+                                   lambda c: lexical.parse(c, self.prefix_ids, self._decode,
                                                                      self._eos_of(gen)))
         statics = self._statics(sources, max_batch_size)
         jobs = [Job(i, len(ids), self._new_search(Request(tuple(ids), gen, speculative, drafter, statics[i],
@@ -327,7 +338,7 @@ class Engine(PromptMixin, SearchSetup):
                              "repetition_penalty would change them (leave them unset)")
         forced_bos = self._forced_bos(tgt_lang)
         ids = self.encode(prompt, src_lang, raw)
-        prefix = self._prefix_ids(target_prefix)
+        prefix = self.prefix_ids(target_prefix)
         logp = self._next_logprobs(ids, prefix, forced_bos, gen, min(int(n), self.target.cfg.vocab_size))
         order = np.argsort(-logp, kind="stable")[:int(n)]
         order = [int(t) for t in order if np.isfinite(logp[t])]

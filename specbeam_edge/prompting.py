@@ -172,7 +172,14 @@ class PromptMixin:
             raise ValueError("tgt_lang is for encoder-decoder models (NLLB/M2M100); this is a decoder-only model")
         return self.encoder.language_id(tgt_lang, "tgt_lang")
 
-    def _prefix_ids(self, prefix) -> list[int]:
+    def decoder_start(self, ids: list[int], tgt_lang: str | None = None) -> list[int]:
+        """The tokens the decoder reads before its first answer token: the prompt's `ids` for a decoder-only model,
+        the decoder's own start (tgt_lang's forced BOS) for an encoder-decoder one (a target prefix follows it)."""
+        if self.encoder is None:
+            return list(ids)
+        return self.encoder.decoder_prompt(self._forced_bos(tgt_lang))
+
+    def prefix_ids(self, prefix) -> list[int]:
         """A target prefix as token ids: None or "" -> none; a text is encoded as plain target-side text (the
         decoder's tokenizer, no special tokens: the start of a translation as the model writes it); token ids
         are checked against the decoder's vocabulary."""

@@ -281,6 +281,11 @@ class SearchSetup:
         beam_head = self.target.cfg.output in ("topk", "both") and not dense
         return 2 * gen.num_beams + len(eos) + 1 + n_banned if beam_head else None
 
+    def encoder_outputs(self, ids: list[int]) -> tuple:
+        """(the target's, the draft's) encoder outputs for a source's `ids`, as the decoders read them (a model
+        script's teacher forcing); (None, None) for a decoder-only model."""
+        return self._statics([ids], 1)[0](True) or (None, None)
+
     def _statics(self, sources: list[list[int]], batch: int) -> list:
         """Per request, static(with_draft) -> (target's, draft's) encoder outputs, or None for decoder-only
         models. The encoders run when a request starts, over it and the next `batch` - 1 sources."""

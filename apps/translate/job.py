@@ -571,10 +571,9 @@ def prepare(s: Settings, engine, lines: list[bytes], first: int = 0, report=repo
                                 f"--max_input_length (at most {max(1, ctx - 2 - overhead)})")
             prefix = s.prefixes[first + i] if s.prefixes is not None else None
             if prefix:                      # this line's target prefix, checked here: a bad one is this line's
-                lead = engine.encoder.decoder_prompt(engine._forced_bos(s.tgt_lang)) if engine.encoder is not None \
-                    else ids
+                lead = engine.decoder_start(ids, s.tgt_lang)
                 try:
-                    n = len(engine._prefix_ids(prefix))
+                    n = len(engine.prefix_ids(prefix))
                 except ValueError as e:
                     raise LineError(f"target prefix: {e}") from None
                 if len(lead) + n >= ctx:
