@@ -284,7 +284,7 @@ def test_bad_constraints_are_one_line_errors_about_the_constraint(engines):
     with pytest.raises(ValueError, match="the target prefix holds a lone surrogate"):
         eng.generate("the fox", target_prefix="a\ud800", **kw)
     # "after" names the caller's index: the no_other_spans item before it is no constraint of its own
-    c = parse([{"no_other_spans": []}, {"text": "<b>"}, {"text": "</b>", "after": 1}], eng._prefix_ids, eng._decode)
+    c = parse([{"no_other_spans": []}, {"text": "<b>"}, {"text": "</b>", "after": 1}], eng.prefix_ids, eng._decode)
     assert c.after == [None, 0]
 
 
@@ -300,6 +300,6 @@ def test_a_target_prefix_counts_for_the_constraints(engines):
     [met] = eng.generate(prompt, target_prefix=prefix, constraints=[[41], [41, 42]], **kw)
     assert met.hypotheses[0].constraints_met is True
     assert_same_hypotheses(met, free)
-    c = parse([{"phrase": [41], "count": 1, "exact": True}], eng._prefix_ids, eng._decode)
+    c = parse([{"phrase": [41], "count": 1, "exact": True}], eng.prefix_ids, eng._decode)
     [exact] = eng.generate(prompt, target_prefix=prefix, constraints=[{"phrase": [41], "exact": True}], **kw)
     assert not contains(exact.hypotheses[0].tokens[3:], [41]) and c.exact == [True]
