@@ -40,14 +40,23 @@ def cpu_has_amx() -> bool:
         return False
 
 
+def kernels() -> str:
+    """llama.cpp's CPU features and kernels as it reports them ("AVX512 = 1 | ... | REPACK = 1"): named in each row."""
+    import llama_cpp
+
+    info = llama_cpp.llama_print_system_info()
+    return (info.decode() if isinstance(info, bytes) else str(info)).replace("CPU : ", "").strip(" |")
+
+
 def open_llama(gguf, **kw):
-    """llama_cpp.Llama on `gguf`. On CPUs with AMX, without llama.cpp's extra buffer types (use_extra_bufts):
-    llama-cpp-python 0.3.36 built here with its AMX kernels crashed (SIGSEGV in the first decode) on a virtual
-    machine that reports amx_int8; without them it runs, on its AVX-512 kernels (the machine named in each row)."""
+    """llama_cpp.Llama on `gguf`, at full strength (its repacked kernels on). Only a build with llama.cpp's AMX
+    kernels on a CPU with AMX runs without its extra buffer types (use_extra_bufts): 0.3.36's AMX kernels crashed
+    (SIGSEGV in the first decode) on a virtual machine that reports amx_int8. Build it without them instead
+    (GGML_AMX_*=OFF, bench/README.md) and its repacked AVX-512 kernels run."""
     from llama_cpp import Llama
     import llama_cpp.llama_cpp as C
 
-    if not cpu_has_amx():
+    if not (cpu_has_amx() and "AMX" in kernels()):
         return Llama(model_path=str(gguf), **kw)
     orig = C.llama_model_default_params
 

@@ -183,6 +183,17 @@ def test_bench_long_prompt_row(exported):
     assert all(r["peak_rss_mb"] >= r["rss_loaded_mb"] > 0 for r in rows)
 
 
+def test_bench_long_prompt_ratios_pair_each_length_with_llama_cpp():
+    """Speed as llama.cpp's seconds over ours (> 1: faster), memory as our peak over its peak; a failed arm drops
+    only its length."""
+    from bench.long_prompt import ratios
+
+    ours = [{"prompt_tokens": 512, "seconds": 2.0, "peak_rss_mb": 300}, {"prompt_tokens": 2600, "error": "x"}]
+    theirs = [{"prompt_tokens": 512, "seconds": 3.0, "peak_rss_mb": 250}, {"prompt_tokens": 2600, "seconds": 9.0,
+                                                                            "peak_rss_mb": 400}]
+    assert ratios(ours, theirs) == [{"prompt_tokens": 512, "speed_vs_llama_cpp": 1.5, "peak_vs_llama_cpp": 1.2}]
+
+
 def test_a_batch_of_prompts_is_chunked_too(exported, pass_rows):
     """Prompts that fit a chunk each but not together run in passes of at most a chunk's rows (a whole graph's head
     scores every row: 32 prompts of 200 tokens were 6,400 vocabulary rows at once), each answer as alone."""
