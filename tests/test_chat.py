@@ -366,11 +366,11 @@ def test_picking_another_model_folder_clears_its_old_draft(qtbot, tmp_path, fold
     win = make_window(qtbot, tmp_path, folders)
     assert win.draft_edit.text() == folders[1]
     other = str(tmp_path / "another-model")
-    monkeypatch.setattr("apps.chat.window.QFileDialog.getExistingDirectory", lambda *a, **k: other)
+    monkeypatch.setattr("apps.chat.settings_panel.QFileDialog.getExistingDirectory", lambda *a, **k: other)
     win._pick_model()
     assert win.model_edit.text() == other and win.draft_edit.text() == ""
     assert "draft cleared" in win.status.text()
-    monkeypatch.setattr("apps.chat.window.QFileDialog.getExistingDirectory", lambda *a, **k: "")   # cancelled
+    monkeypatch.setattr("apps.chat.settings_panel.QFileDialog.getExistingDirectory", lambda *a, **k: "")   # cancelled
     win.draft_edit.setText(folders[1])
     win._pick_model()
     assert win.model_edit.text() == other and win.draft_edit.text() == folders[1]

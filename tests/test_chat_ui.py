@@ -65,7 +65,7 @@ def test_rename_and_delete_from_the_context_menu_and_the_menu_bar(qtbot, tmp_pat
     win.store.set_title(first, "first")
     win.new_chat()
     second = win.current()
-    monkeypatch.setattr("apps.chat.window.QInputDialog.getText", lambda *a, **kw: ("  Java   generics ", True))
+    monkeypatch.setattr("apps.chat.conversations.QInputDialog.getText", lambda *a, **kw: ("  Java   generics ", True))
     rect = win.convs.visualItemRect(win.convs.item(1))
     win._conversation_menu(rect.center())                              # right-click on the older one
     assert win.current() == first
@@ -74,11 +74,11 @@ def test_rename_and_delete_from_the_context_menu_and_the_menu_bar(qtbot, tmp_pat
     win._menu.actions()[0].trigger()
     assert win.store.title(first) == "Java generics" and conversations(win) == ["New chat", "Java generics"]
     asked = []
-    monkeypatch.setattr("apps.chat.window.QMessageBox.question",
+    monkeypatch.setattr("apps.chat.conversations.QMessageBox.question",
                         lambda parent, title, text: asked.append(text) or QMessageBox.StandardButton.No)
     win.actions["delete"].trigger()
     assert "Java generics" in asked[0] and len(win.store.conversations()) == 2     # "No" keeps it
-    monkeypatch.setattr("apps.chat.window.QMessageBox.question",
+    monkeypatch.setattr("apps.chat.conversations.QMessageBox.question",
                         lambda parent, title, text: QMessageBox.StandardButton.Yes)
     win.actions["delete"].trigger()
     assert [c for c, _ in win.store.conversations()] == [second] and conversations(win) == ["New chat"]
@@ -132,7 +132,7 @@ def test_export_defaults_to_documents_with_the_title(qtbot, tmp_path, pair, monk
     win.rename_conversation(win.current(), 'Java: List<String> / "generics"?')
     asked = []
     target = tmp_path / "out.md"
-    monkeypatch.setattr("apps.chat.window.QFileDialog.getSaveFileName",
+    monkeypatch.setattr("apps.chat.conversations.QFileDialog.getSaveFileName",
                         lambda parent, caption, start, filters: asked.append(start) or (str(target), filters))
     win.actions["export"].trigger()
     default = Path(asked[0])

@@ -62,8 +62,9 @@ def render(out: Path) -> str | None:
     from PySide6.QtCore import QSettings
     from PySide6.QtWidgets import QApplication
 
+    from .model_folders import default_folders
     from .store import ChatStore
-    from .window import ChatWindow, default_folders
+    from .window import ChatWindow
 
     app = QApplication.instance() or QApplication(sys.argv[:1])
     with tempfile.TemporaryDirectory() as tmp:
