@@ -72,7 +72,7 @@ def agreement(engine: Engine, prompts, ref, sep: int, report: dict, key: str = "
                            "sum_min_p_q_top8": round(alpha / n, 4)}
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", default="models/ende", help="folder with target/ and draft/")
     ap.add_argument("--test", default="data/ende/corpus/test.tsv", help="held-out pairs (english<TAB>german)")
@@ -87,13 +87,12 @@ def main(argv=None) -> int:
     ap.add_argument("--spec_budget", type=int, default=SpeculativeConfig().budget,
                     help="draft nodes per target pass in the speculative runs (default: SpeculativeConfig's)")
     ap.add_argument("--out", default=None, help="write the JSON report here")
-    args = ap.parse_args(argv)
-    import sacrebleu
+    return ap
 
-    systems = [s for s in args.systems.split(",") if s]
-    unknown = sorted(set(systems) - set(SYSTEMS))
-    if unknown:
-        raise SystemExit(f"--systems: unknown {unknown}; choose from {','.join(SYSTEMS)}")
+
+def load_engines(args, systems: list[str]) -> tuple:
+    """(the target's engine, with the draft when a system needs it; the draft's own engine for draft_greedy, None
+    when the draft has no encoder of its own or is not scored alone; the target's folder)."""
     pair = Path(args.pair)
     target = Path(args.target) if args.target else pair / "target"
     draft = Path(args.draft) if args.draft else pair / "draft"
@@ -102,14 +101,11 @@ def main(argv=None) -> int:
     draft_only = None
     if "draft_greedy" in systems and engine.draft_cross is None:
         draft_only = Engine(draft)
-    rows = [l.rstrip("\n").split("\t") for l in open(args.test, encoding="utf-8")][: args.lines]
-    src, ref = [r[0] for r in rows], [r[1] for r in rows]
-    prompts = [engine.tokenizer.format_prompt(s) for s in src]
-    report: dict = {"lines": len(rows), "target": str(target)}
-    if "draft_greedy" in systems and draft_only is None:   # no encoder of its own: it runs only beside its target
-        report["draft_greedy"] = {"skipped": "the draft reads the target's encoder (target_cross_layers)"}
-        systems.remove("draft_greedy")
+    return engine, draft_only, target
 
+
+def agreements(engine: Engine, systems: list[str], prompts, ref, args, report: dict) -> None:
+    """Teacher-forced agreement on the references and on the target's own beam-4 translations, as asked."""
     # agreement, teacher-forced on the reference translations (target side only)
     sep = engine.tokenizer.encode("<|de|>", special_tokens=True)[0] if engine.encoder is None else None
     if "agreement" in systems:
@@ -118,34 +114,61 @@ def main(argv=None) -> int:
         own = [r.hypotheses[0].tokens for r in engine.generate(prompts[:200], num_beams=4,
                                                                 max_new_tokens=args.max_new_tokens)]
         agreement(engine, prompts, own, sep, report, key="agreement_own")
-    def run(eng, K, spec=None, limit=None, batch=32):
-        t0 = time.perf_counter()
-        res = eng.generate(prompts[:limit], num_beams=K, max_new_tokens=args.max_new_tokens, speculative=spec,
-                           max_batch_size=batch)
-        dt = time.perf_counter() - t0
-        hyp = [r.text for r in res]
-        steps = sum(r.stats.beam_steps for r in res)
-        passes = sum(r.stats.target_passes for r in res)
-        return hyp, {"seconds": round(dt, 2), "beam_steps_per_pass": round(steps / passes, 3),
-                     "tokens_per_second": round(steps / dt, 1)}
 
-    for name, eng, K in (("target_greedy", engine, 1), ("target_beam4", engine, 4), ("draft_greedy", draft_only, 1)):
-        if name not in systems:
-            continue
-        hyp, st = run(eng, K)
-        report[name] = {"bleu": round(sacrebleu.corpus_bleu(hyp, [ref]).score, 2),
-                        "chrf": round(sacrebleu.corpus_chrf(hyp, [ref]).score, 2), **st}
-        print(name, report[name], file=sys.stderr)
+
+def timed_run(eng, prompts, K, max_new_tokens: int, spec=None, limit=None, batch=32):
+    """The translations of `prompts[:limit]` with beam width K, and their time, beam steps per target pass and
+    tokens per second."""
+    t0 = time.perf_counter()
+    res = eng.generate(prompts[:limit], num_beams=K, max_new_tokens=max_new_tokens, speculative=spec,
+                       max_batch_size=batch)
+    dt = time.perf_counter() - t0
+    hyp = [r.text for r in res]
+    steps = sum(r.stats.beam_steps for r in res)
+    passes = sum(r.stats.target_passes for r in res)
+    return hyp, {"seconds": round(dt, 2), "beam_steps_per_pass": round(steps / passes, 3),
+                 "tokens_per_second": round(steps / dt, 1)}
+
+
+def speculative_runs(engine: Engine, systems: list[str], prompts, args, report: dict) -> None:
+    """Exact speculative beam search at K = 1 and 4 on the first 100 prompts, against plain search."""
     spec = SpeculativeConfig(adaptive=False, budget=args.spec_budget)
     for K in (1, 4) if "speculative" in systems else ():
         # one request at a time, as the README's main job runs: the tree budget is per target pass, shared by
         # the requests in it, so in a batch of 32 each request drafts max(K, 48 // 32) nodes
-        hyp, st = run(engine, K, spec, limit=100, batch=args.spec_batch)
-        plain, pst = run(engine, K, None, limit=100, batch=args.spec_batch)
+        hyp, st = timed_run(engine, prompts, K, args.max_new_tokens, spec, limit=100, batch=args.spec_batch)
+        plain, pst = timed_run(engine, prompts, K, args.max_new_tokens, None, limit=100, batch=args.spec_batch)
         report[f"speculative_K{K}"] = {**st, "identical_to_plain": sum(a == b for a, b in zip(hyp, plain)),
                                        "of": len(hyp), "batch": args.spec_batch,
                                        "plain_seconds": pst["seconds"], "spec": vars(spec)}
         print(f"speculative K={K}", report[f"speculative_K{K}"], file=sys.stderr)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    import sacrebleu
+
+    systems = [s for s in args.systems.split(",") if s]
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown:
+        raise SystemExit(f"--systems: unknown {unknown}; choose from {','.join(SYSTEMS)}")
+    engine, draft_only, target = load_engines(args, systems)
+    rows = [l.rstrip("\n").split("\t") for l in open(args.test, encoding="utf-8")][: args.lines]
+    src, ref = [r[0] for r in rows], [r[1] for r in rows]
+    prompts = [engine.tokenizer.format_prompt(s) for s in src]
+    report: dict = {"lines": len(rows), "target": str(target)}
+    if "draft_greedy" in systems and draft_only is None:   # no encoder of its own: it runs only beside its target
+        report["draft_greedy"] = {"skipped": "the draft reads the target's encoder (target_cross_layers)"}
+        systems.remove("draft_greedy")
+    agreements(engine, systems, prompts, ref, args, report)
+    for name, eng, K in (("target_greedy", engine, 1), ("target_beam4", engine, 4), ("draft_greedy", draft_only, 1)):
+        if name not in systems:
+            continue
+        hyp, st = timed_run(eng, prompts, K, args.max_new_tokens)
+        report[name] = {"bleu": round(sacrebleu.corpus_bleu(hyp, [ref]).score, 2),
+                        "chrf": round(sacrebleu.corpus_chrf(hyp, [ref]).score, 2), **st}
+        print(name, report[name], file=sys.stderr)
+    speculative_runs(engine, systems, prompts, args, report)
     text = json.dumps(report, indent=2)
     if args.out:
         Path(args.out).write_text(text + "\n")

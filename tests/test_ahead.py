@@ -12,7 +12,7 @@ import pytest
 
 from export import ahead
 from specbeam_edge import Engine, SpeculativeConfig
-from export.graph import dequantize_embed
+from export.embedding import dequantize_embed
 from specbeam_edge.model import OnnxCausalLM
 from specbeam_edge.search import ExactSearch
 from helpers import assert_same_hypotheses

@@ -36,11 +36,12 @@ def test_general_prompts_take_common_nouns_of_the_kinds_named(tmp_path):
 
 def test_held_out_prompts_never_enter_the_prompt_file(tmp_path, monkeypatch):
     from bench.llamacpp import PROMPTS
+    from models.smollm2 import prompts
 
-    monkeypatch.setattr(recipe, "_download", lambda work: (None, None, None))
-    monkeypatch.setattr(recipe, "chatterbot_questions", lambda wheel: [PROMPTS[0], "Hello there?"])
-    monkeypatch.setattr(recipe, "doc_prompts", lambda docs, rng: [PROMPTS[3].upper(), "Summarize this."])
-    monkeypatch.setattr(recipe, "general_prompts", lambda wn, rng: ["Explain tea in simple terms.", "Hello there?"])
+    monkeypatch.setattr(prompts, "_download", lambda work: (None, None, None))
+    monkeypatch.setattr(prompts, "chatterbot_questions", lambda wheel: [PROMPTS[0], "Hello there?"])
+    monkeypatch.setattr(prompts, "doc_prompts", lambda docs, rng: [PROMPTS[3].upper(), "Summarize this."])
+    monkeypatch.setattr(prompts, "general_prompts", lambda wn, rng: ["Explain tea in simple terms.", "Hello there?"])
     recipe.build_prompts(type("A", (), {"work": str(tmp_path)}))
     got = [json.loads(line)["prompt"] for line in (tmp_path / "prompts.jsonl").read_text().splitlines()]
     assert sorted(got) == sorted(["Hello there?", "Summarize this.", "Explain tea in simple terms."])

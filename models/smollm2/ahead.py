@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from models.smollm2 import recipe  # noqa: E402
-from models.smollm2.draft import _sequences, head_tokens, target_folder  # noqa: E402
+from models.smollm2.answers import _sequences, head_tokens, target_folder  # noqa: E402
 
 OUT = ROOT / "models" / "smollm2" / "ahead"
 
@@ -157,6 +157,92 @@ class Head:
         return self.step(h, nxt)[1]
 
 
+def _tensor(a, dt=None):
+    """A numpy array (cast to `dt` if given) as a torch tensor."""
+    import numpy as np
+    import torch
+
+    return torch.from_numpy(np.asarray(a) if dt is None else np.asarray(a, dt))
+
+
+def _level_tensors(d, rows, k, index):
+    """Level k (0-based) of the chains starting at `rows`: its input token, label, top-8, and which rows
+    have a level k inside their sequence. `index`: a token's row in the head (-1: not in it)."""
+    import numpy as np
+
+    ok = d["left"][rows] >= k
+    r = np.minimum(rows + k, len(d["label"]) - 1)
+    lab = np.where(ok, index[d["label"][r]], -1)
+    tid = index[d["top_ids"][r]]
+    tlp = np.where((tid >= 0) & ok[:, None], d["top_lp"][r].astype(np.float32), -np.inf)
+    return _tensor(d["next"][r].astype(np.int64)), _tensor(lab), _tensor(np.maximum(tid, 0)), _tensor(tlp)
+
+
+def evaluate(head: Head, va, index, D: int) -> dict:
+    """Teacher-forced per level: top-1/2/3 of level 1, and how often levels 1..k are all right (the chain's
+    worth); `tokens_a_pass`: 1 + P(one of 3 first guesses right) + the chain's, a K = 1 pass's expectation."""
+    import numpy as np
+    import torch
+
+    with torch.no_grad():
+        n = len(va["label"])
+        hits = np.zeros(3)
+        chain = np.zeros(D)
+        for s0 in range(0, n, 8192):
+            rows = np.arange(s0, min(s0 + 8192, n))
+            h = _tensor(va["h"][rows], np.float32)
+            alive = torch.ones(len(rows), dtype=torch.bool)
+            for k in range(D):
+                nxt, lab, _, _ = _level_tensors(va, rows, k, index)
+                h, logits = head.step(h, nxt)
+                top = logits.topk(3, -1).indices
+                if k == 0:
+                    for m in range(3):
+                        hits[m] += int(((top[:, :m + 1] == lab[:, None]).any(-1) & (lab >= 0)).sum())
+                alive &= (top[:, 0] == lab) & (lab >= 0)
+                chain[k] += int(alive.sum())
+    rec = {f"top{m + 1}": round(float(hits[m]) / n, 4) for m in range(3)}
+    rec.update({f"chain{k + 1}": round(float(chain[k]) / n, 4) for k in range(1, D)})
+    rec["tokens_a_pass"] = round(float(1 + hits[2] / n + chain[1:].sum() / n), 3)
+    rec["positions"] = n
+    return rec
+
+
+def _chain_loss(head: Head, tr, rows, index, args):
+    """The training loss of the chains starting at `rows`, levels 1..--depth unrolled, and each level's CE."""
+    import numpy as np
+    import torch
+
+    h = _tensor(tr["h"][rows], np.float32)
+    loss, ces = 0.0, []
+    for k in range(args.depth):
+        nxt, lab, tid, tlp = _level_tensors(tr, rows, k, index)
+        h, logits = head.step(h, nxt)
+        logp = torch.log_softmax(logits, -1)
+        ok = lab >= 0
+        ce = -(logp[ok].gather(1, lab[ok, None])).mean()
+        # KL to the target's top-8 at the label's row, renormalised over the entries inside the head
+        inside = torch.isfinite(tlp)
+        has = inside.any(-1)                  # a row none of whose top-8 is in the head has no KD term
+        q = torch.softmax(torch.where(has[:, None], tlp, torch.zeros(())), -1) * inside
+        kd = -(q * torch.where(inside, logp.gather(1, tid), torch.zeros(()))).sum(-1)[has].mean()
+        loss = loss + args.level_decay ** k * (ce + args.kd_weight * kd)
+        ces.append(round(float(ce.detach()), 4))
+    return loss, ces
+
+
+def _load_init(head: Head, args, tokens) -> None:
+    """--init: the weights of a head trained before (e.g. the shipped one), which must have the same tokens."""
+    import numpy as np
+    import torch
+    from safetensors.numpy import load_file
+
+    w = load_file(str(Path(args.init) / "ahead.safetensors"))
+    if not np.array_equal(w.pop("token_ids"), np.asarray(tokens)):
+        raise SystemExit(f"{args.init}: its head tokens differ from --head {args.head}'s")
+    head.load({k: torch.from_numpy(v.astype(np.float32)) for k, v in w.items()})
+
+
 def train(args) -> None:
     """Levels 1..depth unrolled as the graph runs them: level k reads level k - 1's predicted hidden state (not
     the target's) and the embedding of the answer's token there (a chain is only worth anything while its guesses
@@ -173,12 +259,7 @@ def train(args) -> None:
     index[tokens] = np.arange(len(tokens))
     head = Head(E, np.asarray(tokens), eps)
     if args.init:                  # a head trained before (e.g. the shipped one): its weights, same tokens
-        from safetensors.numpy import load_file
-
-        w = load_file(str(Path(args.init) / "ahead.safetensors"))
-        if not np.array_equal(w.pop("token_ids"), np.asarray(tokens)):
-            raise SystemExit(f"{args.init}: its head tokens differ from --head {args.head}'s")
-        head.load({k: torch.from_numpy(v.astype(np.float32)) for k, v in w.items()})
+        _load_init(head, args, tokens)
     opt = torch.optim.AdamW(head.params(), lr=args.lr, weight_decay=0.0)
     N = len(tr["label"])
     steps_per_epoch = max(1, N // args.batch)
@@ -190,68 +271,34 @@ def train(args) -> None:
         head.load(st["head"])
         opt.load_state_dict(st["opt"])
         step = st["step"]
-    T = lambda a, dt=None: torch.from_numpy(np.asarray(a) if dt is None else np.asarray(a, dt))   # noqa: E731
     D = args.depth
 
-    def level_tensors(d, rows, k):
-        """Level k (0-based) of the chains starting at `rows`: its input token, label, top-8, and which rows
-        have a level k inside their sequence."""
-        ok = d["left"][rows] >= k
-        r = np.minimum(rows + k, len(d["label"]) - 1)
-        lab = np.where(ok, index[d["label"][r]], -1)
-        tid = index[d["top_ids"][r]]
-        tlp = np.where((tid >= 0) & ok[:, None], d["top_lp"][r].astype(np.float32), -np.inf)
-        return T(d["next"][r].astype(np.int64)), T(lab), T(np.maximum(tid, 0)), T(tlp)
+    def scores() -> dict:
+        return evaluate(head, va, index, D)
 
-    def evaluate():
-        """Teacher-forced per level: top-1/2/3 of level 1, and how often levels 1..k are all right (the chain's
-        worth); `tokens_a_pass`: 1 + P(one of 3 first guesses right) + the chain's, a K = 1 pass's expectation."""
-        with torch.no_grad():
-            n = len(va["label"])
-            hits = np.zeros(3)
-            chain = np.zeros(D)
-            for s0 in range(0, n, 8192):
-                rows = np.arange(s0, min(s0 + 8192, n))
-                h = T(va["h"][rows], np.float32)
-                alive = torch.ones(len(rows), dtype=torch.bool)
-                for k in range(D):
-                    nxt, lab, _, _ = level_tensors(va, rows, k)
-                    h, logits = head.step(h, nxt)
-                    top = logits.topk(3, -1).indices
-                    if k == 0:
-                        for m in range(3):
-                            hits[m] += int(((top[:, :m + 1] == lab[:, None]).any(-1) & (lab >= 0)).sum())
-                    alive &= (top[:, 0] == lab) & (lab >= 0)
-                    chain[k] += int(alive.sum())
-        rec = {f"top{m + 1}": round(float(hits[m]) / n, 4) for m in range(3)}
-        rec.update({f"chain{k + 1}": round(float(chain[k]) / n, 4) for k in range(1, D)})
-        rec["tokens_a_pass"] = round(float(1 + hits[2] / n + chain[1:].sum() / n), 3)
-        rec["positions"] = n
-        return rec
+    def save(step: int) -> None:
+        recipe.save_checkpoint({"head": head.state(), "opt": opt.state_dict(), "step": step, "token_ids": tokens,
+                                "eps": eps, "depth": D, "val": scores()}, ckpt)
 
     print(f"train {N} positions, val {len(va['label'])}, head {len(tokens)} tokens, depth {D} "
-          f"(covers {np.mean(index[tr['label']] >= 0):.3f} of labels); start {evaluate()}", flush=True)
+          f"(covers {np.mean(index[tr['label']] >= 0):.3f} of labels); start {scores()}", flush=True)
+    _fit(args, head, opt, tr, index, step, total, scores, save, work / "ahead_log.jsonl")
+
+
+def _fit(args, head: Head, opt, tr, index, step: int, total: int, scores, save, log_path: Path) -> None:
+    """Optimizer steps `step`..`total` on random rows of `tr` (drawn from a generator seeded with the first step):
+    a line in `log_path` every 50 steps (with the validation `scores` every 200), a checkpoint (`save`) every
+    --ckpt_minutes and at the end."""
+    import numpy as np
+
+    N = len(tr["label"])
     rng = np.random.default_rng(step)
     last = time.time()
-    log = open(work / "ahead_log.jsonl", "a")
+    log = open(log_path, "a")
     while step < total:
         rows = rng.integers(0, N, args.batch)
         lr = recipe.cosine_lr(opt, args.lr, step, args.warmup, total)
-        h = T(tr["h"][rows], np.float32)
-        loss, ces = 0.0, []
-        for k in range(D):
-            nxt, lab, tid, tlp = level_tensors(tr, rows, k)
-            h, logits = head.step(h, nxt)
-            logp = torch.log_softmax(logits, -1)
-            ok = lab >= 0
-            ce = -(logp[ok].gather(1, lab[ok, None])).mean()
-            # KL to the target's top-8 at the label's row, renormalised over the entries inside the head
-            inside = torch.isfinite(tlp)
-            has = inside.any(-1)                  # a row none of whose top-8 is in the head has no KD term
-            q = torch.softmax(torch.where(has[:, None], tlp, torch.zeros(())), -1) * inside
-            kd = -(q * torch.where(inside, logp.gather(1, tid), torch.zeros(()))).sum(-1)[has].mean()
-            loss = loss + args.level_decay ** k * (ce + args.kd_weight * kd)
-            ces.append(round(float(ce.detach()), 4))
+        loss, ces = _chain_loss(head, tr, rows, index, args)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -259,13 +306,12 @@ def train(args) -> None:
         if step % 50 == 0 or step == total:
             rec = {"step": step, "loss": round(float(loss.detach()), 4), "ce": ces, "lr": lr}
             if step % 200 == 0 or step == total:
-                rec.update(evaluate())
+                rec.update(scores())
             print(rec, flush=True)
             log.write(json.dumps(rec) + "\n")
             log.flush()
         if time.time() - last > 60 * args.ckpt_minutes or step == total:
-            recipe.save_checkpoint({"head": head.state(), "opt": opt.state_dict(), "step": step, "token_ids": tokens,
-                                    "eps": eps, "depth": D, "val": evaluate()}, ckpt)
+            save(step)
             last = time.time()
 
 
