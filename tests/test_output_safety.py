@@ -172,8 +172,8 @@ def test_lock_removed_by_its_holder_is_not_taken_twice(tmp_path):
 # -- Ray's input listing -----------------------------------------------------------------------------------
 def test_ray_glob_with_dotdot_after_a_wildcard_is_refused(tmp_path, monkeypatch):
     """Before: docs/*/../../x wrote outputs outside -o."""
-    from apps.translate.job import UsageError
-    from apps.translate.ray_engine import input_files
+    from apps.translate.files import UsageError
+    from apps.translate.ray_plan import input_files
 
     (tmp_path / "docs" / "a").mkdir(parents=True)
     (tmp_path / "secret.txt").write_text("x\n")
@@ -184,7 +184,7 @@ def test_ray_glob_with_dotdot_after_a_wildcard_is_refused(tmp_path, monkeypatch)
 
 def test_ray_double_star_lists_each_real_file_once(tmp_path, monkeypatch):
     """Before: a ** glob followed a symlink loop and listed one file 40 times."""
-    from apps.translate.ray_engine import input_files
+    from apps.translate.ray_plan import input_files
 
     (tmp_path / "docs" / "sub").mkdir(parents=True)
     (tmp_path / "docs" / "sub" / "a.txt").write_text("x\n")
@@ -200,8 +200,8 @@ def test_ray_double_star_lists_each_real_file_once(tmp_path, monkeypatch):
 def test_ray_output_inside_the_input_folder_is_never_read_as_input(tmp_path, monkeypatch):
     """Before: the shards, lock, pid file and outputs of a run with -o inside the input folder were read as
     input: --resume was refused ("input changed") and a second run translated the first one's output."""
-    from apps.translate.job import UsageError
-    from apps.translate.ray_engine import input_files, output_paths
+    from apps.translate.files import UsageError
+    from apps.translate.ray_plan import input_files, output_paths
 
     docs = tmp_path / "docs"
     (docs / "sub").mkdir(parents=True)
@@ -231,8 +231,8 @@ def test_ray_output_inside_the_input_folder_is_never_read_as_input(tmp_path, mon
 
 def test_ray_refuses_actors_no_node_can_hold():
     """Before: --cpus_per_actor 64 on a 2-CPU machine (or --gpus_per_actor 1 without a GPU) waited for ever."""
-    from apps.translate.job import UsageError
-    from apps.translate.ray_engine import check_resources
+    from apps.translate.files import UsageError
+    from apps.translate.ray_cluster import check_resources
 
     nodes = [{"Alive": True, "Resources": {"CPU": 2.0}}, {"Alive": False, "Resources": {"CPU": 64.0}}]
     check_resources(nodes, 2, 0)
@@ -245,7 +245,7 @@ def test_ray_refuses_actors_no_node_can_hold():
 
 def test_ray_starts_only_the_actors_the_cluster_holds():
     """Before: --actors 4 on a 2-CPU machine waited for ever for the two actors that could never start."""
-    from apps.translate.ray_engine import actors_that_fit
+    from apps.translate.ray_cluster import actors_that_fit
 
     two_cpus = [{"Alive": True, "Resources": {"CPU": 2.0}}]
     assert actors_that_fit(two_cpus, 1, 0) == 2 and actors_that_fit(two_cpus, 2, 0) == 1

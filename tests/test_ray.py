@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from apps.translate.__main__ import main
-from apps.translate.ray_engine import Shard, input_files, plan
+from apps.translate.ray_plan import Shard, input_files, plan
 from helpers import corpus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,7 +27,7 @@ def test_plan_cuts_files_into_shards_in_input_order():
 
 
 def test_inputs_file_folder_and_glob(tmp_path, monkeypatch):
-    from apps.translate.job import UsageError
+    from apps.translate.files import UsageError
 
     (tmp_path / "docs" / "sub").mkdir(parents=True)
     for name in ("docs/b.txt", "docs/a.txt", "docs/sub/c.txt", "docs/.hidden", "docs/sub/d.md"):

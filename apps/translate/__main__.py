@@ -48,10 +48,11 @@ from specbeam_edge.flags import (DefaultsHelp, add_beam_arg, add_decoding_constr
                                  add_memory_args, add_speculation_args, guard_std_streams, positive_int)
 from specbeam_edge.providers import ProviderError
 
-from .job import (LABELS, NO_ALTERNATIVES, PROG, InOrder, Settings, UsageError, check_output, file_settings,
-                  journal_settings, jsonl_line, open_engine, prepare, read_file, read_input, read_jsonl, read_prefixes,
-                  refuse_device, report_line, resolve, split_lines, summary, translate)
+from .files import InOrder, UsageError, check_output, read_file, read_input, read_prefixes, refuse_device, split_lines
+from .job import (LABELS, NO_ALTERNATIVES, PROG, Settings, file_settings, journal_settings, jsonl_line, open_engine,
+                  prepare, report_line, resolve, summary, translate)
 from .journal import Journal, JournalError, OutputLock, Terminated, finished_as, raise_terminated
+from .jsonl import read_jsonl
 from .ray_engine import add_ray_args, run_ray
 
 
@@ -61,11 +62,28 @@ class _Help(argparse.RawDescriptionHelpFormatter, DefaultsHelp):
 
 def build_parser() -> argparse.ArgumentParser:
     ap = ShortErrors(prog=PROG, description=__doc__, formatter_class=_Help)
+    add_io_args(ap)
+    add_decoding_args(ap)
+    add_forcing_args(ap)
+    add_format_args(ap)
+    add_run_args(ap)
+    add_engine_args(ap)
+    add_memory_args(ap)
+    add_ray_args(ap)
+    return ap
+
+
+def add_io_args(ap: argparse.ArgumentParser) -> None:
+    """Where the lines come from and go, and the model."""
     ap.add_argument("-i", "--input", default=None, help="input file, one sentence per line (default: stdin)")
     ap.add_argument("-o", "--output", default=None, help="output file (default: stdout)")
     ap.add_argument("--model", default=None,
                     help="target model folder (default: the shipped en->de pair's target, models/ende/target; "
                          "SPECBEAM_MODELS names another models/ folder)")
+
+
+def add_decoding_args(ap: argparse.ArgumentParser) -> None:
+    """Beam search, n-best, batching, lengths and languages."""
     add_beam_arg(ap, 4, first="--beam_size")
     ap.add_argument("--n_best", type=positive_int, default=1,
                     help="hypotheses written per input line (each on its own line)")
@@ -87,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default: the model's forced_bos_token_id)")
     add_length_penalty_arg(ap)
     add_decoding_constraint_args(ap)
+
+
+def add_forcing_args(ap: argparse.ArgumentParser) -> None:
+    """What each translation must hold: a target prefix, glossary terms, markup copied verbatim."""
     ap.add_argument("--target_prefix", default=None, metavar="FILE",
                     help="the start of each translation, forced (CTranslate2's target_prefix): one prefix a line, "
                          "line k for input line k, an empty line for none; the output line includes it")
@@ -103,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "on with --beam_size 2 or more; a line where one could not be kept is reported)")
     ap.add_argument("--markup_pattern", action="append", default=None, metavar="REGEX",
                     help="another kind of span to copy verbatim (a regular expression; may be repeated)")
+
+
+def add_format_args(ap: argparse.ArgumentParser) -> None:
+    """JSON lines in and out, or the alternatives at one position instead of translations."""
     ap.add_argument("--jsonl", action="store_true",
                     help='JSON lines in and out: each input line {"text": ..., "target_prefix": ..., "terms": [...], '
                          '"id": ...} (only text required), each output line {"id", "translations": [{"text", '
@@ -110,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--alternatives", type=positive_int, default=None, metavar="N",
                     help="write JSON lines, one object per input line: the N most probable tokens after the target "
                          "prefix (or at the start), each with its text, log-prob and best translation")
+
+
+def add_run_args(ap: argparse.ArgumentParser) -> None:
+    """Bad lines, resume and scoring."""
     ap.add_argument("--on_error", choices=("skip", "copy", "fail"), default="skip",
                     help="a bad line (invalid UTF-8, over the model's context): write an empty line, copy the "
                          "source, or stop")
@@ -117,6 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="continue an interrupted run (needs -o); on a finished output it says so and does nothing, "
                          "or refuses it when that run had other input or settings")
     ap.add_argument("--eval", default=None, metavar="REF", help="print BLEU and chrF against this reference file")
+
+
+def add_engine_args(ap: argparse.ArgumentParser) -> None:
+    """Speculation, threads and what is printed on stderr."""
     add_speculation_args(ap, sampling=False,
                          draft_help="draft model folder (speculative beam search; default: the shipped en->de draft, "
                                     "only when --model is the default too; without a draft: plain beam search)")
@@ -124,9 +158,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--stats", action="store_true", help="also print the aggregate statistics as JSON to stderr")
     ap.add_argument("-q", "--quiet", action="store_true",
                     help="no progress bar and no summary line (the bar is shown only when stderr is a terminal)")
-    add_memory_args(ap)
-    add_ray_args(ap)
-    return ap
 
 
 def parse_args(argv):
@@ -219,29 +250,11 @@ def run_locked(args, s: Settings, lines: list[bytes], writer: InOrder | None, so
     """lines: the input (its hash keys the journal); sources: what is translated (the texts of --jsonl lines)."""
     engine = open_engine(args, s)
     sources = lines if sources is None else sources
-    why: dict[int, list[str]] = {}
-
-    def report(n, reason):
-        why.setdefault(n - 1, []).append(reason)
-        report_line(n, reason)
-    items, fixed, bad = prepare(s, engine, sources, report=report, known_bad=known_bad)
+    items, fixed, bad = prepared(args, s, engine, sources, known_bad)
     if items is None:
         print(f"{PROG}: stopping (--on_error fail)", file=sys.stderr)
         return 1
-    if args.alternatives:           # JSON lines: an empty or bad line has no alternatives
-        fixed = {i: [NO_ALTERNATIVES] for i in fixed}
-    if s.jsonl:                     # an empty line: no translation; a bad one: its copy (--on_error copy) or none
-        fixed = {i: [jsonl_line(s, i, [{"text": t} for t in out[:1] if t], why.get(i, []))]
-                 for i, out in fixed.items()}
-    journal = None
-    if args.output:
-        journal = Journal(Path(args.output), hashlib.sha256(b"\n".join(lines)).hexdigest(),
-                          journal_settings(s, engine.generation_config(**s.generation)), args.resume, labels=LABELS)
-        for note in journal.notes:
-            print(f"{PROG}: {note}", file=sys.stderr)
-    else:
-        for i, out in fixed.items():
-            writer.add(i, out)
+    journal = open_journal(args, s, engine, lines, fixed, writer)
     todo = [it for it in items if not journal or it[0] not in journal.done]
     resumed = len(items) - len(todo)
     if resumed:
@@ -255,17 +268,7 @@ def run_locked(args, s: Settings, lines: list[bytes], writer: InOrder | None, so
             outputs[i] = out
             writer.add(i, out)
 
-    t0 = time.time()
-    # no bar while translations print to the same terminal (it would break into their lines), nor into a file
-    # or pipe (tqdm's disable=None: a redirected log gets no carriage-return updates); the summary stays
-    progress = tqdm(total=len(lines), initial=len(lines) - len(todo), unit="line", file=sys.stderr,
-                    disable=True if args.quiet or (writer is not None and sys.stdout.isatty()) else None,
-                    dynamic_ncols=True)
-    try:
-        stats = translate(s, engine, todo, on_line, progress, lines=sources)
-    finally:
-        progress.close()
-    stats.seconds = time.time() - t0
+    stats = translate_todo(args, s, engine, len(lines), todo, on_line, writer is not None, sources)
     if journal:
         journal.done.update(fixed)
         journal.finish(Path(args.output), len(lines), file_settings(s))
@@ -276,6 +279,54 @@ def run_locked(args, s: Settings, lines: list[bytes], writer: InOrder | None, so
     if args.stats:
         print(json.dumps(stats.as_dict()), file=sys.stderr)
     return evaluate(args, outputs, len(lines)) if args.eval else 0
+
+
+def prepared(args, s: Settings, engine, sources: list[bytes], known_bad: dict | None):
+    """prepare's (items, fixed outputs, bad count), the fixed outputs in the run's output format; items None when
+    a bad line stops the run (--on_error fail)."""
+    why: dict[int, list[str]] = {}
+
+    def report(n, reason):
+        why.setdefault(n - 1, []).append(reason)
+        report_line(n, reason)
+    items, fixed, bad = prepare(s, engine, sources, report=report, known_bad=known_bad)
+    if items is None:
+        return items, fixed, bad
+    if args.alternatives:           # JSON lines: an empty or bad line has no alternatives
+        fixed = {i: [NO_ALTERNATIVES] for i in fixed}
+    if s.jsonl:                     # an empty line: no translation; a bad one: its copy (--on_error copy) or none
+        fixed = {i: [jsonl_line(s, i, [{"text": t} for t in out[:1] if t], why.get(i, []))]
+                 for i, out in fixed.items()}
+    return items, fixed, bad
+
+
+def open_journal(args, s: Settings, engine, lines: list[bytes], fixed: dict, writer: InOrder | None):
+    """-o's journal (its notes said), or None for stdout, where the fixed outputs are written at once."""
+    if not args.output:
+        for i, out in fixed.items():
+            writer.add(i, out)
+        return None
+    journal = Journal(Path(args.output), hashlib.sha256(b"\n".join(lines)).hexdigest(),
+                      journal_settings(s, engine.generation_config(**s.generation)), args.resume, labels=LABELS)
+    for note in journal.notes:
+        print(f"{PROG}: {note}", file=sys.stderr)
+    return journal
+
+
+def translate_todo(args, s: Settings, engine, n: int, todo, on_line, to_stdout: bool, sources: list[bytes]):
+    """The lines still to do, with a progress bar over all n; their Stats, timed."""
+    t0 = time.time()
+    # no bar while translations print to the same terminal (it would break into their lines), nor into a file
+    # or pipe (tqdm's disable=None: a redirected log gets no carriage-return updates); the summary stays
+    progress = tqdm(total=n, initial=n - len(todo), unit="line", file=sys.stderr,
+                    disable=True if args.quiet or (to_stdout and sys.stdout.isatty()) else None,
+                    dynamic_ncols=True)
+    try:
+        stats = translate(s, engine, todo, on_line, progress, lines=sources)
+    finally:
+        progress.close()
+    stats.seconds = time.time() - t0
+    return stats
 
 
 def evaluate(args, outputs: dict[int, list[str]], n: int) -> int:

@@ -1,7 +1,7 @@
-"""The translate tool as a library: what the flags decide (Settings, resolved once per run), input and output
-checks, line validation, batched translation and the journal's record of the settings. `__main__.py` (the
-command line, the local run) and `ray_engine.py` (shards on a Ray cluster) both import it at the top; it imports
-neither of them.
+"""The translate tool as a library: what the flags decide (Settings, resolved once per run) and the journal's
+record of it, line validation and batched translation. Its neighbours: files.py (the input, the output checks),
+jsonl.py (--jsonl input), glossary.py (--glossary). `__main__.py` (the command line, the local run) and
+`ray_engine.py` (shards on a Ray cluster) both import it at the top; it imports neither of them.
 """
 from __future__ import annotations
 
@@ -9,11 +9,7 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
-import re
-import stat
 import sys
-import unicodedata
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -25,17 +21,13 @@ from specbeam_edge.results import Stats
 from specbeam_edge.shipped import shipped
 
 from .fingerprint import folder_sha256
-from .journal import special_kind
+from .glossary import glossary_constraints, joined_terms, read_glossary
 
 PROG = "specbeam-translate"
 
 
 class LineError(ValueError):
     pass
-
-
-class UsageError(ValueError):
-    """Bad arguments or unusable input found after parsing: exit code 2, one line."""
 
 
 _BREAKS = str.maketrans({c: " " for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"})
@@ -104,113 +96,6 @@ def line_constraints(s: Settings, lines: list[bytes]) -> tuple[list, list]:
     out = [((markup_constraints(sp, s.markup_patterns) if sp else []) + list(g or []) + list(o or [])) or None
            for sp, g, o in zip(spans, terms, own)]
     return out, spans
-
-
-# -- --jsonl: one JSON object a line in and out ------------------------------------------------------------------
-JSONL_KEYS = {"text", "target_prefix", "terms", "id"}
-
-
-def read_jsonl(lines: list[bytes]) -> tuple[list[bytes], dict[int, str], list, list, list]:
-    """--jsonl input, one object a line: {"text": the source, "target_prefix": the start of its translation,
-    "terms": [a term, or a list of alternative forms, ...] that must appear, "id": anything, given back}; only
-    "text" is required, an empty line is an empty source. Returns the sources (UTF-8, b"" for a bad line), the
-    bad lines {index: why}, and per line its prefix ('' for none), terms (None) and id (None). A bad line keeps
-    its id when the id itself is usable (JSON, finite numbers, no lone surrogate), so its output names it."""
-    texts, bad, prefixes, terms, ids = [], {}, [], [], []
-    for i, b in enumerate(lines):
-        obj, why, line_id = {}, None, None
-        if b.strip():
-            try:
-                obj = json.loads(b, parse_constant=_no_constant)
-                if isinstance(obj, dict):
-                    line_id = obj.get("id")
-                    if _id_problem(line_id):
-                        line_id = None
-                why = _jsonl_problem(obj)
-            except (UnicodeDecodeError, ValueError) as e:
-                why = f"not a JSON object ({e})"
-            if why:
-                obj = {}
-        if why:
-            bad[i] = why
-        texts.append(obj.get("text", "").encode("utf-8"))
-        prefixes.append(obj.get("target_prefix") or "")
-        terms.append([tuple(t) if isinstance(t, list) else t for t in obj["terms"]] if obj.get("terms") else None)
-        ids.append(line_id)
-    return texts, bad, prefixes, terms, ids
-
-
-def _no_constant(name: str):
-    """json.loads takes NaN, Infinity and -Infinity, which are not JSON (and could not be written back)."""
-    raise ValueError(f"{name} is not a JSON value")
-
-
-def _surrogate(text: str) -> bool:
-    """A lone surrogate (a JSON \\ud800 escape): no UTF-8 spelling, so no tokenizer and no output can take it."""
-    try:
-        text.encode("utf-8")
-        return False
-    except UnicodeEncodeError:
-        return True
-
-
-def _strings(x):
-    if isinstance(x, str):
-        yield x
-    elif isinstance(x, dict):
-        for k, v in x.items():
-            yield k
-            yield from _strings(v)
-    elif isinstance(x, list):
-        for v in x:
-            yield from _strings(v)
-
-
-def _id_problem(line_id) -> str | None:
-    """Why an "id" cannot be given back as valid JSON: a non-finite number (1e999) or a lone surrogate."""
-    stack = [line_id]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, float) and not math.isfinite(x):
-            return f"'id' {x!r} is not a finite number (JSON has no NaN or Infinity)"
-        if isinstance(x, str) and _surrogate(x):
-            return "'id' holds a lone surrogate (an unpaired \\ud800-\\udfff escape), which is not text"
-        if isinstance(x, dict):
-            stack += list(x.keys()) + list(x.values())
-        elif isinstance(x, list):
-            stack += x
-    return None
-
-
-def _jsonl_problem(obj) -> str | None:
-    if not isinstance(obj, dict):
-        return f"a line must be a JSON object, not {type(obj).__name__}"
-    unknown = set(obj) - JSONL_KEYS
-    if unknown:
-        return f"unknown key(s) {', '.join(sorted(unknown))} (known: {', '.join(sorted(JSONL_KEYS))})"
-    if not isinstance(obj.get("text"), str):
-        return "'text' (a string) is required"
-    if not isinstance(obj.get("target_prefix", ""), str):
-        return "'target_prefix' must be a string"
-    terms = obj.get("terms", [])
-    if not isinstance(terms, list) or not all(isinstance(t, str) and t.strip() or isinstance(t, list) and t and all(
-            isinstance(a, str) and a.strip() for a in t) for t in terms):
-        return "'terms' must be a list of non-empty strings (not only spaces) or lists of them (alternatives)"
-    for key in ("text", "target_prefix", "terms"):
-        if any(_surrogate(x) for x in _strings(obj.get(key, ""))):
-            return f"'{key}' holds a lone surrogate (an unpaired \\ud800-\\udfff escape), which is not text; " \
-                   f"fix the line's escapes"
-    return _id_problem(obj.get("id"))
-
-
-def jsonl_line(s: Settings, i: int, translations: list[dict], problems: list[str] = ()) -> str:
-    """One output line of --jsonl: {"id" (if given), "translations": [{"text", "score", "constraints_met"}],
-    "problems": [...] (if any)}."""
-    obj = {"id": s.line_ids[i]} if s.line_ids is not None and s.line_ids[i] is not None else {}
-    obj["translations"] = translations
-    if problems:
-        obj["problems"] = list(problems)
-    return json.dumps(obj, ensure_ascii=False, allow_nan=False)
 
 
 def generation_overrides(args) -> dict:
@@ -295,241 +180,6 @@ LABELS = {"generation.num_beams": "beam_size", "generation.num_return_sequences"
           "keep_markup": "keep_markup (--keep_markup / --markup_pattern)"}
 
 
-# -- input and output ------------------------------------------------------------------------------------------
-def read_input(path: str | None) -> bytes:
-    """The input's bytes: stdin when path is None."""
-    if path is None:
-        if sys.stdin is None:
-            raise UsageError("stdin is closed; pass -i FILE")
-        try:
-            mode = os.fstat(sys.stdin.fileno()).st_mode
-        except (OSError, ValueError):
-            mode = 0
-        if (stat.S_ISCHR(mode) and not sys.stdin.isatty() and not _is_null(sys.stdin.fileno())) \
-                or stat.S_ISBLK(mode):
-            raise UsageError("stdin is a device, not text (e.g. < /dev/zero); pass -i FILE or pipe the text in")
-        try:
-            return sys.stdin.buffer.read()
-        except OSError as e:
-            raise UsageError(f"cannot read stdin ({e.strerror or e}); pass -i FILE") from None
-    path = Path(path)
-    if path.is_dir():
-        raise UsageError(f"input {path} is a directory; pass a text file, one sentence per line")
-    try:
-        return read_file(path, "input")
-    except OSError as e:
-        raise UsageError(f"cannot read input {path}: {e.strerror}") from None
-
-
-def _is_null(f) -> bool:
-    """/dev/null (an empty input, not an endless one)."""
-    try:
-        st, null = os.stat(f), os.stat(os.devnull)
-    except (OSError, ValueError):
-        return False
-    return (st.st_rdev, st.st_ino, st.st_dev) == (null.st_rdev, null.st_ino, null.st_dev)
-
-
-def refuse_device(path, what: str) -> None:
-    kind = special_kind(Path(path))
-    if kind in ("a character device", "a block device", "a socket") and _is_null(path):
-        return
-    if kind in ("a character device", "a block device", "a socket"):
-        raise UsageError(f"{what} {path} is {kind}, not a text file; pass a regular file (or pipe the text "
-                         f"through stdin)")
-
-
-def read_file(path, what: str) -> bytes:
-    """A file's bytes; a device or socket is refused before reading (/dev/zero or /dev/urandom as an input read
-    until memory ran out): one line naming the flag and the fix. A FIFO is read (process substitution)."""
-    refuse_device(path, what)
-    with open(path, "rb") as f:
-        return f.read()
-
-
-BOM = b"\xef\xbb\xbf"
-
-
-def split_lines(raw: bytes) -> list[bytes]:
-    """Lines as `wc -l` counts them, with universal newlines: LF, CRLF and a lone CR (old Mac files) each end a
-    line and never reach the model; a UTF-8 byte order mark before line 1 is dropped."""
-    if raw.startswith(BOM):
-        raw = raw[len(BOM):]
-    return raw.splitlines()          # bytes.splitlines: \n, \r\n and \r only (U+2028 etc. stay in the line)
-
-
-def read_prefixes(path: str | None, n: int) -> tuple[list[bytes] | None, list[str] | None]:
-    """--target_prefix FILE: (its raw lines, for the journal; their texts), one per input line ('' for none),
-    read as the input is (universal newlines, a BOM dropped); (None, None) without the flag."""
-    if not path:
-        return None, None
-    path = Path(path)
-    try:
-        raw = split_lines(read_file(path, "--target_prefix"))
-    except OSError as e:
-        raise UsageError(f"cannot read --target_prefix {path}: {e.strerror or e}") from None
-    if len(raw) != n:
-        raise UsageError(f"--target_prefix {path} has {len(raw)} line{'s' * (len(raw) != 1)}, the input has {n}: "
-                         f"give one prefix per input line (an empty line for none)")
-    texts = [_utf8(b) for b in raw]
-    if None in texts:
-        raise UsageError(f"--target_prefix {path}: line {texts.index(None) + 1} is not valid UTF-8")
-    return raw, texts
-
-
-def read_glossary(path: str) -> tuple[bytes, list[tuple[str, tuple[str, ...]]]]:
-    """--glossary FILE (UTF-8, tab-separated): `source term<TAB>target term[<TAB>another target form ...]` a line;
-    empty lines and lines starting with '#' are skipped. Returns (the file's bytes, [(source, targets)])."""
-    try:
-        raw = read_file(path, "--glossary")
-    except OSError as e:
-        raise UsageError(f"cannot read --glossary {path}: {e.strerror or e}") from None
-    terms = []
-    for k, line in enumerate(split_lines(raw), 1):
-        text = _utf8(line)
-        if text is None:
-            raise UsageError(f"--glossary {path}: line {k} is not valid UTF-8")
-        if not text.strip() or text.lstrip().startswith("#"):
-            continue
-        cells = [c.strip() for c in text.split("\t")]
-        if len(cells) < 2 or not cells[0] or not all(cells[1:]):
-            raise UsageError(f"--glossary {path}: line {k} is not 'source term<TAB>target term' (tab-separated, "
-                             f"no empty cell): {text[:60]!r}")
-        terms.append((cells[0], tuple(dict.fromkeys(cells[1:]))))
-    return raw, terms
-
-
-def glossary_constraints(terms, sources: list[str], case: str) -> list[list[tuple[str, ...]] | None]:
-    """Per source line, the target forms of every glossary term it contains as a whole word (not inside a longer
-    word; case-insensitive unless case == 'sensitive'): each term one constraint, its target forms alternatives.
-    Longest match first: a term found only inside a longer term's match ('menu' in 'context menu') is not
-    forced besides it; rows with the same source term are one constraint whose forms are alternatives."""
-    flags = 0 if case == "sensitive" else re.IGNORECASE
-    merged: dict[str, list[str]] = {}
-    for src, targets in terms:
-        merged.setdefault(src if case == "sensitive" else src.casefold(), [src, []])[1].extend(targets)
-    found = sorted(((re.compile(r"(?<!\w)" + re.escape(src) + r"(?!\w)", flags), tuple(dict.fromkeys(targets)), k)
-                    for k, (src, targets) in enumerate(merged.values())), key=lambda f: -len(f[0].pattern))
-    out = []
-    for text in sources:
-        taken: list[tuple[int, int]] = []          # character ranges of the longer terms matched so far
-        hits = []
-        for rx, targets, k in found:
-            spans = [m.span() for m in rx.finditer(text)]
-            free = [sp for sp in spans if not any(a < sp[1] and sp[0] < b for a, b in taken)]
-            if free:
-                hits.append((k, targets))
-                taken += free
-        out.append([tuple(t) for t in dict.fromkeys(t for _, t in sorted(hits))] or None)   # in the file's order
-    return out
-
-
-# scripts written without spaces between words: there a term always touches its neighbours (no check)
-_UNSPACED = ((0x0E00, 0x0EFF), (0x0F00, 0x0FFF), (0x1000, 0x109F), (0x1780, 0x17FF), (0x3040, 0x30FF),
-             (0x31F0, 0x31FF), (0x3400, 0x4DBF), (0x4E00, 0x9FFF), (0xF900, 0xFAFF), (0xFF66, 0xFF9F),
-             (0x20000, 0x3FFFF))       # Thai, Lao, Tibetan, Myanmar, Khmer, kana, CJK ideographs
-
-
-def _glues(a: str, b: str) -> bool:
-    """Whether two adjacent characters are parts of one word: both letters, digits or combining marks, and
-    neither of a script written without spaces."""
-    return all((c.isalnum() or unicodedata.category(c).startswith("M"))
-               and not any(lo <= ord(c) <= hi for lo, hi in _UNSPACED) for c in (a, b))
-
-
-def joined_terms(constraints, output: str) -> list[str]:
-    """Per term of `constraints` (glossary and --jsonl terms; markup specs are skipped) that appears in `output`
-    joined to a neighbouring word, one warning: a letter or digit right before or after an occurrence, as in
-    '3-Arbeitsmappeder' for 'Arbeitsmappe', where forcing the term damaged the words around it. The check is
-    on both sides: a glossary term matches its source as a whole word (glossary_constraints), so a joined copy
-    is not the source's shape (a --jsonl term has no source term to compare: the same check). Inflected and
-    compound forms are joined too ('Dialogfensters'), hence a warning, the line is kept; an occurrence inside a
-    whole-word occurrence of another of the term's forms is not reported (list 'Dialogfensters' as a form)."""
-    out = []
-    for c in constraints or ():
-        forms = [f for f in ((c,) if isinstance(c, str) else c if isinstance(c, (tuple, list)) else ())
-                 if isinstance(f, str) and f.strip()]
-        hits = [(k, k + len(f)) for f in forms for k in _occurrences(output, f)]
-        whole = [(a, b) for a, b in hits if not (a > 0 and _glues(output[a - 1], output[a]))
-                 and not (b < len(output) and _glues(output[b - 1], output[b]))]
-        glued = [_word_around(output, a, b) for a, b in hits
-                 if not any(x <= a and b <= y for x, y in whole)]
-        if glued:
-            words = ", ".join(map(repr, dict.fromkeys(glued)))
-            out.append(f"term {forms[0]!r} is joined to the neighbouring text ({words}); check the line (if that "
-                       f"form is right, list it as another target form of the term)")
-    return out
-
-
-def _occurrences(text: str, sub: str) -> list[int]:
-    out, k = [], text.find(sub)
-    while k >= 0:
-        out.append(k)
-        k = text.find(sub, k + 1)
-    return out
-
-
-def _word_around(text: str, a: int, b: int, most: int = 12) -> str:
-    """The whitespace-delimited text around text[a:b], with at most `most` characters either side of it."""
-    left, right = a, b
-    while left > max(0, a - most) and not text[left - 1].isspace():
-        left -= 1
-    while right < min(len(text), b + most) and not text[right].isspace():
-        right += 1
-    return text[left:right]
-
-
-def _utf8(b: bytes) -> str | None:
-    try:
-        return b.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
-
-
-def check_output(output: str | None, input: str | None = None) -> None:
-    """Fail before the model loads (seconds) rather than after the translation (minutes)."""
-    if output is None:
-        if sys.stdout is None:
-            raise UsageError("stdout is closed; pass -o FILE")
-        return
-    out = Path(output)
-    if out.is_dir():
-        raise UsageError(f"output {out} is a directory; pass a file path")
-    kind = special_kind(out)
-    if kind:
-        raise UsageError(f"output {out} is {kind}, which would be replaced by a regular file; to stream the "
-                         f"translation, leave out -o and redirect stdout")
-    if not out.parent.is_dir():
-        raise UsageError(f"the output's directory {out.parent} does not exist; create it first")
-    if input and same_file(Path(input), out):
-        raise UsageError(f"output {out} is the input {input}: the translation would replace the source; "
-                         f"write to another -o")
-
-
-def same_file(a: Path, b: Path) -> bool:
-    """The same file (hard links and symlinks included), or the same path once resolved."""
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return os.path.realpath(a) == os.path.realpath(b)
-
-
-class InOrder:
-    """Writes each input line's outputs as soon as it and all lines before it are done; flushes per line.
-    `pending` holds finished lines waiting behind an unfinished one (a stream cannot take them out of order)."""
-
-    def __init__(self, stream):
-        self.stream, self.next, self.pending = stream, 0, {}
-
-    def add(self, i: int, out: list[str]) -> None:
-        self.pending[i] = out
-        while self.next in self.pending:
-            for line in self.pending.pop(self.next):
-                self.stream.write(line.encode("utf-8") + b"\n")
-            self.stream.flush()
-            self.next += 1
-
-
 # -- validating and translating lines ----------------------------------------------------------------------------
 def report_line(number: int, why: str, where: str = "") -> None:
     """A bad input line on stderr: number counts from 1 in its file (`where`, when there are several)."""
@@ -601,6 +251,16 @@ def alternatives_line(alts) -> str:
 NO_ALTERNATIVES = json.dumps({"alternatives": []})      # an empty or bad input line in --alternatives mode
 
 
+def jsonl_line(s: Settings, i: int, translations: list[dict], problems: list[str] = ()) -> str:
+    """One output line of --jsonl: {"id" (if given), "translations": [{"text", "score", "constraints_met"}],
+    "problems": [...] (if any)}."""
+    obj = {"id": s.line_ids[i]} if s.line_ids is not None and s.line_ids[i] is not None else {}
+    obj["translations"] = translations
+    if problems:
+        obj["problems"] = list(problems)
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False)
+
+
 def translate(s: Settings, engine, todo, on_line, progress, first: int = 0, report=report_line,
               lines: list[bytes] | None = None) -> Stats:
     """Decode `todo` [(index, ids)] in batches; on_line(index, outputs) as each line completes. A translation
@@ -608,83 +268,111 @@ def translate(s: Settings, engine, todo, on_line, progress, first: int = 0, repo
     lines: the source lines `todo` indexes (for glossary terms and spans to copy). A line whose constraints did
     not all fit is translated again without them and reported; a copied span that did not survive is reported, and
     so is a term joined to the neighbouring word (joined_terms), as each line ends."""
-    ctx = engine.target.cfg.context_length
-    total = Stats()
-    by_tokens = s.batch_type == "tokens"
     prefix = [s.prefixes[first + i] or None for i, _ in todo] if s.prefixes is not None else None
-    terms, spans = line_constraints(s, lines) if s.constrained and lines is not None else (None, None)
+    run = _Decoding(s, engine, on_line, progress, first, report, lines)
     if s.alternatives:           # one line at a time: its N continuations are the batch
+        run.alternatives(todo, prefix)
+        return run.total
+    run.limit = s.generation["max_new_tokens"]
+    terms = run.terms
+    for k, res in run.batches(todo, prefix, [terms[i] for i, _ in todo] if terms else None):
+        if res.hypotheses[0].constraints_met is False:
+            run.unfit(todo, k, res, prefix)
+            continue
+        run.done(todo, k, res)
+    return run.total
+
+
+class _Decoding:
+    """One translate() call: the engine's batches, each line's problems (on stderr, and kept for its --jsonl
+    output), its output lines and the running Stats."""
+
+    def __init__(self, s: Settings, engine, on_line, progress, first: int, report, lines: list[bytes] | None):
+        self.s, self.engine, self.on_line, self.progress = s, engine, on_line, progress
+        self.first, self.report, self.lines = first, report, lines
+        self.ctx = engine.target.cfg.context_length
+        self.total = Stats()
+        self.by_tokens = s.batch_type == "tokens"
+        self.terms, self.spans = line_constraints(s, lines) if s.constrained and lines is not None else (None, None)
+        self.said: dict[int, list[str]] = {}
+
+    def alternatives(self, todo, prefix) -> None:
+        s = self.s
         for k, (i, ids) in enumerate(todo):
-            alts = engine.alternatives(ids, prefix[k] if prefix else None, s.alternatives,
-                                       speculative=s.speculative, tgt_lang=s.tgt_lang,
-                                       max_batch_size=s.batch_size if not by_tokens else s.alternatives,
-                                       **s.generation)
-            on_line(i, [alternatives_line(alts)])
-            progress.update(1)
-        return total
+            alts = self.engine.alternatives(ids, prefix[k] if prefix else None, s.alternatives,
+                                            speculative=s.speculative, tgt_lang=s.tgt_lang,
+                                            max_batch_size=s.batch_size if not self.by_tokens else s.alternatives,
+                                            **s.generation)
+            self.on_line(i, [alternatives_line(alts)])
+            self.progress.update(1)
 
-    def run(items, prefixes, constraints):
-        return engine.generate_iter([ids for _, ids in items], speculative=s.speculative, tgt_lang=s.tgt_lang,
-                                    max_batch_size=s.batch_size if not by_tokens else max(1, len(items)),
-                                    max_batch_tokens=s.batch_size if by_tokens else None,
-                                    target_prefix=prefixes, constraints=constraints, **s.generation)
+    def batches(self, items, prefixes, constraints):
+        s, by_tokens = self.s, self.by_tokens
+        return self.engine.generate_iter([ids for _, ids in items], speculative=s.speculative, tgt_lang=s.tgt_lang,
+                                         max_batch_size=s.batch_size if not by_tokens else max(1, len(items)),
+                                         max_batch_tokens=s.batch_size if by_tokens else None,
+                                         target_prefix=prefixes, constraints=constraints, **s.generation)
 
-    said: dict[int, list[str]] = {}
+    def say(self, i, why):            # a line's problem: on stderr, and in its --jsonl output
+        self.said.setdefault(i, []).append(why)
+        self.report(self.first + i + 1, why)
 
-    def say(i, why):            # a line's problem: on stderr, and in its --jsonl output
-        said.setdefault(i, []).append(why)
-        report(first + i + 1, why)
+    def unfit(self, todo, k, res, prefix) -> None:
+        """todo[k]'s constraints did not all fit: reported, and the line translated again without them."""
+        i = todo[k][0]
+        what = [c["text"] if isinstance(c, dict) else c if isinstance(c, str) else c[0] for c in self.terms[i]
+                if not isinstance(c, dict) or "text" in c]
+        self.say(i, f"{' / '.join(map(repr, what))} did not all fit in --max_decoding_length {self.limit}: "
+                    f"translated without the glossary and markup constraints")
+        self.total.add(res.stats)
+        # the best translation without constraints (never a broken one, never none), at once: at the end of
+        # the run it held back every later line on stdout, and an interrupt lost them (issue 49 item 8)
+        for j, again in self.batches([todo[k]], [prefix[k]] if prefix else None, None):
+            self.done([todo[k]], j, again)
 
-    def done(items, k, res):
+    def done(self, items, k, res) -> None:
         i = items[k][0]
-        room = ctx - len(items[k][1])
-        if engine.encoder is None and room < limit and any(len(h.tokens) >= room for h in res.hypotheses):
-            say(i, f"the translation reached the model's context ({ctx} tokens) after {room} tokens and may be "
-                   f"cut; shorten the line or pass a smaller --max_input_length")
+        self.check(i, len(items[k][1]), res)
+        self.write(i, res)
+        self.total.add(res.stats)
+        self.progress.update(1)
+        self.progress.set_postfix_str(f"{self.total.generated_tokens} tok", refresh=False)
+
+    def check(self, i: int, n_ids: int, res) -> None:
+        """Line i's problems, said: a cut at the model's context, n-best that missed constraints, markup not
+        kept, a term joined to its neighbour."""
+        s, ctx, spans, terms, best = self.s, self.ctx, self.spans, self.terms, res.hypotheses[0]
+        room = ctx - n_ids
+        if self.engine.encoder is None and room < self.limit and any(len(h.tokens) >= room for h in res.hypotheses):
+            self.say(i, f"the translation reached the model's context ({ctx} tokens) after {room} tokens and may "
+                        f"be cut; shorten the line or pass a smaller --max_input_length")
         short = [str(n + 1) for n, h in enumerate(res.hypotheses) if h.constraints_met is False]
         if short:                                   # the best met them all, these n-best did not
-            say(i, f"n-best hypotheses {', '.join(short)} do not hold every glossary term and span (the length "
-                   f"limit came first)")
+            self.say(i, f"n-best hypotheses {', '.join(short)} do not hold every glossary term and span (the "
+                        f"length limit came first)")
         odd = out_of_order(spans[i]) if spans and spans[i] else []
         if odd:
-            say(i, f"the source closes {', '.join(f'</{n}>' for n in odd)} before opening it: copied in the "
-                   f"source's order, without the rule that a closing tag follows its opening tag")
-        if spans and spans[i] and res.hypotheses[0].constraints_met is not False:
-            problems = survives(spans[i], res.hypotheses[0].text, s.markup_patterns)
-            problems += emptied(lines[i].decode("utf-8", "replace"), res.hypotheses[0].text, s.markup_patterns)
+            self.say(i, f"the source closes {', '.join(f'</{n}>' for n in odd)} before opening it: copied in the "
+                        f"source's order, without the rule that a closing tag follows its opening tag")
+        if spans and spans[i] and best.constraints_met is not False:
+            problems = survives(spans[i], best.text, s.markup_patterns)
+            problems += emptied(self.lines[i].decode("utf-8", "replace"), best.text, s.markup_patterns)
             if problems:
-                say(i, "markup not kept: " + "; ".join(problems))
-        if terms and terms[i] and res.hypotheses[0].constraints_met:
-            for why in joined_terms(terms[i], res.hypotheses[0].text):
-                say(i, why)
+                self.say(i, "markup not kept: " + "; ".join(problems))
+        if terms and terms[i] and best.constraints_met:
+            for why in joined_terms(terms[i], best.text):
+                self.say(i, why)
+
+    def write(self, i: int, res) -> None:
+        s = self.s
         if s.jsonl:
-            on_line(i, [jsonl_line(s, first + i, [
+            self.on_line(i, [jsonl_line(s, self.first + i, [
                 {"text": h.text, "score": round(h.score, 6) if math.isfinite(h.score) else None,
                  **({"constraints_met": h.constraints_met} if h.constraints_met is not None else {})}
-                for h in res.hypotheses], said.get(i, []))])
+                for h in res.hypotheses], self.said.get(i, []))])
         else:
             hyps = [f"{h.score:.4f} ||| {h.text}" if s.with_score else h.text for h in res.hypotheses]
-            on_line(i, [one_line(h) for h in hyps])
-        total.add(res.stats)
-        progress.update(1)
-        progress.set_postfix_str(f"{total.generated_tokens} tok", refresh=False)
-
-    limit = s.generation["max_new_tokens"]
-    for k, res in run(todo, prefix, [terms[i] for i, _ in todo] if terms else None):
-        if res.hypotheses[0].constraints_met is False:
-            i = todo[k][0]
-            what = [c["text"] if isinstance(c, dict) else c if isinstance(c, str) else c[0] for c in terms[i]
-                    if not isinstance(c, dict) or "text" in c]
-            say(i, f"{' / '.join(map(repr, what))} did not all fit in --max_decoding_length {limit}: translated "
-                   f"without the glossary and markup constraints")
-            total.add(res.stats)
-            # the best translation without constraints (never a broken one, never none), at once: at the end of
-            # the run it held back every later line on stdout, and an interrupt lost them (issue 49 item 8)
-            for j, again in run([todo[k]], [prefix[k]] if prefix else None, None):
-                done([todo[k]], j, again)
-            continue
-        done(todo, k, res)
-    return total
+            self.on_line(i, [one_line(h) for h in hyps])
 
 
 def summary(stats, lines: int, seconds: float) -> str:

@@ -21,7 +21,10 @@ retried (--shard_retries), each retry reported.
 Cluster: a local Ray instance on this machine by default; --ray_address (or RAY_ADDRESS) joins a running one
 (`ray start --head` on one machine, `ray start --address HEAD:6379` on the others). Each node needs this
 project installed (`pip install "specbeam-edge[ray]"`) and the model folders at the same paths. Ray is an
-optional extra, imported only here and only when --engine ray runs.
+optional extra, imported only by this module and ray_cluster.py and only when --engine ray runs.
+
+Here: the flags and the driver (RayRun: manifest, scheduling, retries, assembly); ray_plan.py: the input files,
+outputs and shards; ray_cluster.py: the actor (ShardWorker) and the cluster.
 
 Ray core actors, not Ray Data's map_batches: the driver commits each shard the moment it is back and counts
 and reports every retry, where a dataset would fail as a whole on one block's exception and would add pyarrow
@@ -33,14 +36,10 @@ import argparse
 import copy
 import hashlib
 import json
-import logging
-import os
 import shutil
-import signal
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
@@ -48,12 +47,11 @@ from tqdm import tqdm
 from specbeam_edge.flags import positive_int
 from specbeam_edge.results import Stats
 
-from .job import (LABELS, PROG, Settings, UsageError, check_output, file_settings, open_engine, prepare,
-                  split_lines, summary, translate)
-from .journal import (Journal, OutputLock, atomic_write, atomic_write_chunks, finished_as, output_lines,
-                      raise_terminated, remember_finished)
-
-PART_DIGITS = 6
+from .files import UsageError, split_lines
+from .job import LABELS, PROG, Settings, file_settings, summary
+from .journal import Journal, OutputLock, atomic_write, atomic_write_chunks, finished_as, remember_finished
+from .ray_cluster import ShardWorker, actors_that_fit, check_resources, connect, error_line, keep_sigterm
+from .ray_plan import Shard, input_files, input_sha256, output_paths, plan
 
 
 def add_ray_args(ap: argparse.ArgumentParser) -> None:
@@ -74,202 +72,6 @@ def add_ray_args(ap: argparse.ArgumentParser) -> None:
                    help="input lines per shard: the unit of work, of commit and of resume")
     r.add_argument("--shard_retries", type=int, default=2,
                    help="times a failed shard (worker died, error) is tried again before the run gives up on it")
-
-
-# -- the plan: input files, shards, where outputs go -------------------------------------------------------------
-@dataclass(frozen=True)
-class Shard:
-    index: int          # its record key in the manifest and its part file's number
-    file: int           # index into the job's input files
-    first: int          # input line index (in its file) of its first line
-    count: int
-
-    @property
-    def part(self) -> str:
-        return f"part-{self.index:0{PART_DIGITS}d}"
-
-
-def _has_magic(text: str) -> bool:
-    return any(c in text for c in "*?[")
-
-
-def own_files(output: Path | None) -> list[str]:
-    """Real paths of what a run on -o writes (the output, its shard folder, lock, pid file and journal): never
-    read as input, also when -o lies inside the input folder."""
-    if output is None:
-        return []
-    return [os.path.realpath(output.with_name(output.name + suffix))
-            for suffix in ("", ".shards", ".lock", ".lock.pid", ".journal")]
-
-
-def _under(real: str, folder: str) -> bool:
-    return real == folder or real.startswith(folder.rstrip(os.sep) + os.sep)
-
-
-def _is_own(path: Path, own: list[str]) -> bool:
-    real = os.path.realpath(path)
-    return any(_under(real, o) for o in own)
-
-
-def _own_below(root: Path, own: list[str]) -> list[str]:
-    """The run's own paths that can hold inputs' siblings: an -o folder that holds the input root itself is
-    not excluded as a whole (output_paths refuses any output that would replace an input)."""
-    real = os.path.realpath(root)
-    return [o for o in own if not _under(real, o)]
-
-
-def input_files(spec: str, output: Path | None = None) -> tuple[list[tuple[Path, str]], bool]:
-    """(path, name relative to the input root) of every input file, and whether -o is a folder (a folder or a
-    glob input) rather than a file (a file input). Each real file is listed once (a symlink loop or a second
-    link to a file is not translated twice; `**` does not descend into symlinked folders), and the run's own
-    files on `output` are never inputs."""
-    path = Path(spec)
-    own = own_files(output)
-    if path.is_file():
-        return [(path, path.name)], False
-    if path.is_dir():
-        if output is not None and os.path.realpath(output) == os.path.realpath(path):
-            raise UsageError(f"-o {output} is the input folder: the outputs would replace their inputs; write to "
-                             f"another folder")
-        files = [p for p in sorted(path.rglob("*")) if p.is_file()
-                 and not any(part.startswith(".") for part in p.relative_to(path).parts)]
-        own = _own_below(path, own)
-        files = _unique(p for p in files if not _is_own(p, own))
-        if not files:
-            raise UsageError(f"input folder {path} holds no files")
-        return [(p, p.relative_to(path).as_posix()) for p in files], True
-    if not _has_magic(spec):
-        raise UsageError(f"input {spec} does not exist; pass a file, a folder or a glob")
-    prefix = _prefix(path.parts)
-    rest = path.parts[len(prefix):]
-    if ".." in rest:
-        raise UsageError(f"input glob {spec}: '..' after a wildcard could leave the input folder (and put outputs "
-                         f"outside -o); name the folder before the first wildcard instead")
-    root = Path(*prefix) if prefix else Path(".")
-    hidden_ok = any(part.startswith(".") for part in rest)
-    files = [p for p in sorted(root.glob(str(Path(*rest)))) if p.is_file()
-             and (hidden_ok or not any(part.startswith(".") for part in p.relative_to(root).parts))]
-    own = _own_below(root, own)
-    files = _unique(p for p in files if not _is_own(p, own))
-    if not files:
-        raise UsageError(f"no input file matches {spec}")
-    return [(p, p.relative_to(root).as_posix()) for p in files], True
-
-
-def _unique(paths) -> list[Path]:
-    """The first path to each real file (sorted order in, sorted order out)."""
-    seen, out = set(), []
-    for p in paths:
-        real = os.path.realpath(p)
-        if real not in seen:
-            seen.add(real)
-            out.append(p)
-    return out
-
-
-def _prefix(parts: tuple[str, ...]) -> list[str]:
-    """The folders of a glob before its first wildcard: outputs keep the paths below them."""
-    out = []
-    for p in parts[:-1]:
-        if _has_magic(p):
-            break
-        out.append(p)
-    return out
-
-
-def output_paths(output: Path, files: list[tuple[Path, str]], folder: bool) -> list[Path]:
-    """Where each input file's output goes; fails before any work if -o cannot take them (a special file, a
-    file where a folder is needed, or an output that is one of the inputs)."""
-    if not folder:
-        check_output(str(output), str(files[0][0]))
-        return [output]
-    if output.exists() and not output.is_dir():
-        raise UsageError(f"output {output} is a file; with a folder or glob input, -o is a folder")
-    if not output.parent.is_dir():
-        raise UsageError(f"the output's directory {output.parent} does not exist; create it first")
-    outs = [output / name for _, name in files]
-    inputs = {os.path.realpath(p): p for p, _ in files}
-    for out in outs:
-        if os.path.realpath(out) in inputs:
-            raise UsageError(f"output {out} would replace the input {inputs[os.path.realpath(out)]}; write to "
-                             f"another -o")
-    return outs
-
-
-def check_resources(nodes: list[dict], cpus: float, gpus: float) -> None:
-    """Refuse up front an actor that no node of the cluster can hold (Ray would wait for one forever)."""
-    alive = [n.get("Resources", {}) for n in nodes if n.get("Alive", True)]
-    most_cpu = max((r.get("CPU", 0) for r in alive), default=0)
-    most_gpu = max((r.get("GPU", 0) for r in alive), default=0)
-    if cpus > most_cpu:
-        raise UsageError(f"--cpus_per_actor {cpus:g}: no node of the Ray cluster has that many CPUs (the largest "
-                         f"has {most_cpu:g}); pass at most {most_cpu:g}")
-    if gpus > most_gpu:
-        have = f"the largest has {most_gpu:g}" if most_gpu else "it has none"
-        raise UsageError(f"--gpus_per_actor {gpus:g}: no node of the Ray cluster has that many GPUs ({have}); "
-                         f"pass --gpus_per_actor 0 (or a fraction a node has)")
-
-
-def actors_that_fit(nodes: list[dict], cpus: float, gpus: float) -> int:
-    """How many actors of `cpus` CPUs and `gpus` GPUs the cluster's live nodes hold at once (Ray starts no more:
-    the rest would wait for ever)."""
-    total = 0
-    for n in nodes:
-        if not n.get("Alive", True):
-            continue
-        r = n.get("Resources", {})
-        fit = int(r.get("CPU", 0) // cpus) if cpus > 0 else 10**9
-        if gpus > 0:
-            fit = min(fit, int(r.get("GPU", 0) // gpus))
-        total += fit
-    return total
-
-
-def plan(counts: list[int], shard_lines: int) -> list[Shard]:
-    """Shards in input order: every file cut into runs of shard_lines lines (a shard never spans two files)."""
-    shards = []
-    for f, n in enumerate(counts):
-        for first in range(0, n, shard_lines):
-            shards.append(Shard(len(shards), f, first, min(shard_lines, n - first)))
-    return shards
-
-
-def input_sha256(names: list[str], raws: list[bytes]) -> str:
-    h = hashlib.sha256()
-    for name, raw in zip(names, raws):
-        h.update(f"{name}\0{hashlib.sha256(raw).hexdigest()}\0".encode())
-    return h.hexdigest()
-
-
-# -- the worker: one Engine, whole shards ------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ShardResult:
-    data: bytes | None          # the shard's output bytes; None: a bad line stopped it (--on_error fail)
-    bad: list                   # [(line number in its file, why)]: bad lines, truncated lines, context cuts
-    stats: object               # specbeam_edge Stats
-
-
-class ShardWorker:
-    """Runs in a Ray actor: loads the Engine once, then translates shard after shard with the local tool's
-    validation, batching and formatting (so shards join into the single-process output byte for byte)."""
-
-    def __init__(self, args: argparse.Namespace, settings: Settings):
-        self.settings = settings
-        self.engine = open_engine(args, settings)
-
-    def ready(self) -> int:
-        return os.getpid()
-
-    def translate(self, first: int, lines: list[bytes]) -> ShardResult:
-        bad = []
-        report = lambda n, why: bad.append((n, why))    # noqa: E731
-        items, fixed, _ = prepare(self.settings, self.engine, lines, first, report)
-        if items is None:
-            return ShardResult(None, bad, None)
-        outputs = dict(fixed)
-        stats = translate(self.settings, self.engine, items, outputs.__setitem__, tqdm(disable=True), first,
-                          report, lines=lines)
-        return ShardResult(output_lines(outputs, 0, len(lines)), bad, stats)
 
 
 # -- the driver --------------------------------------------------------------------------------------------------
@@ -424,7 +226,7 @@ class RayRun:
         try:
             ray.get([x.ready.remote() for x in actors])
         except ray.exceptions.RayError as e:
-            raise UsageError(f"a Ray worker could not load the model: {_cause(e)}") from None
+            raise UsageError(f"a Ray worker could not load the model: {error_line(e)}") from None
         return actors
 
     def schedule(self, actors: list, stats) -> bool:
@@ -478,7 +280,7 @@ class RayRun:
             time.sleep(0.5)
             self.ping(actor)
         except ray.exceptions.RayError as e:
-            self.progress.write(f"{self.prog}: a worker died for good ({_cause(e)}); going on without it",
+            self.progress.write(f"{self.prog}: a worker died for good ({error_line(e)}); going on without it",
                                 file=sys.stderr)
 
     def on_shard(self, ref, shard: Shard, actor) -> bool:
@@ -488,11 +290,11 @@ class RayRun:
         try:
             res = ray.get(ref)
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
-            self.retry(shard, _cause(e))
+            self.retry(shard, error_line(e))
             self.ping(actor)            # the worker died: back to work once Ray has restarted it
             return True
         except ray.exceptions.RayError as e:
-            self.retry(shard, _cause(e))
+            self.retry(shard, error_line(e))
             self.idle.append(actor)
             return True
         self.idle.append(actor)
@@ -530,35 +332,3 @@ class RayRun:
             atomic_write_chunks(out, (p.read_bytes() for p in parts))
             remember_finished(out, self.input_sha256[f], self.file_settings)
         shutil.rmtree(self.state)
-
-
-def connect(args) -> bool:
-    """Join the cluster named by --ray_address / RAY_ADDRESS, or start a local one; True if this call started
-    the connection (and so shuts it down at the end). A caller already connected (tests, notebooks) is kept."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    level = logging.WARNING if args.quiet else logging.INFO
-    # Workers' own stderr is not forwarded: what a shard has to say (bad lines, errors) comes back with it.
-    address = args.ray_address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, log_to_driver=False, logging_level=level)
-    else:
-        ray.init(include_dashboard=False, log_to_driver=False, logging_level=level)
-    return True
-
-
-def keep_sigterm() -> None:
-    """ray.init installs Ray's C++ failure handler for SIGTERM (it prints a native stack and exits 15); the
-    tool's own handler is put back so that SIGTERM ends the run as the local engine does (one line, exit 143,
-    committed shards kept)."""
-    if signal.getsignal(signal.SIGTERM) is not raise_terminated:
-        signal.signal(signal.SIGTERM, raise_terminated)
-
-
-def _cause(error: Exception) -> str:
-    """One line for a Ray error: the worker's own exception when there is one, not Ray's wrapping."""
-    cause = getattr(error, "cause", None)
-    text = f"{type(cause).__name__}: {cause}" if cause is not None else f"{type(error).__name__}: {error}"
-    return text.strip().splitlines()[0] if text.strip() else type(error).__name__
