@@ -319,7 +319,7 @@ def draft_source(shipped: Path, target: Path, out: Path) -> None:
     cfg = json.loads((target / "specbeam_config.json").read_text())
     graph = target / (cfg.get("files", {}).get("model") or cfg.get("files", {}).get("embed") or "model.onnx")
     model = onnx.load(str(graph), load_external_data=False)
-    table = _exporter(".graph").embedding_values(model.graph.initializer, str(graph.parent))
+    table = _exporter(".embedding").embedding_values(model.graph.initializer, str(graph.parent))
     if table is None:
         raise FetchError(f"{graph} has no embedding table to build the draft from; run `specbeam fetch "
                          f"--force` to export the target again")

@@ -36,11 +36,24 @@ def main(argv=None) -> int:
         return 2
     ap = argparse.ArgumentParser(prog="specbeam-export", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_io_args(ap)
+    _add_form_args(ap, PRECISIONS)
+    _add_tuning_args(ap)
+    _add_run_args(ap)
+    return _run(export, ap.parse_args(argv))
+
+
+def _add_io_args(ap: argparse.ArgumentParser) -> None:
+    """The model to read and the folder to write."""
     ap.add_argument("-i", "--input", required=True, help="local Hugging Face model folder (config.json, "
                     "*.safetensors, tokenizer.json, generation_config.json), or a local .gguf file (dequantized "
                     "by transformers; its tokenizer rebuilt)")
     ap.add_argument("-o", "--output", required=True, help="output specbeam model folder")
-    ap.add_argument("-p", "--precision", choices=PRECISIONS, default="fp32",
+
+
+def _add_form_args(ap: argparse.ArgumentParser, precisions: tuple) -> None:
+    """What the export is: weight precision, layout, outputs, compute type."""
+    ap.add_argument("-p", "--precision", choices=precisions, default="fp32",
                     help="weight precision: fp32; fp16 storage; int8w (int8 weight storage, per output channel, "
                     "dequantized at load: fp32 compute, batch-invariant, about half of fp16's size; split layout: "
                     "dequantized per pass, the streamed int8 form for CUDA); "
@@ -55,6 +68,10 @@ def main(argv=None) -> int:
                          "or both, chosen per run (a draft: exact search reads its top-k, sampling its logits)")
     ap.add_argument("--compute", choices=("fp32", "fp16"), default="fp32",
                     help="fp16: weights, activations and KV cache in fp16 (for GPUs; whole layout; logits fp32)")
+
+
+def _add_tuning_args(ap: argparse.ArgumentParser) -> None:
+    """Quantization details, attention arithmetic and a draft's cut head."""
     ap.add_argument("--block_size", type=block_size, default=32,
                     help="int4 quantization block size (a power of two >= 16)")
     ap.add_argument("--int4_weights", choices=("file", "rtn"), default="file",
@@ -73,11 +90,18 @@ def main(argv=None) -> int:
                     help="for a draft: its head scores only the token ids below N and the tokenizer's added tokens "
                          "(a smaller head, a cheaper draft level; the target still scores every token, so output "
                          "is unchanged). Never for a target: it could not produce the other tokens")
+
+
+def _add_run_args(ap: argparse.ArgumentParser) -> None:
+    """How the export runs: replacing a previous one, progress display."""
     ap.add_argument("--overwrite", action="store_true", help="replace the previous export in the output folder: what "
                     "an export writes is replaced, other files and folders in it are kept; a folder that holds no "
                     "export, the input or a folder around it is refused")
     ap.add_argument("-q", "--quiet", action="store_true", help="no progress display")
-    args = ap.parse_args(argv)
+
+
+def _run(export, args: argparse.Namespace) -> int:
+    """Run the export the arguments ask for; each failure as one line on stderr and its exit status."""
     try:
         out = export(args.input, args.output, precision=args.precision, layout=args.layout,
                      output=args.output_kind, overwrite=args.overwrite, block_size=args.block_size, quiet=args.quiet,

@@ -36,7 +36,7 @@ from onnx import numpy_helper as onh
 
 from specbeam_edge.contract import AHEAD_FORM as FORM, AHEAD_INPUT, AHEAD_OUTPUTS, file_sha256
 
-from .graph import blocks_lookup, embedding_values
+from .embedding import blocks_lookup, embedding_values
 
 FINAL_HIDDEN = "final_h"
 WEIGHTS = ("w1", "b1", "w2", "b2", "norm")
@@ -52,13 +52,13 @@ def _embedding_table(g: onnx.GraphProto) -> str:
                      "export is needed")
 
 
-# the int8 embedding's scales and shapes (export/graph._int8_rows_embedding), read from the enclosing graph
+# the int8 embedding's scales and shapes (export/embedding._int8_rows_embedding), read from the enclosing graph
 INT8_TABLE = ("embed.weight.blockscale", "embed.blocks", "embed.last_axis", "embed.flat")
 
 
 def _lookup(emb: str, tok: str, q: str, inits: set[str]) -> list:
     """Nodes giving q + "e": the embedding rows of `tok`, as the target computes them (an int8 table's codes times
-    their block scales, a GGUF's own blocks (graph.blocks_lookup), fp32 otherwise)."""
+    their block scales, a GGUF's own blocks (embedding.blocks_lookup), fp32 otherwise)."""
     if emb == "embed.codes":
         return blocks_lookup(tok, q + "e", "embed.low_mask" in inits, "embed.bzero" in inits,
                              "embed.boffset" in inits)
@@ -93,6 +93,22 @@ def add_head(model: onnx.ModelProto, weights: dict[str, np.ndarray], token_ids: 
     every pass, plain ones included, and its weights then stream 4x fewer bytes, 6 MB instead of 23 MB at
     SmolLM2-135M's size). depth: levels of guesses (see the module docstring); the outputs' last axis holds the
     `guesses` of level 1, then one guess of each deeper level (guesses + depth - 1 columns)."""
+    emb, E, token_ids = _checked(model, weights, token_ids, guesses, depth)
+    g = model.graph
+    p = "ahead."
+    inits = _head_inits(weights, E, token_ids, guesses, p)
+    nodes = _levels(emb, {t.name for t in g.initializer}, guesses, depth, eps, p)
+    if int8:
+        nodes, inits = _rowwise(nodes, inits, [FINAL_HIDDEN, "topk_ids", emb, *INT8_TABLE], reduce_range)
+        have = {t.name for t in g.initializer}
+        inits = [t for t in inits if t.name not in have]     # quant.py's shared constants, already in an int8 graph
+    for i, n in enumerate(nodes):
+        n.name = f"{p}{i}.{n.op_type}"
+    _add_switched(g, nodes, inits, guesses + depth - 1, p)
+
+
+def _checked(model: onnx.ModelProto, weights: dict[str, np.ndarray], token_ids, guesses: int, depth: int):
+    """add_head's arguments checked against the graph: (the embedding tensor, its fp32 table, the token ids)."""
     check_graph(model)
     if depth < 1 or guesses < 1:
         raise ValueError(f"the head needs guesses >= 1 and depth >= 1, got {guesses} and {depth}")
@@ -109,13 +125,22 @@ def add_head(model: onnx.ModelProto, weights: dict[str, np.ndarray], token_ids: 
     for k, shape in shapes.items():
         if tuple(weights[k].shape) != shape:
             raise ValueError(f"lookahead weight {k} has shape {tuple(weights[k].shape)}, the graph needs {shape}")
-    p = "ahead."
+    return emb, E, token_ids
+
+
+def _head_inits(weights: dict[str, np.ndarray], E: np.ndarray, token_ids: np.ndarray, guesses: int,
+                p: str) -> list:
+    """The head's weights, its output rows of the embedding table [H, S] and its constants."""
     inits = [onh.from_array(np.asarray(weights[k], np.float32), p + k) for k in WEIGHTS]
-    inits += [onh.from_array(np.ascontiguousarray(E[token_ids].T), p + "head"),     # [H, S]
-              onh.from_array(token_ids, p + "token_ids"),
-              onh.from_array(np.array(0, np.int64), p + "zero"),
-              onh.from_array(np.array([guesses], np.int64), p + "m"),
-              onh.from_array(np.array([1], np.int64), p + "one")]
+    return inits + [onh.from_array(np.ascontiguousarray(E[token_ids].T), p + "head"),     # [H, S]
+                    onh.from_array(token_ids, p + "token_ids"),
+                    onh.from_array(np.array(0, np.int64), p + "zero"),
+                    onh.from_array(np.array([guesses], np.int64), p + "m"),
+                    onh.from_array(np.array([1], np.int64), p + "one")]
+
+
+def _levels(emb: str, init_names: set[str], guesses: int, depth: int, eps: float, p: str) -> list:
+    """The head's nodes, level after level, ending in its outputs p + "out_lp" and p + "out_ids"."""
     nodes = [oh.make_node("Gather", ["topk_ids", p + "zero"], [p + "next"], axis=-1)]  # [B, n]: the target's best
     h, lps, ids = FINAL_HIDDEN, [], []
     for level in range(1, depth + 1):
@@ -124,7 +149,7 @@ def add_head(model: onnx.ModelProto, weights: dict[str, np.ndarray], token_ids: 
         q = f"{p}l{level}."
         tok = p + "next" if level == 1 else f"{p}l{level - 1}.tok"
         k = p + "m" if level == 1 else p + "one"
-        nodes += _lookup(emb, tok, q, {t.name for t in g.initializer}) + [                                                # [B, n, H]
+        nodes += _lookup(emb, tok, q, init_names) + [                                              # [B, n, H]
             oh.make_node("Concat", [h, q + "e"], [q + "z"], axis=-1),
             oh.make_node("MatMul", [q + "z", p + "w1"], [q + "u0"]),
             oh.make_node("Add", [q + "u0", p + "b1"], [q + "u1"]),
@@ -144,18 +169,15 @@ def add_head(model: onnx.ModelProto, weights: dict[str, np.ndarray], token_ids: 
         h = q + "y"
         lps.append(q + "out_lp")
         ids.append(q + "out_ids")
-    nodes += [oh.make_node("Concat", lps, [p + "out_lp"], axis=-1),
-              oh.make_node("Concat", ids, [p + "out_ids"], axis=-1)]
-    if int8:
-        nodes, inits = _rowwise(nodes, inits, [FINAL_HIDDEN, "topk_ids", emb, *INT8_TABLE], reduce_range)
-        have = {t.name for t in g.initializer}
-        inits = [t for t in inits if t.name not in have]     # quant.py's shared constants, already in an int8 graph
-    for i, n in enumerate(nodes):
-        n.name = f"{p}{i}.{n.op_type}"
+    return nodes + [oh.make_node("Concat", lps, [p + "out_lp"], axis=-1),
+                    oh.make_node("Concat", ids, [p + "out_ids"], axis=-1)]
+
+
+def _add_switched(g: onnx.GraphProto, nodes: list, inits: list, cols: int, p: str) -> None:
+    """The head's nodes into `g` as the then branch of an If on the `ahead_on` input, its weights and its I/O."""
     # the head runs inside an If on the `ahead_on` input: onnxruntime runs every node of a graph whatever outputs
     # a run asks for, and plain passes (plain search, adaptive speculation's plain choice) would pay for it
     # (measured on SmolLM2-135M: greedy 0.93x with the head always on); the else branch gives empty guesses
-    cols = guesses + depth - 1
     shape = ["batch", "n_new", cols]
     then = oh.make_graph(nodes, "ahead_then", [],
                          [oh.make_tensor_value_info(p + "out_lp", TensorProto.FLOAT, shape),

@@ -235,14 +235,36 @@ def gguf_int4(model: onnx.ModelProto, known: dict[str, Blocks] | None = None, tr
     for n in g.node:
         for i in n.input:
             consumers.setdefault(i, []).append(n)
+    recovered = _recover_weights(g, inits, known, trusted)
+    if not recovered:
+        return None
+    out = _NBits()
+    dropped = out.rewrite(g, inits, consumers, recovered)
+    del g.node[:]
+    g.node.extend(out.nodes)
+    kept = [_copy(t) for t in g.initializer if t.name not in dropped]
+    del g.initializer[:]
+    g.initializer.extend(kept + out.inits + out.consts)
+    if not any(i.domain == "com.microsoft" for i in model.opset_import):
+        model.opset_import.append(oh.make_opsetid("com.microsoft", 1))
+    return {"method": METHOD, "accuracy_level": 4, **block_counts(out.kinds),
+            "ops": "MatMulNBits (every weight MatMul incl. lm_head; q4_1, q4_k and q5_1 add their block offsets as a small fp32 "
+                   "MatMul of the activations' block sums); embeddings, attention and norms as exported"}
 
-    def weight(n) -> bool:
-        t = inits.get(n.input[1]) if n.op_type == "MatMul" else None
-        return t is not None and t.data_type == TensorProto.FLOAT and len(t.dims) == 2
 
+def _weight(n, inits: dict) -> bool:
+    """Whether node n is a MatMul by a constant 2-D fp32 weight."""
+    t = inits.get(n.input[1]) if n.op_type == "MatMul" else None
+    return t is not None and t.data_type == TensorProto.FLOAT and len(t.dims) == 2
+
+
+def _recover_weights(g: onnx.GraphProto, inits: dict, known: dict[str, Blocks] | None,
+                     trusted: bool) -> dict[str, Blocks] | None:
+    """The blocks of every weight MatMul's weight, by initializer name (the file's, checked, or recovered from
+    the values); None when one lies on no grid."""
     recovered: dict[str, Blocks] = {}
     for n in g.node:
-        if weight(n) and n.input[1] not in recovered:
+        if _weight(n, inits) and n.input[1] not in recovered:
             t = inits[n.input[1]]
             b = (known or {}).get(n.input[1])
             if b is not None and (b.codes.shape[0] != t.dims[1] or b.codes.shape[1] * b.block != t.dims[0]):
@@ -254,70 +276,73 @@ def gguf_int4(model: onnx.ModelProto, known: dict[str, Blocks] | None = None, tr
             if b is None:
                 return None
             recovered[n.input[1]] = b
-    if not recovered:
-        return None
-    # one activation's MatMuls of one kind, each weight used once: one MatMulNBits, then Split
-    groups: dict[tuple, list] = {}
-    for n in g.node:
-        if weight(n) and len(consumers[n.input[1]]) == 1:
-            groups.setdefault((n.input[0], recovered[n.input[1]].kind), []).append(n)
-    group_of = {m.output[0]: grp for grp in groups.values() if len(grp) > 1 for m in grp}
-    nodes, new_inits, sums, kinds = [], [], {}, {}
-    consts = [onh.from_array(np.array([0, 0, -1, BLOCK], np.int64), "gguf4.block_shape"),
-              onh.from_array(np.array([-1], np.int64), "gguf4.last")]
+    return recovered
 
-    def block_sums(x: str) -> str:
-        if x not in sums:
-            nodes.extend([oh.make_node("Reshape", [x, "gguf4.block_shape"], [x + ".blocks"]),
-                          oh.make_node("ReduceSum", [x + ".blocks", "gguf4.last"], [x + ".bsum"], keepdims=0)])
-            sums[x] = x + ".bsum"
-        return sums[x]
 
-    def emit(x: str, b: Blocks, name: str, out: str, matmuls: int = 1):
+class _NBits:
+    """The rewritten graph's nodes and new initializers, collected in order, and the MatMuls of each kind."""
+
+    def __init__(self):
+        self.nodes, self.inits, self.sums, self.kinds = [], [], {}, {}
+        self.consts = [onh.from_array(np.array([0, 0, -1, BLOCK], np.int64), "gguf4.block_shape"),
+                       onh.from_array(np.array([-1], np.int64), "gguf4.last")]
+
+    def rewrite(self, g: onnx.GraphProto, inits: dict, consumers: dict, recovered: dict[str, Blocks]) -> set:
+        """Every node of `g`, its weight MatMuls as MatMulNBits; returns the weight initializers no longer read."""
+        # one activation's MatMuls of one kind, each weight used once: one MatMulNBits, then Split
+        groups: dict[tuple, list] = {}
+        for n in g.node:
+            if _weight(n, inits) and len(consumers[n.input[1]]) == 1:
+                groups.setdefault((n.input[0], recovered[n.input[1]].kind), []).append(n)
+        group_of = {m.output[0]: grp for grp in groups.values() if len(grp) > 1 for m in grp}
+        dropped = set()
+        for n in g.node:
+            grp = group_of.get(n.output[0])
+            if grp is not None:
+                if n.output[0] == grp[0].output[0]:
+                    self.merged(n.input[0], grp, recovered)
+                    dropped.update(m.input[1] for m in grp)
+                continue
+            if _weight(n, inits):
+                self.emit(n.input[0], recovered[n.input[1]], n.output[0], n.output[0])   # a shared weight: a copy each
+                if all(_weight(c, inits) for c in consumers[n.input[1]]):
+                    dropped.add(n.input[1])
+                continue
+            self.nodes.append(_copy(n))
+        return dropped
+
+    def merged(self, x: str, grp: list, recovered: dict[str, Blocks]) -> None:
+        """One MatMulNBits over the group's weights side by side, then a Split into the group's outputs."""
+        parts = [recovered[m.input[1]] for m in grp]
+        name = grp[0].input[1] + ".merged"
+        self.emit(x, _concat(parts), name, name + ".out", len(grp))
+        self.inits.append(onh.from_array(np.array([p.codes.shape[0] for p in parts], np.int64), name + ".split"))
+        self.nodes.append(oh.make_node("Split", [name + ".out", name + ".split"], [m.output[0] for m in grp], axis=-1))
+
+    def block_sums(self, x: str) -> str:
+        """The activation x's sums over each block of 32 (computed once an activation)."""
+        if x not in self.sums:
+            self.nodes.extend([oh.make_node("Reshape", [x, "gguf4.block_shape"], [x + ".blocks"]),
+                               oh.make_node("ReduceSum", [x + ".blocks", "gguf4.last"], [x + ".bsum"], keepdims=0)])
+            self.sums[x] = x + ".bsum"
+        return self.sums[x]
+
+    def emit(self, x: str, b: Blocks, name: str, out: str, matmuls: int = 1) -> None:
+        """out = x @ the weight of blocks b: a MatMulNBits (plus the offsets times x's block sums)."""
         N, nb, bs = b.codes.shape
-        new_inits.extend([onh.from_array(_pack(b), name + ".nbits"),
-                          onh.from_array(b.scale.reshape(-1), name + ".nbits_scale")])
+        self.inits.extend([onh.from_array(_pack(b), name + ".nbits"),
+                           onh.from_array(b.scale.reshape(-1), name + ".nbits_scale")])
         ins = [x, name + ".nbits", name + ".nbits_scale"]
         if b.zero != 1 << (b.bits - 1):   # MatMulNBits' default zero point is the middle code: others are given
             per_byte = 8 // b.bits
             zp = np.full(N * -(-nb // per_byte), b.zero * (17 if per_byte == 2 else 1), np.uint8)
-            new_inits.append(onh.from_array(zp, name + ".nbits_zp"))
+            self.inits.append(onh.from_array(zp, name + ".nbits_zp"))
             ins.append(name + ".nbits_zp")
         y = out + ".nb" if b.offset is not None else out
-        nodes.append(oh.make_node("MatMulNBits", ins, [y], domain="com.microsoft", K=nb * bs, N=N, bits=b.bits,
-                                  block_size=bs, accuracy_level=4))
+        self.nodes.append(oh.make_node("MatMulNBits", ins, [y], domain="com.microsoft", K=nb * bs, N=N, bits=b.bits,
+                                       block_size=bs, accuracy_level=4))
         if b.offset is not None:   # offsets (block size 32 in every kind that has them) times the block sums
-            new_inits.append(onh.from_array(np.ascontiguousarray(b.offset.T), name + ".nbits_offset"))  # [nb, N]
-            nodes.extend([oh.make_node("MatMul", [block_sums(x), name + ".nbits_offset"], [out + ".off"]),
-                          oh.make_node("Add", [y, out + ".off"], [out])])
-        kinds[b.kind] = kinds.get(b.kind, 0) + matmuls
-
-    dropped = set()
-    for n in g.node:
-        grp = group_of.get(n.output[0])
-        if grp is not None:
-            if n.output[0] != grp[0].output[0]:
-                continue
-            parts = [recovered[m.input[1]] for m in grp]
-            name = grp[0].input[1] + ".merged"
-            emit(n.input[0], _concat(parts), name, name + ".out", len(grp))
-            new_inits.append(onh.from_array(np.array([p.codes.shape[0] for p in parts], np.int64), name + ".split"))
-            nodes.append(oh.make_node("Split", [name + ".out", name + ".split"], [m.output[0] for m in grp], axis=-1))
-            dropped.update(m.input[1] for m in grp)
-            continue
-        if weight(n):
-            emit(n.input[0], recovered[n.input[1]], n.output[0], n.output[0])   # a shared weight: a copy each
-            if all(weight(c) for c in consumers[n.input[1]]):
-                dropped.add(n.input[1])
-            continue
-        nodes.append(_copy(n))
-    del g.node[:]
-    g.node.extend(nodes)
-    kept = [_copy(t) for t in g.initializer if t.name not in dropped]
-    del g.initializer[:]
-    g.initializer.extend(kept + new_inits + consts)
-    if not any(i.domain == "com.microsoft" for i in model.opset_import):
-        model.opset_import.append(oh.make_opsetid("com.microsoft", 1))
-    return {"method": METHOD, "accuracy_level": 4, **block_counts(kinds),
-            "ops": "MatMulNBits (every weight MatMul incl. lm_head; q4_1, q4_k and q5_1 add their block offsets as a small fp32 "
-                   "MatMul of the activations' block sums); embeddings, attention and norms as exported"}
+            self.inits.append(onh.from_array(np.ascontiguousarray(b.offset.T), name + ".nbits_offset"))  # [nb, N]
+            self.nodes.extend([oh.make_node("MatMul", [self.block_sums(x), name + ".nbits_offset"], [out + ".off"]),
+                               oh.make_node("Add", [y, out + ".off"], [out])])
+        self.kinds[b.kind] = self.kinds.get(b.kind, 0) + matmuls

@@ -14,6 +14,7 @@ from specbeam_edge.contract import (CONFIG_FILE, FORMAT_VERSION, LAYOUTS, MASK_V
                                     graph_sha256)
 
 from . import graph, split, whole
+from .attention import needs_key_positions
 from .encdec import export_encdec, family_of
 from .gguf_input import is_gguf, unpack
 from .families import layer_weights, read_arch
@@ -22,6 +23,7 @@ from .hf import (HEAD_TOKEN_IDS, Arch, ExportError, check_layer_count, global_na
 from .safety import check_output, file_sha256
 from .save import (ATTENTION, GEN_KEYS, INT8W, INVARIANT, PRECISIONS, ExportProgress, _save,  # noqa: F401
                    save_precision, staged)
+
 
 def _generation_defaults(src: Path) -> dict:
     gen = read_json(src / "generation_config.json", {})
@@ -59,6 +61,33 @@ def export(src: str | Path, dst: str | Path, *, precision: str = "fp32", layout:
     The folder is written to a temporary sibling and renamed at the end, so a failure leaves nothing behind.
     """
     src, dst = Path(src), Path(dst)
+    attention = _checked_options(precision, layout, output, block_size, compute, attention, head_tokens,
+                                 int4_weights)
+    if not src.exists():
+        raise ExportError(f"input {src} does not exist (pass a Hugging Face model folder or a .gguf file)")
+    check_output(src, dst, overwrite)      # before the long work: never the input, a file or a link (safety.py)
+    opts = dict(precision="fp16" if compute == "fp16" else precision, layout=layout, output=output,
+                block_size=block_size, quiet=quiet, compute=compute, reduce_range=reduce_range, attention=attention,
+                head_tokens=head_tokens, int4_weights=int4_weights)
+    if is_gguf(src):             # transformers dequantizes the file; its config and tokenizer go to a side folder
+        with tempfile.TemporaryDirectory(prefix="specbeam-gguf-") as side:
+            return _export_decoder(Path(side), dst, unpack(src, Path(side), quiet), src.name, **opts)
+    if not src.is_dir():
+        raise ExportError(f"input folder {src} does not exist (pass a Hugging Face model folder or a .gguf file)")
+
+    if family_of(src):           # Marian / M2M100 / NLLB: encoder graph + decoder graph (export/encdec.py)
+        if compute != "fp32":
+            raise ExportError("compute fp16 is not available for encoder-decoder models yet (export fp32 compute)")
+        if head_tokens is not None:
+            raise ExportError("head_tokens is for decoder-only drafts, not encoder-decoder models")
+        return export_encdec(src, dst, family_of(src), precision=precision, layout=layout, output=output,
+                             overwrite=overwrite, quiet=quiet, reduce_range=reduce_range, attention=attention)
+    return _export_decoder(src, dst, None, src.name, **opts)
+
+
+def _checked_options(precision: str, layout: str, output: str, block_size, compute: str, attention: str | None,
+                     head_tokens, int4_weights: str) -> str:
+    """export's options checked against each other, before any file is read; returns the attention to use."""
     if compute not in ("fp32", "fp16"):
         raise ExportError(f"compute {compute!r} is not 'fp32' or 'fp16'")
     if compute == "fp16" and (layout != "whole" or precision not in ("fp32", "fp16")):
@@ -85,26 +114,7 @@ def export(src: str | Path, dst: str | Path, *, precision: str = "fp32", layout:
     if head_tokens is not None and (isinstance(head_tokens, bool) or not isinstance(head_tokens, int)
                                     or head_tokens < 1):
         raise ExportError(f"head_tokens must be a positive number of token ids, got {head_tokens!r}")
-    if not src.exists():
-        raise ExportError(f"input {src} does not exist (pass a Hugging Face model folder or a .gguf file)")
-    check_output(src, dst, overwrite)      # before the long work: never the input, a file or a link (safety.py)
-    opts = dict(precision="fp16" if compute == "fp16" else precision, layout=layout, output=output,
-                block_size=block_size, quiet=quiet, compute=compute, reduce_range=reduce_range, attention=attention,
-                head_tokens=head_tokens, int4_weights=int4_weights)
-    if is_gguf(src):             # transformers dequantizes the file; its config and tokenizer go to a side folder
-        with tempfile.TemporaryDirectory(prefix="specbeam-gguf-") as side:
-            return _export_decoder(Path(side), dst, unpack(src, Path(side), quiet), src.name, **opts)
-    if not src.is_dir():
-        raise ExportError(f"input folder {src} does not exist (pass a Hugging Face model folder or a .gguf file)")
-
-    if family_of(src):           # Marian / M2M100 / NLLB: encoder graph + decoder graph (export/encdec.py)
-        if compute != "fp32":
-            raise ExportError("compute fp16 is not available for encoder-decoder models yet (export fp32 compute)")
-        if head_tokens is not None:
-            raise ExportError("head_tokens is for decoder-only drafts, not encoder-decoder models")
-        return export_encdec(src, dst, family_of(src), precision=precision, layout=layout, output=output,
-                             overwrite=overwrite, quiet=quiet, reduce_range=reduce_range, attention=attention)
-    return _export_decoder(src, dst, None, src.name, **opts)
+    return attention
 
 
 def _to_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -192,25 +202,8 @@ def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str
         head_ids = head_subset(head_ids, arch, src / "tokenizer.json", head_tokens)
     prog = ExportProgress(arch.layers + 3, quiet)
     with staged(dst, prog) as tmp:
-        files: dict = {}
-        quant = {"method": "none", "storage": precision}
-        if layout == "whole" and precision in whole.STREAMED and compute == "fp32":
-            quant = whole.write_whole(tmp, weights, arch, head, head_ids, precision, output, attention, block_size,
-                                      reduce_range, prog.step, int4_weights == "rtn")
-            quant = quant or (INT8W if precision == "int8w" else quant)
-            files["model"] = "model.onnx"
-        elif layout == "whole":
-            quant = _whole_in_memory(tmp, weights, arch, head_ids, precision, output, attention, block_size,
-                                     reduce_range, compute, prog) or quant
-            files["model"] = "model.onnx"
-        else:
-            files, q = split.write_split(tmp, weights, arch, head, head_ids, precision, output, attention,
-                                         reduce_range, prog.step)
-            if precision == "int8w":    # int8 weights, fp32 compute (DequantizeLinear + MatMul): CUDA has both
-                q = {**INT8W, "method": "specbeam int8 weight storage: symmetric per output channel; streamed "
-                     "layers DequantizeLinear + MatMul each pass, embedding and lm_head folded at load; fp32 "
-                     "compute"}
-            quant = q or quant
+        files, quant = _write_graphs(tmp, weights, arch, head, head_ids, precision, layout, output, attention,
+                                     block_size, reduce_range, compute, int4_weights, prog)
         if layout == "whole":      # the runtime checks the graph against it on load (integrity.py)
             files["sha256"] = graph_sha256(tmp, "model.onnx")
         for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
@@ -231,10 +224,36 @@ def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str
             "mask": "additive_float32", "mask_value": MASK_VALUE, "present": "concat",
             "output": output, "files": files, **_layer_info(arch),
             **_head_tokens(head_tokens, head_ids, arch),
-            "io": graph_io(output, key_positions=graph.needs_key_positions(arch)),
+            "io": graph_io(output, key_positions=needs_key_positions(arch)),
             "generation": _generation_defaults(src),
             "source": {"folder_name": source_name, "export_seconds": round(time.time() - t0, 2)},
         }
         (tmp / CONFIG_FILE).write_text(json.dumps(cfg, indent=2))
         prog.step("write config")
     return dst
+
+
+def _write_graphs(tmp: Path, weights, arch: Arch, head, head_ids, precision: str, layout: str, output: str,
+                  attention: str, block_size: int, reduce_range: bool, compute: str, int4_weights: str,
+                  prog) -> tuple[dict, dict]:
+    """The layout's graphs and weight files written into `tmp`: (the config's files entry, its quantization)."""
+    files: dict = {}
+    quant = {"method": "none", "storage": precision}
+    if layout == "whole" and precision in whole.STREAMED and compute == "fp32":
+        quant = whole.write_whole(tmp, weights, arch, head, head_ids, precision, output, attention, block_size,
+                                  reduce_range, prog.step, int4_weights == "rtn")
+        quant = quant or (INT8W if precision == "int8w" else quant)
+        files["model"] = "model.onnx"
+    elif layout == "whole":
+        quant = _whole_in_memory(tmp, weights, arch, head_ids, precision, output, attention, block_size,
+                                 reduce_range, compute, prog) or quant
+        files["model"] = "model.onnx"
+    else:
+        files, q = split.write_split(tmp, weights, arch, head, head_ids, precision, output, attention,
+                                     reduce_range, prog.step)
+        if precision == "int8w":    # int8 weights, fp32 compute (DequantizeLinear + MatMul): CUDA has both
+            q = {**INT8W, "method": "specbeam int8 weight storage: symmetric per output channel; streamed "
+                 "layers DequantizeLinear + MatMul each pass, embedding and lm_head folded at load; fp32 "
+                 "compute"}
+        quant = q or quant
+    return files, quant

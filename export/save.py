@@ -23,7 +23,7 @@ from .safety import make_staging, replace_folder, stopped_on_signal
 # int8dyn (quantize_dynamic) is not; int4 (MatMulNBits) depends on the kernel: the engine measures it at load
 PRECISIONS = ("fp32", "fp16", "int8w", "int8", "int8dyn", "int4")
 INVARIANT = {"fp32": True, "fp16": True, "int8w": True, "int8": True, "int8dyn": False, "int4": False}
-# attention in double where int8 activations would amplify fp32 layout noise (graph._attention, DESIGN
+# attention in double where int8 activations would amplify fp32 layout noise (attention._attention, DESIGN
 # "Layout-exact attention"); --attention overrides
 ATTENTION = {"int8": "fp64", "int4": "fp64"}
 GEN_KEYS = ("num_beams", "max_new_tokens", "length_penalty", "early_stopping", "num_return_sequences",

@@ -11,6 +11,7 @@ import numpy as np
 import onnx
 
 from . import graph, resident
+from .embedding import embed_block, quantize_embed_rows
 from .families import LayerTensors
 from .hf import Arch, embed_rows, final_norm
 from .quant import quantize_columns, row_chunks, rowwise_int8
@@ -21,12 +22,12 @@ ALIGN = 64           # layer files: each tensor 64-byte aligned (offload.LayerSt
 
 def table_chunks(w, arch: Arch, precision: str):
     """The embedding table as `precision` stores it, a chunk of rows at a time: (values, scales or None). int8:
-    codes with a scale per block of 32 (graph.quantize_embed_rows); int8w: codes with a scale per row
+    codes with a scale per block of 32 (embedding.quantize_embed_rows); int8w: codes with a scale per row
     (graph.stored_weight's form); fp16, fp32: the rows as half or single floats."""
     for a, z in row_chunks(arch.vocab_size):
         rows = embed_rows(w, arch, a, z)
         if precision == "int8":
-            yield graph.quantize_embed_rows(rows)
+            yield quantize_embed_rows(rows)
         elif precision == "int8w":
             q, scale = graph.quantize_int8(rows.T)           # per row of the table: symmetric, 127 steps
             yield q.T, scale
@@ -127,7 +128,7 @@ def write_embed_table(folder: Path, w, arch: Arch, precision: str) -> dict:
     entry = {"file": "weights/embed.bin", "dtype": np.dtype(dtype).name, "shape": [arch.vocab_size, arch.hidden],
              "sha256": digest.hexdigest()}
     if precision == "int8":
-        entry.update(_side_file(folder, "scale", scales), block=graph.embed_block(arch.hidden))
+        entry.update(_side_file(folder, "scale", scales), block=embed_block(arch.hidden))
     return entry
 
 

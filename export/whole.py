@@ -15,9 +15,11 @@ from onnx import helper as oh
 from specbeam_edge.contract import past_names, present_names
 
 from . import graph, save
+from .attention import _common_inputs
 from .blocks import Blocks, block_counts, gguf_int4
 from .families import LayerTensors
-from .graph import Builder
+from .builder import F32, OPSET, Builder
+from .embedding import _int8_rows_embedding, blocks_lookup
 from .hf import Arch, final_norm
 from .quant import row_chunks, rowwise_int8
 from .save import DataFile
@@ -26,6 +28,8 @@ from .split import OffBlocks, embedding_blocks, file_table_chunks, head_weights,
 # precisions whose quantization rewrites each weight's MatMul on its own; the others (int8dyn's per-tensor
 # activation scales, fp16 compute's graph-wide conversion) keep the in-memory path (core.py)
 STREAMED = ("fp32", "fp16", "int8w", "int8", "int4")
+
+
 class _OffGrid(Exception):
     """A piece's weights lie on no GGUF block grid after earlier pieces' did: the export starts again with
     round-to-nearest for every piece, as the whole graph's quantizer decided before (blocks.gguf_int4)."""
@@ -85,18 +89,18 @@ def _embedding(b: Builder, data: DataFile, w, arch: Arch, precision: str) -> Non
     if precision == "int8":
         b.inits.append(data.table("embed.weight.i8", np.int8, (V, H), values()))
         b.init("embed.weight.blockscale", np.concatenate(scales))
-        graph._int8_rows_embedding(b, None, H)
+        _int8_rows_embedding(b, None, H)
         return
     if precision == "int8w":                       # graph.stored_weight's form
         b.inits.append(data.table("embed.weight.i8", np.int8, (V, H), values()))
         b.init("embed.weight.scale", np.concatenate(scales)[:, None])
-        emb = b.node("Mul", [b.node("Cast", ["embed.weight.i8"], ["embed.weight.i8f"], to=graph.F32),
+        emb = b.node("Mul", [b.node("Cast", ["embed.weight.i8"], ["embed.weight.i8f"], to=F32),
                              "embed.weight.scale"], ["embed.weight"])
     else:
         emb = "embed.weight" if precision != "fp16" else "embed.weight.f16"
         b.inits.append(data.table(emb, np.float16 if precision == "fp16" else np.float32, (V, H), values()))
         if precision == "fp16":
-            emb = b.node("Cast", [emb], ["embed.weight"], to=graph.F32)
+            emb = b.node("Cast", [emb], ["embed.weight"], to=F32)
     b.node("Gather", [emb, "input_ids"], ["h0"], axis=0)
 
 
@@ -131,7 +135,7 @@ def _blocks_embedding(b: Builder, data: DataFile, w, arch: Arch) -> bool:
     if offsets:
         b.init("embed.boffset", np.concatenate(offsets)[..., None])
     b.init("embed.flat", np.array([0, 0, arch.hidden], np.int64))
-    b.nodes.extend(graph.blocks_lookup("input_ids", "h0", bits == 4, bool(zero), bool(offsets)))
+    b.nodes.extend(blocks_lookup("input_ids", "h0", bits == 4, bool(zero), bool(offsets)))
     return True
 
 
@@ -151,7 +155,7 @@ def _head_blocks(w, head: str, ids):
 
 def _piece(b: Builder) -> onnx.ModelProto:
     return oh.make_model(oh.make_graph(b.nodes, "piece", [], [], b.inits),
-                         opset_imports=[oh.make_opsetid("", graph.OPSET)], ir_version=10)
+                         opset_imports=[oh.make_opsetid("", OPSET)], ir_version=10)
 
 
 def write_whole(tmp: Path, w, arch: Arch, head: str, head_ids, precision: str, output: str, attention: str,
@@ -188,7 +192,7 @@ def _write(tmp, w, arch, head, head_ids, precision, output, attention, block_siz
         domains.update(o.domain for o in piece.opset_import if o.domain)
     try:
         b = Builder(attention)                     # inputs, rope tables and the embedding
-        graph._common_inputs(b, arch, with_ids=True)
+        _common_inputs(b, arch, with_ids=True)
         _embedding(b, data, w, arch, precision)
         add(b)
         step("embedding")
@@ -201,25 +205,33 @@ def _write(tmp, w, arch, head, head_ids, precision, output, attention, block_siz
             x = graph.decoder_layer(b, arch, i, x, {k: lw[k] for k in lw.keys()}, store, False, pk, pv, ok, ov)
             add(b, lambda: ({f"layers.{i}.{k}": lw.blocks(k) for k in graph.MATMULS}, False))
             step(f"layer {i + 1}/{arch.layers}")
-        b = Builder(attention)
-        known = _head_blocks(w, head, head_ids) if precision == "int4" and quantize.mode != "rtn" else None
-        if known is not None:      # checked against the file's values: the graph needs only the head's shape
-            g = {"norm": final_norm(w, arch)}
-            lm_head = b.init("lm_head.weight", np.zeros((), np.float32))
-            b.inits[-1].dims[:] = [arch.hidden, known.codes.shape[0]]
-            b.inits[-1].ClearField("raw_data")
-        else:
-            g = head_weights(w, arch, head, head_ids, "int8" if precision == "int8" else "fp32", reduce_range)
-            lm_head = graph.head_weight(b, g["lm_head"], store)
-            del g["lm_head"]
-        graph._head(b, arch, x, b.init("norm.weight", g["norm"]), lm_head, output, store, head_ids)
+        b, lm_head, known = _head_piece(w, arch, head, head_ids, precision, output, attention, reduce_range, store,
+                                        quantize.mode == "rtn", x)
         add(b, lambda: ({lm_head: known}, True))
         step("head")
     finally:
         data.close()
     model = oh.make_model(oh.make_graph(nodes, "specbeam_whole", inputs, outputs, inits),
-                          opset_imports=[oh.make_opsetid("", graph.OPSET)]
+                          opset_imports=[oh.make_opsetid("", OPSET)]
                           + [oh.make_opsetid(d, 1) for d in sorted(domains)], ir_version=10)
     model.producer_name = "specbeam-edge export"
     save._save(model, tmp / "model.onnx")        # (its tensors are in model.onnx.data already)
     return quantize.entry
+
+
+def _head_piece(w, arch, head, head_ids, precision, output, attention, reduce_range, store, rtn: bool, x: str):
+    """The head's piece on hidden state x: final norm, lm_head and the outputs; returns (its Builder, the lm_head
+    tensor, the file's blocks of lm_head or None). With the blocks, lm_head is a shape alone."""
+    b = Builder(attention)
+    known = _head_blocks(w, head, head_ids) if precision == "int4" and not rtn else None
+    if known is not None:      # checked against the file's values: the graph needs only the head's shape
+        g = {"norm": final_norm(w, arch)}
+        lm_head = b.init("lm_head.weight", np.zeros((), np.float32))
+        b.inits[-1].dims[:] = [arch.hidden, known.codes.shape[0]]
+        b.inits[-1].ClearField("raw_data")
+    else:
+        g = head_weights(w, arch, head, head_ids, "int8" if precision == "int8" else "fp32", reduce_range)
+        lm_head = graph.head_weight(b, g["lm_head"], store)
+        del g["lm_head"]
+    graph._head(b, arch, x, b.init("norm.weight", g["norm"]), lm_head, output, store, head_ids)
+    return b, lm_head, known

@@ -194,7 +194,7 @@ def test_int4_export_of_a_k_quant_gguf_keeps_every_block_and_the_embedding_exact
     from test_gguf import write_gguf
 
     from export import export
-    from export.graph import embedding_values
+    from export.embedding import embedding_values
 
     model = make_family_model(tmp_path / "hf", "smollm2", std=0.3, seed=3, hidden_size=256, intermediate_size=512,
                               num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
@@ -226,7 +226,7 @@ def test_int4_weights_rtn_requantizes_the_matrices_and_keeps_the_files_embedding
     from test_gguf import write_gguf
 
     from export import export
-    from export.graph import embedding_values
+    from export.embedding import embedding_values
 
     model = make_family_model(tmp_path / "hf", "smollm2", std=0.3, seed=3, hidden_size=256, intermediate_size=512)
     path = tmp_path / "tiny.gguf"
