@@ -80,7 +80,7 @@ def child(model: str, draft: str | None, length: int, chunk: int | None, search:
             "tokens": list(r.hypotheses[0].tokens), "score": r.hypotheses[0].score}
 
 
-def llama_child(gguf: str, model: str, length: int, threads: int, max_new: int) -> dict:
+def llama_child(gguf: str, model: str, length: int, threads: int, max_new: int, flash_attn: bool = True) -> dict:
     """The same request through llama.cpp in this process: the prompt's ids (the model folder's tokenizer, the
     GGUF's own vocabulary), greedy, max_new tokens."""
     from specbeam_edge.tokenizer import Tokenizer
@@ -88,8 +88,9 @@ def llama_child(gguf: str, model: str, length: int, threads: int, max_new: int) 
     from .llamacpp import kernels, open_llama
 
     ids = prompt_ids(Tokenizer(Path(model)), length)
+    # flash attention on, as llama.cpp's own tools default to on a CPU ("auto"); llama-cpp-python's default is off
     llm = open_llama(gguf, n_ctx=length + max_new + 16, n_threads=threads, n_threads_batch=threads, n_batch=512,
-                     seed=0, verbose=False)
+                     seed=0, verbose=False, flash_attn=flash_attn)
     loaded = _status("VmRSS")
     t0 = time.perf_counter()
     out = []
@@ -99,13 +100,14 @@ def llama_child(gguf: str, model: str, length: int, threads: int, max_new: int) 
             break
     seconds = time.perf_counter() - t0
     return {"prompt_tokens": length, "seconds": round(seconds, 2), "rss_loaded_mb": loaded,
-            "peak_rss_mb": _status("VmHWM"), "rss_after_mb": _status("VmRSS"), "tokens": out, "kernels": kernels()}
+            "peak_rss_mb": _status("VmHWM"), "rss_after_mb": _status("VmRSS"), "tokens": out, "kernels": kernels(),
+            "flash_attn": flash_attn}
 
 
 def run(args, length: int, arm: str = "ours") -> dict:
     if arm == "llama.cpp":
         cmd = [sys.executable, "-m", "bench.long_prompt", "--child_llama", str(length), "--gguf", args.gguf,
-               "--model", args.model,
+               "--model", args.model, "--llama_flash_attn", args.llama_flash_attn,
                "--threads", str(args.threads), "--max_new", str(args.max_new)]
         return _child_row(cmd, length)
     cmd = [sys.executable, "-m", "bench.long_prompt", "--child", str(length), "--model", args.model,
@@ -171,6 +173,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--llama_cpp", action="store_true",
                     help="also run llama.cpp (llama-cpp-python) on the GGUF, alternating with ours per length")
     ap.add_argument("--gguf", default=None, help="the GGUF for --llama_cpp (default: the fetched smollm2's kept one)")
+    ap.add_argument("--llama_flash_attn", choices=("on", "off"), default="on",
+                    help="llama.cpp's flash attention (its own tools' default on a CPU: on)")
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child_llama", type=int, default=None, help=argparse.SUPPRESS)
     return ap
@@ -187,7 +191,8 @@ def main(argv=None) -> int:
                                args.max_new, args.max_memory)))
         return 0
     if args.child_llama is not None:
-        print(json.dumps(llama_child(args.gguf, args.model, args.child_llama, args.threads, args.max_new)))
+        print(json.dumps(llama_child(args.gguf, args.model, args.child_llama, args.threads, args.max_new,
+                                     args.llama_flash_attn == "on")))
         return 0
     if args.llama_cpp and args.gguf is None:
         from specbeam_edge import fetch
