@@ -249,23 +249,30 @@ def test_unreadable_pid_file_names_nobody(held_lock, monkeypatch):
 
 
 def test_two_processes_on_one_output_do_not_tear_the_journal(pair, tmp_path):
-    inp = tmp_path / "in.txt"
-    inp.write_text("\n".join(corpus(150, seed=8)) + "\n")   # long enough to overlap
-    out = tmp_path / "out.txt"
-    cmd = [sys.executable, "-m", "apps.translate", *args_for(pair, inp, out)]
-    first = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
-    pid_file = out.with_name("out.txt.lock.pid")        # the first holds the lock before the second starts (both
-    deadline = time.monotonic() + 120                    # started together, a loaded machine let the first finish
-    while not pid_file.exists() and first.poll() is None and time.monotonic() < deadline:   # before the second
-        time.sleep(0.05)                                                                     # began: both exit 0)
-    procs = [first, subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)]
-    results = [(p.wait(), p.stderr.read()) for p in procs]
-    codes = sorted(rc for rc, _ in results)
-    assert codes == [0, 2], results
-    assert "is being written by pid" in next(e for rc, e in results if rc == 2)
-    alone = tmp_path / "alone.txt"
-    assert run(pair, inp, alone) == 0
-    assert out.read_bytes() == alone.read_bytes()
+    """Two runs on one -o: the second is refused while the first writes, and the output is the run alone's. The
+    second starts once the first holds the lock; where the first was done by then (a loaded machine: nothing
+    overlapped, both exit 0), the run is repeated on a longer input."""
+    for n_lines in (150, 600, 2400):
+        inp = tmp_path / f"in{n_lines}.txt"
+        inp.write_text("\n".join(corpus(n_lines, seed=8)) + "\n")
+        out = tmp_path / f"out{n_lines}.txt"
+        cmd = [sys.executable, "-m", "apps.translate", *args_for(pair, inp, out)]
+        first = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+        pid_file = out.with_name(out.name + ".lock.pid")
+        deadline = time.monotonic() + 120
+        while not pid_file.exists() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        second = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+        results = [(p.wait(), p.stderr.read()) for p in (first, second)]
+        if sorted(rc for rc, _ in results) == [0, 0]:
+            continue                                     # the first finished before the second took the lock
+        assert sorted(rc for rc, _ in results) == [0, 2], results
+        assert "is being written by pid" in next(e for rc, e in results if rc == 2)
+        alone = tmp_path / f"alone{n_lines}.txt"
+        assert run(pair, inp, alone) == 0
+        assert out.read_bytes() == alone.read_bytes()
+        return
+    pytest.fail("the first run always finished before the second started; no overlap was tested")
 
 
 # -- input, output, interrupts ----------------------------------------------------------------------------------
