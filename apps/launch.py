@@ -123,7 +123,7 @@ def specbeam(argv=None) -> int:
         return _run("specbeam_apps.manage", f"specbeam {argv[0]}", argv)
     if argv[:1] == ["serve"]:         # the OpenAI-compatible server (the serve extra)
         return _run("specbeam_apps.serve.__main__", "specbeam serve", argv[1:])
-    return _run("specbeam_edge.cli", "specbeam", argv, ("specbeam_edge.generate",))
+    return _run("specbeam_edge.commands.cli", "specbeam", argv, ("specbeam_edge.generate",))
 
 
 def export(argv=None) -> int:

@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import common  # noqa: E402
 from specbeam_edge import Engine  # noqa: E402
-from specbeam_edge import beam, search  # noqa: E402
+from specbeam_edge.decoding import beam, search  # noqa: E402
 from specbeam_edge.shipped import shipped  # noqa: E402
 
 PARTS = {"rows": (search.ExactSearch, "_beam_logprobs"), "step": (beam, "step_many"),

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specbeam_edge.model import OnnxCausalLM
+from specbeam_edge.execution.model import OnnxCausalLM
 
 from . import common
 from .common import median, save_figure
@@ -84,7 +84,7 @@ def ceiling(target_ms: dict, draft_ms: dict, Ks=(1, 4), depths=(2, 4, 6), budget
     draft on this target with that tree."""
     from specbeam_edge import SpeculativeConfig
     from specbeam_edge.config import DEFAULT_BUDGET
-    from specbeam_edge.draft import default_width
+    from specbeam_edge.decoding.draft import default_width
 
     budget = budget or DEFAULT_BUDGET
     spec = SpeculativeConfig(adaptive=False, budget=budget)

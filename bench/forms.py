@@ -69,7 +69,7 @@ def worker(target: Path, draft: Path | None, threads: int) -> None:
 
 
 def bench(args) -> dict:
-    from specbeam_edge.tokenizer import Tokenizer
+    from specbeam_edge.text.tokenizer import Tokenizer
 
     arms_spec = [parse_arm(a) for a in args.arm]
     tok = Tokenizer(arms_spec[0][1])

@@ -58,7 +58,7 @@ def child(model: str, draft: str | None, length: int, chunk: int | None, search:
           max_new: int, max_memory: str | None = None) -> dict:
     """One request of `length` prompt tokens in this process, then a short one: the figures of one row."""
     from specbeam_edge import Engine
-    from specbeam_edge.flags import parse_size
+    from specbeam_edge.commands.flags import parse_size
 
     engine = Engine(model, draft, threads=threads, max_memory=parse_size(max_memory))
     if chunk is not None:      # 0: the whole prompt in one pass
@@ -83,7 +83,7 @@ def child(model: str, draft: str | None, length: int, chunk: int | None, search:
 def llama_child(gguf: str, model: str, length: int, threads: int, max_new: int, flash_attn: bool = True) -> dict:
     """The same request through llama.cpp in this process: the prompt's ids (the model folder's tokenizer, the
     GGUF's own vocabulary), greedy, max_new tokens."""
-    from specbeam_edge.tokenizer import Tokenizer
+    from specbeam_edge.text.tokenizer import Tokenizer
 
     from .llamacpp import kernels, open_llama
 

@@ -5,7 +5,7 @@
     python -m bench.markup --mo x/usr/share/locale/de/LC_MESSAGES/util-linux.mo [--lines 300] [--beams 4]
 
 Held-out lines: the single-line messages of a German gettext catalog (util-linux's is not among the catalogs the
-pair was trained on) whose English text holds a span (specbeam_edge/markup.py: printf and brace placeholders,
+pair was trained on) whose English text holds a span (specbeam_edge/text/markup.py: printf and brace placeholders,
 tags, URLs, e-mail addresses, `code`, accelerators), a deterministic sample. One request at a time, K beams; arms
 alternated line by line (the order rotates): plain beam search; keep_markup (the spans as constraints; a line
 whose constraints did not fit falls back to the plain translation, as the translate tool does, and pays both);
@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import common  # noqa: E402
 from specbeam_edge import Engine, SpeculativeConfig  # noqa: E402
-from specbeam_edge.markup import find_spans, markup_constraints, survives  # noqa: E402
+from specbeam_edge.text.markup import find_spans, markup_constraints, survives  # noqa: E402
 from specbeam_edge.shipped import shipped  # noqa: E402
 
 ARMS = ("plain", "keep_markup", "keep_markup_lookup")

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from specbeam_edge import Engine, SpeculativeConfig
-from specbeam_edge.model import OnnxCausalLM
+from specbeam_edge.execution.model import OnnxCausalLM
 
 from . import synthetic
 from .common import median, save_figure

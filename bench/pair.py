@@ -136,7 +136,7 @@ def worker(arm: str, args) -> None:
 
 
 def bench(args) -> dict:
-    from specbeam_edge.tokenizer import Tokenizer
+    from specbeam_edge.text.tokenizer import Tokenizer
 
     tok = Tokenizer(args.target)
     texts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS[:args.prompts]]

@@ -15,7 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-from specbeam_edge import Engine, SpeculativeConfig, invariance
+from specbeam_edge import Engine, SpeculativeConfig
+from specbeam_edge.execution import invariance
 
 from .common import median, save_figure
 

@@ -102,7 +102,7 @@ def arms(target, draft, gguf, threads: int, max_new: int, ids_max: int, with_lla
 
 def bench(target, draft, gguf, *, n_prompts: int = 24, max_new: int = 128, threads: int = 2, with_llama=True,
           out=sys.stderr, plain_target=None, only=None) -> dict:
-    from specbeam_edge.tokenizer import Tokenizer
+    from specbeam_edge.text.tokenizer import Tokenizer
 
     tok = Tokenizer(target)                        # the prompts' ids, without loading the model a second time
     prompts = PROMPTS[:n_prompts]
@@ -135,7 +135,7 @@ def pass_costs(target, draft, threads: int, past: int = 96, rows=(1, 4, 16, 64),
     target and draft alternated), and the draft's share: what a draft level costs against a target pass."""
     import numpy as np
 
-    from specbeam_edge.model import OnnxCausalLM
+    from specbeam_edge.execution.model import OnnxCausalLM
 
     models = {"target": OnnxCausalLM(target, threads=threads), "draft": OnnxCausalLM(draft, threads=threads)}
     rng = np.random.default_rng(0)

@@ -197,7 +197,7 @@ def run_alternated(arms: dict, jobs: list[dict], each=None) -> dict[str, list[di
 
 
 def bench(args) -> dict:
-    from specbeam_edge.tokenizer import Tokenizer
+    from specbeam_edge.text.tokenizer import Tokenizer
 
     tok = Tokenizer(args.target)
     prompts = PROMPTS[:args.prompts]

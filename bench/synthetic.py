@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from specbeam_edge import Engine, SpeculativeConfig
-from specbeam_edge.protocol import ScoreCall
+from specbeam_edge.decoding.protocol import ScoreCall
 
 from .common import median, save_figure
 

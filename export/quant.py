@@ -19,7 +19,7 @@ MatMul's result was 17% of its largest value off, the exported families' logits 
 7 bits by default (`reduce_range=True`, [-64, 64]: at most 255 x 64 x 2 = 32,640), which never saturates on any
 x86 CPU, at about twice the weight rounding error (same MatMul: 0.96%); `export --full_range` keeps 8 bits for
 machines known to have VNNI, and the engine warns when such a graph is loaded on a CPU whose kernel saturates
-(specbeam_edge/invariance.py, `int8_sums_saturate`). Invariance holds either way: saturation is per row.
+(specbeam_edge/execution/invariance.py, `int8_sums_saturate`). Invariance holds either way: saturation is per row.
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specbeam_edge import Engine, SpeculativeConfig  # noqa: E402
-from specbeam_edge.beam import log_softmax  # noqa: E402
+from specbeam_edge.decoding.beam import log_softmax  # noqa: E402
 
 
 def teacher_forced(lm, ids: list[int], k: int = 8, static: dict | None = None):

@@ -13,8 +13,8 @@ if importlib.util.find_spec("onnxruntime") is None:    # the CPU or the GPU buil
 # public name -> the module that defines it
 _LAZY = {"GenerationConfig": "config", "ModelConfig": "config", "ModelFolderError": "config",
          "SpeculativeConfig": "config", "Alternative": "generate", "Engine": "generate", "Hypothesis": "generate",
-         "Result": "generate", "Stats": "generate", "StreamChunk": "generate", "OnnxCausalLM": "model",
-         "share_threads": "model"}
+         "Result": "generate", "Stats": "generate", "StreamChunk": "generate", "OnnxCausalLM": "execution.model",
+         "share_threads": "execution.model"}
 
 __all__ = ["Engine", "GenerationConfig", "SpeculativeConfig", "ModelConfig", "ModelFolderError", "OnnxCausalLM",
            "Result", "Hypothesis", "Alternative", "Stats", "StreamChunk", "share_threads"]

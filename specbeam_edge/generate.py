@@ -15,24 +15,24 @@ from typing import Iterator
 
 import numpy as np
 
-from . import invariance
-from . import constraints as lexical
-from .adaptive import PassChooser
-from .batch import score_one
-from .cache import TreeCache
+from .execution import invariance
+from .decoding import constraints as lexical
+from .decoding.adaptive import PassChooser
+from .execution.batch import score_one
+from .decoding.cache import TreeCache
 from .config import GenerationConfig, ModelFolderError, SpeculativeConfig, check_full_head
-from .encdec import Encoder, is_encoder_decoder, shared_cross_layers
+from .execution.encdec import Encoder, is_encoder_decoder, shared_cross_layers
 from .fetch import default_draft, resolve_model, streaming_refusal
-from .invariance import Invariance, NotInvariantError, QuantizationWarning, saturation_warning
-from .model import OnnxCausalLM, share_threads, threads_shared
+from .execution.invariance import Invariance, NotInvariantError, QuantizationWarning, saturation_warning
+from .execution.model import OnnxCausalLM, share_threads, threads_shared
 from .online import PreparedRequest
-from .prompting import PromptMixin
+from .text.prompting import PromptMixin
 from .results import Alternative, Hypothesis, Result, Stats, StreamChunk, answer_tokens, peak_rss_mb
-from .protocol import Job
-from .scheduler import Scheduler
+from .decoding.protocol import Job
+from .decoding.scheduler import Scheduler
 from .search_setup import DEFAULT, Request, SearchSetup
-from .tokenizer import Tokenizer, check_compatible, check_vocabulary
-from .tree import TokenTree
+from .text.tokenizer import Tokenizer, check_compatible, check_vocabulary
+from .decoding.tree import TokenTree
 
 __all__ = ["Alternative", "Engine", "Hypothesis", "PassChooser", "Result", "Stats", "StreamChunk", "peak_rss_mb"]
 

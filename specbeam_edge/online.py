@@ -17,12 +17,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .batch import score_batch, score_one
-from .cache import TreeCache
-from .protocol import Job, ScoreCall
+from .execution.batch import score_batch, score_one
+from .decoding.cache import TreeCache
+from .decoding.protocol import Job, ScoreCall
 from .results import Result, Stats
-from .scheduler import Scheduler
-from .tree import TokenTree
+from .decoding.scheduler import Scheduler
+from .decoding.tree import TokenTree
 
 
 class PreparedRequest:

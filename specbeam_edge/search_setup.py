@@ -7,14 +7,14 @@ from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
-from . import constraints as lexical
-from .adaptive import ChoosersByLoad, auto_budget, cost_curve, streamed_cost_curve
+from .decoding import constraints as lexical
+from .decoding.adaptive import ChoosersByLoad, auto_budget, cost_curve, streamed_cost_curve
 from .config import DEFAULT_BUDGET, MAX_BUDGET, GenerationConfig, SpeculativeConfig, head_width, streamed_tree
 from .contract import probe_source
-from .draft import custom_drafter, make_drafter
-from .encdec import EncoderQueue, logits_processor, shared_statics
-from .model import OnnxCausalLM
-from .search import BeamSettings, EncoderDecoder, ExactSearch, HeadTree, SamplingSearch, Speculation
+from .decoding.draft import custom_drafter, make_drafter
+from .execution.encdec import EncoderQueue, logits_processor, shared_statics
+from .execution.model import OnnxCausalLM
+from .decoding.search import BeamSettings, EncoderDecoder, ExactSearch, HeadTree, SamplingSearch, Speculation
 
 
 # `speculative`'s default in Engine's calls: the engine's own choice (SearchSetup.default_speculative); None runs

@@ -98,7 +98,7 @@ def pair(exported):
 def top_calls(monkeypatch):
     """Rows per `top()` call of each head kind, recorded while the test runs: {"Dense": [rows, ...], "TopK": [...]}
     (a Dense call is the Python top-k over full logit rows; a TopK call reads the graph's own)."""
-    import specbeam_edge.heads as heads
+    import specbeam_edge.execution.heads as heads
 
     calls = {"Dense": [], "TopK": []}
     for cls in (heads.DenseOutput, heads.TopKOutput):

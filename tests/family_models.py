@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from helpers import VOCAB, save_random, torch_path_logits
-from specbeam_edge.model import OnnxCausalLM
+from specbeam_edge.execution.model import OnnxCausalLM
 
 LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
             "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]}

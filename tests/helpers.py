@@ -187,7 +187,7 @@ MAX_TIES_PER_TEST = 2
 def tie_tolerance(value: float) -> float:
     """The engine's own invariance tolerance (relative to the largest logit; invariance.TOLERANCE) applied to a
     cumulative log-prob: relative to its size, never below the tolerance itself."""
-    from specbeam_edge.invariance import TOLERANCE
+    from specbeam_edge.execution.invariance import TOLERANCE
 
     return TOLERANCE * max(1.0, abs(value))
 
@@ -197,8 +197,8 @@ def beam_steps():
     """Record every beam step of the (one) search run inside: a list with, per step, (M, ranked candidates): the
     number of candidates the step chooses from (1 for greedy search) and those M and the next one (which a
     rounding difference could let in), best first, as (token path from the root, cumulative log-prob)."""
-    from specbeam_edge.beam import NEG, BeamRows, BeamSearch
-    from specbeam_edge.constraints import ConstrainedBeamSearch
+    from specbeam_edge.decoding.beam import NEG, BeamRows, BeamSearch
+    from specbeam_edge.decoding.constraints import ConstrainedBeamSearch
 
     steps, searches = [], set()
 

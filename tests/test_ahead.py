@@ -13,8 +13,8 @@ import pytest
 from export import ahead
 from specbeam_edge import Engine, SpeculativeConfig
 from export.embedding import dequantize_embed
-from specbeam_edge.model import OnnxCausalLM
-from specbeam_edge.search import ExactSearch
+from specbeam_edge.execution.model import OnnxCausalLM
+from specbeam_edge.decoding.search import ExactSearch
 from helpers import assert_same_hypotheses
 
 PROMPTS = [[3, 17, 33, 8, 99, 41, 7], [250, 12, 9, 77]]

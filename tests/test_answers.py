@@ -8,7 +8,7 @@ import pytest
 from helpers import chat_defaults_folder
 
 from specbeam_edge import Engine
-from specbeam_edge.cli import main as cli_main
+from specbeam_edge.commands.cli import main as cli_main
 from specbeam_edge.generate import Engine as _Engine
 
 

@@ -5,7 +5,7 @@ import shutil
 import pytest
 
 from specbeam_edge import Engine, GenerationConfig, ModelFolderError, SpeculativeConfig
-from specbeam_edge.cli import main as cli_main
+from specbeam_edge.commands.cli import main as cli_main
 from helpers import plain
 
 

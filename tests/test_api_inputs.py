@@ -12,8 +12,8 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from export.tiny import make_tokenizer
 from specbeam_edge import Engine, GenerationConfig, ModelFolderError, SpeculativeConfig
-from specbeam_edge.model import OnnxCausalLM
-from specbeam_edge.tokenizer import PromptText, Tokenizer
+from specbeam_edge.execution.model import OnnxCausalLM
+from specbeam_edge.text.tokenizer import PromptText, Tokenizer
 
 SHIPPED = Path(__file__).resolve().parents[1] / "models" / "ende" / "target"
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

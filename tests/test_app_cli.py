@@ -13,7 +13,7 @@ ENDE = ROOT / "models" / "ende"
 
 def specbeam(*args, env=None, stdin=None):
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    return subprocess.run([sys.executable, "-m", "specbeam_edge.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "specbeam_edge.commands.cli", *args], capture_output=True, text=True,
                           env=env, input=stdin, timeout=120, cwd=ROOT)
 
 
@@ -55,7 +55,7 @@ def test_chat_translates_each_line_with_the_pair():
 
 def test_generate_into_a_closed_pipe_has_no_traceback():
     """`specbeam generate ... | head`: the reader is gone before the first line is written."""
-    proc = subprocess.Popen([sys.executable, "-m", "specbeam_edge.cli", "generate", "Open the file."], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "specbeam_edge.commands.cli", "generate", "Open the file."], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     proc.stdout.close()
@@ -88,7 +88,7 @@ def test_an_endless_prompt_input_is_refused_at_the_limit(how):
     """Before: `generate --file /dev/zero` or `generate < /dev/zero` read until memory ran out."""
     args = ("--file", "/dev/zero") if how == "--file" else ()
     with open(os.devnull if args else "/dev/zero", "rb") as stdin:
-        proc = subprocess.run([sys.executable, "-m", "specbeam_edge.cli", "generate", *args], capture_output=True,
+        proc = subprocess.run([sys.executable, "-m", "specbeam_edge.commands.cli", "generate", *args], capture_output=True,
                               text=True, stdin=stdin, timeout=120, cwd=ROOT, preexec_fn=_capped_memory,
                               env={**os.environ, "PYTHONPATH": str(ROOT)})
     what, fix = (("--file /dev/zero", "split it into smaller files") if args else
@@ -102,7 +102,7 @@ def test_an_endless_chat_message_is_refused_at_the_limit(monkeypatch):
     """Before: `specbeam chat < /dev/zero` read one endless line until memory ran out."""
     from types import SimpleNamespace
 
-    from specbeam_edge import chat_input
+    from specbeam_edge.text import chat_input
 
     class Endless:
         def readline(self, size=-1):
@@ -126,7 +126,7 @@ def test_cuda_without_the_gpu_build_and_widths_over_the_vocabulary_are_one_line(
 
 
 def test_ctrl_c_during_generate_is_exit_130_and_one_line(monkeypatch, capsys):
-    from specbeam_edge.cli import main
+    from specbeam_edge.commands.cli import main
     from specbeam_edge.generate import Engine
 
     def interrupted(self, *a, **kw):
@@ -140,7 +140,7 @@ def test_chat_survives_invalid_utf8_and_a_message_over_the_context():
     """Before: an invalid UTF-8 line was a traceback, and one message over the context ended the session."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     stdin = b"\xff\xfe broken\n" + b"word " * 3000 + b"\nOpen the file.\n\n"
-    proc = subprocess.run([sys.executable, "-m", "specbeam_edge.cli", "chat", "--num_beams", "4"], input=stdin,
+    proc = subprocess.run([sys.executable, "-m", "specbeam_edge.commands.cli", "chat", "--num_beams", "4"], input=stdin,
                           capture_output=True, env=env, timeout=180, cwd=ROOT)
     err = proc.stderr.decode()
     assert proc.returncode == 0, err

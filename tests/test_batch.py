@@ -7,9 +7,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specbeam_edge.batch import score_one
+from specbeam_edge.execution.batch import score_one
 from specbeam_edge import Engine, SpeculativeConfig
-from specbeam_edge.scheduler import Scheduler
+from specbeam_edge.decoding.scheduler import Scheduler
 from helpers import assert_same_hypotheses, plain
 
 RNG = np.random.default_rng(7)
@@ -107,7 +107,7 @@ def test_arrival_order_and_limits_do_not_change_outputs(engine, order, size, tok
 def test_batch_limits_hold(engine):
     """max_batch_size and max_batch_tokens bound what is in flight (a request over the token limit runs alone)."""
     from specbeam_edge.config import GenerationConfig
-    from specbeam_edge.protocol import Job
+    from specbeam_edge.decoding.protocol import Job
     from specbeam_edge.search_setup import Request
 
     gen = GenerationConfig(num_beams=2, max_new_tokens=6)
@@ -132,8 +132,8 @@ def test_passes_longer_than_the_context_are_chunked(exported):
     folder = exported("llama", std=0.3, seed=3)
     eng = Engine(folder)
     ctx = eng.target.cfg.context_length
-    from specbeam_edge.cache import TreeCache
-    from specbeam_edge.tree import TokenTree
+    from specbeam_edge.decoding.cache import TreeCache
+    from specbeam_edge.decoding.tree import TokenTree
 
     tree = TokenTree()
     root = tree.add_chain([5, 6, 7])[-1]
@@ -167,7 +167,7 @@ def test_threads_sharing_one_engine(models):
 def test_adaptive_requests_sharing_a_pass_make_one_choice(engine, monkeypatch):
     """With adaptive speculation, a batch drafts together or not at all (so each arm's timing is a whole pass's),
     and the outputs stay those of plain beam search."""
-    from specbeam_edge.adaptive import PassChooser
+    from specbeam_edge.decoding.adaptive import PassChooser
 
     seen: dict = {}
     real = PassChooser.choose
@@ -201,7 +201,7 @@ def test_auto_budget_is_shared_by_the_batch(models):
 
 
 def test_sub_batches_keep_a_prefill_apart_from_decoding_requests():
-    from specbeam_edge.batch import _buckets
+    from specbeam_edge.execution.batch import _buckets
 
     shapes = [(50, 4)] * 31 + [(0, 60)]
     groups = _buckets(shapes)
@@ -252,11 +252,11 @@ def test_batch_rows_never_outgrow_the_context(phi4mini):
     """Batch rows keep padding slots, so a row can grow past context_length while every request's own slots stay
     below it; rows are then packed afresh (as long caches, they would only cost attention). Two requests alone
     reach 62 and 63 slots; batched they must too."""
-    from specbeam_edge.batch import score_batch
-    from specbeam_edge.protocol import ScoreCall
-    from specbeam_edge.cache import TreeCache
-    from specbeam_edge.model import OnnxCausalLM
-    from specbeam_edge.tree import TokenTree
+    from specbeam_edge.execution.batch import score_batch
+    from specbeam_edge.decoding.protocol import ScoreCall
+    from specbeam_edge.decoding.cache import TreeCache
+    from specbeam_edge.execution.model import OnnxCausalLM
+    from specbeam_edge.decoding.tree import TokenTree
 
     lm = OnnxCausalLM(phi4mini)
     assert lm.cfg.context_length == 64
@@ -295,7 +295,7 @@ def test_finished_requests_let_go_of_their_kv(engine):
     fix: 300 lines at K=4 peaked at 7.4 GB instead of 1.8 GB)."""
     import gc
 
-    from specbeam_edge.cache import TreeCache
+    from specbeam_edge.decoding.cache import TreeCache
 
     def caches_with_kv():
         gc.collect()

@@ -76,7 +76,7 @@ def test_no_repeat_ngram_size_matches_transformers(peer, exported, K, n):
     """A random model repeats itself (without the ban its greedy output repeats a bigram); with it, sequences
     and scores are transformers', and speculation (the target drafting for itself) keeps them."""
     from specbeam_edge import SpeculativeConfig
-    from specbeam_edge.beam import repeated_ngram_ends
+    from specbeam_edge.decoding.beam import repeated_ngram_ends
 
     model, engine, eos = peer
     for prompt in PROMPTS:
@@ -132,7 +132,7 @@ def test_batch_of_prompts_equals_one_by_one(peer):
 
 def test_top_k_selection_is_exact_with_ties_and_infinities():
     """_top's sampled threshold never loses a candidate: equal to a full sort (value desc, index asc)."""
-    from specbeam_edge.beam import _top
+    from specbeam_edge.decoding.beam import _top
 
     rng = np.random.default_rng(1)
     for trial in range(400):

@@ -5,9 +5,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specbeam_edge.beam import BeamRows, BeamSearch, log_softmax
-from specbeam_edge.encdec import logits_processor
-from specbeam_edge.tree import TokenTree
+from specbeam_edge.decoding.beam import BeamRows, BeamSearch, log_softmax
+from specbeam_edge.execution.encdec import logits_processor
+from specbeam_edge.decoding.tree import TokenTree
 
 V = 300
 

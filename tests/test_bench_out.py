@@ -29,7 +29,7 @@ def test_beam_work_compares_the_arms_and_leaves_the_functions_as_they_were(tmp_p
     import json
 
     from bench import beam_work
-    from specbeam_edge import beam, search
+    from specbeam_edge.decoding import beam, search
 
     before = search.ExactSearch._beam_logprobs, beam.step_many, beam.BeamRows.top
     assert beam_work.main(["--lines", "4", "--batches", "1,4", "--max_new_tokens", "8", "--repeats", "2",

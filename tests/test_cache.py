@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from specbeam_edge.batch import score_one
-from specbeam_edge.protocol import ScoreCall
-from specbeam_edge.cache import TreeCache
-from specbeam_edge.tree import TokenTree
-from specbeam_edge.model import OnnxCausalLM
+from specbeam_edge.execution.batch import score_one
+from specbeam_edge.decoding.protocol import ScoreCall
+from specbeam_edge.decoding.cache import TreeCache
+from specbeam_edge.decoding.tree import TokenTree
+from specbeam_edge.execution.model import OnnxCausalLM
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,7 @@ def test_tree_mask_rows_are_ancestors():
 def test_batch_rows_match_recomputation(lm, prompts, steps, monkeypatch):
     """Caches scored together stay rows of their batch's arrays (padding slots dead, compaction inside the row,
     the next pass feeding the arrays without a copy); every node's logits still equal a from-scratch run."""
-    from specbeam_edge import batch
+    from specbeam_edge.execution import batch
 
     shared = []
     real = batch._same_batch
@@ -102,7 +102,7 @@ def test_batch_rows_match_recomputation(lm, prompts, steps, monkeypatch):
 def test_the_pass_after_the_prefill_feeds_the_prefills_arrays(lm, monkeypatch):
     """The deterministic case of the property above (which holds it only for the examples where every request
     takes part): two requests, each adding a node after the prefill, reuse the prefill's batch arrays."""
-    from specbeam_edge import batch
+    from specbeam_edge.execution import batch
 
     shared = []
     real = batch._same_batch
@@ -114,7 +114,7 @@ def test_the_pass_after_the_prefill_feeds_the_prefills_arrays(lm, monkeypatch):
 def _batch_rows_run(lm, prompts, steps) -> bool:
     """Prefill `prompts` together, then the steps (pick, width, compact, frac), each node's logits checked against
     a from-scratch run; whether every request took part in the first step."""
-    from specbeam_edge import batch
+    from specbeam_edge.execution import batch
 
     tree = TokenTree()
     caches = [TreeCache(lm, tree) for _ in prompts]
@@ -147,7 +147,7 @@ def test_batched_static_inputs_are_reused_only_for_the_same_requests():
     same; a request that leaves or joins, or another order, stacks them anew (never another request's inputs)."""
     import numpy as np
 
-    from specbeam_edge import batch
+    from specbeam_edge.execution import batch
 
     def static(n, v):
         return {"x": (np.full((1, 2, n), v, np.float32), 2)}

@@ -21,7 +21,7 @@ from apps.chat.render import draft_spans, insert_answer  # noqa: E402
 from apps.chat.store import ChatStore  # noqa: E402
 from apps.chat.window import ChatWindow, pair_name, status_text  # noqa: E402
 from specbeam_edge import Engine  # noqa: E402
-from specbeam_edge.prompting import CHAT_MAX_NEW_TOKENS  # noqa: E402
+from specbeam_edge.text.prompting import CHAT_MAX_NEW_TOKENS  # noqa: E402
 
 ENDE = Path(__file__).resolve().parents[1] / "models" / "ende"
 

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from specbeam_edge import chat_input, cli
+from specbeam_edge.text import chat_input
+from specbeam_edge.commands import cli
 from specbeam_edge.generate import Engine
 
 CHAT = Engine.chat

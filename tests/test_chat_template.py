@@ -6,7 +6,7 @@ import pytest
 
 from helpers import make_tokenizer
 from specbeam_edge.config import ModelFolderError
-from specbeam_edge.tokenizer import Tokenizer
+from specbeam_edge.text.tokenizer import Tokenizer
 
 # Representative templates of the families (written here: nothing is downloaded)
 CHATML = (  # Qwen-style ChatML with a default system prompt
@@ -77,7 +77,7 @@ def test_rendering_equals_transformers(tmp_path, name, where):
 
 
 def test_template_errors_surface(tmp_path):
-    from specbeam_edge.tokenizer import ChatTemplateError
+    from specbeam_edge.text.tokenizer import ChatTemplateError
 
     tok = Tokenizer(_folder(tmp_path, "gemma"))
     with pytest.raises(ChatTemplateError, match="alternate") as e:

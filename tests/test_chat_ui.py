@@ -272,7 +272,7 @@ def with_head(exported, tmp_path_factory):
     import numpy as np
 
     from export import ahead
-    from specbeam_edge.model import OnnxCausalLM
+    from specbeam_edge.execution.model import OnnxCausalLM
 
     plain = exported("llama", output="both", std=0.3, seed=3)
     folder = tmp_path_factory.mktemp("ahead") / "target"
@@ -395,7 +395,7 @@ def test_an_answer_that_opens_with_code_has_its_first_line_in_the_code(qtbot, tm
 def test_memory_budget_streams_layers_and_the_status_says_so(qtbot, tmp_path, exported, monkeypatch):
     """Issue 46 item 4: the app's memory budget reloads the engine with max_memory; the status says how many
     layers stream. Before: no such setting."""
-    from specbeam_edge.model import OnnxCausalLM
+    from specbeam_edge.execution.model import OnnxCausalLM
 
     split = str(exported("llama", "fp32", "split", layers=4, std=0.3, seed=3))
     place = OnnxCausalLM(split).placement

@@ -8,8 +8,8 @@ import pytest
 
 from helpers import assert_same_hypotheses
 from specbeam_edge import Engine, SpeculativeConfig
-from specbeam_edge.constraints import ConstrainedBeamSearch, Constraints, parse
-from specbeam_edge.tree import TokenTree
+from specbeam_edge.decoding.constraints import ConstrainedBeamSearch, Constraints, parse
+from specbeam_edge.decoding.tree import TokenTree
 from test_encdec import SOURCES, encdec  # noqa: F401 (fixture)
 
 V = 12

@@ -39,16 +39,23 @@ def _spans(text: str) -> list[str]:
 
 
 def _table_modules(text: str) -> set[str]:
-    """Module files the design's tables name as bare `name.py` (the module table)."""
+    """Modules the design's tables name in their first column, as `name.py` or a bare `name` (the module table:
+    a folder, then its modules)."""
     out = set()
     for line in text.splitlines():
-        if line.startswith("|"):
-            out.update(re.findall(r"`([a-z_][a-z0-9_]*)\.py`", line))
+        if line.startswith("|"):           # the first column: the folder and its modules
+            out.update(re.findall(r"`([a-z_][a-z0-9_]*)(?:\.py)?`", line.split("|")[1]))
     return out
 
 
+def _package_modules() -> dict[str, str]:
+    """Every module of the package by its name (unique across its folders) -> its dotted path."""
+    return {p.stem: ".".join(("specbeam_edge", *p.relative_to(PACKAGE).with_suffix("").parts))
+            for p in PACKAGE.rglob("*.py") if p.stem != "__init__"}
+
+
 def _modules(text: str) -> set[str]:
-    return {p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__"} | _table_modules(text)
+    return set(_package_modules()) | _table_modules(text)
 
 
 def _references(text: str) -> list[str]:
@@ -66,14 +73,17 @@ def _references(text: str) -> list[str]:
 
 
 def _resolve(ref: str) -> str | None:
-    """None when `ref` names something that exists, else why not. The package has no subpackages: the part after
-    `specbeam_edge` is a module, the rest a getattr chain."""
+    """None when `ref` names something that exists, else why not. A first part that is a module's name (modules
+    live in the package's folders: `decoding/`, `execution/`, ...) or a dotted path from `specbeam_edge`; the rest
+    is a getattr chain."""
     parts = ref.split(".")
     if parts[0] == "specbeam_edge":
         parts = parts[1:]
+        while len(parts) > 1 and (PACKAGE.joinpath(*parts[:1]).is_dir()):   # a folder: its module comes next
+            parts = [f"{parts[0]}.{parts[1]}", *parts[2:]]
     if not parts:
         return None
-    module = f"specbeam_edge.{parts[0]}"
+    module = _package_modules().get(parts[0], f"specbeam_edge.{parts[0]}")
     try:
         obj = importlib.import_module(module)
     except ModuleNotFoundError as e:
@@ -92,7 +102,7 @@ def test_design_fits_its_budget():
 
 
 def test_module_table_names_existing_modules():
-    missing = sorted(m for m in _table_modules(_text()) if not (PACKAGE / f"{m}.py").is_file())
+    missing = sorted(m for m in _table_modules(_text()) if m not in _package_modules())
     assert not missing, f"docs/DESIGN.md's module table names files not in specbeam_edge/: {missing}"
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from specbeam_edge import Engine
-from specbeam_edge.cli import main as cli_main
+from specbeam_edge.commands.cli import main as cli_main
 from specbeam_edge.config import ModelFolderError
 
 
@@ -106,8 +106,8 @@ def test_a_table_removed_under_a_reader_is_one_line(loaded):
 def test_an_unchanged_table_is_not_hashed_again(loaded, monkeypatch):
     """A read of an unchanged table costs an fstat; a second load finds its version in the cache."""
     engine, path, table, want = loaded
-    from specbeam_edge import integrity
-    from specbeam_edge.offload import embedding_table
+    from specbeam_edge.execution import integrity
+    from specbeam_edge.execution.offload import embedding_table
 
     hashed = []
     real = integrity.hashlib.sha256

@@ -179,8 +179,8 @@ def test_decoder_only_draft_refused(encdec, exported):
 def test_source_lookup_proposes_source_spans_and_equals_plain(encdec):
     """Prompt lookup over the source: a beam ending in a source n-gram gets the source's continuation; the
     output stays that of plain beam search."""
-    from specbeam_edge.draft import PromptLookupDrafter
-    from specbeam_edge.tree import TokenTree
+    from specbeam_edge.decoding.draft import PromptLookupDrafter
+    from specbeam_edge.decoding.tree import TokenTree
 
     spec = SpeculativeConfig(adaptive=False, drafter="lookup", budget=16, max_depth=3, max_branch_width=2)
     d = PromptLookupDrafter(spec, 1, [0], context_length=64, source=[7, 8, 9, 10, 11, 0])

@@ -7,10 +7,10 @@ import pytest
 
 from export import ExportError, export
 from helpers import torch_path_logits
-from specbeam_edge.batch import score_one
-from specbeam_edge.cache import TokenTree, TreeCache
+from specbeam_edge.execution.batch import score_one
+from specbeam_edge.decoding.cache import TokenTree, TreeCache
 from specbeam_edge.config import ModelFolderError
-from specbeam_edge.model import OnnxCausalLM
+from specbeam_edge.execution.model import OnnxCausalLM
 
 PROMPT = [5, 17, 33, 8, 99, 41, 7, 250, 61]
 # two roots and depth 3 below the prompt: parents index into this list (-1 = child of the prompt's last token)
@@ -86,7 +86,7 @@ def test_stored_weights_are_widened_once_at_load(precision, exported, tmp_path):
     import onnx
     import onnxruntime as ort
 
-    from specbeam_edge.model import session_options
+    from specbeam_edge.execution.model import session_options
 
     folder = exported("llama", precision)
 

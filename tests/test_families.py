@@ -56,7 +56,7 @@ def test_split_layout_parity(name, family):
     folder, model = family(name, layout="split")
     check_parity(folder, model, TOL["fp32"])
     # every family's resident layers run sessions of their own (export/resident.py), none falls back to feeding
-    from specbeam_edge.model import OnnxCausalLM
+    from specbeam_edge.execution.model import OnnxCausalLM
     lm = OnnxCausalLM(folder)
     assert len(lm.layer_sessions) == lm.cfg.num_layers
 
@@ -203,7 +203,7 @@ def test_large_graph_layout_leaves_only_the_model(tmp_path, monkeypatch, precisi
     """Graphs past protobuf's limit keep their tensors in model.onnx.data (quantized ones too); int8/int4 quantize a
     temporary fp32 graph, whose .data file must not stay in the folder (it did: 1.7 GB of gemma-3-270m's 2.7 GB
     int8 folder). Same logits either way."""
-    from specbeam_edge.model import OnnxCausalLM
+    from specbeam_edge.execution.model import OnnxCausalLM
 
     make_family_model(tmp_path / "hf", "qwen3")
     small = export(tmp_path / "hf", tmp_path / "small", precision=precision, quiet=True)

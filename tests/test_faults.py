@@ -508,7 +508,7 @@ def test_speculative_config_rejects(kw, message):
 
 
 def test_parse_size():
-    from specbeam_edge.flags import parse_size
+    from specbeam_edge.commands.flags import parse_size
 
     assert parse_size("1.5GiB") == 3 * 2**29 and parse_size("2e9") == 2 * 10**9 and parse_size("0") == 0
     assert parse_size("512MB") == 512 * 2**20 and parse_size(None) is None
@@ -635,7 +635,7 @@ def test_exports_without_checksums_still_load(split):
 def test_streamed_store_is_verified_once_per_file(split, monkeypatch):
     import hashlib as h
 
-    from specbeam_edge import offload
+    from specbeam_edge.execution import offload
     from specbeam_edge.generate import Engine
 
     calls = []

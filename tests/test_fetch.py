@@ -12,7 +12,8 @@ import pytest
 
 from apps import fetch as pipeline
 from apps import fetch_gguf, fetch_lock
-from specbeam_edge import cli, fetch
+from specbeam_edge.commands import cli
+from specbeam_edge import fetch
 from specbeam_edge.config import ModelFolderError
 from specbeam_edge.fetch import resolve_model
 
@@ -490,7 +491,7 @@ def with_head(data, tmp_path, monkeypatch, exported):
 
 
 def test_fetch_attaches_the_shipped_lookahead_head_and_again_when_it_changes(with_head, data):
-    from specbeam_edge.model import OnnxCausalLM
+    from specbeam_edge.execution.model import OnnxCausalLM
 
     dst = run()
     cfg = json.loads((dst / "specbeam_config.json").read_text())
@@ -519,7 +520,7 @@ def test_a_fetched_model_whose_head_pays_speculates_with_it_by_default(with_head
     default search speculates with it; --no_draft, another --drafter or sampling keep their meaning."""
     import argparse
 
-    from specbeam_edge.cli import add_search_args, configs
+    from specbeam_edge.commands.cli import add_search_args, configs
     from specbeam_edge.config import AHEAD_MIN_PATH_PROB
 
     run()
@@ -576,7 +577,7 @@ def test_specbeam_fetch_is_the_fetch_app(data, capsys):
 def test_an_older_split_folder_gets_the_resident_graph_when_fetched_again(data, exported, capsys):
     """A split folder fetched before exports wrote layer_resident.onnx gets it from `specbeam fetch` (a second,
     no download, no export), and its layers then run their own sessions; a whole-layout folder is left as it is."""
-    from specbeam_edge.model import OnnxCausalLM
+    from specbeam_edge.execution.model import OnnxCausalLM
 
     dst = run()
     src = exported("llama", "int8", "split", layers=2, std=0.3, seed=3)

@@ -6,7 +6,8 @@ import shutil
 
 import pytest
 
-from specbeam_edge import cli, fetch
+from specbeam_edge.commands import cli
+from specbeam_edge import fetch
 from specbeam_edge.config import ModelFolderError
 from specbeam_edge.generate import Engine
 

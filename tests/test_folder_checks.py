@@ -8,7 +8,7 @@ import time
 import pytest
 
 from specbeam_edge.config import ModelConfig, ModelFolderError
-from specbeam_edge.model import OnnxCausalLM
+from specbeam_edge.execution.model import OnnxCausalLM
 
 
 def copy(exported, tmp_path, layout: str):
@@ -108,7 +108,7 @@ def test_a_file_entry_outside_the_folder_is_refused(exported, tmp_path, layout, 
 def test_a_tokenizer_file_linked_from_outside_is_refused(exported, tmp_path, name):
     """Before: a chat_template.jinja linked to any file was read (and rendered) as the model's template."""
     from specbeam_edge.generate import Engine
-    from specbeam_edge.tokenizer import Tokenizer
+    from specbeam_edge.text.tokenizer import Tokenizer
 
     folder = copy(exported, tmp_path, "whole")
     secret = tmp_path / "secret.txt"
@@ -123,7 +123,7 @@ def test_a_tokenizer_file_linked_from_outside_is_refused(exported, tmp_path, nam
 
 
 def test_links_within_the_folder_and_a_linked_folder_still_load(exported, tmp_path):
-    from specbeam_edge.tokenizer import Tokenizer
+    from specbeam_edge.text.tokenizer import Tokenizer
 
     folder = copy(exported, tmp_path, "whole")
     (folder / "templates").mkdir()
@@ -157,7 +157,7 @@ def test_a_whole_graph_with_a_damaged_byte_is_refused_by_name(exported, tmp_path
 
 
 def test_a_whole_graph_is_hashed_once_per_file_version(exported, tmp_path, monkeypatch):
-    from specbeam_edge import integrity
+    from specbeam_edge.execution import integrity
 
     folder = copy(exported, tmp_path, "whole")
     hashed = []
@@ -185,7 +185,7 @@ def test_whole_folders_exported_before_the_field_still_load(exported, tmp_path):
 def test_a_damaged_checksum_cache_is_dropped_not_fatal(exported, tmp_path, damage):
     """Before: a deeply nested JSON in the cache raised RecursionError on every load; now it is recomputed."""
     from apps.translate.fingerprint import cache_path, folder_sha256
-    from specbeam_edge import integrity
+    from specbeam_edge.execution import integrity
     from specbeam_edge.cachefile import cache_dir
 
     folder = copy(exported, tmp_path, "whole")

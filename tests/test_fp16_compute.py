@@ -9,7 +9,7 @@ import pytest
 from export import ExportError, export
 from helpers import assert_same_hypotheses, plain, torch_path_logits
 from specbeam_edge import Engine, SpeculativeConfig
-from specbeam_edge.model import OnnxCausalLM
+from specbeam_edge.execution.model import OnnxCausalLM
 from test_export import tree_scenario
 
 TOL = 1e-2        # max |diff| / max |logit| (measured ~2e-3 on these tiny models; fp16 keeps 11 bits)

@@ -10,10 +10,10 @@ import sys
 import pytest
 
 from helpers import chat_defaults_folder
-from specbeam_edge import cli
+from specbeam_edge.commands import cli
 from specbeam_edge.config import GenerationConfig, ModelConfig
 from specbeam_edge.generate import Engine
-from specbeam_edge.prompting import CHAT_MAX_NEW_TOKENS, has_chat_template
+from specbeam_edge.text.prompting import CHAT_MAX_NEW_TOKENS, has_chat_template
 from specbeam_edge.shipped import shipped
 
 STREAM = Engine.stream           # the real one: each run's spy wraps it, not the spy of the run before

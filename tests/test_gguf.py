@@ -12,7 +12,7 @@ from export import export
 from export.__main__ import main as export_main
 from family_models import check_parity, make_family_model
 from specbeam_edge import Engine
-from specbeam_edge.tokenizer import Tokenizer
+from specbeam_edge.text.tokenizer import Tokenizer
 
 TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}" \
            "{% if add_generation_prompt %}<|assistant|>{% endif %}"

@@ -249,7 +249,7 @@ def test_int8_keeps_the_files_embedding_blocks_and_split_equals_whole(tmp_path, 
     from test_gguf import write_gguf
 
     from export import export
-    from specbeam_edge.model import OnnxCausalLM
+    from specbeam_edge.execution.model import OnnxCausalLM
 
     model = make_family_model(tmp_path / "hf", "smollm2", std=0.3, seed=3, hidden_size=256, intermediate_size=512)
     path = tmp_path / "tiny.gguf"
@@ -275,7 +275,7 @@ def _near_transformers(folder, hf_root, path) -> None:
     import torch
     import transformers as tf
 
-    from specbeam_edge.model import OnnxCausalLM
+    from specbeam_edge.execution.model import OnnxCausalLM
 
     ref = tf.AutoModelForCausalLM.from_pretrained(str(hf_root), gguf_file=path.name, dtype=torch.float32,
                                                   local_files_only=True).eval()

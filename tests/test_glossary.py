@@ -117,7 +117,7 @@ def test_glossary_bench_reports_terms_and_exactness(tmp_path):
 def test_generate_takes_constraints_on_the_command_line(capsys):
     """`specbeam generate --constraint 'A|B'` (repeatable) is generate(constraints=[("A", "B")]), streamed too."""
     from specbeam_edge import Engine
-    from specbeam_edge.cli import main as cli_main
+    from specbeam_edge.commands.cli import main as cli_main
 
     args = ["generate", "Open the file.", "--model", str(PAIR / "target"), "--no_draft", "--num_beams", "4",
             "--constraint", "Dokument|Dokuments"]

@@ -14,9 +14,10 @@ import pytest
 from encdec_models import make_encdec_model
 from export import export
 from family_models import FAMILIES, check_parity, make_family_model
-from specbeam_edge import Engine, SpeculativeConfig, invariance
-from specbeam_edge.invariance import NotInvariantError
-from specbeam_edge.model import OnnxCausalLM
+from specbeam_edge import Engine, SpeculativeConfig
+from specbeam_edge.execution import invariance
+from specbeam_edge.execution.invariance import NotInvariantError
+from specbeam_edge.execution.model import OnnxCausalLM
 from helpers import assert_same_hypotheses, plain
 
 # an fp32 graph's tree pass differs from its single passes by up to 1e-6 here (attention sums over more key
@@ -247,7 +248,7 @@ def test_the_saturation_probe_is_the_graph_it_says_and_the_warning_names_the_fix
     from onnx import helper as oh
     from onnx import numpy_helper as onh
 
-    from specbeam_edge import invariance
+    from specbeam_edge.execution import invariance
 
     g = oh.make_graph([oh.make_node("MatMulInteger", ["a", "w", "za"], ["y"])], "probe",
                       [oh.make_tensor_value_info("a", TP.UINT8, [2, 64])],
@@ -277,7 +278,7 @@ def test_default_int8_weights_never_saturate(tmp_path):
     from onnx import numpy_helper as onh
 
     from export.quant import rowwise_int8
-    from specbeam_edge.invariance import int8_sums_saturate
+    from specbeam_edge.execution.invariance import int8_sums_saturate
 
     rng = np.random.default_rng(0)
     W = rng.normal(size=(64, 48)).astype(np.float32)
@@ -302,7 +303,7 @@ def test_engine_warns_about_an_8_bit_int8_target_where_sums_saturate(hf_models, 
 
     from export import export
     from specbeam_edge import Engine
-    from specbeam_edge.invariance import QuantizationWarning
+    from specbeam_edge.execution.invariance import QuantizationWarning
 
     src, _ = hf_models("llama")
     full = export(src, tmp_path / "full", precision="int8", reduce_range=False, quiet=True)

@@ -68,7 +68,7 @@ def test_a_layer_file_removed_under_a_reader_is_one_line(streamed):
 
 def test_an_unchanged_file_is_not_hashed_again(streamed, monkeypatch):
     engine, _, want = streamed
-    from specbeam_edge import offload
+    from specbeam_edge.execution import offload
 
     hashed = []
     real = offload.hashlib.sha256

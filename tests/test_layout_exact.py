@@ -6,8 +6,8 @@ import pytest
 
 from export import export
 from specbeam_edge import Engine, SpeculativeConfig
-from specbeam_edge.invariance import NotInvariantError
-from specbeam_edge.model import OnnxCausalLM
+from specbeam_edge.execution.invariance import NotInvariantError
+from specbeam_edge.execution.model import OnnxCausalLM
 from helpers import plain
 
 PROMPT = [3, 17, 33, 8, 99, 41, 7, 250, 12, 9, 77, 5, 61, 140, 22, 18, 4, 90, 31, 201, 6, 13, 55, 70]

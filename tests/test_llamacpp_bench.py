@@ -6,7 +6,7 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from bench import llamacpp
-from specbeam_edge.tokenizer import Tokenizer as SbTokenizer
+from specbeam_edge.text.tokenizer import Tokenizer as SbTokenizer
 
 CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
           "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"

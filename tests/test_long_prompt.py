@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 from specbeam_edge import Engine, SpeculativeConfig
-from specbeam_edge import heads
-from specbeam_edge.batch import score_batch
-from specbeam_edge.cache import TreeCache
-from specbeam_edge.model import OnnxCausalLM
-from specbeam_edge.protocol import ScoreCall
-from specbeam_edge.tree import TokenTree
+from specbeam_edge.execution import heads
+from specbeam_edge.execution.batch import score_batch
+from specbeam_edge.decoding.cache import TreeCache
+from specbeam_edge.execution.model import OnnxCausalLM
+from specbeam_edge.decoding.protocol import ScoreCall
+from specbeam_edge.decoding.tree import TokenTree
 from helpers import assert_same_hypotheses, plain, speculative_equals_plain
 
 PROMPT = np.random.default_rng(0).integers(3, 250, 150).tolist()     # the tiny models' context is 256

@@ -109,7 +109,7 @@ def test_rm_removes_a_link_not_what_it_points_to(data, tmp_path, capsys):
 
 
 def test_the_specbeam_command_hands_list_and_rm_to_this_app(data, capsys):
-    from specbeam_edge import cli
+    from specbeam_edge.commands import cli
 
     assert launch.specbeam(["list"]) == 0 and "smollm2" in capsys.readouterr().out
     assert cli.main(["rm", "smollm2"]) == 2                       # the runtime's own parser runs no app

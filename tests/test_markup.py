@@ -6,7 +6,7 @@ import pytest
 
 from helpers import assert_same_hypotheses, translate_args
 from specbeam_edge import Engine, SpeculativeConfig
-from specbeam_edge.markup import find_spans, markup_constraints, survives
+from specbeam_edge.text.markup import find_spans, markup_constraints, survives
 
 
 @pytest.mark.parametrize("text, spans", [
@@ -120,7 +120,7 @@ def test_translate_keeps_markup_by_default(pair, tmp_path, capsys):
 def test_no_other_spans_is_a_rule_on_the_text():
     """{"no_other_spans": [...]} (markup_constraints adds it): a candidate whose text holds a span that is none of
     the request's text constraints breaks the rules (the shipped pair wrote `<Spalten>` beside `<columns>`)."""
-    from specbeam_edge.constraints import parse
+    from specbeam_edge.decoding.constraints import parse
 
     vocab = "<b>Spalten %sx"
     decode = lambda ids: "".join(vocab[i] for i in ids)                 # noqa: E731
@@ -164,7 +164,7 @@ def test_a_span_being_written_is_not_an_invented_one():
     on the way to '&amp;' is an accelerator, 'https://ex' a URL), so '&amp;', '&lt;' and URLs could never be
     written: each line ran to the length limit and was reported as not fitting. A span that starts inside the
     text's end that begins a copied span is pending, not invented."""
-    from specbeam_edge.constraints import parse
+    from specbeam_edge.decoding.constraints import parse
 
     for source, partials, invented in (
             ("Use Tom &amp; Jerry", ["Tom &", "Tom &a", "Tom &amp", "Tom &amp; J"], ["Tom &x", "Tom &b &amp;"]),
@@ -183,7 +183,7 @@ def test_tags_the_source_closes_before_opening_get_no_order_rule():
     source does not have: the search looped to the length limit (a 122-word loop, nothing reported); 'Press </b>
     to finish.' copied exactly was reported '</b>' before its opening tag. No order rule (and no such report) for
     a tag name the source itself closes first."""
-    from specbeam_edge.markup import out_of_order
+    from specbeam_edge.text.markup import out_of_order
 
     spans = find_spans("Click </b>here<b> to open the file.")
     assert out_of_order(spans) == ["b"]
@@ -198,7 +198,7 @@ def test_tags_the_source_closes_before_opening_get_no_order_rule():
 def test_a_tag_pair_emptied_by_the_translation_is_reported():
     """Issue 49 item 4: with a glossary term forced, 'Click <b>OK</b> to close the dialog.' came out as 'Klicken Sie
     auf <b></b> Dialogfenster, ...': every span was kept, so nothing was reported, but the words inside were lost."""
-    from specbeam_edge.markup import emptied
+    from specbeam_edge.text.markup import emptied
     src = "Click <b>OK</b> to close the dialog."
     assert emptied(src, "Klicken Sie auf <b></b> Dialogfenster, um den Dialog zu schließen.") == [
         "<b>...</b> is empty (the source has text inside)"]

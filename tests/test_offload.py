@@ -10,8 +10,8 @@ import pytest
 from specbeam_edge import Engine, ModelFolderError, SpeculativeConfig
 
 from helpers import assert_same_hypotheses, plain
-from specbeam_edge.model import OnnxCausalLM
-from specbeam_edge.offload import plan
+from specbeam_edge.execution.model import OnnxCausalLM
+from specbeam_edge.execution.offload import plan
 
 PROMPT = [5, 17, 33, 8, 99, 41, 7]
 PLACEMENTS = [["disk"] * 4, ["host"] * 4, ["resident", "disk", "host", "disk"], ["disk", "resident", "resident", "host"]]
@@ -53,7 +53,7 @@ def test_direct_and_buffered_disk_reads_agree(split4, monkeypatch):
     assert all(b.ctypes.data % 4096 == 0 and b.size % 4096 == 0 for b in lm.store.buffers)
     for x, y in zip(ref, run_tree(lm)):
         np.testing.assert_array_equal(x, y)
-    from specbeam_edge.offload import LayerStore
+    from specbeam_edge.execution.offload import LayerStore
 
     read_with = LayerStore._read_with
 
@@ -112,7 +112,7 @@ RSS_SCRIPT = """
 import json, sys
 import numpy as np
 sys.path.insert(0, {root!r})
-from specbeam_edge.model import OnnxCausalLM
+from specbeam_edge.execution.model import OnnxCausalLM
 lm = OnnxCausalLM({folder!r}, max_memory={budget})
 P = 16
 mask = np.tril(np.ones((P, P), bool))[None, None]
@@ -226,7 +226,7 @@ def test_streamed_target_grows_the_streamed_tree_and_stays_exact(split4):
 def test_streamed_cost_curve_is_the_disk_until_compute_outgrows_it(split4, monkeypatch):
     """The modelled streamed pass: max(reading the streamed layers, computing every layer) + the head; measured
     parts, no pass over every tree size."""
-    from specbeam_edge.adaptive import streamed_cost_curve
+    from specbeam_edge.decoding.adaptive import streamed_cost_curve
     lm = OnnxCausalLM(split4, placement=["disk", "host", "disk", "resident"])
     assert lm.streamed_layers() == 3 and lm.store.read_seconds() > 0
     monkeypatch.setattr(lm.store, "read_seconds", lambda: 1.0)             # a slow disk: 3 s a pass
@@ -261,7 +261,7 @@ def test_generate_and_chat_say_when_layers_stream(split4, capsys, monkeypatch):
     say so on stderr before it (not with -q, not when every layer is resident). Before: nothing was said."""
     import io
 
-    from specbeam_edge import cli
+    from specbeam_edge.commands import cli
 
     place = OnnxCausalLM(split4).placement
     budget = place.resident_minimum + 3 * place.layer_bytes        # 1 of 4 layers resident

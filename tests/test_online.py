@@ -86,7 +86,7 @@ def test_cancel_stops_before_the_next_pass(engine):
 
 
 def test_a_failing_pass_fails_its_requests_only(engine, monkeypatch):
-    import specbeam_edge.scheduler as sched
+    import specbeam_edge.decoding.scheduler as sched
 
     real, calls = sched.score_batch, []
 

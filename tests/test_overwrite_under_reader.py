@@ -25,7 +25,7 @@ def test_overwrite_while_a_reader_streams_the_model(hf_models, tmp_path, seed):
     budget = sum(p.stat().st_size for p in folder.glob("head.onnx*")) + 3 * layer     # one resident, three streamed
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("".join(f"prompt {i}\n" for i in range(PROMPTS)))
-    reader = subprocess.Popen([sys.executable, "-m", "specbeam_edge.cli", "generate", "--model", str(folder),
+    reader = subprocess.Popen([sys.executable, "-m", "specbeam_edge.commands.cli", "generate", "--model", str(folder),
                                "--file", str(prompts), "--max_memory", str(budget), "--max_new_tokens", "24",
                                "--no_draft", "--no_stream"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -10,7 +10,7 @@ from tokenizers import Tokenizer as HFTokenizer, pre_tokenizers, trainers
 from helpers import make_tokenizer
 from specbeam_edge import Engine
 from specbeam_edge.config import ModelFolderError
-from specbeam_edge.tokenizer import Tokenizer, check_compatible
+from specbeam_edge.text.tokenizer import Tokenizer, check_compatible
 
 FIX = "; pair a draft and a target that share a tokenizer (sizes of one family)"
 

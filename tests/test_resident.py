@@ -6,11 +6,11 @@ import onnxruntime as ort
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from specbeam_edge.batch import score_one
+from specbeam_edge.execution.batch import score_one
 from specbeam_edge import Engine, SpeculativeConfig
-from specbeam_edge.cache import TreeCache
-from specbeam_edge.model import OnnxCausalLM
-from specbeam_edge.tree import TokenTree
+from specbeam_edge.decoding.cache import TreeCache
+from specbeam_edge.execution.model import OnnxCausalLM
+from specbeam_edge.decoding.tree import TokenTree
 from helpers import assert_same_hypotheses
 
 RNG = np.random.default_rng(3)

@@ -12,11 +12,11 @@ import itertools
 import numpy as np
 import pytest
 
-import specbeam_edge.sampling as sampling
+import specbeam_edge.decoding.sampling as sampling
 from fake_lm import FakeLM
 from helpers import assert_same_hypotheses
 from specbeam_edge import Engine, SpeculativeConfig
-from specbeam_edge.sampling import acceptance_count_dist, choose_width, residual, verify_level
+from specbeam_edge.decoding.sampling import acceptance_count_dist, choose_width, residual, verify_level
 
 RUNS = 20000
 P_MIN = 1e-3

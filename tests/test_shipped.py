@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from specbeam_edge import Engine, ModelFolderError, SpeculativeConfig
-from specbeam_edge.model import OnnxCausalLM
-from specbeam_edge.tokenizer import Tokenizer
+from specbeam_edge.execution.model import OnnxCausalLM
+from specbeam_edge.text.tokenizer import Tokenizer
 from helpers import plain
 
 ROOT = Path(__file__).resolve().parents[1]

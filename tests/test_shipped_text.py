@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from specbeam_edge import Engine, ModelFolderError, SpeculativeConfig
-from specbeam_edge.tokenizer import Tokenizer
+from specbeam_edge.text.tokenizer import Tokenizer
 from helpers import plain
 
 PAIR = Path(__file__).resolve().parents[1] / "models" / "text"

@@ -96,7 +96,7 @@ def test_auto_budget_from_cost_curve(exported):
     """budget="auto": the largest tree whose pass costs at most auto_slack times a pass over the beams alone, read
     off the engine's cost curve (measured once per engine); a request with it drafts that tree, exactly as one
     naming the same budget, and gives plain search's output."""
-    from specbeam_edge.adaptive import auto_budget
+    from specbeam_edge.decoding.adaptive import auto_budget
 
     cpu = {1: 1.0, 2: 1.0, 4: 1.1, 8: 1.5, 16: 2.0, 32: 4.0, 64: 8.0}            # a CPU-like curve
     assert auto_budget(cpu, 1, slack=1.6) == 8 and auto_budget(cpu, 4, slack=2.0) == 16
@@ -156,7 +156,7 @@ def test_pass_chooser_rates_a_tree_by_its_seconds_over_its_steps():
     """A tree pass that costs 1.5 plain passes and gives 1 or 3 steps (2 on average: 0.75 s a step) beats plain
     search (1 s a step). Averaging each pass's seconds / steps instead (1.5 and 0.5: 1.0) called it a tie and
     kept plain search on half the passes (found with SmolLM2-135M's lookahead head)."""
-    from specbeam_edge.adaptive import PassChooser
+    from specbeam_edge.decoding.adaptive import PassChooser
 
     ch = PassChooser(warmup=2, probe_every=4, max_interval=16, smoothing=0.25)
     steps = iter([3, 1] * 200)
@@ -175,7 +175,7 @@ def test_pass_chooser_probes_of_several_passes_see_a_tree_whose_steps_vary(probe
     1): after a stretch where it gave 1 step, a chooser whose probe is one pass can keep landing on the 1-step
     passes and stay with plain search (it did here: 6% of the last passes speculated); probes of 4 passes average
     the two kinds and return to the tree (the engine's setting for the lookahead head)."""
-    from specbeam_edge.adaptive import PassChooser
+    from specbeam_edge.decoding.adaptive import PassChooser
 
     ch = PassChooser(warmup=2, probe_every=4, max_interval=16, probe_len=probe_len)
 
@@ -249,7 +249,7 @@ def test_pass_chooser_leaves_a_draft_models_catch_up_out(catch_up):
     chooser stopped drafting for good (1.02x over 16 prompts, where every prompt it drafted on ran 1.5-1.8x).
     With catch_up the switching pass is not a sample: a tree that now pays (0.75 s a step against 1) is taken
     again within the next request; without it (planted) the tree is never taken again."""
-    from specbeam_edge.adaptive import PassChooser
+    from specbeam_edge.decoding.adaptive import PassChooser
 
     ch = PassChooser(warmup=3, probe_every=16, max_interval=512, catch_up=catch_up)
     _requests(ch, 4, 128, tree_cost=4.0)              # the tree loses: 2 s a step
@@ -263,7 +263,7 @@ def test_pass_chooser_probes_each_request_but_not_each_request_of_a_batch():
     """A request's start asks for a probe of the losing choice two passes in (any drafter: the coder pair's
     draft model was probed only at the doubling interval, up to 512 passes, so its tree was not tried on the
     next prompts); requests starting together (a batch) share one such probe per probe_every passes."""
-    from specbeam_edge.adaptive import PassChooser
+    from specbeam_edge.decoding.adaptive import PassChooser
 
     ch = PassChooser(warmup=2, probe_every=8, max_interval=512)
     for _ in range(600):                      # the tree loses everywhere: the interval grows to 512
@@ -294,7 +294,7 @@ def test_a_draft_models_chooser_probes_a_request_only_while_the_tree_loses():
     """The chosen arm is measured on every pass, so only a losing tree goes stale: a streamed target, where every
     plain pass costs a whole read of the weights, is not probed with plain search at each request (it was: 28 of
     142 passes at K=4). Where plain search is the choice, each request still probes the tree."""
-    from specbeam_edge.adaptive import PassChooser
+    from specbeam_edge.decoding.adaptive import PassChooser
 
     wins = PassChooser(warmup=2, probe_every=8, max_interval=512, catch_up=True)
     loses = PassChooser(warmup=2, probe_every=8, max_interval=512, catch_up=True)
@@ -312,7 +312,7 @@ def test_a_draft_models_chooser_probes_a_request_only_while_the_tree_loses():
 def test_draft_model_searches_start_each_request_with_the_chooser(engines, monkeypatch):
     """ExactSearch tells its chooser of every request, a draft model's as a lookahead head's (was: the head's
     only)."""
-    from specbeam_edge.adaptive import PassChooser
+    from specbeam_edge.decoding.adaptive import PassChooser
 
     starts = []
     real = PassChooser.new_request
@@ -326,7 +326,7 @@ def test_draft_model_searches_start_each_request_with_the_chooser(engines, monke
 def test_tree_passes_report_their_best_case(engines, monkeypatch):
     """ExactSearch tells the chooser each tree pass's best case: drafted depth + 1 steps (at least the steps it
     gave, at most max_depth + 1), and none when the drafter proposed nothing (prompt lookup without a match)."""
-    from specbeam_edge.adaptive import PassChooser
+    from specbeam_edge.decoding.adaptive import PassChooser
 
     calls = []
     real = PassChooser.update
@@ -342,7 +342,7 @@ def test_tree_passes_report_their_best_case(engines, monkeypatch):
     assert trees and all(m is not None and s <= m <= 4 for s, m in trees)
     assert all(m is None for spec, _, m in calls if not spec)
     calls.clear()
-    from specbeam_edge.draft import PromptLookupDrafter
+    from specbeam_edge.decoding.draft import PromptLookupDrafter
     def no_match(self, dcache, roots, scores, budget):
         yield from ()
         return []
@@ -357,7 +357,7 @@ def test_adaptive_speculation_equals_plain(engines, draft, monkeypatch):
     """Adaptive passes mix tree passes and plain passes (the draft cache catches up after plain ones); the
     output is plain beam search's whatever the mix, and the mix is reported: each request's plain_passes are
     the passes its chooser said not to draft, and its other passes are tree passes."""
-    from specbeam_edge.adaptive import PassChooser
+    from specbeam_edge.decoding.adaptive import PassChooser
 
     choices = []                         # the chooser's answers, one per target pass of the current request
     real = PassChooser.choose
@@ -405,7 +405,7 @@ def test_merged_lookup_tree_equals_plain(engines, draft, K, drafter, monkeypatch
     """Draft model and prompt lookup in one tree: exact, and lookup nodes are in it (the prompt repeats
     itself, so lookup has material): every node prompt lookup proposed is among the nodes the merged drafter
     hands the search, which counts them all in draft_tokens_proposed."""
-    from specbeam_edge.draft import MergedDrafter, PromptLookupDrafter
+    from specbeam_edge.decoding.draft import MergedDrafter, PromptLookupDrafter
 
     looked, merged = [], []          # per drafting pass: prompt lookup's nodes, the merged tree's nodes
     real_lookup, real_merged = PromptLookupDrafter.__call__, MergedDrafter.__call__
@@ -439,8 +439,8 @@ def test_merged_lookup_tree_equals_plain(engines, draft, K, drafter, monkeypatch
 
 
 def test_merged_drafter_splits_the_budget_by_measured_acceptance():
-    from specbeam_edge.draft import MergedDrafter
-    from specbeam_edge.tree import TokenTree
+    from specbeam_edge.decoding.draft import MergedDrafter
+    from specbeam_edge.decoding.tree import TokenTree
 
     class Fixed:
         """A drafter proposing given chains below the first root, within its budget (needs no pass, as prompt
@@ -482,7 +482,7 @@ def test_merged_drafter_splits_the_budget_by_measured_acceptance():
 def test_default_draft_width_spends_the_budget_on_width_for_several_beams():
     """K > 1: a level is accepted only when it holds all K next beams, so the default tree is 4K wide (at least two
     levels deep) instead of K wide and max_depth deep; K = 1 keeps max_branch_width children per level."""
-    from specbeam_edge.draft import DraftBeamSearch
+    from specbeam_edge.decoding.draft import DraftBeamSearch
 
     def width(K, budget=48, **kw):
         return DraftBeamSearch(SpeculativeConfig(budget=budget, **kw), K, [0], 512).width(budget)
@@ -495,7 +495,7 @@ def test_default_draft_width_spends_the_budget_on_width_for_several_beams():
 def test_default_budget_deepens_K4_and_leaves_K1_K2_trees_alone():
     """The default budget (80) gives K = 4 five levels of 16 nodes (48 gave three); K = 1 and 2 stay bound by
     max_depth (4 x 6 and 8 x 6 nodes), so their trees are those of budget 48."""
-    from specbeam_edge.draft import default_width
+    from specbeam_edge.decoding.draft import default_width
 
     spec = SpeculativeConfig(adaptive=False)
 
@@ -534,7 +534,7 @@ def _reference_level(nodes, pred, top, cum, path, eos, K, take, min_lp):
 def test_level_picks_equal_the_list_reference(F, w, K, take, min_p, n_eos, coarse, seed):
     """draft.level_picks (array work) picks the same children in the same order as the list comprehensions it
     replaced, ties (coarse scores), EOS children and min_path_prob included."""
-    from specbeam_edge.draft import level_picks
+    from specbeam_edge.decoding.draft import level_picks
 
     rng = np.random.default_rng(seed)
     nodes = list(range(100, 100 + F))

@@ -6,9 +6,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specbeam_edge.beam import BeamRows, BeamSearch, log_softmax, step_many
-from specbeam_edge.constraints import ConstrainedBeamSearch, Constraints
-from specbeam_edge.tree import TokenTree
+from specbeam_edge.decoding.beam import BeamRows, BeamSearch, log_softmax, step_many
+from specbeam_edge.decoding.constraints import ConstrainedBeamSearch, Constraints
+from specbeam_edge.decoding.tree import TokenTree
 
 V = 200
 

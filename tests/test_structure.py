@@ -11,21 +11,19 @@ import pytest
 import specbeam_edge
 
 ROOT = Path(specbeam_edge.__file__).parent
-MODULES = {p.stem: p for p in ROOT.glob("*.py")}
+# every module of the runtime by its name (names are unique across its folders), the folders' __init__ aside
+MODULES = {p.stem: p for p in sorted(ROOT.rglob("*.py")) if p.name != "__init__.py" or p.parent == ROOT}
 
 
 def imports_of(path: Path) -> set[str]:
-    """The package modules `path` imports, by any import statement anywhere in it."""
+    """The package modules `path` imports, by any import statement anywhere in it (`from .execution.model import
+    X` and `from .execution import model` both name `model`)."""
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if not isinstance(node, ast.ImportFrom):
             continue
-        if node.level == 1 or (node.module or "").split(".")[0] == "specbeam_edge":
-            parts = (node.module or "").split(".")[1 if node.level == 0 else 0:]
-            if parts and parts[0]:
-                out.add(parts[0])
-            else:
-                out |= {a.name for a in node.names}
+        if node.level >= 1 or (node.module or "").split(".")[0] == "specbeam_edge":
+            out |= set((node.module or "").split(".")) | {a.name for a in node.names}
     return out & set(MODULES)
 
 
@@ -165,7 +163,7 @@ def engine_private_uses(paths, root: Path = PROJECT) -> list[str]:
     from specbeam_edge.generate import Engine
 
     private = {n for n in dir(Engine) if n.startswith("_") and not n.startswith("__")}
-    for source in (ROOT / "generate.py", ROOT / "search_setup.py", ROOT / "prompting.py"):
+    for source in (ROOT / "generate.py", ROOT / "search_setup.py", ROOT / "text" / "prompting.py"):
         for node in ast.walk(ast.parse(source.read_text())):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self" \
                     and node.attr.startswith("_") and not node.attr.startswith("__"):

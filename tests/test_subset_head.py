@@ -11,7 +11,7 @@ import pytest
 from export import export
 from export.hf import ExportError
 from specbeam_edge import Engine, SpeculativeConfig
-from specbeam_edge.model import OnnxCausalLM
+from specbeam_edge.execution.model import OnnxCausalLM
 from helpers import assert_same_hypotheses
 
 SUBSET = np.array(sorted({0, 1, *range(2, 320, 3)}), np.int64)       # the EOS (0) and every third token
@@ -144,7 +144,7 @@ def test_a_head_tokens_int4_draft_leaves_speculative_output_unchanged(exported, 
 def test_a_cut_head_runs_as_a_draft_only(exported, hf_models, draft_src, tmp_path):
     """Before: a folder exported with --head_tokens ran as a target and answered garbage, exit 0 (it can never
     produce the tokens its head does not score)."""
-    from specbeam_edge import cli
+    from specbeam_edge.commands import cli
     from specbeam_edge.config import ModelFolderError
 
     src, _ = hf_models("llama", std=0.3, seed=11, layers=1)

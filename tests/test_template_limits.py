@@ -11,7 +11,7 @@ import pytest
 
 from helpers import make_tokenizer
 from specbeam_edge.config import ModelFolderError
-from specbeam_edge.tokenizer import ChatTemplateError, Tokenizer
+from specbeam_edge.text.tokenizer import ChatTemplateError, Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 HI = [{"role": "user", "content": "hi"}]
@@ -62,7 +62,7 @@ def test_unsafe_attributes_render_as_nothing(tmp_path):
 
 def test_a_template_that_spins_is_stopped(tmp_path, monkeypatch):
     """Before: nested range(99999) loops spun until the process was killed."""
-    from specbeam_edge import tokenizer
+    from specbeam_edge.text import tokenizer
 
     monkeypatch.setattr(tokenizer, "RENDER_SECONDS", 0.5)
     tok = _tokenizer(tmp_path, "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"
@@ -91,7 +91,7 @@ def test_cli_generate_with_a_spinning_template_is_one_line(exported, tmp_path):
     (model / "tokenizer_config.json").write_text(json.dumps(cfg))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     code = "import sys; from specbeam_edge import tokenizer; tokenizer.RENDER_SECONDS = 1.0; " \
-           "from specbeam_edge.cli import main; sys.exit(main(sys.argv[1:]))"
+           "from specbeam_edge.commands.cli import main; sys.exit(main(sys.argv[1:]))"
     proc = subprocess.run([sys.executable, "-c", code, "generate", "hi", "--model", str(model)],
                           capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
@@ -103,7 +103,7 @@ def test_terminal_chat_reports_a_template_error_and_goes_on(exported, tmp_path, 
     """Before: `specbeam chat` ended with a TemplateError traceback."""
     import io
 
-    from specbeam_edge.cli import main
+    from specbeam_edge.commands.cli import main
 
     model = tmp_path / "model"
     shutil.copytree(exported("llama", std=0.3, seed=3), model)

@@ -62,7 +62,7 @@ def test_sampling_refuses_a_topk_head(folders):
 def test_dense_top_ids_are_each_rows_best(rows, width, vocab, ties, seed):
     """The drafters' top-w per row (sampled threshold, then a partition of the few candidates): the values it
     picks are each row's w largest, ties included (coarse values make many)."""
-    from specbeam_edge.heads import _top_ids
+    from specbeam_edge.execution.heads import _top_ids
 
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((rows, vocab)).astype(np.float32)
@@ -89,7 +89,7 @@ def both(exported):
 def test_both_head_answers_with_logits_or_topk(both, layout):
     """export --output_kind both: a run without top-k returns the logits graph's logits, a run with one the top-k
     graph's (log-probs, ids); onnxruntime computes only the head asked for."""
-    from specbeam_edge.model import OnnxCausalLM
+    from specbeam_edge.execution.model import OnnxCausalLM
 
     name = {"whole": ("both", "logits"), "split": ("split_both", "split_logits")}[layout]
     m, ref, topk = (OnnxCausalLM(both[n]) for n in (*name, "topk"))
@@ -112,10 +112,10 @@ def test_a_both_head_target_answers_exact_search_in_one_kind(both, K):
     shipped pair once its target had both heads) and plain greedy's scores came from Python's log-softmax while
     speculative greedy's came from the graph's. Now every pass of exact search reads the top-k: speculative ==
     plain in tokens and scores, and a one-row target pass is a top-k one."""
-    from specbeam_edge.batch import ScoreCall, score_batch
-    from specbeam_edge.cache import TreeCache
-    from specbeam_edge.heads import TopKOutput
-    from specbeam_edge.tree import TokenTree
+    from specbeam_edge.execution.batch import ScoreCall, score_batch
+    from specbeam_edge.decoding.cache import TreeCache
+    from specbeam_edge.execution.heads import TopKOutput
+    from specbeam_edge.decoding.tree import TokenTree
 
     target = both["both"]
     ref, fast = Engine(target), Engine(target, draft=both["logits"])

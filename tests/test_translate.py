@@ -48,7 +48,7 @@ def test_alignment_and_bad_lines(pair, tmp_path, capsysbinary):
 
 def test_max_input_length_truncates_like_ctranslate2(pair, tmp_path, capsysbinary):
     """Before: a line over --max_input_length was dropped (an empty output line); CTranslate2 truncates it."""
-    from specbeam_edge.tokenizer import Tokenizer
+    from specbeam_edge.text.tokenizer import Tokenizer
 
     tok = Tokenizer(pair[0])
     long = " ".join(["fox"] * 400)

@@ -6,7 +6,8 @@ from pathlib import Path
 def test_per_user_folders_are_this_sessions(tmp_path_factory):
     from apps.chat.store import default_path
     from apps.translate.fingerprint import cache_path
-    from specbeam_edge import fetch, invariance
+    from specbeam_edge import fetch
+    from specbeam_edge.execution import invariance
 
     base = Path(tmp_path_factory.getbasetemp()).resolve()
     where = {"fetched models": fetch.data_dir(), "kept sources": fetch.sources_dir(),
@@ -20,7 +21,7 @@ def test_the_caches_follow_the_data_folder(tmp_path, monkeypatch):
     """Issue 66: with SPECBEAM_DATA_DIR set the measurement and checksum caches stayed in the home folder; they go
     under it now unless SPECBEAM_CACHE_DIR names their own place."""
     from apps.translate.fingerprint import cache_path
-    from specbeam_edge import invariance
+    from specbeam_edge.execution import invariance
 
     monkeypatch.delenv("SPECBEAM_CACHE_DIR", raising=False)
     monkeypatch.setenv("SPECBEAM_DATA_DIR", str(tmp_path / "data"))

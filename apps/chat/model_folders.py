@@ -7,8 +7,8 @@ from pathlib import Path
 
 from specbeam_edge import fetch
 from specbeam_edge.config import GenerationConfig, ModelConfig
-from specbeam_edge.flags import parse_size
-from specbeam_edge.prompting import CHAT_MAX_NEW_TOKENS, has_chat_template
+from specbeam_edge.commands.flags import parse_size
+from specbeam_edge.text.prompting import CHAT_MAX_NEW_TOKENS, has_chat_template
 from specbeam_edge.shipped import missing_message, models_root
 
 CHAT_MODELS = ("qwen2.5-coder-1.5b", "smollm2")   # fetched chat models the app opens on, best first

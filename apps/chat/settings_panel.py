@@ -8,7 +8,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog, QFormLayout, QHBoxLayout, QLabel,
                                QLineEdit, QMessageBox, QPushButton, QSizePolicy, QSpinBox)
 
-from specbeam_edge.flags import streaming_note
+from specbeam_edge.commands.flags import streaming_note
 
 from .model_folders import explain, known_models, memory_budget, model_kind, pair_name, speculation, whole_layout
 

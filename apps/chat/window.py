@@ -17,8 +17,8 @@ from PySide6.QtWidgets import (QHBoxLayout, QLabel, QLineEdit, QListWidget, QMai
 
 from specbeam_edge import Engine
 from specbeam_edge.config import AHEAD_MIN_PATH_PROB, SpeculativeConfig
-from specbeam_edge.flags import speculative_config, streaming_note
-from specbeam_edge.tokenizer import ChatTemplateError
+from specbeam_edge.commands.flags import speculative_config, streaming_note
+from specbeam_edge.text.tokenizer import ChatTemplateError
 
 from .conversations import ConversationList
 from .model_folders import pair_name

@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-from specbeam_edge.flags import PROVIDERS, parse_size, positive_int
+from specbeam_edge.commands.flags import PROVIDERS, parse_size, positive_int
 
 from .models import NO_DRAFT, ModelSpec, Registry, Served, kv_bytes_per_token, resolve
 

@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from specbeam_edge.tokenizer import ChatTemplateError
+from specbeam_edge.text.tokenizer import ChatTemplateError
 
 from . import shapes
 from .complete import Run, follow, prepare

@@ -9,7 +9,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from specbeam_edge.markup import find_spans, markup_constraints
+from specbeam_edge.text.markup import find_spans, markup_constraints
 from specbeam_edge.online import Done, Failed
 
 from .complete import Bridge, follow

@@ -42,11 +42,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from specbeam_edge.cli import ShortErrors
+from specbeam_edge.commands.cli import ShortErrors
 from specbeam_edge.config import ModelFolderError
-from specbeam_edge.flags import (DefaultsHelp, add_beam_arg, add_decoding_constraint_args, add_length_penalty_arg,
+from specbeam_edge.commands.flags import (DefaultsHelp, add_beam_arg, add_decoding_constraint_args, add_length_penalty_arg,
                                  add_memory_args, add_speculation_args, guard_std_streams, positive_int)
-from specbeam_edge.providers import ProviderError
+from specbeam_edge.execution.providers import ProviderError
 
 from .files import InOrder, UsageError, check_output, read_file, read_input, read_prefixes, refuse_device, split_lines
 from .job import (LABELS, NO_ALTERNATIVES, PROG, Settings, file_settings, journal_settings, jsonl_line, open_engine,

@@ -14,9 +14,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from specbeam_edge.config import GenerationConfig, ModelConfig, SpeculativeConfig
-from specbeam_edge.flags import (check_prompt_format, check_widths, decoding_constraints, engine_from_args,
+from specbeam_edge.commands.flags import (check_prompt_format, check_widths, decoding_constraints, engine_from_args,
                                  speculative_from_args)
-from specbeam_edge.markup import emptied, find_spans, markup_constraints, out_of_order, survives
+from specbeam_edge.text.markup import emptied, find_spans, markup_constraints, out_of_order, survives
 from specbeam_edge.results import Stats
 from specbeam_edge.shipped import shipped
 

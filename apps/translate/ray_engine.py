@@ -44,7 +44,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from specbeam_edge.flags import positive_int
+from specbeam_edge.commands.flags import positive_int
 from specbeam_edge.results import Stats
 
 from .files import UsageError, split_lines

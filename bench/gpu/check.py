@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from specbeam_edge.providers import PROVIDER_ENV, default_providers, installed_onnxruntime
+from specbeam_edge.execution.providers import PROVIDER_ENV, default_providers, installed_onnxruntime
 
 from .. import common, cost, offload, synthetic
 
@@ -32,7 +32,7 @@ SIZES = (1, 4, 16, 64, 256)
 def probe(out: Path) -> dict:
     import onnxruntime as ort
 
-    from specbeam_edge.model import OnnxCausalLM
+    from specbeam_edge.execution.model import OnnxCausalLM
 
     t0 = time.perf_counter()
     target, draft = synthetic.build_models(**SCALE, precision="fp32", cache=CACHE)
@@ -47,7 +47,7 @@ def cost_curve(out: Path) -> dict:
     """pass(Q) over a 64-token prompt, fp32 and fp16 compute (export --compute fp16: fp16 weights, activations
     and KV cache); the ratio pass(Q=64)/pass(Q=1) is the number the issue asks for (how wide a tree one pass
     absorbs on this GPU)."""
-    from specbeam_edge.model import OnnxCausalLM
+    from specbeam_edge.execution.model import OnnxCausalLM
 
     res = {}
     for precision in ("fp32", "fp16"):

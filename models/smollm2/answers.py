@@ -85,7 +85,7 @@ def teacher(args) -> None:
     existing files skipped."""
     import numpy as np
 
-    from specbeam_edge.model import OnnxCausalLM
+    from specbeam_edge.execution.model import OnnxCausalLM
 
     work = Path(args.work)
     out = work / "teacher"

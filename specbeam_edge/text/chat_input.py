@@ -7,7 +7,7 @@ from __future__ import annotations
 import select
 import sys
 
-from .flags import MAX_INPUT_BYTES, is_terminal, read_bounded
+from ..commands.flags import MAX_INPUT_BYTES, is_terminal, read_bounded
 
 FENCE = b'"""'
 COMMANDS = {"/bye": "end the chat (Ctrl-D too)",

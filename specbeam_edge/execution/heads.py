@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .beam import BeamRows, log_softmax
+from ..decoding.beam import BeamRows, log_softmax
 
 
 class DenseOutput:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 
 from . import heads
-from .cache import BatchKV, TreeCache
+from ..decoding.cache import BatchKV, TreeCache
 from .model import host
-from .protocol import ScoreCall
+from ..decoding.protocol import ScoreCall
 
 
 class StaticStacks:

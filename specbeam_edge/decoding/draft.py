@@ -16,7 +16,7 @@ import numpy as np
 
 from .protocol import ScoreCall
 from .cache import TreeCache
-from .config import SpeculativeConfig, head_width
+from ..config import SpeculativeConfig, head_width
 
 
 class Drafter(Protocol):

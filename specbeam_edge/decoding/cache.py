@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .model import OnnxCausalLM, host, kv_nbytes
+from ..execution.model import OnnxCausalLM, host, kv_nbytes
 from .tree import TokenTree
 
 

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:       # annotations only
     from .beam import BeamRows, BeamSearch
     from .cache import TreeCache
-    from .results import Stats
+    from ..results import Stats
 
 
 @dataclass

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import ModelFolderError
+from ..config import ModelFolderError
 from .integrity import verify_open
 
 PLACES = ("resident", "host", "disk")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 from . import beam
-from .batch import StaticStacks, score_batch
+from ..execution.batch import StaticStacks, score_batch
 from .protocol import BeamStep, Job, PassContext, Progress, ScoreCall
 
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
 
-from .config import ModelFolderError, inside
-from .contract import file_sha256, read_json_object
+from ..config import ModelFolderError, inside
+from ..contract import file_sha256, read_json_object
 
 
 class ChatTemplateError(ModelFolderError):

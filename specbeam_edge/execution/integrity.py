@@ -14,9 +14,9 @@ import hashlib
 import os
 from pathlib import Path
 
-from .cachefile import cache_dir, entries, store_entry
-from .config import ModelFolderError
-from .contract import file_sha256
+from ..cachefile import cache_dir, entries, store_entry
+from ..config import ModelFolderError
+from ..contract import file_sha256
 
 CACHE_FILE = "verified.json"
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import onnxruntime as ort
 
-from .config import ModelFolderError
+from ..config import ModelFolderError
 from .providers import ProviderError, cuda_session, default_providers, wants_cuda
 
 

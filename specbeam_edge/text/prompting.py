@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import GenerationConfig, SpeculativeConfig
-from .search_setup import DEFAULT
+from ..config import GenerationConfig, SpeculativeConfig
+from ..search_setup import DEFAULT
 from .tokenizer import PromptText, _chat_template
 
 

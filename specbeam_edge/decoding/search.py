@@ -19,7 +19,7 @@ from .beam import BeamRows, BeamSearch
 from .cache import TreeCache
 from .constraints import ConstrainedBeamSearch, Constraints
 from .protocol import BeamStep, PassContext, Progress, ScoreCall
-from .results import Stats, peak_rss_mb
+from ..results import Stats, peak_rss_mb
 from .sampling import SampleState, choose_width, draw, verify_level
 from .tree import TokenTree
 

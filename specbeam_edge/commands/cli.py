@@ -10,20 +10,20 @@ import json
 import os
 import sys
 
-from .config import AHEAD_MIN_PATH_PROB, ModelFolderError, SpeculativeConfig
+from ..config import AHEAD_MIN_PATH_PROB, ModelFolderError, SpeculativeConfig
 # shared with the apps (they import the runtime, never the reverse); re-exported for existing callers
 from .flags import (DEFAULT_MODELS, PROVIDERS, DefaultsHelp, Status, add_beam_arg,  # noqa: F401
                     add_decoding_constraint_args, add_length_penalty_arg, add_memory_args, add_speculation_args,
                     check_prompt_format, check_widths, decoding_constraints, end_line, engine_from_args,
                     finite_float, guard_std_streams, is_terminal, parse_size, positive_int, read_bounded,
                     speculative_from_args, streaming_note)
-from .fetch import FetchError, default_ahead, default_draft, fetched, resolve_model
-from .chat_input import CHAT_KEYS, command_help, read_message
-from .prompting import CHAT_MAX_NEW_TOKENS, has_chat_template
-from .providers import ProviderError
-from .shipped import ENV as SHIPPED_ENV
-from .shipped import shipped
-from .tokenizer import ChatTemplateError
+from ..fetch import FetchError, default_ahead, default_draft, fetched, resolve_model
+from ..text.chat_input import CHAT_KEYS, command_help, read_message
+from ..text.prompting import CHAT_MAX_NEW_TOKENS, has_chat_template
+from ..execution.providers import ProviderError
+from ..shipped import ENV as SHIPPED_ENV
+from ..shipped import shipped
+from ..text.tokenizer import ChatTemplateError
 
 
 def add_search_args(ap: argparse.ArgumentParser) -> None:
@@ -105,7 +105,7 @@ def _num_beams(args) -> int:
     """The search's beam width: --num_beams, else the model folder's generation default."""
     if args.num_beams is not None:
         return args.num_beams
-    from .config import GenerationConfig, ModelConfig
+    from ..config import GenerationConfig, ModelConfig
 
     try:
         return GenerationConfig.from_dict(ModelConfig.load(resolve_model(args.model)).generation).num_beams
@@ -312,7 +312,7 @@ def _chat_defaults(args) -> None:
     sequence (transformers' multinomial sampling), not 4 beams."""
     if args.num_beams is not None:
         return
-    from .config import ModelConfig
+    from ..config import ModelConfig
 
     try:
         folder = _model(args)

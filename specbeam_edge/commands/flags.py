@@ -8,8 +8,8 @@ import os
 import sys
 from pathlib import Path
 
-from .config import AHEAD_MIN_PATH_PROB, DEFAULT_BUDGET, SpeculativeConfig
-from .shipped import models_root
+from ..config import AHEAD_MIN_PATH_PROB, DEFAULT_BUDGET, SpeculativeConfig
+from ..shipped import models_root
 
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
 DEFAULT_MODELS = models_root()   # models/ beside the package, or $SPECBEAM_MODELS (shipped.py)
@@ -216,7 +216,7 @@ def end_line(result, gen, context_length: int) -> str:
 def engine_from_args(args, model: str, draft: str | None):
     """An Engine from the memory flags of add_memory_args plus --threads. (The engine's module loads here, not with
     the flags: parsing them, and --help, need no onnxruntime.)"""
-    from .generate import Engine
+    from ..generate import Engine
 
     # the Engine puts every session of the process on one thread pool of --threads threads (shared_pool)
     placement = args.placement.split(",") if args.placement else None

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from .cachefile import cache_dir, entries, store_entry
+from ..cachefile import cache_dir, entries, store_entry
 from .model import host
 
 # largest |tree row - the row alone| over the largest |logit| (measure): fp32 and per-row int8 graphs measure 0 on

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from .config import ModelConfig, ModelFolderError, few
-from .contract import (CONFIG_FILE, HIDDEN, KEY_POSITIONS, LAYER_HIDDEN_OUT, LAYER_PAST, LAYER_PRESENT, LOGITS,
+from ..config import ModelConfig, ModelFolderError, few
+from ..contract import (CONFIG_FILE, HIDDEN, KEY_POSITIONS, LAYER_HIDDEN_OUT, LAYER_PAST, LAYER_PRESENT, LOGITS,
                        TOKEN_INPUTS, TOPK_INPUT, TOPK_OUTPUTS, AHEAD_INPUT, AHEAD_OUTPUTS, head_io, past_names,
                        present_names)
 from .integrity import verify

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .beam import NEG, BeamRows, BeamSearch, _top
-from .markup import find_span_matches
+from ..text.markup import find_span_matches
 
 
 @dataclass(frozen=True)

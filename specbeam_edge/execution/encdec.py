@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .beam import BeamRows
-from .config import ModelFolderError, inside
-from .contract import ENCODER_INPUTS, SOURCE_MASK, all_cross_names, cross_names
+from ..decoding.beam import BeamRows
+from ..config import ModelFolderError, inside
+from ..contract import ENCODER_INPUTS, SOURCE_MASK, all_cross_names, cross_names
 from .model import OnnxCausalLM, _session
 
 

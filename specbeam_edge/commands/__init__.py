@@ -1,0 +1,1 @@
+"""The `specbeam` command line (cli.py) and the flags its commands and the apps share (flags.py)."""
