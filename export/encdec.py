@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from specbeam_edge.contract import (CONFIG_FILE, FORMAT_VERSION, MASK_VALUE, all_cross_names, graph_io,
-                                     probe_source, static_inputs)
+                                     graph_sha256, probe_source, static_inputs)
 
 from .encdec_graph import decoder_model, encoder_model
 from .encdec_weights import EncDecArch, read_model
@@ -154,7 +154,10 @@ def export_encdec(src: Path, dst: Path, family: str, *, precision: str, layout: 
             "attention_dtype": "float64" if attention == "fp64" else "float32",
             "batch_invariant": INVARIANT[precision], "mask": "additive_float32", "mask_value": MASK_VALUE,
             "present": "concat", "output": output,
-            "files": {"model": "model.onnx", **({} if shared is not None else {"encoder": "encoder.onnx"})},
+            "files": {"model": "model.onnx", **({} if shared is not None else {"encoder": "encoder.onnx"}),
+                      # checked on load (integrity.py), as a decoder-only folder's graph: it had none
+                      "sha256": {**graph_sha256(tmp, "model.onnx"),
+                                 **({} if shared is not None else graph_sha256(tmp, "encoder.onnx"))}},
             "static_inputs": static_inputs(L),
             "encoder_decoder": {"encoder_layers": arch.encoder_layers, "source_vocab_size": arch.source_vocab_size,
                                 **facts},

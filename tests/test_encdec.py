@@ -534,3 +534,23 @@ def test_both_head_draft_equals_plain_and_drafts_from_its_topk(encdec, kind, top
                                                  max_new_tokens=8, speculative=sampling)[0]
                 for d in (draft, logits_draft)]
     assert s.stats.generated_tokens > 0 and s.text == ref.text
+
+
+def test_a_damaged_encoder_or_decoder_graph_is_refused_by_name(encdec, tmp_path):
+    """Encoder-decoder folders carry files.sha256 as decoder-only ones do (their config writer had none, so a
+    replaced encoder.onnx loaded and answered from other weights): each graph is checked on load."""
+    import shutil
+
+    from specbeam_edge import ModelFolderError
+
+    target, _ = encdec("marian")
+    cfg = json.loads((target / "specbeam_config.json").read_text())
+    assert set(cfg["files"]["sha256"]) >= {"model.onnx", "encoder.onnx"}
+    for name in ("encoder.onnx", "model.onnx"):
+        copy = tmp_path / name.replace(".", "_")
+        shutil.copytree(target, copy)
+        data = bytearray((copy / name).read_bytes())
+        data[-1] ^= 1                                  # the last byte: a weight, the graph still parses
+        (copy / name).write_bytes(bytes(data))
+        with pytest.raises(ModelFolderError, match=f"{name}: SHA-256 .* does not match"):
+            Engine(copy, draft=None)
