@@ -116,7 +116,7 @@ def main(argv=None) -> int:
             print(common.table(data["rows"], COLS["synthetic"]))
         elif sc == "offload":
             from . import offload
-            from specbeam_edge.commands.cli import PROVIDERS
+            from specbeam_edge.commands.flags import PROVIDERS
 
             data = offload.bench(pair, providers=PROVIDERS[args.provider], quick=args.quick,
                                  n_prompts=4 if args.quick else 8)

@@ -520,7 +520,7 @@ def test_a_fetched_model_whose_head_pays_speculates_with_it_by_default(with_head
     default search speculates with it; --no_draft, another --drafter or sampling keep their meaning."""
     import argparse
 
-    from specbeam_edge.commands.cli import add_search_args, configs
+    from specbeam_edge.commands.options import add_search_args, configs
     from specbeam_edge.config import AHEAD_MIN_PATH_PROB
 
     run()

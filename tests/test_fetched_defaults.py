@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from specbeam_edge.commands import cli
+from specbeam_edge.commands import cli, options
 from specbeam_edge import fetch
 from specbeam_edge.config import ModelFolderError
 from specbeam_edge.generate import Engine
@@ -42,8 +42,8 @@ def test_the_engine_of_a_fetched_model_loads_its_draft_as_the_cli_does(fetched):
 def test_draft_takes_a_fetched_models_name(fetched, monkeypatch, capsys):
     """Before: `--draft qwen2.5-coder-0.5b` (a name `specbeam list` shows) was 'a folder that does not exist'."""
     seen = []
-    real = cli.engine_from_args
-    monkeypatch.setattr(cli, "engine_from_args", lambda args, model, draft: seen.append(draft) or
+    real = options.engine_from_args
+    monkeypatch.setattr(options, "engine_from_args", lambda args, model, draft: seen.append(draft) or
                         real(args, model, draft))
     assert cli.main(["generate", "the lazy dog", "--model", fetched[0], "--draft", DRAFT, "--num_beams", "1",
                      "--max_new_tokens", "3", "-q"]) == 0, capsys.readouterr().err

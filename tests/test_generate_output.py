@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from helpers import chat_defaults_folder
-from specbeam_edge.commands import cli
+from specbeam_edge.commands import cli, options
 from specbeam_edge.config import GenerationConfig, ModelConfig
 from specbeam_edge.generate import Engine
 from specbeam_edge.text.prompting import CHAT_MAX_NEW_TOKENS, has_chat_template
@@ -84,7 +84,7 @@ def test_loading_shows_a_status_line_on_a_terminal_only(folder, monkeypatch):
 
 def test_a_chat_model_answers_past_128_tokens(folder, monkeypatch, tmp_path):
     """The search's default of 128 new tokens cut a function in the middle; a chat model gets
-    cli.CHAT_MAX_NEW_TOKENS unless its folder or the flags name a limit."""
+    options.CHAT_MAX_NEW_TOKENS unless its folder or the flags name a limit."""
     out, err = Console(False), Console(False)
     monkeypatch.setattr(sys, "stdout", out)
     monkeypatch.setattr(sys, "stderr", err)
@@ -99,7 +99,7 @@ def test_the_api_gives_a_chat_model_the_clis_length(folder):
     mid-line); a folder's own max_new_tokens or the caller's wins, and a model without a chat template keeps the
     search's 128."""
     engine = Engine(folder)
-    assert engine.generation_config().max_new_tokens == CHAT_MAX_NEW_TOKENS == cli.CHAT_MAX_NEW_TOKENS
+    assert engine.generation_config().max_new_tokens == CHAT_MAX_NEW_TOKENS == options.CHAT_MAX_NEW_TOKENS
     assert engine.generation_config(max_new_tokens=7).max_new_tokens == 7
     assert engine.generation_config({"num_beams": 1}).max_new_tokens == CHAT_MAX_NEW_TOKENS
     long = engine.chat([{"role": "user", "content": "the lazy dog"}], num_beams=1, min_new_tokens=150)

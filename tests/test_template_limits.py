@@ -11,7 +11,8 @@ import pytest
 
 from helpers import make_tokenizer
 from specbeam_edge.config import ModelFolderError
-from specbeam_edge.text.tokenizer import ChatTemplateError, Tokenizer
+from specbeam_edge.text.chat_template import ChatTemplateError
+from specbeam_edge.text.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 HI = [{"role": "user", "content": "hi"}]
@@ -62,9 +63,9 @@ def test_unsafe_attributes_render_as_nothing(tmp_path):
 
 def test_a_template_that_spins_is_stopped(tmp_path, monkeypatch):
     """Before: nested range(99999) loops spun until the process was killed."""
-    from specbeam_edge.text import tokenizer
+    from specbeam_edge.text import chat_template
 
-    monkeypatch.setattr(tokenizer, "RENDER_SECONDS", 0.5)
+    monkeypatch.setattr(chat_template, "RENDER_SECONDS", 0.5)
     tok = _tokenizer(tmp_path, "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"
                                "{{ messages[0].content }}")
     with pytest.raises(ChatTemplateError, match="did not finish rendering within 0.5 s"):
@@ -90,7 +91,7 @@ def test_cli_generate_with_a_spinning_template_is_one_line(exported, tmp_path):
     cfg["chat_template"] = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"
     (model / "tokenizer_config.json").write_text(json.dumps(cfg))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    code = "import sys; from specbeam_edge import tokenizer; tokenizer.RENDER_SECONDS = 1.0; " \
+    code = "import sys; from specbeam_edge.text import chat_template; chat_template.RENDER_SECONDS = 1.0; " \
            "from specbeam_edge.commands.cli import main; sys.exit(main(sys.argv[1:]))"
     proc = subprocess.run([sys.executable, "-c", code, "generate", "hi", "--model", str(model)],
                           capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)

@@ -264,7 +264,7 @@ def test_decoding_constraints_reach_the_search():
 
     from apps.translate.__main__ import parse_args
     from apps.translate.job import generation_overrides
-    from specbeam_edge.commands.cli import add_search_args, configs
+    from specbeam_edge.commands.options import add_search_args, configs
 
     args = parse_args(["--min_decoding_length", "3", "--no_repeat_ngram_size", "2", "--repetition_penalty", "1.2"])
     over = generation_overrides(args)

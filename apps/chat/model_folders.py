@@ -27,7 +27,7 @@ def pair_name(model: str, draft: str, head: bool = False) -> str:
 
 def speculation(engine, beams: int, sample: bool) -> tuple[str | None, str]:
     """What drafts for these settings: "draft", "head" (the target's own lookahead head: greedy search only,
-    cli.configs says why) or None, and why not when None. The one state the Speculate box, the Loaded label, the
+    commands.options.configs says why) or None, and why not when None. The one state the Speculate box, the Loaded label, the
     status line and the search itself follow."""
     if engine is None:
         return None, "no model is loaded"

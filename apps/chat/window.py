@@ -215,7 +215,7 @@ class ChatWindow(ConversationList, Transcript, SettingsPanel, SavedSettings, QMa
         if sample:
             kwargs.update(temperature=self.temperature.value(), seed=int(time.time()))
         spec = None
-        # the model's own lookahead head (no draft): greedy search only, on every pass (cli.configs says why)
+        # the model's own lookahead head (no draft): greedy search only, on every pass (commands.options.configs says why)
         how = self._speculates()
         head = how == "head"
         if how:
