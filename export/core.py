@@ -224,7 +224,7 @@ def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str
             "mask": "additive_float32", "mask_value": MASK_VALUE, "present": "concat",
             "output": output, "files": files, **_layer_info(arch),
             **_head_tokens(head_tokens, head_ids, arch),
-            "io": graph_io(output, key_positions=needs_key_positions(arch)),
+            "io": graph_io(output, key_positions=needs_key_positions(arch), head_from=layout == "whole"),
             "generation": _generation_defaults(src),
             "source": {"folder_name": source_name, "export_seconds": round(time.time() - t0, 2)},
         }

@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
-from specbeam_edge.contract import (HIDDEN, LAYER_HIDDEN_OUT, LAYER_PAST, LAYER_PRESENT, LOGITS,
+from specbeam_edge.contract import (HEAD_FROM, HIDDEN, LAYER_HIDDEN_OUT, LAYER_PAST, LAYER_PRESENT, LOGITS,
                                      TOPK_INPUT, TOPK_OUTPUTS, past_names, present_names)
 
 from .attention import _attention, _common_inputs, _long_rope_attention, _rope_and_mask
@@ -177,10 +177,18 @@ def _full_logits(b: Builder, arch: Arch, sub: str, head_ids: str) -> str:
     return b.node("ScatterElements", [fill, where, sub], [LOGITS], axis=2)
 
 
-def _head(b: Builder, arch: Arch, x: str, norm, lm_head, output: str, precision: str, head_ids=None):
+def _head(b: Builder, arch: Arch, x: str, norm, lm_head, output: str, precision: str, head_ids=None,
+          rows_from: bool = False):
     """Final norm, lm_head, soft cap, and the outputs `output` asks for. head_ids (int64 [S] or None): the
-    vocabulary ids of a subset head's rows."""
+    vocabulary ids of a subset head's rows. rows_from (a whole graph): the head runs on the rows from the
+    HEAD_FROM input on (the split layout's runtime slices its head graph's input itself)."""
     ids = None if head_ids is None else b.init("head_token_ids", np.asarray(head_ids, np.int64))
+    if rows_from:     # an input with a default (an initializer of its name): callers that do not feed it get 0
+        b.inputs.append(_vi(HEAD_FROM, TensorProto.INT64, [1]))
+        b.init(HEAD_FROM, np.array([0], np.int64))
+        end = b.init("head_rows_end", np.array([2**62], np.int64))
+        axis = b.init("head_rows_axis", np.array([1], np.int64))
+        x = b.node("Slice", [x, HEAD_FROM, end, axis], ["head_rows"])
     h = b.node("RMSNormalization", [x, norm], ["final_h"], axis=-1, epsilon=arch.rms_eps)
     direct = output != "topk" and ids is None     # the MatMul (or cap) writes the `logits` output itself
     logits = b.node("MatMul", [h, lm_head], [LOGITS if direct and not arch.final_softcap else "head_logits"])
@@ -238,7 +246,7 @@ def whole_model(arch: Arch, g: dict, layers: list[dict], precision: str, output:
         (pk, pv), (ok, ov) = past_names(i), present_names(i)
         _kv_io(b, arch, i, (pk, pv), (ok, ov))
         x = decoder_layer(b, arch, i, x, w, precision, False, pk, pv, ok, ov)
-    _head(b, arch, x, norm, head, output, precision, g.get("head_ids"))
+    _head(b, arch, x, norm, head, output, precision, g.get("head_ids"), rows_from=True)
     return b.model("specbeam_whole")
 
 

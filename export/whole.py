@@ -233,5 +233,5 @@ def _head_piece(w, arch, head, head_ids, precision, output, attention, reduce_ra
         g = head_weights(w, arch, head, head_ids, "int8" if precision == "int8" else "fp32", reduce_range)
         lm_head = graph.head_weight(b, g["lm_head"], store)
         del g["lm_head"]
-    graph._head(b, arch, x, b.init("norm.weight", g["norm"]), lm_head, output, store, head_ids)
+    graph._head(b, arch, x, b.init("norm.weight", g["norm"]), lm_head, output, store, head_ids, rows_from=True)
     return b, lm_head, known

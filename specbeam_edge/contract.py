@@ -45,6 +45,10 @@ TOPK_OUTPUTS = ["topk_logprobs", "topk_ids"]
 # computed only in passes that set its input
 AHEAD_OUTPUTS = ["ahead_logprobs", "ahead_ids"]
 AHEAD_INPUT = "ahead_on"     # bool [1]: run the head in this pass (an If node: plain passes skip its cost)
+# a whole graph's head runs on the rows from this one on (int64 [1], default 0: an input with an initializer; the
+# rows before it come back empty): a prompt's rows before its last are read by nobody, and scoring them cost a
+# sixth of a prompt's pass
+HEAD_FROM = "head_from"
 AHEAD_FORM = 3               # of the head in the graph (config `ahead.form`): fetch attaches it again on a change
                              # (3: the chain levels, config `ahead.depth`)
 
@@ -82,12 +86,14 @@ def head_io(output: str) -> tuple[list[str], list[str]]:
             (TOPK_OUTPUTS if output != "logits" else []) + ([LOGITS] if output != "topk" else []))
 
 
-def graph_io(output: str, *, key_positions: bool = False, encoder_decoder: bool = False) -> dict:
+def graph_io(output: str, *, key_positions: bool = False, encoder_decoder: bool = False,
+             head_from: bool = False) -> dict:
     """specbeam_config.json `io`: the (whole-layout) graph's input and output names, per-layer names as "{i}"
     templates; an encoder-decoder adds its source mask and cross K/V inputs and its encoder graph's I/O."""
     head_in, head_out = head_io(output)
     inputs = [*TOKEN_INPUTS, *([KEY_POSITIONS] if key_positions else []),
-              *([SOURCE_MASK, *cross_names("{i}")] if encoder_decoder else []), *past_names("{i}"), *head_in]
+              *([SOURCE_MASK, *cross_names("{i}")] if encoder_decoder else []), *past_names("{i}"), *head_in,
+              *([HEAD_FROM] if head_from else [])]
     io = {"inputs": inputs, "outputs": head_out + list(present_names("{i}"))}
     if encoder_decoder:
         io.update(encoder_inputs=list(ENCODER_INPUTS), encoder_outputs=[ENCODER_HIDDEN, *cross_names("{i}")])

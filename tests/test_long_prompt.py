@@ -214,3 +214,29 @@ def _batched_equals_alone(eng, prompts, kw, batch: int, pass_rows: list, most_ro
         assert_same_hypotheses(a, b, atol=0)
     assert max(max(r.stats.batch_sizes) for r in together) > 1
     assert max(pass_rows) <= most_rows, pass_rows
+
+
+@pytest.mark.parametrize("precision,output", [("fp32", "both"), ("int8", "both"), ("int4", "topk"), ("fp32", "logits")])
+def test_a_whole_graphs_head_runs_on_the_rows_read(exported, precision, output):
+    """A whole graph takes HEAD_FROM (a prompt's rows before its last were scored over the whole vocabulary, a
+    sixth of a 135M model's prompt pass): the rows from there equal the full pass's bit for bit, the rows before
+    come back as zeros, and at least min_rows rows are scored (the row floor holds for the head)."""
+    import json
+
+    folder = exported("llama", precision, "whole", output, std=0.3, seed=3)
+    assert "head_from" in json.loads((folder / "specbeam_config.json").read_text())["io"]["inputs"]
+    lm = OnnxCausalLM(folder)
+    assert lm.head_rows
+    rng = np.random.default_rng(5)
+    n = 12
+    ids, pos = rng.integers(3, 250, (1, n)), np.arange(n)[None]
+    mask = np.tril(np.ones((n, n), bool))[None, None]
+    topk = 4 if output != "logits" else None
+    full, p_full = lm.forward(ids, pos, mask, lm.empty_past(), topk=topk)
+    for skip in (5, n - 1, n + 3):
+        part, p_part = lm.forward(ids, pos, mask, lm.empty_past(), topk=topk, head_from=skip)
+        kept = min(skip, n - max(lm.min_rows, 1))
+        for a, b in zip(*(x if isinstance(x, tuple) else (x,) for x in (full, part))):
+            assert a.shape == b.shape and np.array_equal(a[:, kept:], b[:, kept:])
+            assert not b[:, :kept].any()
+        assert all(np.array_equal(k1, k2) and np.array_equal(v1, v2) for (k1, v1), (k2, v2) in zip(p_full, p_part))

@@ -148,7 +148,7 @@ def _one_pass(model, work: list[tuple[TreeCache, list[int]]], topk: int | None, 
         cache.drop_padding()
         ids, pos, mask = cache.pass_inputs(new)
         kw = {"key_positions": np.concatenate([cache.positions, pos])[None]} if model.needs_key_positions else {}
-        if head_from and getattr(model.cfg, "layout", "whole") == "split":   # the whole layout scores every row
+        if head_from and _skips_rows(model):
             kw["head_from"] = head_from
         if cache.static:
             kw["static"] = {name: a for name, (a, _) in cache.static.items()}
@@ -173,6 +173,12 @@ def _one_pass(model, work: list[tuple[TreeCache, list[int]]], topk: int | None, 
     results = _one_pass_rows(model, work, inputs, topk, Nm, Qm, shared.presents if shared is not None else None,
                              gathers, ahead, stacks, head_from)
     return results if shared is None else [results[i] for i in np.argsort(order)]
+
+
+def _skips_rows(model) -> bool:
+    """Whether the model's head can skip a pass's leading rows: the split layout, and whole graphs that take
+    HEAD_FROM (older exports and test doubles score every row)."""
+    return getattr(model.cfg, "layout", "whole") == "split" or getattr(model, "head_rows", False)
 
 
 def _same_batch(caches: list[TreeCache], max_padding: float = 0.10, slack: int = 16) -> BatchKV | None:
@@ -217,7 +223,7 @@ def _one_pass_rows(model, work, inputs, topk, Nm, Qm, shared_past, gathers, ahea
     if work[0][0].static:
         statics = [cache.static for cache, _ in work]
         kw["static"] = stacks.get(model, statics) if stacks is not None else _stack_static(statics)
-    if head_from and getattr(model.cfg, "layout", "whole") == "split":
+    if head_from and _skips_rows(model):
         kw["head_from"] = head_from
     out, presents = model.forward(ids, pos, mask, past, topk=topk, ahead=ahead, **kw)
     if model.kv_resident:         # else the presents are host arrays already

@@ -9,8 +9,8 @@ import numpy as np
 import onnxruntime as ort
 
 from ..config import ModelConfig, ModelFolderError, few
-from ..contract import (CONFIG_FILE, HIDDEN, KEY_POSITIONS, LAYER_HIDDEN_OUT, LAYER_PAST, LAYER_PRESENT, LOGITS,
-                       TOKEN_INPUTS, TOPK_INPUT, TOPK_OUTPUTS, AHEAD_INPUT, AHEAD_OUTPUTS, head_io, past_names,
+from ..contract import (AHEAD_INPUT, AHEAD_OUTPUTS, CONFIG_FILE, HEAD_FROM, HIDDEN, KEY_POSITIONS, LAYER_HIDDEN_OUT,
+                       LAYER_PAST, LAYER_PRESENT, LOGITS, TOKEN_INPUTS, TOPK_INPUT, TOPK_OUTPUTS, head_io, past_names,
                        present_names)
 from .integrity import verify
 from .offload import LayerStore, embedding_table, layer_nbytes, plan
@@ -49,6 +49,14 @@ def _graph_layers(sess, cfg: ModelConfig, folder: Path) -> int:
                                f"{cfg.files['model']} has {held} layers; set it to the model's layer count or "
                                f"re-export the model")
     return held
+
+
+def _rows_back(outs: list, skip: int) -> list:
+    """A head's outputs over the rows from `skip` on, given back over every row of the pass: the skipped rows read
+    as zeros (nobody reads them)."""
+    if not skip:
+        return list(outs)
+    return [np.concatenate([np.zeros((o.shape[0], skip) + o.shape[2:], o.dtype), o], axis=1) for o in outs]
 
 
 def prefill_rows(streamed: int) -> int:
@@ -98,7 +106,7 @@ class OnnxCausalLM:
         # a lookahead head (export/ahead.py): its guesses come back beside the top-k outputs of every run
         self.ahead = cfg.raw.get("ahead")
         self.ahead_outputs = list(AHEAD_OUTPUTS) if self.ahead else []
-        self.ahead_input = False     # whether the graph takes AHEAD_INPUT (set below for the whole layout)
+        self.ahead_input = self.head_rows = False    # whether the graph takes AHEAD_INPUT, HEAD_FROM (whole layout)
         if self.ahead and (cfg.layout != "whole" or not self.has_topk):
             raise ModelFolderError(f"{self.folder}: a lookahead head needs the whole layout and a top-k head; "
                                    f"export again with --output_kind both")
@@ -138,6 +146,8 @@ class OnnxCausalLM:
         # a graph whose head the config does not name (an attach killed between its two renames) runs
         # with the head off
         self.ahead_input = bool(self.ahead) or _declares(self.sess, AHEAD_INPUT)
+        # an input with a default (0: every row), so callers of the graph may leave it out; older exports lack it
+        self.head_rows = any(i.name == HEAD_FROM for i in self.sess.get_overridable_initializers())
         want_in = {*TOKEN_INPUTS, *[n for p in self.past_names for n in p],
                    *([KEY_POSITIONS] if self.needs_key_positions else []), *self.static_inputs,
                    *([AHEAD_INPUT] if self.ahead_input else [])}
@@ -286,8 +296,8 @@ class OnnxCausalLM:
         then). key_positions: int64 [B, n_past + n_new], the position of every key column; needed (and only accepted)
         when the graph declares `key_position_ids` (sliding-window layers). static: the graph's `static_inputs`
         (config), batched like input_ids. head_from: the caller reads no head output of the rows before it (a
-        prompt's rows): the split layout runs its head on the rows from there (a prompt of 300 tokens cost 300
-        rows of logits over the vocabulary) and returns zeros in the others; the whole layout scores every row.
+        prompt's rows): the head runs on the rows from there (a prompt of 300 tokens cost 300 rows of logits over
+        the vocabulary) and returns zeros in the others; a whole graph exported before HEAD_FROM scores every row.
         Returns (logits [B, n_new, V] fp32, or (topk_logprobs, topk_ids) for a top-k head and for a 'both' head
         given `topk`, followed by (ahead_logprobs, ahead_ids) when `ahead`; presents per layer
         [B, kv_heads, n_past + n_new, head_dim], OrtValues on the session's device when kv_resident).
@@ -305,19 +315,27 @@ class OnnxCausalLM:
             raise ValueError(f"{self.folder}: key_positions must be given iff the graph declares {KEY_POSITIONS}")
         kpos = {KEY_POSITIONS: np.ascontiguousarray(key_positions, dtype=np.int64)} if self.needs_key_positions else {}
         if self.cfg.layout == "whole":
-            feed = {"input_ids": ids, "position_ids": pos, "attention_mask": mask, **kpos, **extra, **(static or {})}
-            for (kn, vn), (k, v) in zip(self.past_names, past):
-                feed[kn], feed[vn] = k, v
-            if self.kv_resident:
-                outs = self._run_bound(self.sess, feed, names, self.present_flat, self._runs[0])
-            else:
-                outs = self.sess.run(names + self.present_flat, feed, self._runs[0])
-            n = len(names)
-            head = outs[0] if n == 1 else tuple(outs[:n])
-            presents = [(outs[n + 2 * i], outs[n + 2 * i + 1]) for i in range(self.cfg.num_layers)]
-            return head, presents
+            return self._forward_whole(ids, pos, mask, past, {**kpos, **extra, **(static or {})}, names, head_from)
         with self._lock:
             return self._forward_layers(ids, pos, mask, past, kpos, extra, names, head_from)
+
+    def _forward_whole(self, ids, pos, mask, past, extra: dict, names: list[str], head_from: int):
+        """The whole layout: one run of the graph; its head on the rows from head_from on where it takes that input
+        (at least min_rows of them: the row floor holds for the head's MatMul too)."""
+        feed = {"input_ids": ids, "position_ids": pos, "attention_mask": mask, **extra}
+        skip = max(min(int(head_from), ids.shape[1] - max(self.min_rows, 1)), 0) if self.head_rows else 0
+        if self.head_rows:
+            feed[HEAD_FROM] = np.array([skip], np.int64)
+        for (kn, vn), (k, v) in zip(self.past_names, past):
+            feed[kn], feed[vn] = k, v
+        if self.kv_resident:
+            outs = self._run_bound(self.sess, feed, names, self.present_flat, self._runs[0])
+        else:
+            outs = self.sess.run(names + self.present_flat, feed, self._runs[0])
+        n = len(names)
+        head = _rows_back(outs[:n], skip)
+        presents = [(outs[n + 2 * i], outs[n + 2 * i + 1]) for i in range(self.cfg.num_layers)]
+        return (head[0] if n == 1 else tuple(head)), presents
 
     def _run_bound(self, sess, feed: dict, host_outputs: list[str], device_outputs: list[str], runs=None) -> list:
         """One run with IOBinding: inputs are host arrays or OrtValues already on the device (bound as they
@@ -421,6 +439,5 @@ class OnnxCausalLM:
             outs = self._run_bound(self.head, {HIDDEN: hidden, **extra}, names, [], self._runs[0])
         else:
             outs = self.head.run(names, {HIDDEN: hidden, **extra}, self._runs[0])
-        if skip:        # the skipped rows read as zeros: nobody reads them
-            outs = [np.concatenate([np.zeros((o.shape[0], skip) + o.shape[2:], o.dtype), o], axis=1) for o in outs]
+        outs = _rows_back(outs, skip)
         return (outs[0] if len(outs) == 1 else tuple(outs)), presents
