@@ -323,8 +323,10 @@ class OnnxCausalLM:
         """The whole layout: one run of the graph; its head on the rows from head_from on where it takes that input
         (at least min_rows of them: the row floor holds for the head's MatMul too)."""
         feed = {"input_ids": ids, "position_ids": pos, "attention_mask": mask, **extra}
-        skip = max(min(int(head_from), ids.shape[1] - max(self.min_rows, 1)), 0) if self.head_rows else 0
-        if self.head_rows:
+        # (an input with a default cannot be bound: a resident-KV run scores every row)
+        rows = self.head_rows and not self.kv_resident
+        skip = max(min(int(head_from), ids.shape[1] - max(self.min_rows, 1)), 0) if rows else 0
+        if rows:
             feed[HEAD_FROM] = np.array([skip], np.int64)
         for (kn, vn), (k, v) in zip(self.past_names, past):
             feed[kn], feed[vn] = k, v
