@@ -53,13 +53,14 @@ class Engine(PromptMixin, SearchSetup):
     def __init__(self, target: str | Path, draft: str | Path | None = DEFAULT, *, threads: int | None = None,
                  max_memory: int | None = None, host_memory: int | None = 0, placement: list[str] | None = None,
                  providers: list[str] | None = None, kv_resident: bool | None = None, min_rows: int | None = None,
-                 shared_pool: bool = True):
+                 shared_pool: bool = True, prefill_chunk: int | None = None):
         """target, draft: model folders, or the names of fetched models (`specbeam list`); draft "default" (the
         default) is the draft the tools use with a fetched model (fetch.default_draft: the 1.5B coder's 0.5B), none
         for another folder; None: no draft. max_memory/host_memory/placement stream the target's layers (split
         layout; see offload.py); providers: onnxruntime execution providers (default CPU); kv_resident: keep KV
         caches on the session's device between passes (default: on CUDA only; see OnnxCausalLM); min_rows: the
-        target's row floor (default: measured for a quantized target, see OnnxCausalLM). shared_pool: run every
+        target's row floor (default: measured for a quantized target, see OnnxCausalLM); prefill_chunk: a prompt's
+        rows a pass scores (OnnxCausalLM's; fewer lower a long prompt's peak memory). shared_pool: run every
         session of the process on one onnxruntime thread pool of `threads` threads, as the tools do
         (model.share_threads: the first engine sizes it; afterwards onnxruntime refuses sessions with pools of
         their own); False keeps a pool per session, unless the process already shares one."""
@@ -74,7 +75,7 @@ class Engine(PromptMixin, SearchSetup):
             share_threads(threads)
         self.target = OnnxCausalLM(target, threads=threads, max_memory=max_memory, host_memory=host_memory,
                                    placement=placement, providers=providers, kv_resident=kv_resident,
-                                   min_rows=min_rows)
+                                   min_rows=min_rows, prefill_chunk=prefill_chunk)
         if min_rows is None and self.target.min_rows > 1 and not self.target.streamed_layers():
             # a quantized target scores one row a pass where this machine's kernels score one row bit for bit as
             # among others (measured once per model file and CPU, cached; DESIGN "Quantized targets" point 2); a
@@ -94,7 +95,8 @@ class Engine(PromptMixin, SearchSetup):
             draft_threads = threads if streams or threads_shared() else 1
             # a streaming target's budget holds for its draft's runs too: no arena keeps their largest run's memory
             self.draft = OnnxCausalLM(draft, threads=draft_threads, providers=providers, spin=False,
-                                      kv_resident=kv_resident, min_rows=1, arena=False if streams else None)
+                                      kv_resident=kv_resident, min_rows=1, arena=False if streams else None,
+                                      prefill_chunk=prefill_chunk)
             draft_tokenizer = Tokenizer(draft)
             check_compatible(self.tokenizer, draft_tokenizer, self.draft.cfg.vocab_size, self.target.cfg.vocab_size)
             check_vocabulary(draft_tokenizer, self.draft.cfg)

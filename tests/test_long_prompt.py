@@ -240,3 +240,25 @@ def test_a_whole_graphs_head_runs_on_the_rows_read(exported, precision, output):
             assert a.shape == b.shape and np.array_equal(a[:, kept:], b[:, kept:])
             assert not b[:, :kept].any()
         assert all(np.array_equal(k1, k2) and np.array_equal(v1, v2) for (k1, v1), (k2, v2) in zip(p_full, p_part))
+
+
+def test_prefill_chunk_is_a_setting_of_the_engine_and_the_tools(exported, pair, pass_rows):
+    """--prefill_chunk (llama.cpp's --ubatch-size) and Engine(prefill_chunk=): a prompt scored 16 rows a pass by
+    the target and its draft, the answer the default chunks give; before, only tests could set it."""
+    import argparse
+
+    from specbeam_edge.commands.flags import add_memory_args, engine_from_args
+
+    target, draft = pair
+    prompt = list(range(3, 103))
+    kw = dict(num_beams=2, max_new_tokens=6)
+    ref = Engine(target, draft).generate(prompt, **kw)[0]
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=None)
+    add_memory_args(ap)
+    eng = engine_from_args(ap.parse_args(["--prefill_chunk", "16"]), target, draft)
+    assert eng.target.prefill_chunk == eng.draft.prefill_chunk == 16
+    pass_rows.clear()
+    out = eng.generate(prompt, **kw)[0]
+    assert max(pass_rows) <= 16 and len(pass_rows) >= 100 // 16
+    assert_same_hypotheses(ref, out)

@@ -44,6 +44,9 @@ def parse_args(argv) -> argparse.Namespace:
     ap.add_argument("--max_memory", type=parse_size, default=None,
                     help="budget for each target's weights in memory (split layout: other layers stream)")
     ap.add_argument("--provider", choices=("cpu", "cuda"), default="cpu", help="onnxruntime execution provider")
+    ap.add_argument("--prefill_chunk", type=positive_int, default=None,
+                    help="a prompt's tokens a pass scores (default 256; llama-server's --ubatch-size): fewer lower a "
+                         "long prompt's peak memory")
     ap.add_argument("--log_level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
     args = ap.parse_args(argv)
     if args.draft and len(args.draft) > len(args.model):
@@ -75,7 +78,7 @@ def loader(args, batch: dict):
         print(f"{PROG}: loading {spec.name}{' with the draft ' + os.path.basename(draft) if draft else ''}...",
               file=sys.stderr, flush=True)
         engine = Engine(folder, draft=draft, threads=args.threads, max_memory=args.max_memory,
-                        providers=PROVIDERS[args.provider])
+                        providers=PROVIDERS[args.provider], prefill_chunk=args.prefill_chunk)
         kv = args.kv_memory // kv_bytes_per_token(engine.target) if args.kv_memory else None
         return Served(spec.name, engine, Batcher(engine, max_batch_tokens=kv, **batch), ahead=ahead,
                       created=int(time.time()), kv_tokens=kv)

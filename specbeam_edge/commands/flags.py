@@ -143,6 +143,9 @@ def add_memory_args(ap: argparse.ArgumentParser) -> None:
     m.add_argument("--placement", default=None,
                    help="explicit per-layer placement, comma list of resident/host/disk (overrides --max_memory)")
     m.add_argument("--provider", choices=("cpu", "cuda"), default="cpu", help="onnxruntime execution provider")
+    m.add_argument("--prefill_chunk", type=positive_int, default=None,
+                   help="a prompt's tokens a pass scores (default 256, 512 when layers stream; llama.cpp's "
+                        "--ubatch-size): fewer lower a long prompt's peak memory, the answer is the same")
 
 
 def streaming_note(engine, max_memory: int | None = None) -> str | None:
@@ -221,7 +224,8 @@ def engine_from_args(args, model: str, draft: str | None):
     # the Engine puts every session of the process on one thread pool of --threads threads (shared_pool)
     placement = args.placement.split(",") if args.placement else None
     return Engine(model, draft=draft, threads=args.threads, max_memory=args.max_memory,
-                  host_memory=args.host_memory, placement=placement, providers=PROVIDERS[args.provider])
+                  host_memory=args.host_memory, placement=placement, providers=PROVIDERS[args.provider],
+                  prefill_chunk=args.prefill_chunk)
 
 
 def speculative_config(*, drafter: str, budget, max_depth: int, max_branch_width: int, draft_width: int | None,
