@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
 import signal
@@ -25,6 +24,8 @@ import tempfile
 import time
 import zlib
 from pathlib import Path
+
+from specbeam_edge.contract import file_sha256
 
 from ..launch import deliver
 
@@ -403,7 +404,7 @@ def remember_finished(output: Path, input_sha256: str, settings: dict) -> None:
     from specbeam_edge.cachefile import cache_dir, store_entry
 
     store_entry(cache_dir() / FINISHED, str(output.resolve()),
-                {"output_sha256": _sha256(output), "input_sha256": input_sha256, "settings": settings},
+                {"output_sha256": file_sha256(output), "input_sha256": input_sha256, "settings": settings},
                 keep=KEEP_FINISHED)
 
 
@@ -415,7 +416,7 @@ def finished_record(output: Path) -> dict | None:
     rec = entries(cache_dir() / FINISHED).get(str(output.resolve()))
     if not isinstance(rec, dict) or not isinstance(rec.get("settings"), dict):
         return None
-    return rec if rec.get("output_sha256") == _sha256(output) else None
+    return rec if rec.get("output_sha256") == file_sha256(output) else None
 
 
 def finished_as(output: Path, input_sha256: str, settings: dict, labels: dict | None = None) -> bool:
@@ -432,11 +433,3 @@ def finished_as(output: Path, input_sha256: str, settings: dict, labels: dict | 
         raise JournalError(f"{output} was finished with other settings ({'; '.join(changed)}); delete it (or "
                            f"write to another -o) to translate with these, or rerun with the same settings")
     return True
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
