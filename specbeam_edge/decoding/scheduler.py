@@ -16,6 +16,14 @@ from . import beam
 from ..execution.batch import StaticStacks, score_batch
 from .protocol import BeamStep, Job, PassContext, Progress, ScoreCall
 
+# a prompt over this many prefill chunks grows onnxruntime's arenas well past a decoding pass's needs: once the
+# scheduler runs idle after one, the models give that memory back (one tiny pass each)
+LONG_PROMPT_CHUNKS = 2
+
+
+def _prefill_chunk(model) -> float:
+    return getattr(model, "prefill_chunk", float("inf"))          # test doubles: no chunks
+
 
 @dataclass
 class _Running:
@@ -38,6 +46,7 @@ class Scheduler:
         self.target = target
         self.max_batch_size, self.max_batch_tokens = max_batch_size, max_batch_tokens
         self.target_passes = 0
+        self.models_seen: dict[int, object] = {}        # every model a pass ran (the target, drafts)
 
     def run(self, jobs: Iterable[Job]) -> Iterator[tuple[object, Progress, bool]]:
         """Yields (tag, progress, finished) after every target pass of every request; finished=True once per
@@ -47,6 +56,7 @@ class Scheduler:
         running: list[_Running] = []
         upcoming = PassContext((id(self), 0), 1)        # what the running requests were told about the next pass
         stacks = StaticStacks()                          # the running requests' stacked encoder outputs
+        long_prompt = False                              # since the scheduler last ran idle
         while running or nxt is not None:
             # cancelled requests leave before the next pass (a client that went away: apps/serve)
             for r in [r for r in running if r.job.cancelled]:
@@ -67,6 +77,7 @@ class Scheduler:
             # joiners share the next pass with the running requests, which already chose for it under their label
             first = PassContext((id(self), self.target_passes), upcoming.load if running else len(joining))
             for job in joining:
+                long_prompt = long_prompt or job.tokens > LONG_PROMPT_CHUNKS * _prefill_chunk(self.target)
                 yield from self._advance(_Running(job, job.search.run(first)), None, running, first)
             if not running:
                 continue
@@ -75,6 +86,7 @@ class Scheduler:
             model = next((m for m in models.values() if m is not self.target), self.target)
             group = [r for r in running if r.call.cache.model is model]
             outs = score_batch([r.call for r in group], stacks)
+            self.models_seen[id(model)] = model
             if model is self.target:
                 self.target_passes += 1
                 upcoming = PassContext((id(self), self.target_passes), len(running))
@@ -85,8 +97,19 @@ class Scheduler:
                 beam.step_many([r.call.state for r in stepping], [r.call.rows for r in stepping])
                 for r in stepping:
                     yield from self._advance(r, None, running, upcoming)
+            if long_prompt and not running:      # idle after a long prompt: its passes' memory goes back
+                self._release_memory()
+                long_prompt = False
             if nxt is None:       # an open queue (Batcher, online.py) may have been given requests meanwhile
                 nxt = next(queue, None)
+
+    def _release_memory(self) -> None:
+        """The models' arenas give back what a long prompt's passes took (OnnxCausalLM.release_memory: one tiny
+        pass each; test doubles have none)."""
+        for model in self.models_seen.values():
+            release = getattr(model, "release_memory", None)
+            if release is not None:
+                release()
 
     @staticmethod
     def _stop(r: _Running) -> Progress:
