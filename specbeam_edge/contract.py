@@ -47,7 +47,7 @@ AHEAD_OUTPUTS = ["ahead_logprobs", "ahead_ids"]
 AHEAD_INPUT = "ahead_on"     # bool [1]: run the head in this pass (an If node: plain passes skip its cost)
 # a whole graph's head runs on the rows from this one on (int64 [1], default 0: an input with an initializer; the
 # rows before it come back empty): a prompt's rows before its last are read by nobody, and scoring them cost a
-# sixth of a prompt's pass
+# sixth of a 135M model's multiply-adds a prompt row
 HEAD_FROM = "head_from"
 AHEAD_FORM = 3               # of the head in the graph (config `ahead.form`): fetch attaches it again on a change
                              # (3: the chain levels, config `ahead.depth`)

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import hashlib
 import json
 import os
 import re
@@ -51,7 +50,8 @@ from specbeam_edge.execution.providers import ProviderError
 from .files import InOrder, UsageError, check_output, read_file, read_input, read_prefixes, refuse_device, split_lines
 from .job import (LABELS, NO_ALTERNATIVES, PROG, Settings, file_settings, journal_settings, jsonl_line, open_engine,
                   prepare, report_line, resolve, summary, translate)
-from .journal import Journal, JournalError, OutputLock, Terminated, finished_as, raise_terminated
+from .journal import (Journal, JournalError, OutputLock, Terminated, finished_as, finished_note, lines_sha256,
+                      raise_terminated)
 from .jsonl import read_jsonl
 from .ray_engine import add_ray_args, run_ray
 
@@ -238,11 +238,8 @@ def check_finished(args, s: Settings, lines: list[bytes]) -> None:
     """A finished output is taken as done by --resume only when the run that finished it had this input and these
     settings (its record in the cache folder: journal.finished_as); without a record, by its line count."""
     output = Path(args.output)
-    if finished_as(output, hashlib.sha256(b"\n".join(lines)).hexdigest(), file_settings(s), LABELS):
-        how = "with these settings"
-    else:
-        how = "no record of its settings is left, so only its line count was checked"
-    print(f"{PROG}: {output} is complete (its run finished, {how}); nothing to do", file=sys.stderr)
+    recorded = finished_as(output, lines_sha256(lines), file_settings(s), LABELS)
+    print(f"{PROG}: {finished_note(output, recorded)}", file=sys.stderr)
 
 
 def run_locked(args, s: Settings, lines: list[bytes], writer: InOrder | None, sources: list[bytes] | None = None,
@@ -306,7 +303,7 @@ def open_journal(args, s: Settings, engine, lines: list[bytes], fixed: dict, wri
         for i, out in fixed.items():
             writer.add(i, out)
         return None
-    journal = Journal(Path(args.output), hashlib.sha256(b"\n".join(lines)).hexdigest(),
+    journal = Journal(Path(args.output), lines_sha256(lines),
                       journal_settings(s, engine.generation_config(**s.generation)), args.resume, labels=LABELS)
     for note in journal.notes:
         print(f"{PROG}: {note}", file=sys.stderr)

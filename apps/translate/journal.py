@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import signal
@@ -417,6 +418,19 @@ def finished_record(output: Path) -> dict | None:
     if not isinstance(rec, dict) or not isinstance(rec.get("settings"), dict):
         return None
     return rec if rec.get("output_sha256") == file_sha256(output) else None
+
+
+def lines_sha256(lines: list[bytes]) -> str:
+    """The SHA-256 an input is known by (a journal's header, a finished run's record): of its lines, so line ends
+    and a BOM that do not change what is translated do not change it."""
+    return hashlib.sha256(b"\n".join(lines)).hexdigest()
+
+
+def finished_note(output: Path, recorded: bool) -> str:
+    """What --resume says of a finished output it takes as done (recorded: checked against its run's record)."""
+    how = "with these settings" if recorded else ("no record of its settings is left, so only its line count was "
+                                                  "checked")
+    return f"{output} is complete (its run finished, {how}); nothing to do"
 
 
 def finished_as(output: Path, input_sha256: str, settings: dict, labels: dict | None = None) -> bool:

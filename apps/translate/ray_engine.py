@@ -49,7 +49,8 @@ from specbeam_edge.results import Stats
 
 from .files import UsageError, split_lines
 from .job import LABELS, PROG, Settings, file_settings, summary
-from .journal import Journal, OutputLock, atomic_write, atomic_write_chunks, finished_as, remember_finished
+from .journal import (Journal, OutputLock, atomic_write, atomic_write_chunks, finished_as, finished_note,
+                      lines_sha256, remember_finished)
 from .ray_cluster import ShardWorker, actors_that_fit, check_resources, connect, error_line, keep_sigterm
 from .ray_plan import Shard, input_files, input_sha256, output_paths, plan
 
@@ -101,16 +102,14 @@ def finished(args, files, outputs: list[Path], settings: dict) -> bool:
         return False
     recorded = 0
     for (path, _), o in zip(files, outputs):
-        raw = path.read_bytes()
-        want = len(split_lines(raw)) * args.n_best
+        lines = split_lines(path.read_bytes())
+        want = len(lines) * args.n_best
         have = o.read_bytes().count(b"\n")
         if have != want:
             raise UsageError(f"{o} exists without a shard folder and holds {have} lines, not the {want} of a "
                              f"finished run on {path}; delete it (or drop --resume) to translate again")
-        recorded += finished_as(o, hashlib.sha256(raw).hexdigest(), settings, LABELS)
-    how = ("with these settings" if recorded == len(outputs) else
-           "no record of its settings is left, so only its line count was checked")
-    print(f"{PROG}: {args.output} is complete (its run finished, {how}); nothing to do", file=sys.stderr)
+        recorded += finished_as(o, lines_sha256(lines), settings, LABELS)
+    print(f"{PROG}: {finished_note(args.output, recorded == len(outputs))}", file=sys.stderr)
     return True
 
 
@@ -127,7 +126,7 @@ class RayRun:
             except OSError as e:
                 raise UsageError(f"cannot read input {path}: {e.strerror}") from None
         self.lines = [split_lines(raw) for raw in raws]
-        self.input_sha256 = [hashlib.sha256(raw).hexdigest() for raw in raws]   # the record of finished runs'
+        self.input_sha256 = [lines_sha256(lines) for lines in self.lines]     # the record of finished runs'
         self.file_settings = {k: v for k, v in setting.items() if k != "shard_lines"}
         self.shards = plan([len(x) for x in self.lines], args.shard_lines)
         out = Path(args.output)

@@ -176,9 +176,9 @@ def _one_pass(model, work: list[tuple[TreeCache, list[int]]], topk: int | None, 
 
 
 def _skips_rows(model) -> bool:
-    """Whether the model's head can skip a pass's leading rows: the split layout, and whole graphs that take
-    HEAD_FROM (older exports and test doubles score every row)."""
-    return getattr(model.cfg, "layout", "whole") == "split" or getattr(model, "head_rows", False)
+    """Whether the model's head can skip a pass's leading rows (OnnxCausalLM.head_rows; test doubles score every
+    row)."""
+    return getattr(model, "head_rows", False)
 
 
 def _same_batch(caches: list[TreeCache], max_padding: float = 0.10, slack: int = 16) -> BatchKV | None:

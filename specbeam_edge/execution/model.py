@@ -56,7 +56,12 @@ def _rows_back(outs: list, skip: int) -> list:
     as zeros (nobody reads them)."""
     if not skip:
         return list(outs)
-    return [np.concatenate([np.zeros((o.shape[0], skip) + o.shape[2:], o.dtype), o], axis=1) for o in outs]
+    back = []
+    for o in outs:      # np.zeros maps untouched zero pages: the skipped rows cost neither time nor memory
+        full = np.zeros((o.shape[0], skip + o.shape[1]) + o.shape[2:], o.dtype)
+        full[:, skip:] = o
+        back.append(full)
+    return back
 
 
 def prefill_rows(streamed: int) -> int:
@@ -106,7 +111,7 @@ class OnnxCausalLM:
         # a lookahead head (export/ahead.py): its guesses come back beside the top-k outputs of every run
         self.ahead = cfg.raw.get("ahead")
         self.ahead_outputs = list(AHEAD_OUTPUTS) if self.ahead else []
-        self.ahead_input = self.head_rows = False    # whether the graph takes AHEAD_INPUT, HEAD_FROM (whole layout)
+        self.ahead_input, self.head_rows = False, cfg.layout == "split"    # graph inputs; whole: see _load_whole
         if self.ahead and (cfg.layout != "whole" or not self.has_topk):
             raise ModelFolderError(f"{self.folder}: a lookahead head needs the whole layout and a top-k head; "
                                    f"export again with --output_kind both")
@@ -146,7 +151,9 @@ class OnnxCausalLM:
         # a graph whose head the config does not name (an attach killed between its two renames) runs
         # with the head off
         self.ahead_input = bool(self.ahead) or _declares(self.sess, AHEAD_INPUT)
-        # an input with a default (0: every row), so callers of the graph may leave it out; older exports lack it
+        # head_rows: the head can skip a pass's leading rows (the split layout's always: the runtime slices its
+        # input). HEAD_FROM is an input with a default (0: every row), so callers may leave it out; older exports
+        # lack it
         self.head_rows = any(i.name == HEAD_FROM for i in self.sess.get_overridable_initializers())
         want_in = {*TOKEN_INPUTS, *[n for p in self.past_names for n in p],
                    *([KEY_POSITIONS] if self.needs_key_positions else []), *self.static_inputs,
