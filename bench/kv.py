@@ -101,7 +101,7 @@ def bench(pair: Path, *, n_prompts=64, max_new=128, K=4, reps=2, threads=2) -> d
     spec = {name: SpeculativeConfig(adaptive=True) if name.startswith("speculative") else None for name in engines}
     timers = {}
     for name, eng in engines.items():
-        eng.target.sess = timers[name] = _Timed(eng.target.sess)
+        eng.target.runner.sess = timers[name] = _Timed(eng.target.runner.sess)
     lines = load_prompts(pair, n_prompts)
     prompts = [engines["host"].tokenizer.format_prompt(p) for p in lines]
     tok = engines["host"].tokenizer
@@ -149,7 +149,7 @@ def bench(pair: Path, *, n_prompts=64, max_new=128, K=4, reps=2, threads=2) -> d
     if "ctranslate2_int8" in by:
         summary["host_over_ctranslate2_batch1"] = round(by["ctranslate2_int8"]["seconds"] / by["host"]["seconds"], 2)
     host = engines["host"]
-    host.target.sess = host.target.sess._s
+    host.target.runner.sess = host.target.runner.sess._s
     points = [(Q, N) for Q in (1, K) for N in (0, 64, 128, 256)]
     times = {p: [] for p in points}
     for _ in range(3):      # interleaved, best of three: the first points otherwise pay for waking the threads

@@ -42,9 +42,9 @@ def bench(pair: Path, *, providers=None, n_prompts=8, reps=2, max_new=96, Ks=(1,
         for Q in (SIZES[:4] if quick else SIZES):
             if 32 + Q > lm.cfg.context_length:
                 break
-            lm.store.stats.passes = 0
+            lm.runner.store.stats.passes = 0
             pts[str(Q)] = round(1e3 * pass_time(lm, 32, Q, reps=3 if quick else 5), 3)
-        curve[name] = {"ms": pts, "bytes_moved_per_pass": lm.store.stats.per_pass()["bytes_moved_per_pass"]}
+        curve[name] = {"ms": pts, "bytes_moved_per_pass": lm.runner.store.stats.per_pass()["bytes_moved_per_pass"]}
         print(f"pass ms ({name}): {pts}", file=sys.stderr)
     engines = {"draft": Engine(folder, draft=pair / "draft", placement=placements["disk"], providers=providers)}
     if (pair / "variants" / "target_int8").is_dir() and not quick:
@@ -101,12 +101,12 @@ def bench_scale(*, hidden=1024, layers=16, Ks=(1, 4), rates=(0.7, 0.9), n_prompt
     target, draft = synthetic.build_models(hidden=hidden, layers=layers, precision="fp32", layout="split",
                                            cache=cache)
     probe = OnnxCausalLM(target, placement=["disk"] * layers)
-    minimum, layer_bytes = probe.placement.resident_minimum, probe.placement.layer_bytes
+    minimum, layer_bytes = probe.runner.placement.resident_minimum, probe.runner.placement.layer_bytes
     total = minimum - 2 * layer_bytes + layers * layer_bytes
     del probe
     budget = minimum + layer_bytes
     engine = Engine(target, draft=draft, max_memory=budget, providers=providers)
-    store = engine.target.store
+    store = engine.target.runner.store
     curve = {}
     for Q in ((1, 16, 64) if quick else (1, 4, 16, 64, 256)):
         store.stats.__init__()
@@ -135,7 +135,7 @@ def bench_scale(*, hidden=1024, layers=16, Ks=(1, 4), rates=(0.7, 0.9), n_prompt
             print(f"scale K={K} acceptance {a}: {row}", file=sys.stderr)
     return {"model": f"random Llama {layers}x{hidden}, vocab 32000, fp32 split layout",
             "model_mib": round(total / 2**20), "max_memory_mib": round(budget / 2**20),
-            "placement": list(engine.target.placement.places), "pass_ms_by_tree_size": curve, "rows": rows}
+            "placement": list(engine.target.runner.placement.places), "pass_ms_by_tree_size": curve, "rows": rows}
 
 
 def plot(data: dict, path: Path):

@@ -126,7 +126,7 @@ def _ours_runner(arm: str, target: Path, draft: Path, budget: int, threads: int)
     spec = SpeculativeConfig() if speculative else None
     # untimed: the first request measures the target's batch invariance and the pass-cost model (both cached)
     engine.generate("warm up", num_beams=K, do_sample=False, max_new_tokens=4, speculative=spec)
-    store = engine.target.store
+    store = engine.target.runner.store
 
     def run(job) -> dict:
         st = store.stats
@@ -140,7 +140,7 @@ def _ours_runner(arm: str, target: Path, draft: Path, budget: int, threads: int)
                 "draft_seconds": s.draft_seconds, "stream_wait_seconds": st.wait_seconds - before[1],
                 "compute_seconds": st.compute_seconds - before[2],
                 "bytes_per_token": (st.bytes_moved - before[0]) / max(1, s.generated_tokens)}
-    ready = {"ready": arm, "resident": engine.target.placement.count("resident"),
+    ready = {"ready": arm, "resident": engine.target.runner.placement.count("resident"),
              "streamed": engine.target.streamed_layers()}
     return ready, run
 

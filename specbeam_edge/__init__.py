@@ -14,7 +14,7 @@ if importlib.util.find_spec("onnxruntime") is None:    # the CPU or the GPU buil
 _LAZY = {"GenerationConfig": "config", "ModelConfig": "config", "ModelFolderError": "config",
          "SpeculativeConfig": "config", "Alternative": "generate", "Engine": "generate", "Hypothesis": "generate",
          "Result": "generate", "Stats": "generate", "StreamChunk": "generate", "OnnxCausalLM": "execution.model",
-         "share_threads": "execution.model"}
+         "share_threads": "execution.sessions"}
 
 __all__ = ["Engine", "GenerationConfig", "SpeculativeConfig", "ModelConfig", "ModelFolderError", "OnnxCausalLM",
            "Result", "Hypothesis", "Alternative", "Stats", "StreamChunk", "share_threads"]

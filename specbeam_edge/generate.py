@@ -24,7 +24,8 @@ from .config import GenerationConfig, ModelFolderError, SpeculativeConfig, check
 from .execution.encdec import Encoder, is_encoder_decoder, shared_cross_layers
 from .fetch import default_draft, resolve_model, streaming_refusal
 from .execution.invariance import Invariance, NotInvariantError, QuantizationWarning, saturation_warning
-from .execution.model import OnnxCausalLM, share_threads, threads_shared
+from .execution.model import OnnxCausalLM
+from .execution.sessions import share_threads, threads_shared
 from .online import PreparedRequest
 from .text.prompting import PromptMixin
 from .results import Alternative, Hypothesis, Result, Stats, StreamChunk, answer_tokens, peak_rss_mb

@@ -27,7 +27,11 @@ class FakeLM:
     def empty_past(self):
         return [(np.zeros((1, 1, 0, 2), np.float32), np.zeros((1, 1, 0, 2), np.float32))]
 
-    def forward(self, input_ids, position_ids, tree_mask, past, topk=None, ahead=False):
+    def run(self, p):
+        """A pass (execution.pass_input.PassInput): its head output and presents."""
+        return self.forward(p.ids, p.pos, p.mask, p.past)
+
+    def forward(self, input_ids, position_ids, tree_mask, past):
         # no lookahead head: `ahead` is never asked of it (the engine asks only targets whose config has one)
         k = past[0][0]
         new = np.stack([input_ids[0], position_ids[0]], -1).astype(np.float32)[None, None]

@@ -78,7 +78,7 @@ def test_the_guesses_are_the_heads_arithmetic(folders):
     ids, pos, mask, past = _tree_inputs(m)
     feed = {"input_ids": ids, "position_ids": pos, "attention_mask": m.additive_mask(mask),
             "topk": np.array([3], np.int64), "ahead_on": np.array([True])}
-    for (kn, vn), (k, v) in zip(m.past_names, past):
+    for (kn, vn), (k, v) in zip(m.runner.past_names, past):
         feed[kn], feed[vn] = k, v
     top, lp, gid, h = sess.run(["topk_ids", "ahead_logprobs", "ahead_ids", "final_h"], feed)
     E = next(onnx.numpy_helper.to_array(t) for t in model.graph.initializer if t.name == "embed.weight")
@@ -171,7 +171,7 @@ def test_an_int8_targets_head_runs_in_int8_and_leaves_the_target_as_it_was(expor
                                 providers=["CPUExecutionProvider"])
     feed = {"input_ids": ids, "position_ids": pos, "attention_mask": b.additive_mask(mask),
             "topk": np.array([3], np.int64), "ahead_on": np.array([True])}
-    for (kn, vn), (k, v) in zip(b.past_names, past):
+    for (kn, vn), (k, v) in zip(b.runner.past_names, past):
         feed[kn], feed[vn] = k, v
     top, gid, h = sess.run(["topk_ids", "ahead_ids", "final_h"], feed)
     table = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer if t.name.startswith("embed.")}

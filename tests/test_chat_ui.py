@@ -398,7 +398,7 @@ def test_memory_budget_streams_layers_and_the_status_says_so(qtbot, tmp_path, ex
     from specbeam_edge.execution.model import OnnxCausalLM
 
     split = str(exported("llama", "fp32", "split", layers=4, std=0.3, seed=3))
-    place = OnnxCausalLM(split).placement
+    place = OnnxCausalLM(split).runner.placement
     budget = place.resident_minimum + 3 * place.layer_bytes       # embeddings/head, 2 buffers, 1 resident layer
     win = window(qtbot, tmp_path, (split, ""), show=False)
     assert win.engine.target.streamed_layers() == 0 and "stream" not in win.status.text()

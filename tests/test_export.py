@@ -86,7 +86,7 @@ def test_stored_weights_are_widened_once_at_load(precision, exported, tmp_path):
     import onnx
     import onnxruntime as ort
 
-    from specbeam_edge.execution.model import session_options
+    from specbeam_edge.execution.sessions import session_options
 
     folder = exported("llama", precision)
 

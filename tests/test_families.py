@@ -58,7 +58,7 @@ def test_split_layout_parity(name, family):
     # every family's resident layers run sessions of their own (export/resident.py), none falls back to feeding
     from specbeam_edge.execution.model import OnnxCausalLM
     lm = OnnxCausalLM(folder)
-    assert len(lm.layer_sessions) == lm.cfg.num_layers
+    assert len(lm.runner.layer_sessions) == lm.cfg.num_layers
 
 
 @pytest.mark.parametrize("name", ["qwen3", "phi4mini", "gemma3"])

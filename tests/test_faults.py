@@ -647,7 +647,7 @@ def test_streamed_store_is_verified_once_per_file(split, monkeypatch):
     for _ in range(3):
         engine.generate("hello", max_new_tokens=4)
     assert len(calls) == 2                                     # one per layer file, not one per read
-    assert engine.target.store.stats.passes > 3
+    assert engine.target.runner.store.stats.passes > 3
 
 
 # -- SIGKILL fault injection (short; bench/soak_translate.py is the long version) --------------------------------

@@ -588,11 +588,11 @@ def test_an_older_split_folder_gets_the_resident_graph_when_fetched_again(data, 
     cfg = json.loads((dst / "specbeam_config.json").read_text())
     del cfg["files"]["layer_resident"]
     (dst / "specbeam_config.json").write_text(json.dumps(cfg))
-    assert OnnxCausalLM(dst).layer_sessions == {}
+    assert OnnxCausalLM(dst).runner.layer_sessions == {}
     assert pipeline.main(["smollm2"]) == 0
     err = capsys.readouterr().err
     assert "added the resident-layer graph" in err and "already fetched" in err
-    assert len(OnnxCausalLM(dst).layer_sessions) == 2
+    assert len(OnnxCausalLM(dst).runner.layer_sessions) == 2
     assert (data["download"], data["export"]) == (1, 1)
     assert pipeline.main(["smollm2"]) == 0 and "added" not in capsys.readouterr().err      # once
 

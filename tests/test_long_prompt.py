@@ -23,12 +23,12 @@ FORMS = [("fp32", "whole", "logits"), ("fp32", "split", "logits"), ("int8", "who
 def pass_rows(monkeypatch):
     """The new rows of every model pass run while the test runs (all requests' rows, padding included)."""
     rows = []
-    real = OnnxCausalLM.forward
+    real = OnnxCausalLM.run
 
-    def spy(self, input_ids, *a, **k):
-        rows.append(input_ids.size)
-        return real(self, input_ids, *a, **k)
-    monkeypatch.setattr(OnnxCausalLM, "forward", spy)
+    def spy(self, p):
+        rows.append(p.ids.size)
+        return real(self, p)
+    monkeypatch.setattr(OnnxCausalLM, "run", spy)
     return rows
 
 

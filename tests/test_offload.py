@@ -42,7 +42,7 @@ def test_offloaded_equals_resident(split4, places):
         for x, y in zip(ref, got):
             np.testing.assert_array_equal(x, y)
     streamed = sum(p != "resident" for p in places)
-    assert lm.store.stats.bytes_moved == 4 * streamed * lm.store.nbytes
+    assert lm.runner.store.stats.bytes_moved == 4 * streamed * lm.runner.store.nbytes
 
 
 def test_direct_and_buffered_disk_reads_agree(split4, monkeypatch):
@@ -50,7 +50,7 @@ def test_direct_and_buffered_disk_reads_agree(split4, monkeypatch):
     buffered reads (page cache dropped) where it does not; both give the resident model's outputs."""
     ref = run_tree(OnnxCausalLM(split4))
     lm = OnnxCausalLM(split4, placement=["disk"] * 4)
-    assert all(b.ctypes.data % 4096 == 0 and b.size % 4096 == 0 for b in lm.store.buffers)
+    assert all(b.ctypes.data % 4096 == 0 and b.size % 4096 == 0 for b in lm.runner.store.buffers)
     for x, y in zip(ref, run_tree(lm)):
         np.testing.assert_array_equal(x, y)
     from specbeam_edge.execution.offload import LayerStore
@@ -66,7 +66,7 @@ def test_direct_and_buffered_disk_reads_agree(split4, monkeypatch):
     lm = OnnxCausalLM(split4, placement=["disk"] * 4)
     for x, y in zip(ref, run_tree(lm)):
         np.testing.assert_array_equal(x, y)
-    assert lm.store.direct is False
+    assert lm.runner.store.direct is False
 
 
 def test_offloaded_generation_identical(split4):
@@ -77,7 +77,7 @@ def test_offloaded_generation_identical(split4):
         a = ref.generate(PROMPT, num_beams=K, max_new_tokens=12, speculative=spec)[0]
         b = off.generate(PROMPT, num_beams=K, max_new_tokens=12, speculative=spec)[0]
         assert a.hypotheses[0].tokens == b.hypotheses[0].tokens and a.hypotheses[0].score == b.hypotheses[0].score
-        assert b.stats.offload["bytes_moved_per_pass"] == 3 * off.target.store.nbytes
+        assert b.stats.offload["bytes_moved_per_pass"] == 3 * off.target.runner.store.nbytes
 
 
 def test_planner_and_bad_budgets(split4):
@@ -121,7 +121,7 @@ for _ in range(3):
 # VmHWM, not ru_maxrss: the latter survives exec and would report the parent's (pytest + torch) peak
 hwm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM"))
 print(json.dumps({{"rss_mb": hwm / 1024,
-                  "places": list(lm.placement.places), "layer_mb": lm.store.nbytes / 2**20}}))
+                  "places": list(lm.runner.placement.places), "layer_mb": lm.runner.store.nbytes / 2**20}}))
 """
 
 
@@ -161,12 +161,12 @@ def test_embedding_table_is_read_by_row_and_checked(split4, tmp_path):
     t = cfg["files"]["embed_table"]
     whole = np.fromfile(split4 / t["file"], dtype=t["dtype"]).reshape(t["shape"])
     ids = np.array([[5, 3, 5, 0], [cfg["vocab_size"] - 1, 3, 2, 2]])
-    np.testing.assert_array_equal(lm._embed(ids), whole[ids].astype(np.float32))
+    np.testing.assert_array_equal(lm.runner._embed(ids), whole[ids].astype(np.float32))
     assert str((split4 / t["file"]).resolve()) not in open("/proc/self/maps").read()     # nothing mapped
     with pytest.raises(ValueError, match="out of range"):
-        lm._embed(np.array([[cfg["vocab_size"]]]))
+        lm.runner._embed(np.array([[cfg["vocab_size"]]]))
     with pytest.raises(ValueError, match="out of range"):
-        lm._embed(np.array([[-1]]))         # numpy would wrap a negative index to the last row
+        lm.runner._embed(np.array([[-1]]))         # numpy would wrap a negative index to the last row
     bad = tmp_path / "bad"
     shutil.copytree(split4, bad)
     table = bad / cfg["files"]["embed_table"]["file"]
@@ -183,12 +183,12 @@ def test_a_budget_keeps_no_arena_and_stays_exact(split4):
     ids, pos, mask = np.array([[3, 7, 1]]), np.arange(3)[None], np.tril(np.ones((3, 3), bool))[None, None]
     whole = OnnxCausalLM(split4)
     streamed = OnnxCausalLM(split4, placement=["disk", "resident", "resident", "resident"])
-    assert arena(whole.head) and arena(whole.layer)
-    assert not arena(streamed.head) and not arena(streamed.layer)
+    assert arena(whole.runner.head) and arena(whole.runner.layer)
+    assert not arena(streamed.runner.head) and not arena(streamed.runner.layer)
     np.testing.assert_array_equal(whole.forward(ids, pos, mask, whole.empty_past(1))[0],
                                   streamed.forward(ids, pos, mask, streamed.empty_past(1))[0])
-    assert arena(Engine(split4, draft=split4).draft.head)
-    assert not arena(Engine(split4, draft=split4, placement=["disk"] + ["resident"] * 3).draft.head)
+    assert arena(Engine(split4, draft=split4).draft.runner.head)
+    assert not arena(Engine(split4, draft=split4, placement=["disk"] + ["resident"] * 3).draft.runner.head)
 
 
 def test_streamed_target_grows_the_streamed_tree_and_stays_exact(split4):
@@ -228,8 +228,8 @@ def test_streamed_cost_curve_is_the_disk_until_compute_outgrows_it(split4, monke
     parts, no pass over every tree size."""
     from specbeam_edge.decoding.adaptive import streamed_cost_curve
     lm = OnnxCausalLM(split4, placement=["disk", "host", "disk", "resident"])
-    assert lm.streamed_layers() == 3 and lm.store.read_seconds() > 0
-    monkeypatch.setattr(lm.store, "read_seconds", lambda: 1.0)             # a slow disk: 3 s a pass
+    assert lm.streamed_layers() == 3 and lm.runner.store.read_seconds() > 0
+    monkeypatch.setattr(lm.runner.store, "read_seconds", lambda: 1.0)             # a slow disk: 3 s a pass
     monkeypatch.setattr(lm, "part_seconds", lambda q, past, reps: (0.01 * q, 0.5))
     curve = streamed_cost_curve(lm, sizes=(1, 16, 64, 128))
     assert curve == pytest.approx({1: 3.5, 16: 3.5, 64: 3.5, 128: 4 * 1.28 + 0.5})
@@ -263,7 +263,7 @@ def test_generate_and_chat_say_when_layers_stream(split4, capsys, monkeypatch):
 
     from specbeam_edge.commands import cli
 
-    place = OnnxCausalLM(split4).placement
+    place = OnnxCausalLM(split4).runner.placement
     budget = place.resident_minimum + 3 * place.layer_bytes        # 1 of 4 layers resident
     flags = ["--model", str(split4), "--max_new_tokens", "3", "--num_beams", "1"]
     line = (f"specbeam: 3 of 4 layers stream from disk each pass (budget {budget / 2**20:.2g} MB for the target's "
@@ -296,14 +296,14 @@ def test_searches_ask_for_the_rows_they_read(split4, monkeypatch):
     """The prompt pass of exact search and of sampling asks for rows from the prompt's last token on, and the
     output stays that of the whole head (speculative == plain suites cover the rest)."""
     asked = []
-    forward = OnnxCausalLM.forward
+    run = OnnxCausalLM.run
 
-    def spy(self, *a, head_from=0, **kw):
-        asked.append((a[0].shape[1], head_from))
-        return forward(self, *a, head_from=head_from, **kw)
+    def spy(self, p):
+        asked.append((p.ids.shape[1], p.head_from))
+        return run(self, p)
     engine = Engine(split4)
     ref = engine.generate(PROMPT, num_beams=2, max_new_tokens=4)[0]
-    monkeypatch.setattr(OnnxCausalLM, "forward", spy)
+    monkeypatch.setattr(OnnxCausalLM, "run", spy)
     for sample in (False, True):
         asked.clear()
         got = engine.generate(PROMPT, num_beams=2, max_new_tokens=4, do_sample=sample, seed=1)[0]
@@ -336,15 +336,15 @@ def test_resident_layers_run_their_own_sessions_bit_for_bit(exported, tmp_path, 
     old = _without_resident_graph(folder, tmp_path / "old")
     new_lm, old_lm = OnnxCausalLM(folder), OnnxCausalLM(old)
     if precision in ("fp16", "int8w"):      # widened to fp32 at load as constants: they stay fed
-        assert new_lm.layer_sessions == {} and len(new_lm.store.resident) == 4
+        assert new_lm.runner.layer_sessions == {} and len(new_lm.runner.store.resident) == 4
         return
-    assert sorted(new_lm.layer_sessions) == [0, 1, 2, 3] and not new_lm.store.resident
-    assert old_lm.layer_sessions == {} and len(old_lm.store.resident) == 4
+    assert sorted(new_lm.runner.layer_sessions) == [0, 1, 2, 3] and not new_lm.runner.store.resident
+    assert old_lm.runner.layer_sessions == {} and len(old_lm.runner.store.resident) == 4
     for x, y in zip(run_tree(old_lm), run_tree(new_lm)):
         np.testing.assert_array_equal(x, y)
     # under a budget or a placement every layer stays fed (a session holds its layer in more than the plan counts)
     mixed = OnnxCausalLM(folder, placement=["resident", "disk", "resident", "host"])
-    assert mixed.layer_sessions == {} and sorted(mixed.store.resident) == [0, 2]
+    assert mixed.runner.layer_sessions == {} and sorted(mixed.runner.store.resident) == [0, 2]
 
 
 def test_resident_graph_added_to_an_older_export(exported, tmp_path):
@@ -356,7 +356,7 @@ def test_resident_graph_added_to_an_older_export(exported, tmp_path):
     before = run_tree(OnnxCausalLM(folder))
     assert resident.main([str(folder)]) == 0
     lm = OnnxCausalLM(folder)
-    assert len(lm.layer_sessions) == 4
+    assert len(lm.runner.layer_sessions) == 4
     for x, y in zip(before, run_tree(lm)):
         np.testing.assert_array_equal(x, y)
     (folder / "layer_resident.onnx").unlink()

@@ -8,7 +8,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from specbeam_edge.execution import providers as P
-from specbeam_edge.execution.model import _session
+from specbeam_edge.execution.sessions import _session
 
 HAS_CUDA = P.CUDA in ort.get_available_providers()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="this onnxruntime has no CUDA provider (the GPU check runs these)")

@@ -41,7 +41,7 @@ def same(a, b, batched=False):
 def test_resident_cache_is_ortvalues_and_host_cache_is_numpy(models):
     for resident, kind in ((True, ort.OrtValue), (False, np.ndarray)):
         lm = OnnxCausalLM(models["target"], kv_resident=resident)
-        cuda = "CUDAExecutionProvider" in lm.sess.get_providers()    # SPECBEAM_PROVIDER=cuda (the GPU check)
+        cuda = "CUDAExecutionProvider" in lm.runner.sess.get_providers()    # SPECBEAM_PROVIDER=cuda (the GPU check)
         assert lm.kv_resident is resident and lm.kv_device == ("cuda" if cuda else "cpu")
         cache = TreeCache(lm, TokenTree())
         score_one(cache, cache.tree.add_chain(PROMPTS[0]))

@@ -18,7 +18,7 @@ SPEC = SpeculativeConfig(drafter="best_first", budget=12, max_depth=4, adaptive=
 RUN = """
 import json, sys
 from specbeam_edge import share_threads
-from specbeam_edge.execution.model import threads_shared
+from specbeam_edge.execution.sessions import threads_shared
 assert share_threads(2) and threads_shared()
 from test_threads import answers
 eng, out = answers(sys.argv[1], sys.argv[2])
@@ -55,7 +55,7 @@ def test_a_shared_pool_answers_as_a_pool_per_session(exported, layout):
 POOL = """
 import sys
 from specbeam_edge import Engine
-from specbeam_edge.execution.model import threads_shared
+from specbeam_edge.execution.sessions import threads_shared
 Engine(sys.argv[1]) if sys.argv[2] == "default" else Engine(sys.argv[1], shared_pool=False)
 print(threads_shared())
 """

@@ -39,7 +39,7 @@ def probe(out: Path) -> dict:
     built = time.perf_counter() - t0
     lm = OnnxCausalLM(target, providers=default_providers())   # ProviderError, naming the ops, if any node lands on the CPU
     return {"onnxruntime": installed_onnxruntime(), "module": ort.__file__,
-            "available_providers": ort.get_available_providers(), "session_providers": lm.sess.get_providers(),
+            "available_providers": ort.get_available_providers(), "session_providers": lm.runner.sess.get_providers(),
             "device": ort.get_device(), "build_models_s": round(built, 1), "target": str(target)}
 
 

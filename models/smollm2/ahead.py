@@ -42,7 +42,7 @@ def _target_session(threads: int):
     from onnx import numpy_helper as onh
 
     from export import ahead
-    from specbeam_edge.execution.model import session_options
+    from specbeam_edge.execution.sessions import session_options
 
     folder = target_folder()
     model = onnx.load(str(folder / "model.onnx"))

@@ -157,8 +157,9 @@ def streaming_note(engine, max_memory: int | None = None) -> str | None:
     if not streamed:
         return None
     total = target.cfg.num_layers
-    n = total - target.placement.count("resident")
-    where = "from disk" if not target.placement.count("host") else "from disk or host memory"
+    places = target.runner.placement
+    n = total - places.count("resident")
+    where = "from disk" if not places.count("host") else "from disk or host memory"
     budget = ""
     if max_memory is not None:      # the budget is the target's weights; say what it leaves out (before: a 400 MB
         draft = getattr(engine, "draft", None)          # budget peaked at 1.25 GB with the coder pair, unsaid)

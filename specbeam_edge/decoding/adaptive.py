@@ -5,6 +5,8 @@ import time
 
 import numpy as np
 
+from ..execution.pass_input import PassInput
+
 
 class PassChooser:
     """Adaptive speculation (SpeculativeConfig.adaptive): per target pass, speculate or not, by the measured
@@ -180,22 +182,21 @@ def cost_curve(lm, sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), past: in
     encoder-decoder's static inputs (a source's cross K/V and mask, batch 1)."""
     rng = np.random.default_rng(0)
     ctx = lm.cfg.context_length
-    mask = np.tril(np.ones((past, past), bool))[None, None]
-    kw = {"key_positions": np.arange(past)[None]} if lm.needs_key_positions else {}
-    _, kv = lm.forward(rng.integers(1, lm.cfg.vocab_size, (1, past)), np.arange(past)[None], mask,
-                       lm.empty_past(), static=static, **kw)
+    _, kv = lm.run(PassInput.over(lm, rng.integers(1, lm.cfg.vocab_size, past), np.arange(past),
+                                  np.tril(np.ones((past, past), bool)), lm.empty_past(), np.zeros(0, np.int64),
+                                  static=static))
     out = {}
     for q in sizes:
         if past + q > ctx:
             break
-        m = np.ones((1, 1, q, past + q), bool)
-        m[0, 0, :, past:] = np.eye(q, dtype=bool)
-        ids, pos = rng.integers(1, lm.cfg.vocab_size, (1, q)), np.full((1, q), past)
-        kw = {"key_positions": np.concatenate([np.arange(past), pos[0]])[None]} if lm.needs_key_positions else {}
+        m = np.ones((q, past + q), bool)
+        m[:, past:] = np.eye(q, dtype=bool)
+        p = PassInput.over(lm, rng.integers(1, lm.cfg.vocab_size, q), np.full(q, past), m, kv, np.arange(past),
+                           static=static)
         times = []
         for _ in range(reps):
             t0 = time.perf_counter()
-            lm.forward(ids, pos, m, kv, static=static, **kw)
+            lm.run(p)
             times.append(time.perf_counter() - t0)
         out[q] = float(np.median(times))
     return out
@@ -211,7 +212,7 @@ def streamed_cost_curve(lm, sizes=(1, 2, 4, 8, 16, 32, 64), past: int = 32,
     drafting, which grows with the tree (a 0.5B draft level at 16 rows cost 3-5x one at 1-4 rows here), and on
     Qwen2.5-Coder-1.5B trees of 64 and 128 nodes gave the same speed; larger ones' logits (Q x vocabulary floats)
     would also outgrow the memory budget."""
-    stream = lm.streamed_layers() * lm.store.read_seconds()
+    stream = lm.streamed_layers() * lm.runner.store.read_seconds()
     out = {}
     for q in sizes:
         if past + q > lm.cfg.context_length:

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..execution.model import OnnxCausalLM, host, kv_nbytes
+from ..execution.model import OnnxCausalLM
+from ..execution.runner import host, kv_nbytes
 from .tree import TokenTree
 
 

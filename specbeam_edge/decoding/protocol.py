@@ -40,7 +40,7 @@ class ScoreCall:
     caller keeps the rows and reads rows of several passes together (exact beam search's target), so a 'both'
     head answers it in one kind in every pass (its top-k, even over one row: mixing kinds broke beam steps, and
     a one-row pass's log-softmax in Python rounds differently from the graph's). head_from: the rows before it
-    are not read (their head outputs may come back as zeros: OnnxCausalLM.forward)."""
+    are not read (their head outputs may come back as zeros: OnnxCausalLM.run)."""
     cache: TreeCache
     nodes: list[int]
     topk: int | None = None

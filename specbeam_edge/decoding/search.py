@@ -191,7 +191,7 @@ class ExactSearch:
         stats.generated_tokens = bs.cur_len - self.chain_len
         stats.peak_memory_mb = peak_rss_mb()
         stats.kv_cache_peak_mb = _finish(self.target, self.draft)
-        store = getattr(self.target.model, "store", None)
+        store = getattr(getattr(self.target.model, "runner", None), "store", None)
         if store is not None and store.streamed:
             stats.offload = {**store.stats.per_pass(), "placement": list(store.placement.places)}
         stats.seconds = time.perf_counter() - t0

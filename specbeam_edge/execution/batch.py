@@ -13,7 +13,8 @@ import numpy as np
 
 from . import heads
 from ..decoding.cache import BatchKV, TreeCache
-from .model import host
+from .pass_input import PassInput
+from .runner import host
 from ..decoding.protocol import ScoreCall
 
 
@@ -147,13 +148,9 @@ def _one_pass(model, work: list[tuple[TreeCache, list[int]]], topk: int | None, 
         cache, new = work[0]
         cache.drop_padding()
         ids, pos, mask = cache.pass_inputs(new)
-        kw = {"key_positions": np.concatenate([cache.positions, pos])[None]} if model.needs_key_positions else {}
-        if head_from and _skips_rows(model):
-            kw["head_from"] = head_from
-        if cache.static:
-            kw["static"] = {name: a for name, (a, _) in cache.static.items()}
-        out, presents = model.forward(ids[None], pos[None], mask[None, None], cache.past, topk=topk, ahead=ahead,
-                                      **kw)
+        static = {name: a for name, (a, _) in cache.static.items()} if cache.static else None
+        out, presents = model.run(PassInput.over(model, ids, pos, mask, cache.past, cache.positions, static=static,
+                                                 topk=topk, ahead=ahead, head_from=head_from))
         cache.record_pass(new, mask, presents)
         return heads.wrap(out)
     shared = _same_batch([cache for cache, _ in work])
@@ -173,12 +170,6 @@ def _one_pass(model, work: list[tuple[TreeCache, list[int]]], topk: int | None, 
     results = _one_pass_rows(model, work, inputs, topk, Nm, Qm, shared.presents if shared is not None else None,
                              gathers, ahead, stacks, head_from)
     return results if shared is None else [results[i] for i in np.argsort(order)]
-
-
-def _skips_rows(model) -> bool:
-    """Whether the model's head can skip a pass's leading rows (OnnxCausalLM.head_rows; test doubles score every
-    row)."""
-    return getattr(model, "head_rows", False)
 
 
 def _same_batch(caches: list[TreeCache], max_padding: float = 0.10, slack: int = 16) -> BatchKV | None:
@@ -209,23 +200,21 @@ def _one_pass_rows(model, work, inputs, topk, Nm, Qm, shared_past, gathers, ahea
     B = len(work)
     ids = np.zeros((B, Qm), np.int64)
     pos = np.zeros((B, Qm), np.int64)
-    kpos = np.zeros((B, Nm + Qm), np.int64)
+    past_pos = np.zeros((B, Nm), np.int64)
     mask = np.zeros((B, 1, Qm, Nm + Qm), bool)
     mask[:, 0, :, Nm:] = np.eye(Qm, dtype=bool)       # padding rows attend to themselves only
     for b, ((cache, new), (i, p, m)) in enumerate(zip(work, inputs)):
         N, Q = len(cache.nodes), len(new)
-        ids[b, :Q], pos[b, :Q] = i, p
-        kpos[b, :N], kpos[b, Nm:Nm + Q] = cache.positions, p
+        ids[b, :Q], pos[b, :Q], past_pos[b, :N] = i, p, cache.positions
         mask[b, 0, :Q, :N] = m[:, :N]
         mask[b, 0, :Q, Nm:Nm + Q] = m[:, N:]
     past = shared_past if shared_past is not None else _pack(model, gathers, Nm)
-    kw = {"key_positions": kpos} if model.needs_key_positions else {}
+    static = None
     if work[0][0].static:
         statics = [cache.static for cache, _ in work]
-        kw["static"] = stacks.get(model, statics) if stacks is not None else _stack_static(statics)
-    if head_from and _skips_rows(model):
-        kw["head_from"] = head_from
-    out, presents = model.forward(ids, pos, mask, past, topk=topk, ahead=ahead, **kw)
+        static = stacks.get(model, statics) if stacks is not None else _stack_static(statics)
+    out, presents = model.run(PassInput.over(model, ids, pos, mask, past, past_pos, static=static, topk=topk,
+                                             ahead=ahead, head_from=head_from))
     if model.kv_resident:         # else the presents are host arrays already
         presents = [(host(k), host(v)) for k, v in presents]
     batch = None if model.kv_resident else BatchKV(presents, Nm, Qm)

@@ -14,7 +14,8 @@ import numpy as np
 from ..decoding.beam import BeamRows
 from ..config import ModelFolderError, inside
 from ..contract import ENCODER_INPUTS, SOURCE_MASK, all_cross_names, cross_names
-from .model import OnnxCausalLM, _session
+from .model import OnnxCausalLM
+from .sessions import _session
 
 
 def is_encoder_decoder(model) -> bool:

@@ -147,7 +147,7 @@ def _rows(parts: list, field) -> np.ndarray:
 
 
 def wrap(raw) -> list:
-    """A batched model.forward head output (logits [B, n_new, V], or a top-k head's (logprobs, ids) pair of
+    """A batched OnnxCausalLM.run head output (logits [B, n_new, V], or a top-k head's (logprobs, ids) pair of
     [B, n_new, k], followed by a lookahead head's (logprobs, ids) [B, n_new, guesses]) -> one object per batch
     row."""
     if isinstance(raw, tuple):

@@ -18,7 +18,8 @@ import numpy as np
 import onnxruntime as ort
 
 from ..cachefile import cache_dir, entries, store_entry
-from .model import host
+from .pass_input import PassInput
+from .runner import host
 
 # largest |tree row - the row alone| over the largest |logit| (measure): fp32 and per-row int8 graphs measure 0 on
 # this CPU, quantize_dynamic 1e-2 and more (one activation scale per pass)
@@ -52,7 +53,7 @@ def _static(model) -> dict | None:
     if not model.static_inputs:
         return None
     rng = np.random.default_rng(7)
-    types = {i.name: i for i in model.sess.get_inputs()}
+    types = {i.name: i for i in model.runner.sess.get_inputs()}
     out = {}
     for name in model.static_inputs:
         shape = [1] + [d if isinstance(d, int) else SOURCE_LEN for d in types[name].shape[1:]]
@@ -69,12 +70,8 @@ def _static(model) -> dict | None:
 def _rows(model, ids, pos, mask, past, static, past_positions):
     """The scored rows' logits (or a top-k head's log-probs), and the presents. past_positions: the position of
     every cached column (sliding-window graphs take them as key_position_ids)."""
-    kpos = None
-    if model.needs_key_positions:
-        kpos = np.concatenate([past_positions, pos]).astype(np.int64)[None]
     topk = 16 if model.cfg.output == "topk" else None
-    head, presents = model.forward(ids[None], pos[None], mask[None, None], past, topk=topk, key_positions=kpos,
-                                   static=static)
+    head, presents = model.run(PassInput.over(model, ids, pos, mask, past, past_positions, topk=topk, static=static))
     rows = head[0] if isinstance(head, tuple) else head
     return np.asarray(rows[0], np.float32), presents
 
@@ -162,8 +159,7 @@ def cache_key(model, rows: int | None = None) -> str:
 
 
 def _providers(model) -> list[str]:
-    sess = model.sess if model.cfg.layout == "whole" else model.layer
-    return list(sess.get_providers())
+    return model.runner.providers()
 
 
 def check(model, *, use_cache: bool = True, rows: int | None = None) -> Invariance:

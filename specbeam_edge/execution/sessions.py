@@ -1,13 +1,15 @@
-"""onnxruntime sessions: their options, the process's shared thread pool, and the run options that give a run's
-arena memory back (model.py loads the graphs with them)."""
+"""onnxruntime sessions: their options, the process's shared thread pool, the run options that give a run's
+arena memory back, the check of a graph's inputs and outputs, and a run with its KV bound where it is computed
+(the runners, whole_graph.py and pipeline.py, load and run their graphs with them)."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+import numpy as np
 import onnxruntime as ort
 
-from ..config import ModelFolderError
+from ..config import ModelFolderError, few
 from .providers import ProviderError, cuda_session, default_providers, wants_cuda
 
 
@@ -90,3 +92,39 @@ def run_options(arena: bool, device: str) -> ort.RunOptions | None:
     ro = ort.RunOptions()
     ro.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
     return ro
+
+
+def declares(sess: ort.InferenceSession, name: str) -> bool:
+    """Whether the graph takes an input of this name."""
+    return any(i.name == name for i in sess.get_inputs())
+
+
+def check_io(sess: ort.InferenceSession, want_in: set, want_out: set, name: str) -> None:
+    """The graph takes exactly `want_in` and gives at least `want_out`, or one line naming the difference."""
+    got_in = {i.name for i in sess.get_inputs()}
+    got_out = {o.name for o in sess.get_outputs()}
+    if got_in != want_in or not want_out <= got_out:
+        raise ModelFolderError(f"{name}: graph I/O does not match specbeam_config.json "
+                               f"(missing inputs [{few(sorted(want_in - got_in))}], unexpected inputs "
+                               f"[{few(sorted(got_in - want_in))}], missing outputs "
+                               f"[{few(sorted(want_out - got_out))}]); re-export the model")
+
+
+def run_bound(sess: ort.InferenceSession, feed: dict, host_outputs: list[str], device_outputs: list[str],
+              device: str, runs=None) -> list:
+    """One run with IOBinding: inputs are host arrays or OrtValues already on the device (bound as they are: a
+    resident cache is not copied); `host_outputs` come back as numpy arrays, `device_outputs` stay OrtValues on
+    `device` (allocated by onnxruntime, so nothing crosses the bus). runs: its onnxruntime RunOptions."""
+    io = sess.io_binding()
+    for name, a in feed.items():
+        if isinstance(a, ort.OrtValue):
+            io.bind_ortvalue_input(name, a)
+        else:
+            io.bind_cpu_input(name, np.ascontiguousarray(a))
+    for name in host_outputs:
+        io.bind_output(name, "cpu")
+    for name in device_outputs:
+        io.bind_output(name, device)
+    sess.run_with_iobinding(io, runs)
+    outs = io.get_outputs()
+    return [o.numpy() for o in outs[:len(host_outputs)]] + list(outs[len(host_outputs):])
