@@ -1,33 +1,35 @@
 """Export a local Hugging Face folder to a specbeam model folder (DESIGN sections 3-5)."""
 from __future__ import annotations
 
-import json
-import shutil
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-import onnx
 
-from specbeam_edge.contract import (CONFIG_FILE, FORMAT_VERSION, LAYOUTS, MASK_VALUE, OUTPUT_KINDS, graph_io,
-                                    graph_sha256)
+from specbeam_edge.contract import LAYOUTS, OUTPUT_KINDS, graph_io
 
-from . import graph, split, whole
+from . import split, whole
 from .attention import needs_key_positions
+from .config_file import TOKENIZER_FILES, copy_tokenizer, write_config
 from .encdec import export_encdec, family_of
 from .gguf_input import is_gguf, unpack
-from .families import layer_weights, read_arch
-from .hf import (HEAD_TOKEN_IDS, Arch, ExportError, check_layer_count, global_names, global_weights, read_json,
-                 read_weights)
-from .safety import check_output, file_sha256
-from .save import (ATTENTION, GEN_KEYS, INT8W, INVARIANT, PRECISIONS, ExportProgress, _save,  # noqa: F401
-                   save_precision, staged)
+from .families import read_arch
+from .hf import HEAD_TOKEN_IDS, Arch, ExportError, check_layer_count, global_names, read_json, read_weights
+from .safety import check_output
+from .save import ATTENTION, GEN_KEYS, PRECISIONS, ExportProgress, staged
 
 
 def _generation_defaults(src: Path) -> dict:
     gen = read_json(src / "generation_config.json", {})
     return {k: gen[k] for k in GEN_KEYS if k in gen}
+
+
+def _shape(arch: Arch) -> dict:
+    """The config's graph shape and special tokens (config_file.SHAPE_KEYS)."""
+    return dict(hidden_size=arch.hidden, num_layers=arch.layers, num_heads=arch.heads, num_kv_heads=arch.kv_heads,
+                head_dim=arch.head_dim, context_length=arch.context_length, bos_token_id=arch.bos_token_id,
+                eos_token_ids=arch.eos_token_ids, pad_token_id=arch.pad_token_id)
 
 
 def _layer_info(arch: Arch) -> dict:
@@ -117,24 +119,6 @@ def _checked_options(precision: str, layout: str, output: str, block_size, compu
     return attention
 
 
-def _to_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
-    """An fp32 whole graph in fp16 (onnxruntime's converter): initializers, activations and the KV inputs and
-    outputs; the tree mask input and the logits / top-k log-probs outputs stay fp32 (Casts at the edge; the
-    mask's -3.4e38 becomes -inf, which the softmax treats the same), LogSoftmax and TopK run in fp32."""
-    from onnxruntime.transformers.float16 import convert_float_to_float16
-
-    keep = ["attention_mask", "logits", "topk_logprobs"]
-    names = {*[i.name for i in model.graph.input], *[o.name for o in model.graph.output]}
-    # through a file: given a ModelProto the converter's shape inference serializes the whole fp32 graph, which
-    # fails past 2 GB; given a path it infers shapes file to file (its types are needed: without them the Casts
-    # around the fp32 TopK come out mistyped)
-    with tempfile.TemporaryDirectory(prefix="specbeam-fp16-") as tmp:
-        path = Path(tmp) / "fp32.onnx"
-        _save(model, path)
-        return convert_float_to_float16(str(path), keep_io_types=[n for n in keep if n in names],
-                                        op_block_list=["LogSoftmax", "TopK"])
-
-
 def head_subset(ids: np.ndarray | None, arch: Arch, tokenizer: Path, below: int) -> np.ndarray | None:
     """The ids of a head over the ids below `below` and the tokenizer's added tokens (chat markers, end of text);
     None when that is every token. For a draft: Qwen2.5's 151,936-token head was a fifth of a 0.5B draft level;
@@ -163,28 +147,6 @@ def _head_tokens(below: int | None, head_ids: np.ndarray | None, arch: Arch) -> 
     return {}
 
 
-def _whole_in_memory(tmp: Path, weights, arch: Arch, head_ids, precision: str, output: str, attention: str,
-                     block_size: int, reduce_range: bool, compute: str, prog) -> dict | None:
-    """model.onnx built whole in memory, for the rewrites that need the whole graph (int8dyn's quantize_dynamic,
-    fp16 compute's conversion); returns the quantization entry (None: as stored)."""
-    g = global_weights(weights, arch)
-    if head_ids is not None and g["head_ids"] is None:
-        g = {**g, "lm_head": np.ascontiguousarray(g["lm_head"][:, head_ids]), "head_ids": head_ids}
-    layers = []
-    for i in range(arch.layers):
-        layers.append(layer_weights(weights, arch, i))
-        prog.step(f"read layer {i + 1}/{arch.layers}")
-    base = precision if precision in ("fp16", "int8w") and compute == "fp32" else "fp32"
-    model = graph.whole_model(arch, g, layers, base, output, attention, int8_embedding=precision == "int8")
-    del g, layers
-    if compute == "fp16":
-        model = _to_fp16(model)
-    prog.step("build graph")
-    quant = save_precision(model, tmp / "model.onnx", precision, block_size, reduce_range)
-    prog.step(f"write model.onnx ({precision})")
-    return quant or (INT8W if precision == "int8w" else None)
-
-
 def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str, *, precision: str, layout: str,
                     output: str, block_size: int, quiet: bool, compute: str = "fp32",
                     reduce_range: bool = True, attention: str = "fp32", head_tokens: int | None = None,
@@ -204,56 +166,23 @@ def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str
     with staged(dst, prog) as tmp:
         files, quant = _write_graphs(tmp, weights, arch, head, head_ids, precision, layout, output, attention,
                                      block_size, reduce_range, compute, int4_weights, prog)
-        if layout == "whole":      # the runtime checks the graph against it on load (integrity.py)
-            files["sha256"] = graph_sha256(tmp, "model.onnx")
-        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
-            if (src / f).is_file():
-                shutil.copy2(src / f, tmp / f)
-        cfg = {
-            "format_version": FORMAT_VERSION, "family": arch.family, "vocab_size": arch.vocab_size,
-            "tokenizer_sha256": file_sha256(tmp / "tokenizer.json"),
-            "hidden_size": arch.hidden, "num_layers": arch.layers, "num_heads": arch.heads,
-            "num_kv_heads": arch.kv_heads, "head_dim": arch.head_dim, "context_length": arch.context_length,
-            "bos_token_id": arch.bos_token_id, "eos_token_ids": arch.eos_token_ids, "pad_token_id": arch.pad_token_id,
-            "layout": layout, "precision": precision, "quantization": quant,
-            "compute_dtype": "float16" if compute == "fp16" else "float32",
-            "attention_dtype": "float64" if attention == "fp64" else "float16" if compute == "fp16" else "float32",
-            # the exporter's claim; the engine measures it when it loads a target for exact speculation. int8dyn
-            # quantizes activations per tensor: a node's logits depend on the other nodes of the pass (up to 1e-2)
-            "batch_invariant": INVARIANT[precision],
-            "mask": "additive_float32", "mask_value": MASK_VALUE, "present": "concat",
-            "output": output, "files": files, **_layer_info(arch),
-            **_head_tokens(head_tokens, head_ids, arch),
-            "io": graph_io(output, key_positions=needs_key_positions(arch), head_from=layout == "whole"),
-            "generation": _generation_defaults(src),
-            "source": {"folder_name": source_name, "export_seconds": round(time.time() - t0, 2)},
-        }
-        (tmp / CONFIG_FILE).write_text(json.dumps(cfg, indent=2))
+        copy_tokenizer(src, tmp, (*TOKENIZER_FILES, "chat_template.jinja"))
+        write_config(tmp, t0, family=arch.family, vocab_size=arch.vocab_size, shape=_shape(arch), layout=layout,
+                     precision=precision, quant=quant, compute=compute, attention=attention, output=output,
+                     files=files, kind={**_layer_info(arch), **_head_tokens(head_tokens, head_ids, arch)},
+                     io=graph_io(output, key_positions=needs_key_positions(arch), head_from=layout == "whole"),
+                     generation=_generation_defaults(src), source_name=source_name)
         prog.step("write config")
     return dst
 
 
 def _write_graphs(tmp: Path, weights, arch: Arch, head, head_ids, precision: str, layout: str, output: str,
                   attention: str, block_size: int, reduce_range: bool, compute: str, int4_weights: str,
-                  prog) -> tuple[dict, dict]:
-    """The layout's graphs and weight files written into `tmp`: (the config's files entry, its quantization)."""
-    files: dict = {}
-    quant = {"method": "none", "storage": precision}
-    if layout == "whole" and precision in whole.STREAMED and compute == "fp32":
-        quant = whole.write_whole(tmp, weights, arch, head, head_ids, precision, output, attention, block_size,
-                                  reduce_range, prog.step, int4_weights == "rtn")
-        quant = quant or (INT8W if precision == "int8w" else quant)
-        files["model"] = "model.onnx"
-    elif layout == "whole":
-        quant = _whole_in_memory(tmp, weights, arch, head_ids, precision, output, attention, block_size,
-                                 reduce_range, compute, prog) or quant
-        files["model"] = "model.onnx"
-    else:
-        files, q = split.write_split(tmp, weights, arch, head, head_ids, precision, output, attention,
-                                     reduce_range, prog.step)
-        if precision == "int8w":    # int8 weights, fp32 compute (DequantizeLinear + MatMul): CUDA has both
-            q = {**INT8W, "method": "specbeam int8 weight storage: symmetric per output channel; streamed "
-                 "layers DequantizeLinear + MatMul each pass, embedding and lm_head folded at load; fp32 "
-                 "compute"}
-        quant = q or quant
-    return files, quant
+                  prog) -> tuple[dict, dict | None]:
+    """The layout's graphs and weight files written into `tmp` by the layout's writer (export/whole.py,
+    export/split.py): (the config's files entry, its quantization)."""
+    if layout == "whole":
+        return whole.write(tmp, weights, arch, head, head_ids, precision, output, attention, block_size,
+                           reduce_range, compute, int4_weights, prog)
+    return split.write_split(tmp, weights, arch, head, head_ids, precision, output, attention, reduce_range,
+                             prog.step)

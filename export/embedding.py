@@ -1,4 +1,6 @@
-"""The embedding table's stored forms in the decoder graphs: int8 codes with a scale per block of 32 (the int8
+"""The embedding table's stored forms (the split layout's file form is recorded in specbeam_edge/embedding_form.py):
+the table read from the checkpoint a chunk of rows at a time as each precision stores it (table_chunks), or in a
+GGUF's own blocks (file_table_chunks), which both layouts write; int8 codes with a scale per block of 32 (the int8
 precision's table; quantize, dequantize, and the graph's per-token lookup), a GGUF's own blocks looked up and
 dequantized in the graph (blocks_lookup), and the fp32 table a whole graph stands for, read back from its
 initializers (embedding_values)."""
@@ -7,7 +9,55 @@ from __future__ import annotations
 import numpy as np
 from onnx import helper as oh, numpy_helper as onh
 
+from specbeam_edge.embedding_form import block_values, pack4, unpack4
+
+from . import graph
 from .builder import F32, Builder
+from .hf import Arch, embed_rows
+from .quant import row_chunks
+
+EMBED = "model.embed_tokens.weight"
+
+
+def table_chunks(w, arch: Arch, precision: str):
+    """The embedding table as `precision` stores it, a chunk of rows at a time: (values, scales or None). int8:
+    codes with a scale per block of 32 (quantize_embed_rows); int8w: codes with a scale per row
+    (graph.stored_weight's form); fp16, fp32: the rows as half or single floats."""
+    for a, z in row_chunks(arch.vocab_size):
+        rows = embed_rows(w, arch, a, z)
+        if precision == "int8":
+            yield quantize_embed_rows(rows)
+        elif precision == "int8w":
+            q, scale = graph.quantize_int8(rows.T)           # per row of the table: symmetric, 127 steps
+            yield q.T, scale
+        else:
+            yield rows.astype(np.float16 if precision == "fp16" else np.float32, copy=False), None
+
+
+class OffBlocks(Exception):
+    """The file's embedding blocks do not give transformers' values (the caller writes the table otherwise)."""
+
+
+def embedding_blocks(w, arch: Arch):
+    """The first row of the embedding table in the GGUF's own blocks (export.blocks.Blocks: its kind), or None for
+    a table the file stores otherwise or one the family scales (Gemma)."""
+    return None if arch.embed_scale != 1.0 else w.blocks(EMBED, 0, 1)
+
+
+def file_table_chunks(w, arch: Arch):
+    """The embedding table in the file's own blocks a chunk of rows at a time, each chunk checked bit for bit
+    against the values transformers looks up (embed_rows); raises OffBlocks where they differ."""
+    for a, z in row_chunks(arch.vocab_size):
+        blk = w.blocks(EMBED, a, z)
+        if not np.array_equal(blk.values().T, embed_rows(w, arch, a, z)):
+            raise OffBlocks
+        yield blk
+
+
+def packed_codes(blk) -> np.ndarray:
+    """A table chunk's codes as stored: [rows, blocks, bs] uint8, or for 4-bit kinds two codes a byte [rows,
+    blocks, bs / 2] (embedding_form.pack4)."""
+    return pack4(blk.codes) if blk.bits == 4 else blk.codes
 
 
 def embed_block(hidden: int) -> int:
@@ -28,7 +78,7 @@ def quantize_embed_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def dequantize_embed(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """The fp32 table that codes [n, H] and block scales [n, H / block] stand for (quantize_embed_rows)."""
-    return (q.astype(np.float32).reshape(*scale.shape, -1) * scale[..., None]).reshape(q.shape)
+    return block_values(q.reshape(*scale.shape, -1), scale).reshape(q.shape)
 
 
 def blocks_lookup(ids: str, out: str, packed: bool, zero: bool, offset: bool) -> list:
@@ -72,27 +122,18 @@ def embedding_values(initializers, base_dir: str | None = None) -> np.ndarray | 
     if {"embed.weight.i8", "embed.weight.blockscale"} <= t.keys():
         return dequantize_embed(read("embed.weight.i8"), read("embed.weight.blockscale"))
     if {"embed.codes", "embed.bscale"} <= t.keys():          # a GGUF's own blocks (export/whole.py)
-        codes, scale = read("embed.codes"), read("embed.bscale")
+        codes = read("embed.codes")
         if "embed.low_mask" in t:              # 4-bit codes, two a byte (blocks_lookup unpacks them with it)
-            codes = np.concatenate([codes & 15, codes >> 4], -1)
-        v = codes.astype(np.float32)
-        if "embed.bzero" in t:
-            v = v - read("embed.bzero")
-        v = v * scale
-        if "embed.boffset" in t:
-            v = v + read("embed.boffset")
-        return v.reshape(v.shape[0], -1)
+            codes = unpack4(codes)
+        return block_values(codes, read("embed.bscale")[..., 0], read("embed.bzero") if "embed.bzero" in t else 0,
+                            read("embed.boffset")[..., 0] if "embed.boffset" in t else None)
     return None
 
 
-def _int8_rows_embedding(b: Builder, table: np.ndarray | None, hidden: int) -> str:
+def _int8_rows_embedding(b: Builder, hidden: int) -> str:
     """The embedding as int8 codes with a scale a block (quantize_embed_rows), looked up and scaled per token: the
     split layout's int8 table (export/split.py, offload.TableRows) computes the same fp32 products from its file.
-    table None: the caller adds the initializers embed.weight.i8 and embed.weight.blockscale itself."""
-    if table is not None:
-        q, s = quantize_embed_rows(table)
-        b.init("embed.weight.i8", q)
-        b.init("embed.weight.blockscale", s)
+    The caller adds the initializers embed.weight.i8 and embed.weight.blockscale (export/whole.py)."""
     blocks = b.init("embed.blocks", np.array([0, 0, hidden // embed_block(hidden), embed_block(hidden)], np.int64))
     rows = b.node("Cast", [b.node("Gather", ["embed.weight.i8", "input_ids"], ["h0.i8"], axis=0)],
                   ["h0.codes"], to=F32)

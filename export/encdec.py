@@ -15,20 +15,18 @@ the checkpoint is read in encdec_weights.py, the graphs built in encdec_graph.py
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 
 import numpy as np
 
-from specbeam_edge.contract import (CONFIG_FILE, FORMAT_VERSION, MASK_VALUE, all_cross_names, graph_io,
-                                     graph_sha256, probe_source, static_inputs)
+from specbeam_edge.contract import all_cross_names, graph_io, graph_sha256, probe_source, static_inputs
 
+from .config_file import copy_tokenizer, write_config
 from .encdec_graph import decoder_model, encoder_model
 from .encdec_weights import EncDecArch, read_model
 from .hf import ExportError, read_json
-from .safety import file_sha256
-from .save import GEN_KEYS, INT8W, INVARIANT, ExportProgress, save_precision, staged
+from .save import GEN_KEYS, ExportProgress, save_precision, staged, stored_as
 
 ARCHITECTURES = {"MarianMTModel": "marian", "M2M100ForConditionalGeneration": "m2m100"}
 
@@ -134,9 +132,7 @@ def export_encdec(src: Path, dst: Path, family: str, *, precision: str, layout: 
     defaults, facts = _generation(src, arch)
     with staged(dst, prog) as tmp:
         quant = _write_graphs(tmp, arch, ew, dw, precision, output, attention, reduce_range, prog)
-        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-            if (src / f).is_file():
-                shutil.copy2(src / f, tmp / f)
+        copy_tokenizer(src, tmp)
         for name, tok in tokenizers.items():
             tok.save(str(tmp / name))
         facts.update(_languages(src, json.loads((tmp / "tokenizer.json").read_text(encoding="utf-8")), arch))
@@ -144,28 +140,19 @@ def export_encdec(src: Path, dst: Path, family: str, *, precision: str, layout: 
             facts["source_tokenizer"] = "source_tokenizer.json"
         shared = _shared_encoder(src, tmp, arch, facts)
         L = arch.decoder_layers
-        cfg = {
-            "format_version": FORMAT_VERSION, "family": family, "vocab_size": arch.vocab_size,
-            "tokenizer_sha256": file_sha256(tmp / "tokenizer.json"),
-            "hidden_size": arch.d_model, "num_layers": L, "num_heads": arch.heads, "num_kv_heads": arch.heads,
-            "head_dim": arch.head_dim, "context_length": arch.context_length, "bos_token_id": arch.bos_token_id,
-            "eos_token_ids": arch.eos_token_ids, "pad_token_id": arch.pad_token_id, "layout": "whole",
-            "precision": precision, "quantization": quant, "compute_dtype": "float32",
-            "attention_dtype": "float64" if attention == "fp64" else "float32",
-            "batch_invariant": INVARIANT[precision], "mask": "additive_float32", "mask_value": MASK_VALUE,
-            "present": "concat", "output": output,
-            "files": {"model": "model.onnx", **({} if shared is not None else {"encoder": "encoder.onnx"}),
-                      # checked on load (integrity.py), as a decoder-only folder's graph: it had none
-                      "sha256": {**graph_sha256(tmp, "model.onnx"),
-                                 **({} if shared is not None else graph_sha256(tmp, "encoder.onnx"))}},
-            "static_inputs": static_inputs(L),
-            "encoder_decoder": {"encoder_layers": arch.encoder_layers, "source_vocab_size": arch.source_vocab_size,
-                                **facts},
-            "io": graph_io(output, encoder_decoder=True),
-            "generation": defaults,
-            "source": {"folder_name": src.name, "export_seconds": round(time.time() - t0, 2)},
-        }
-        (tmp / CONFIG_FILE).write_text(json.dumps(cfg, indent=2))
+        files = {"model": "model.onnx", **({} if shared is not None else {"encoder": "encoder.onnx"}),
+                 # checked on load (integrity.py), as a decoder-only folder's graph: it had none
+                 "sha256": {**graph_sha256(tmp, "model.onnx"),
+                            **({} if shared is not None else graph_sha256(tmp, "encoder.onnx"))}}
+        kind = {"static_inputs": static_inputs(L),
+                "encoder_decoder": {"encoder_layers": arch.encoder_layers, "source_vocab_size": arch.source_vocab_size,
+                                    **facts}}
+        write_config(tmp, t0, family=family, vocab_size=arch.vocab_size, shape=dict(
+            hidden_size=arch.d_model, num_layers=L, num_heads=arch.heads, num_kv_heads=arch.heads,
+            head_dim=arch.head_dim, context_length=arch.context_length, bos_token_id=arch.bos_token_id,
+            eos_token_ids=arch.eos_token_ids, pad_token_id=arch.pad_token_id), layout="whole", precision=precision,
+            quant=quant, compute="fp32", attention=attention, output=output, files=files, kind=kind,
+            io=graph_io(output, encoder_decoder=True), generation=defaults, source_name=src.name)
         prog.step("write config")
     return dst
 
@@ -174,13 +161,12 @@ def _write_graphs(tmp: Path, arch: EncDecArch, ew: dict, dw: dict, precision: st
                   reduce_range: bool, prog) -> dict:
     """encoder.onnx and model.onnx (the decoder) written into `tmp`; returns the config's quantization entry."""
     base = precision if precision in ("fp16", "int8w") else "fp32"
-    quant = INT8W if precision == "int8w" else {"method": "none", "storage": precision}
     # the encoder computes in per-row int8 too with -p int8 (each source token its own scale)
     save_precision(encoder_model(arch, ew, dw, base, attention), tmp / "encoder.onnx",
                    precision if precision == "int8" else "fp32", reduce_range=reduce_range)
     prog.step("write encoder.onnx")
     dec = decoder_model(arch, dw, base, output, attention)
-    quant = save_precision(dec, tmp / "model.onnx", precision, 32, reduce_range) or quant
+    quant = save_precision(dec, tmp / "model.onnx", precision, reduce_range) or stored_as(precision)
     prog.step(f"write model.onnx ({precision})")
     return quant
 

@@ -16,7 +16,6 @@ from specbeam_edge.contract import (HEAD_FROM, HIDDEN, LAYER_HIDDEN_OUT, LAYER_P
 
 from .attention import _attention, _common_inputs, _long_rope_attention, _rope_and_mask
 from .builder import F32, Builder, _vi
-from .embedding import _int8_rows_embedding
 from .hf import Arch
 
 MATMULS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -229,36 +228,19 @@ def head_weight(b: Builder, lm_head, precision: str) -> str:
 
 
 def whole_model(arch: Arch, g: dict, layers: list[dict], precision: str, output: str,
-                attention: str = "fp32", int8_embedding: bool = False) -> onnx.ModelProto:
+                attention: str = "fp32") -> onnx.ModelProto:
     """Precision here is the storage of weights in the graph: fp32, fp16 or int8w (int8/int4 are applied
-    afterwards by onnxruntime's quantizers on the fp32 graph). attention: "fp32" or "fp64" (attention._attention).
-    int8_embedding: the table as int8 rows (the int8 precision's, as its split layout stores it)."""
+    afterwards by onnxruntime's quantizers on the fp32 graph). attention: "fp32" or "fp64" (attention._attention)."""
     b = Builder(attention)
     _common_inputs(b, arch, with_ids=True)
-    if int8_embedding:
-        x = _int8_rows_embedding(b, g["embed"], arch.hidden)
-        norm = b.init("norm.weight", g["norm"])
-        head = stored_weight(b, "lm_head.weight", g["lm_head"], precision, axis=1)
-    else:
-        emb, norm, head = _global_inits(b, g, precision)
-        x = b.node("Gather", [emb, "input_ids"], ["h0"], axis=0)
+    emb, norm, head = _global_inits(b, g, precision)
+    x = b.node("Gather", [emb, "input_ids"], ["h0"], axis=0)
     for i, w in enumerate(layers):
         (pk, pv), (ok, ov) = past_names(i), present_names(i)
         _kv_io(b, arch, i, (pk, pv), (ok, ov))
         x = decoder_layer(b, arch, i, x, w, precision, False, pk, pv, ok, ov)
     _head(b, arch, x, norm, head, output, precision, g.get("head_ids"), rows_from=True)
     return b.model("specbeam_whole")
-
-
-def embed_model(arch: Arch, g: dict, precision: str) -> onnx.ModelProto:
-    b = Builder()
-    b.inputs.append(_vi("input_ids", TensorProto.INT64, ["batch", "n_new"]))
-    emb, _, _ = _global_inits(b, {**g, "lm_head": g["lm_head"][:, :1]}, precision)
-    b.node("Gather", [emb, "input_ids"], [HIDDEN], axis=0)
-    b.outputs.append(_vi(HIDDEN, F32, ["batch", "n_new", arch.hidden]))
-    b.inits = [t for t in b.inits if not t.name.startswith("lm_head")]
-    b.nodes = [n for n in b.nodes if not n.output[0].startswith("lm_head")]
-    return b.model("specbeam_embed")
 
 
 def layer_model(arch: Arch, sample: dict, precision: str, attention: str = "fp32") -> onnx.ModelProto:

@@ -20,8 +20,6 @@ import threading
 from contextlib import contextmanager
 from pathlib import Path
 
-from specbeam_edge.contract import file_sha256  # noqa: F401  (export.core and encdec import it from here)
-
 from .hf import ExportError
 
 

@@ -14,7 +14,6 @@ import onnx
 from onnx import helper as oh
 from onnx import numpy_helper as onh
 
-from .blocks import BLOCK, gguf_int4
 from .quant import rowwise_int8
 from .resident import _external
 from .safety import make_staging, replace_folder, stopped_on_signal
@@ -152,39 +151,25 @@ def _save(model: onnx.ModelProto, path: Path) -> bool:
     return big
 
 
-def _save_quantized(model: onnx.ModelProto, dst: Path, precision: str, block_size: int,
-                    reduce_range: bool = True) -> dict:
-    """Quantize `model` (int8/int4) into `dst` through a temporary fp32 graph beside it, which is removed with
-    its tensor file (measured: gemma-3-270m's int8 folder was 2688 MB with a 1.7 GB leftover, 962 MB without)."""
+def _save_quantized(model: onnx.ModelProto, dst: Path, reduce_range: bool = True) -> dict:
+    """int8dyn: onnxruntime's quantize_dynamic on `model` into `dst`, through a temporary fp32 graph beside it, which
+    is removed with its tensor file (measured: gemma-3-270m's int8 folder was 2688 MB with a 1.7 GB leftover, 962 MB
+    without). The quantized graph of a past-2-GB fp32 graph can pass 2 GB too (fp32 embeddings and int8 matrices):
+    its tensors then go to `<dst>.data`."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
     raw = dst.with_name(dst.stem + ".fp32.onnx")
     big = _save(model, raw)
+    logging.getLogger("onnxruntime.quantization").setLevel(logging.ERROR)
     try:
-        return _quantize(raw, dst, precision, block_size, external=big, reduce_range=reduce_range)
+        quantize_dynamic(str(raw), str(dst), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"],
+                         per_channel=True, reduce_range=reduce_range, use_external_data_format=big)
     finally:
         raw.unlink(missing_ok=True)
         raw.with_name(raw.name + ".data").unlink(missing_ok=True)
-
-
-def _quantize(src: Path, dst: Path, precision: str, block_size: int, external: bool,
-              reduce_range: bool = True) -> dict:
-    """int8dyn (quantize_dynamic) or int4 (MatMulNBits) through onnxruntime's quantizers. external: write the
-    tensors to `<dst>.data` (the quantized graph of a past-2-GB fp32 graph can pass 2 GB too: fp32 embeddings
-    and int8 matrices). int8 is not here: quant.rowwise_int8 rewrites the graph in memory."""
-    logging.getLogger("onnxruntime.quantization").setLevel(logging.ERROR)
-    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.ERROR)
-    if precision == "int8dyn":
-        from onnxruntime.quantization import QuantType, quantize_dynamic
-
-        quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"],
-                         per_channel=True, reduce_range=reduce_range, use_external_data_format=external)
-        return {"method": "onnxruntime quantize_dynamic (one activation scale per tensor: not batch-invariant)",
-                "weight_type": "int8", "per_channel": True, "reduce_range": reduce_range,
-                "ops": "DynamicQuantizeLinear + MatMulInteger (all weight MatMuls incl. lm_head); embeddings fp32"}
-    from onnxruntime.quantization.onnx_model import ONNXModel
-
-    model, entry = rtn_int4(onnx.load(str(src)), block_size)
-    ONNXModel(model).save_model_to_file(str(dst), use_external_data_format=external)
-    return entry
+    return {"method": "onnxruntime quantize_dynamic (one activation scale per tensor: not batch-invariant)",
+            "weight_type": "int8", "per_channel": True, "reduce_range": reduce_range,
+            "ops": "DynamicQuantizeLinear + MatMulInteger (all weight MatMuls incl. lm_head); embeddings fp32"}
 
 
 def rtn_int4(model: onnx.ModelProto, block_size: int) -> tuple[onnx.ModelProto, dict]:
@@ -203,27 +188,26 @@ def rtn_int4(model: onnx.ModelProto, block_size: int) -> tuple[onnx.ModelProto, 
                            "ops": "MatMulNBits (all weight MatMuls incl. lm_head)"}
 
 
-def save_precision(model: onnx.ModelProto, dst: Path, precision: str, block_size: int = 32,
-                   reduce_range: bool = True) -> dict | None:
-    """Write the fp32-compute graph `model` to `dst` at `precision`; returns the quantization entry of the
-    config (None: the graph is saved as built)."""
+def save_precision(model: onnx.ModelProto, dst: Path, precision: str, reduce_range: bool = True) -> dict | None:
+    """Write the fp32-compute graph `model` built whole in memory (export/whole.py's in-memory path, the
+    encoder-decoder's graphs) to `dst` at `precision`; returns the quantization entry of the config (None: the
+    graph is saved as built). int4 is never built whole: export/whole.py quantizes it a piece at a time."""
     if precision == "int8":
         quant = rowwise_int8(model, reduce_range=reduce_range)
         _save(model, dst)
         return quant
-    if precision == "int4" and block_size == BLOCK:
-        quant = gguf_int4(model)     # weights on a GGUF block grid keep the file's blocks (export/blocks.py)
-        if quant is not None:
-            _save(model, dst)
-            return quant
-    if precision in ("int8dyn", "int4"):
-        return _save_quantized(model, dst, precision, block_size, reduce_range)
+    if precision == "int8dyn":
+        return _save_quantized(model, dst, reduce_range)
     _save(model, dst)
     return None
-
 
 
 # int8w: a storage format (graph.stored_weight), measured on the shipped en->de target (6x256): BLEU 43.18 vs
 # 42.78 for fp16 storage (beam 4, 300 held-out lines), 8.8 vs 17 MB, the same pass cost
 INT8W = {"method": "specbeam int8 weight storage: symmetric per output channel (round to nearest), Cast x scale "
                    "folded at load; fp32 compute", "weight_type": "int8", "per_channel": True, "storage": "int8w"}
+
+
+def stored_as(precision: str) -> dict:
+    """The quantization entry of weights kept as stored: int8w's storage, else none at `precision`."""
+    return INT8W if precision == "int8w" else {"method": "none", "storage": precision}

@@ -10,59 +10,17 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from specbeam_edge.embedding_form import TABLE_FILE, side_file, side_keys
+
 from . import graph, resident
-from .embedding import embed_block, quantize_embed_rows
+from .embedding import OffBlocks, embed_block, embedding_blocks, file_table_chunks, packed_codes, table_chunks
 from .families import LayerTensors
-from .hf import Arch, embed_rows, final_norm
-from .quant import quantize_columns, row_chunks, rowwise_int8
-from .save import DataFile, _save
+from .head import head_weights
+from .hf import Arch
+from .quant import quantize_columns, rowwise_int8
+from .save import INT8W, DataFile, _save, stored_as
 
 ALIGN = 64           # layer files: each tensor 64-byte aligned (offload.LayerStore reads them so)
-
-
-def table_chunks(w, arch: Arch, precision: str):
-    """The embedding table as `precision` stores it, a chunk of rows at a time: (values, scales or None). int8:
-    codes with a scale per block of 32 (embedding.quantize_embed_rows); int8w: codes with a scale per row
-    (graph.stored_weight's form); fp16, fp32: the rows as half or single floats."""
-    for a, z in row_chunks(arch.vocab_size):
-        rows = embed_rows(w, arch, a, z)
-        if precision == "int8":
-            yield quantize_embed_rows(rows)
-        elif precision == "int8w":
-            q, scale = graph.quantize_int8(rows.T)           # per row of the table: symmetric, 127 steps
-            yield q.T, scale
-        else:
-            yield rows.astype(np.float16 if precision == "fp16" else np.float32, copy=False), None
-
-
-EMBED = "model.embed_tokens.weight"
-
-
-class OffBlocks(Exception):
-    """The file's embedding blocks do not give transformers' values (the caller writes the table otherwise)."""
-
-
-def embedding_blocks(w, arch: Arch):
-    """The first row of the embedding table in the GGUF's own blocks (export.blocks.Blocks: its kind), or None for
-    a table the file stores otherwise or one the family scales (Gemma)."""
-    return None if arch.embed_scale != 1.0 else w.blocks(EMBED, 0, 1)
-
-
-def file_table_chunks(w, arch: Arch):
-    """The embedding table in the file's own blocks a chunk of rows at a time, each chunk checked bit for bit
-    against the values transformers looks up (embed_rows); raises OffBlocks where they differ."""
-    for a, z in row_chunks(arch.vocab_size):
-        blk = w.blocks(EMBED, a, z)
-        if not np.array_equal(blk.values().T, embed_rows(w, arch, a, z)):
-            raise OffBlocks
-        yield blk
-
-
-def packed_codes(blk) -> np.ndarray:
-    """A table chunk's codes as stored: [rows, blocks, bs] uint8, or for 4-bit kinds two codes a byte [rows,
-    blocks, bs / 2] (the block's first half in the low nibbles)."""
-    c, half = blk.codes, blk.block // 2
-    return (c[..., :half] | (c[..., half:] << 4)) if blk.bits == 4 else c
 
 
 def _write_file_blocks_table(folder: Path, w, arch: Arch) -> dict | None:
@@ -73,7 +31,7 @@ def _write_file_blocks_table(folder: Path, w, arch: Arch) -> dict | None:
     first = embedding_blocks(w, arch)
     if first is None:
         return None
-    path, digest, scales, offsets = folder / "weights" / "embed.bin", hashlib.sha256(), [], []
+    path, digest, scales, offsets = folder / TABLE_FILE, hashlib.sha256(), [], []
     try:
         with open(path, "wb") as f:
             for blk in file_table_chunks(w, arch):
@@ -86,7 +44,7 @@ def _write_file_blocks_table(folder: Path, w, arch: Arch) -> dict | None:
     except OffBlocks:
         path.unlink()
         return None
-    entry = {"file": "weights/embed.bin", "dtype": "uint8", "shape": [arch.vocab_size, arch.hidden],
+    entry = {"file": TABLE_FILE, "dtype": "uint8", "shape": [arch.vocab_size, arch.hidden],
              "sha256": digest.hexdigest(), "block": first.block, "bits": first.bits, "zero": first.zero,
              "kind": first.kind}
     entry.update(_side_file(folder, "scale", scales))
@@ -96,11 +54,12 @@ def _write_file_blocks_table(folder: Path, w, arch: Arch) -> dict | None:
 
 
 def _side_file(folder: Path, what: str, parts: list) -> dict:
-    """weights/embed_{what}.bin (fp32 per block of the table) and its files.embed_table keys: the file and its
-    SHA-256, which the runtime checks at load as it checks the table's."""
+    """The side file `what` (embedding_form.SIDES: fp32 per block of the table) and its files.embed_table keys:
+    the file and its SHA-256, which the runtime checks at load as it checks the table's."""
     data = np.concatenate(parts).astype(np.float32).tobytes()
-    (folder / "weights" / f"embed_{what}.bin").write_bytes(data)
-    return {f"{what}_file": f"weights/embed_{what}.bin", f"{what}_sha256": hashlib.sha256(data).hexdigest()}
+    (folder / side_file(what)).write_bytes(data)
+    name, digest = side_keys(what)
+    return {name: side_file(what), digest: hashlib.sha256(data).hexdigest()}
 
 
 def write_embed_table(folder: Path, w, arch: Arch, precision: str) -> dict:
@@ -113,7 +72,7 @@ def write_embed_table(folder: Path, w, arch: Arch, precision: str) -> dict:
         entry = _write_file_blocks_table(folder, w, arch)
         if entry is not None:
             return entry
-    path = folder / "weights" / "embed.bin"
+    path = folder / TABLE_FILE
     dtype = {"int8": np.int8, "fp16": np.float16}.get(precision, np.float32)
     digest, scales = hashlib.sha256(), []
     with open(path, "wb") as f:
@@ -125,39 +84,11 @@ def write_embed_table(folder: Path, w, arch: Arch, precision: str) -> dict:
             data = memoryview(np.ascontiguousarray(rows, dtype).reshape(-1).view(np.uint8))
             digest.update(data)
             f.write(data)
-    entry = {"file": "weights/embed.bin", "dtype": np.dtype(dtype).name, "shape": [arch.vocab_size, arch.hidden],
+    entry = {"file": TABLE_FILE, "dtype": np.dtype(dtype).name, "shape": [arch.vocab_size, arch.hidden],
              "sha256": digest.hexdigest()}
     if precision == "int8":
         entry.update(_side_file(folder, "scale", scales), block=embed_block(arch.hidden))
     return entry
-
-
-def head_weights(w, arch: Arch, head: str, ids, precision: str, reduce_range: bool) -> dict:
-    """The head's global weights for graph.head_model: final norm, lm_head [hidden, S] and head_ids. For int8 the
-    head is quantized per column (per token) a chunk of tokens at a time, to (codes int8 [hidden, S], scales [S]):
-    the same codes quant.rowwise_int8 gives the fp32 matrix, without holding it (933 MB for a 151,936 x 1,536
-    head; its codes are 233 MB)."""
-    rows = w.shapes[head][0]
-    pick = ids if ids is not None and len(ids) < rows else None     # head_tokens: some rows of a full head
-    n = rows if pick is None else len(pick)
-    if precision == "int8":
-        q, s = np.empty((arch.hidden, n), np.int8), np.empty(n, np.float32)
-    else:
-        lm_head = np.empty((arch.hidden, n), np.float32)
-    done = 0
-    for start, stop in row_chunks(rows):
-        block = np.asarray(w.rows(head, start, stop), np.float32)
-        if pick is not None:
-            block = block[pick[(pick >= start) & (pick < stop)] - start]
-        end = done + len(block)
-        if precision == "int8":
-            q[:, done:end], s[done:end] = quantize_columns(block.T, reduce_range)
-        else:
-            lm_head[:, done:end] = block.T
-        done = end
-    if precision == "int8":
-        lm_head = (q, s)
-    return {"norm": final_norm(w, arch), "lm_head": lm_head, "head_ids": ids}
 
 
 # the head's tensors written from their arrays to head.onnx.data (int8: codes and scales; fp32: the matrix): in
@@ -223,9 +154,8 @@ def write_layers(folder: Path, w, arch: Arch, precision: str, reduce_range: bool
 
 
 def write_split(tmp: Path, w, arch: Arch, head: str, ids, precision: str, output: str, attention: str,
-                reduce_range: bool, step) -> tuple[dict, dict | None]:
-    """Every file of the split layout into `tmp`; returns (the config's files entry, its quantization entry or
-    None for the caller's default)."""
+                reduce_range: bool, step) -> tuple[dict, dict]:
+    """Every file of the split layout into `tmp`; returns (the config's files entry, its quantization entry)."""
     (tmp / "weights").mkdir()
     files: dict = {"embed_table": write_embed_table(tmp, w, arch, precision)}
     step("write embedding table")
@@ -243,4 +173,7 @@ def write_split(tmp: Path, w, arch: Arch, head: str, ids, precision: str, output
                  layer_manifest=manifest)
     files["layer_resident"] = resident.write(tmp, onnx.load(tmp / "layer.onnx"), manifest)
     files["layer_sha256"] = sums
-    return files, quant
+    if precision == "int8w":    # int8 weights, fp32 compute (DequantizeLinear + MatMul): CUDA has both
+        quant = {**INT8W, "method": "specbeam int8 weight storage: symmetric per output channel; streamed layers "
+                 "DequantizeLinear + MatMul each pass, embedding and lm_head folded at load; fp32 compute"}
+    return files, quant or stored_as(precision)

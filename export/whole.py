@@ -1,33 +1,58 @@
-"""The whole layout written a piece at a time: the inputs and embedding, each decoder layer, then the head are built
-as graph pieces one after another; each piece's MatMul weights are quantized within it (quant.rowwise_int8,
-blocks.gguf_int4, or onnxruntime's round-to-nearest MatMulNBits quantizer, which all rewrite a weight's MatMul
-alone) and its tensors are appended to `model.onnx.data` before the next piece is read. The graph file keeps only
-the nodes and the tensors' places, so what the export holds at once is one piece, not the model (the 0.5B
-draft's int4 export took 12.5 GB whole)."""
+"""The whole layout's one writer: model.onnx and model.onnx.data, written a piece at a time where every weight's
+quantization is its own, else built whole in memory (`write` picks).
+
+A piece at a time (STREAMED precisions with fp32 compute): the inputs and embedding, each decoder layer, then the
+head are built as graph pieces one after another; each piece's MatMul weights are quantized within it
+(quant.rowwise_int8, blocks.gguf_int4, or onnxruntime's round-to-nearest MatMulNBits quantizer, which all rewrite
+a weight's MatMul alone) and its tensors are appended to `model.onnx.data` before the next piece is read. The graph
+file keeps only the nodes and the tensors' places, so what the export holds at once is one piece, not the model
+(the 0.5B draft's int4 export took 12.5 GB whole).
+
+In memory (`_in_memory`): the fp32 graph built whole for the rewrites that need all of it, int8dyn's
+quantize_dynamic (one activation scale per tensor) and fp16 compute's graph-wide conversion (`_to_fp16`)."""
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import helper as oh
 
-from specbeam_edge.contract import past_names, present_names
+from specbeam_edge.contract import graph_sha256, past_names, present_names
 
 from . import graph, save
 from .attention import _common_inputs
-from .blocks import Blocks, block_counts, gguf_int4
-from .families import LayerTensors
+from .blocks import BLOCK, block_counts, gguf_int4
 from .builder import F32, OPSET, Builder
-from .embedding import _int8_rows_embedding, blocks_lookup
-from .hf import Arch, final_norm
-from .quant import row_chunks, rowwise_int8
-from .save import DataFile
-from .split import OffBlocks, embedding_blocks, file_table_chunks, head_weights, packed_codes, table_chunks
+from .embedding import (OffBlocks, _int8_rows_embedding, blocks_lookup, embedding_blocks, file_table_chunks,
+                        packed_codes, table_chunks)
+from .families import LayerTensors, layer_weights
+from .head import head_blocks, head_weights
+from .hf import Arch, final_norm, global_weights
+from .quant import rowwise_int8
+from .save import INT8W, DataFile, save_precision, stored_as
 
 # precisions whose quantization rewrites each weight's MatMul on its own; the others (int8dyn's per-tensor
-# activation scales, fp16 compute's graph-wide conversion) keep the in-memory path (core.py)
+# activation scales) and fp16 compute's graph-wide conversion take the in-memory path
 STREAMED = ("fp32", "fp16", "int8w", "int8", "int4")
+
+
+def write(tmp: Path, w, arch: Arch, head: str, head_ids, precision: str, output: str, attention: str,
+          block_size: int, reduce_range: bool, compute: str, int4_weights: str, prog) -> tuple[dict, dict | None]:
+    """model.onnx and its tensors into `tmp`; returns (the config's files entry, its quantization entry).
+    int4_weights "rtn", or int4 blocks other than a GGUF's (BLOCK), quantize every matrix round-to-nearest;
+    otherwise the file's own blocks where every piece's weights lie on them (_Quantizer)."""
+    if precision in STREAMED and compute == "fp32":
+        quant = _streamed(tmp, w, arch, head, head_ids, precision, output, attention, block_size, reduce_range,
+                          prog.step, int4_weights == "rtn" or block_size != BLOCK)
+        # fp32 and fp16 record null here, {"method": "none"} elsewhere: the runtime reads both as stored weights
+        quant = quant or (INT8W if precision == "int8w" else None)
+    else:
+        quant = _in_memory(tmp, w, arch, head_ids, precision, output, attention, reduce_range, compute, prog)
+        quant = quant or stored_as(precision)
+    # the runtime checks the graph against its SHA-256 on load (integrity.py)
+    return {"model": "model.onnx", "sha256": graph_sha256(tmp, "model.onnx")}, quant
 
 
 class _OffGrid(Exception):
@@ -38,9 +63,9 @@ class _OffGrid(Exception):
 class _Quantizer:
     """Quantizes piece after piece as the whole graph's quantizer would; `entry` is the config's quantization."""
 
-    def __init__(self, precision: str, block_size: int, reduce_range: bool, force_rtn: bool):
+    def __init__(self, precision: str, block_size: int, reduce_range: bool, rtn: bool):
         self.precision, self.block_size, self.reduce_range = precision, block_size, reduce_range
-        self.mode = "rtn" if force_rtn or block_size != 32 else None      # int4: None until a piece decides
+        self.mode = "rtn" if rtn else None      # int4: None until a piece decides
         self.entry = None
 
     def __call__(self, piece: onnx.ModelProto, known=None) -> onnx.ModelProto:
@@ -89,7 +114,7 @@ def _embedding(b: Builder, data: DataFile, w, arch: Arch, precision: str) -> Non
     if precision == "int8":
         b.inits.append(data.table("embed.weight.i8", np.int8, (V, H), values()))
         b.init("embed.weight.blockscale", np.concatenate(scales))
-        _int8_rows_embedding(b, None, H)
+        _int8_rows_embedding(b, H)
         return
     if precision == "int8w":                       # graph.stored_weight's form
         b.inits.append(data.table("embed.weight.i8", np.int8, (V, H), values()))
@@ -139,40 +164,27 @@ def _blocks_embedding(b: Builder, data: DataFile, w, arch: Arch) -> bool:
     return True
 
 
-def _head_blocks(w, head: str, ids):
-    """The head matrix's own GGUF blocks (its rows `ids` for a head of some tokens), each chunk of rows checked bit
-    for bit against the tensor's values; None when the file stores it otherwise or the values differ."""
-    b = w.blocks(head)
-    if b is None:
-        return None
-    if not all(b.rows(a, z).equals(np.asarray(w.rows(head, a, z), np.float32).T)
-               for a, z in row_chunks(b.codes.shape[0])):
-        return None
-    if ids is not None and len(ids) < b.codes.shape[0]:
-        b = Blocks(b.kind, b.codes[ids], b.scale[ids], None if b.offset is None else b.offset[ids])
-    return b
-
-
 def _piece(b: Builder) -> onnx.ModelProto:
     return oh.make_model(oh.make_graph(b.nodes, "piece", [], [], b.inits),
                          opset_imports=[oh.make_opsetid("", OPSET)], ir_version=10)
 
 
-def write_whole(tmp: Path, w, arch: Arch, head: str, head_ids, precision: str, output: str, attention: str,
-                block_size: int, reduce_range: bool, step, force_rtn: bool = False) -> dict | None:
-    """model.onnx and model.onnx.data into `tmp`; returns the config's quantization entry (None: as stored)."""
+def _streamed(tmp: Path, w, arch: Arch, head: str, head_ids, precision: str, output: str, attention: str,
+              block_size: int, reduce_range: bool, step, rtn: bool) -> dict | None:
+    """model.onnx and model.onnx.data into `tmp` a piece at a time; returns the config's quantization entry (None:
+    as stored)."""
     try:
         return _write(tmp, w, arch, head, head_ids, precision, output, attention, block_size, reduce_range, step,
-                      force_rtn)
+                      rtn)
     except _OffGrid:
         step("some weights lie on no GGUF block grid: quantizing every weight round-to-nearest")
         return _write(tmp, w, arch, head, head_ids, precision, output, attention, block_size, reduce_range, step,
                       True)
 
 
-def _write(tmp, w, arch, head, head_ids, precision, output, attention, block_size, reduce_range, step, force_rtn):
+def _write(tmp, w, arch, head, head_ids, precision, output, attention, block_size, reduce_range, step, rtn):
     store = "fp32" if precision in ("int8", "int4") else precision        # as whole_model stores weights
-    quantize = _Quantizer(precision, block_size, reduce_range, force_rtn)
+    quantize = _Quantizer(precision, block_size, reduce_range, rtn)
     data = DataFile(tmp / "model.onnx.data")
     nodes, inits, inputs, outputs, domains, seen = [], [], [], [], set(), set()
 
@@ -223,7 +235,7 @@ def _head_piece(w, arch, head, head_ids, precision, output, attention, reduce_ra
     """The head's piece on hidden state x: final norm, lm_head and the outputs; returns (its Builder, the lm_head
     tensor, the file's blocks of lm_head or None). With the blocks, lm_head is a shape alone."""
     b = Builder(attention)
-    known = _head_blocks(w, head, head_ids) if precision == "int4" and not rtn else None
+    known = head_blocks(w, head, head_ids) if precision == "int4" and not rtn else None
     if known is not None:      # checked against the file's values: the graph needs only the head's shape
         g = {"norm": final_norm(w, arch)}
         lm_head = b.init("lm_head.weight", np.zeros((), np.float32))
@@ -235,3 +247,43 @@ def _head_piece(w, arch, head, head_ids, precision, output, attention, reduce_ra
         del g["lm_head"]
     graph._head(b, arch, x, b.init("norm.weight", g["norm"]), lm_head, output, store, head_ids, rows_from=True)
     return b, lm_head, known
+
+
+def _in_memory(tmp: Path, weights, arch: Arch, head_ids, precision: str, output: str, attention: str,
+               reduce_range: bool, compute: str, prog) -> dict | None:
+    """model.onnx built whole in memory, for the rewrites that need the whole graph: int8dyn's quantize_dynamic
+    (fp32 compute) and fp16 compute's conversion (fp16 weights: core.export passes fp16 compute as precision fp16);
+    the graph is built in fp32 either way. Returns the quantization entry (None: as stored)."""
+    g = global_weights(weights, arch)
+    if head_ids is not None and g["head_ids"] is None:
+        g = {**g, "lm_head": np.ascontiguousarray(g["lm_head"][:, head_ids]), "head_ids": head_ids}
+    layers = []
+    for i in range(arch.layers):
+        layers.append(layer_weights(weights, arch, i))
+        prog.step(f"read layer {i + 1}/{arch.layers}")
+    model = graph.whole_model(arch, g, layers, "fp32", output, attention)
+    del g, layers
+    if compute == "fp16":
+        model = _to_fp16(model)
+    prog.step("build graph")
+    quant = save_precision(model, tmp / "model.onnx", precision, reduce_range)
+    prog.step(f"write model.onnx ({precision})")
+    return quant
+
+
+def _to_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
+    """An fp32 whole graph in fp16 (onnxruntime's converter): initializers, activations and the KV inputs and
+    outputs; the tree mask input and the logits / top-k log-probs outputs stay fp32 (Casts at the edge; the
+    mask's -3.4e38 becomes -inf, which the softmax treats the same), LogSoftmax and TopK run in fp32."""
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    keep = ["attention_mask", "logits", "topk_logprobs"]
+    names = {*[i.name for i in model.graph.input], *[o.name for o in model.graph.output]}
+    # through a file: given a ModelProto the converter's shape inference serializes the whole fp32 graph, which
+    # fails past 2 GB; given a path it infers shapes file to file (its types are needed: without them the Casts
+    # around the fp32 TopK come out mistyped)
+    with tempfile.TemporaryDirectory(prefix="specbeam-fp16-") as tmp:
+        path = Path(tmp) / "fp32.onnx"
+        save._save(model, path)
+        return convert_float_to_float16(str(path), keep_io_types=[n for n in keep if n in names],
+                                        op_block_list=["LogSoftmax", "TopK"])

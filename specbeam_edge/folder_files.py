@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .embedding_form import CODE_BITS, DEFAULTS, DIGESTS, FORMS, SIDES, file_bytes, side_keys
+
 
 class ModelFolderError(ValueError):
     """A model folder that cannot be used; the message names the folder and the problem."""
@@ -42,7 +44,8 @@ def inside(folder: Path, name: str, what: str | None = None, config: Path | None
 
 # files.* entries that name one file each, and those that hold {key: file name}
 _FILE_KEYS = ("model", "embed", "layer", "head", "encoder", "layer_weights")
-_NESTED_FILE_KEYS = {"embed_table": ("file", "scale_file", "offset_file"), "layer_resident": ("graph", "tables")}
+_NESTED_FILE_KEYS = {"embed_table": ("file", *(side_keys(what)[0] for what in SIDES)),
+                     "layer_resident": ("graph", "tables")}
 
 
 def check_file_names(files: dict, path: Path) -> dict[str, str]:
@@ -86,34 +89,28 @@ def check_manifest(manifest, path: Path) -> None:
 
 
 def check_embed_table(cfg, path: Path) -> None:      # cfg: the config.ModelConfig being loaded
-    """files.embed_table: {file, dtype (float32 | float16 | int8 | uint8), shape [vocab_size, hidden_size]} (int8:
-    and scale_file, one float32 per `block` values of a row; uint8, a GGUF's own blocks: scale_file, `block`,
-    `bits` 4 or 8, an integer `zero` and an optional offset_file of float32 per block), and files of exactly that
-    many bytes (a truncated or replaced table fails here, by name, not as wrong text); its optional sha256,
-    scale_sha256 and offset_sha256 are hex digests."""
+    """files.embed_table (its forms: embedding_form.py): {file, dtype (float32 | float16 | int8 | uint8), shape
+    [vocab_size, hidden_size]} (int8: and scale_file, one float32 per `block` values of a row; uint8, a GGUF's own
+    blocks: scale_file, `block`, `bits` 4 or 8, an integer `zero` and an optional offset_file of float32 per block),
+    and files of exactly that many bytes (a truncated or replaced table fails here, by name, not as wrong text); its
+    optional sha256, scale_sha256 and offset_sha256 are hex digests."""
     t = cfg.files["embed_table"]
-    sizes = {"float32": 4, "float16": 2, "int8": 1, "uint8": 1}
-    blocked = isinstance(t, dict) and t.get("dtype") in ("int8", "uint8")
-    ok = (isinstance(t, dict) and t.get("dtype") in sizes and isinstance(t.get("file"), str)
-          and t.get("shape") == [cfg.vocab_size, cfg.hidden_size]
-          and (not blocked or (isinstance(t.get("scale_file"), str) and type(t.get("block")) is int
-                               and t["block"] > 0 and cfg.hidden_size % t["block"] == 0))
-          and (t.get("dtype") != "uint8" or (t.get("bits", 8) in (4, 8) and type(t.get("zero", 0)) is int
-                                             and isinstance(t.get("offset_file", ""), str))))
+    form = FORMS.get(t.get("dtype")) if isinstance(t, dict) else None
+    ok = (form is not None and isinstance(t.get("file"), str) and t.get("shape") == [cfg.vocab_size, cfg.hidden_size]
+          and (not form.scales or (isinstance(t.get("scale_file"), str) and type(t.get("block")) is int
+                                   and t["block"] > 0 and cfg.hidden_size % t["block"] == 0))
+          and (not form.gguf or (t.get("bits", DEFAULTS["bits"]) in CODE_BITS
+                                 and type(t.get("zero", DEFAULTS["zero"])) is int
+                                 and isinstance(t.get("offset_file", ""), str))))
     if not ok:
         raise ModelFolderError(f"{path}: files.embed_table must be {{file, dtype float32|float16|int8|uint8 (int8 and "
                                f"uint8 with a scale_file and a block dividing {cfg.hidden_size}; uint8 with bits 4 "
                                f"or 8), shape [{cfg.vocab_size}, {cfg.hidden_size}]}}; re-export the model")
-    for key in ("sha256", "scale_sha256", "offset_sha256"):     # checked on load (offload.embedding_table)
+    for key in DIGESTS:     # checked on load (offload.embedding_table)
         if key in t and not _is_digest(t[key]):
             raise ModelFolderError(f"{path}: files.embed_table.{key} must be a hex SHA-256 digest, got "
                                    f"{short(t[key])}; re-export the model")
-    want = {t["file"]: cfg.vocab_size * cfg.hidden_size * sizes[t["dtype"]] * t.get("bits", 8) // 8}
-    if blocked:
-        want[t["scale_file"]] = cfg.vocab_size * cfg.hidden_size // t["block"] * 4
-        if "offset_file" in t:
-            want[t["offset_file"]] = want[t["scale_file"]]
-    for name, size in want.items():
+    for name, size in file_bytes(t, cfg.vocab_size, cfg.hidden_size).items():
         got = (cfg.folder / name).stat().st_size
         if got != size:
             raise ModelFolderError(f"{cfg.folder / name}: {got} bytes, the embedding table needs {size} (truncated "

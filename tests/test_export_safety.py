@@ -172,9 +172,9 @@ def _swap_with_ctrl_c(src, tmp_path, monkeypatch):
 
 def _export_that_hangs(src, out, ready):
     """An export in a child process that stops after writing its first graph (ready names a file it then makes)."""
-    code = ("import sys, time\nimport export.core as core, export.save as save\nreal = save._save\n"
+    code = ("import sys, time\nimport export.save as save\nreal = save._save\n"
             "def slow(model, path):\n    real(model, path)\n    open(sys.argv[1], 'w').close()\n    time.sleep(120)\n"
-            "core._save = save._save = slow\nfrom export.__main__ import main\n"
+            "save._save = slow\nfrom export.__main__ import main\n"
             "sys.exit(main(['-i', sys.argv[2], '-o', sys.argv[3], '-q']))")
     child = subprocess.Popen([sys.executable, "-c", code, str(ready), str(src), str(out)], cwd=ROOT,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -252,7 +252,6 @@ def test_block_size_is_checked_before_any_work(value, capsys):
 def test_full_disk_is_one_line_and_leaves_nothing(src, tmp_path, monkeypatch, capsys):
     def full(model, path):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
-    monkeypatch.setattr(core, "_save", full)
     monkeypatch.setattr("export.save._save", full)
     out = tmp_path / "out"
     assert main(["-i", str(src), "-o", str(out), "-q"]) == 1
@@ -288,7 +287,6 @@ def test_unwritable_parent_is_refused_up_front(src, tmp_path, monkeypatch):
 def test_ctrl_c_during_the_export_is_one_line(src, tmp_path, monkeypatch, capsys):
     def interrupted(*a, **k):
         raise KeyboardInterrupt
-    monkeypatch.setattr(core, "_save", interrupted)
     monkeypatch.setattr("export.save._save", interrupted)
     assert main(["-i", str(src), "-o", str(tmp_path / "out"), "-q"]) == 130
     err = capsys.readouterr().err

@@ -263,7 +263,7 @@ def test_int8_keeps_the_files_embedding_blocks_and_split_equals_whole(tmp_path, 
     want = gguf.quants.dequantize(embd.data, embd.tensor_type)
     ids = np.array([[3, 17, 33, 8, 99, 41, 7, 3]])
     lms = [OnnxCausalLM(f, threads=1) for f in (split, whole)]
-    assert np.array_equal(lms[0].embed_table[ids[0]], want[ids[0]])
+    assert np.array_equal(lms[0].runner.embed_table[ids[0]], want[ids[0]])
     T = ids.shape[1]
     mask = np.tril(np.ones((T, T), bool))[None, None]
     got = [lm.forward(ids, np.arange(T)[None], mask, lm.empty_past())[0] for lm in lms]

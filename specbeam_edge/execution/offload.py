@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import ModelFolderError
+from ..embedding_form import DEFAULTS, block_values, side_keys, unpack4
 from .integrity import verify_open
 
 PLACES = ("resident", "host", "disk")
@@ -332,32 +333,29 @@ class TableRows:
             s = self.scales[uniq]
             codes = rows.reshape(len(uniq), s.shape[1], -1)
             if self.bits == 4:
-                codes = np.concatenate([codes & np.uint8(15), codes >> np.uint8(4)], axis=-1)
-            v = codes.astype(np.float32)
-            if self.zero:
-                v = v - np.float32(self.zero)
-            v = v * s[:, :, None]
-            if self.offsets is not None:
-                v = v + self.offsets[uniq][:, :, None]
-            rows = v.reshape(len(uniq), self.shape[1])
+                codes = unpack4(codes)
+            rows = block_values(codes, s, self.zero, None if self.offsets is None else self.offsets[uniq])
         return rows[inverse].reshape(ids.shape + (self.shape[1],))
 
 
 def embedding_table(folder: Path, table: dict, rows: int) -> TableRows:
-    """files.embed_table's table (its entry checked by folder_files.check_embed_table): the block scales and offsets
-    it names read whole, each checked first against the SHA-256 the export recorded (scale_sha256, offset_sha256),
-    and the table file, read by row, against its own (sha256). Exports older than a field go unchecked by it."""
-    def blockwise(key):
+    """files.embed_table's table (its entry checked by folder_files.check_embed_table; its forms: embedding_form.py):
+    the block scales and offsets it names read whole, each checked first against the SHA-256 the export recorded
+    (scale_sha256, offset_sha256), and the table file, read by row, against its own (sha256). Exports older than a
+    field go unchecked by it."""
+    def blockwise(what):
+        key, digest = side_keys(what)
         if key not in table:
             return None
-        file, want = Path(folder) / table[key], table.get(key.replace("_file", "_sha256"))
+        file, want = Path(folder) / table[key], table.get(digest)
         with open(file, "rb", buffering=0) as f:
             if want:
                 verify_open(file, f.fileno(), want)
                 f.seek(0)
             return np.fromfile(f, np.float32).reshape(rows, -1)
-    return TableRows(Path(folder) / table["file"], table["dtype"], tuple(table["shape"]), blockwise("scale_file"),
-                     table.get("bits", 8), table.get("zero", 0), blockwise("offset_file"), table.get("sha256"))
+    return TableRows(Path(folder) / table["file"], table["dtype"], tuple(table["shape"]), blockwise("scale"),
+                     table.get("bits", DEFAULTS["bits"]), table.get("zero", DEFAULTS["zero"]), blockwise("offset"),
+                     table.get("sha256"))
 
 
 def _identity(st: os.stat_result) -> tuple:
