@@ -1,13 +1,14 @@
 """Attention in the decoder graphs: the rope tables (cos/sin of each rope kind, LongRoPE's delta rotations), the
 inputs every decoder graph shares (token and position ids, the tree mask, the sliding-window mask), q/k rotation
-with per-layer kind selection, the attention itself (onnxruntime's fused op, or in double: layout-exact) and
+with per-layer kind selection, the attention itself (onnxruntime's fused op, or in double: layout-exact, with the
+fused op as a branch for prompt passes) and
 LongRoPE's second pass over long-rotated keys."""
 from __future__ import annotations
 
 import numpy as np
 from onnx import TensorProto
 
-from specbeam_edge.contract import KEY_POSITIONS
+from specbeam_edge.contract import KEY_POSITIONS, PROMPT_ATTENTION
 
 from .builder import F32, Builder, _vi
 from .hf import Arch, Rope
@@ -52,6 +53,9 @@ def _common_inputs(b: Builder, arch: Arch, with_ids: bool):
             cos, sin = delta_tables(arch, r)
             b.init(f"cos_{kind}_delta", cos)
             b.init(f"sin_{kind}_delta", sin)
+    if b.attention == "fp64":      # an input with a default (an initializer of its name): unfed, attention in double
+        b.inputs.append(_vi(PROMPT_ATTENTION, TensorProto.BOOL, [1]))
+        b.init(PROMPT_ATTENTION, np.array([False]))
     if needs_key_positions(arch):
         b.inputs.append(_vi(KEY_POSITIONS, TensorProto.INT64, ["batch", "n_total"]))
     if any(arch.layer_sliding):
@@ -148,7 +152,11 @@ def _attention(b: Builder, arch: Arch, ins: list[str], outs: list[str], attrs: d
     the layout."""
     if b.attention != "fp64":
         return b.node("Attention", ins, outs, **attrs)
-    return _attention_fp64(b, arch, ins, outs, attrs)
+    # every decoder graph in double declares PROMPT_ATTENTION (_common_inputs): it picks the fused fp32 op for a
+    # prompt's unread rows (laid out alike in every mode); the presents are past and new concatenated either way
+    fused = [o + ".fused" for o in outs]
+    return b.branch(PROMPT_ATTENTION, outs, lambda: b.node("Attention", ins, fused, **attrs),
+                    lambda: _attention_fp64(b, arch, ins, [o + ".double" for o in outs], attrs))
 
 
 def _attention_fp64(b: Builder, arch: Arch, ins: list[str], outs: list[str], attrs: dict) -> list[str]:

@@ -21,6 +21,18 @@ class Builder:
         self.nodes.append(oh.make_node(op, ins, outs, **attrs))
         return outs[0] if len(outs) == 1 else outs
 
+    def branch(self, cond: str, outs: list[str], then, otherwise, elem=F32):
+        """An If node on the bool `cond` giving `outs`: `then()` and `otherwise()` each add their branch's nodes
+        to this builder (outer names and initializers stay visible to them) and return their outputs' names,
+        which must be distinct from every other name in the model."""
+        graphs = []
+        for build, tag in ((then, "then"), (otherwise, "else")):
+            outer, self.nodes = self.nodes, []
+            results = build()
+            nodes, self.nodes = self.nodes, outer
+            graphs.append(oh.make_graph(nodes, f"{outs[0]}.{tag}", [], [_vi(r, elem, None) for r in results]))
+        return self.node("If", [cond], outs, then_branch=graphs[0], else_branch=graphs[1])
+
     def init(self, name, array):
         self.inits.append(onh.from_array(np.ascontiguousarray(array), name))
         return name

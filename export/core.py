@@ -170,7 +170,8 @@ def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str
         write_config(tmp, t0, family=arch.family, vocab_size=arch.vocab_size, shape=_shape(arch), layout=layout,
                      precision=precision, quant=quant, compute=compute, attention=attention, output=output,
                      files=files, kind={**_layer_info(arch), **_head_tokens(head_tokens, head_ids, arch)},
-                     io=graph_io(output, key_positions=needs_key_positions(arch), head_from=layout == "whole"),
+                     io=graph_io(output, key_positions=needs_key_positions(arch), head_from=layout == "whole",
+                                 prompt_attention=attention == "fp64"),
                      generation=_generation_defaults(src), source_name=source_name)
         prog.step("write config")
     return dst

@@ -42,24 +42,31 @@ def chunked(engine, rows: int):
 @pytest.mark.parametrize("form", FORMS, ids="-".join)
 def test_chunked_prefill_caches_what_one_pass_caches(exported, pass_rows, form):
     """The prompt's KV after passes of 7 rows, the last row alone read, is bit for bit the KV of the model's one
-    causal pass over it, and so is the row read (the last); no pass has more than 7 rows."""
+    causal pass over it, and so is the row read (the last); no pass has more than 7 rows. A graph in double runs a
+    prompt's unread rows in fp32, alone (batch._prompt_alone): there the one pass is the runtime's own, unchunked."""
     precision, layout, output = form
     model = OnnxCausalLM(exported("llama", precision, layout, output, std=0.3, seed=3))
     n, topk = len(PROMPT), 4 if output == "both" else None
-    head, want = model.forward(np.array([PROMPT]), np.arange(n)[None], np.tril(np.ones((n, n), bool))[None, None],
-                               model.empty_past(), topk=topk)
-    want_row = head[0][0, -1] if topk else head[0, -1]
-    model.prefill_chunk = 7
-    tree = TokenTree()
-    cache = TreeCache(model, tree)
-    nodes = tree.add_chain(PROMPT)
+    assert model.prompt_attention == (precision == "int8")     # its attention is in double
+
+    def prefill(rows):
+        model.prefill_chunk = rows
+        tree = TokenTree()
+        cache = TreeCache(model, tree)
+        [out] = score_batch([ScoreCall(cache, tree.add_chain(PROMPT), topk=topk, head_from=n - 1)])
+        return (out.logprobs if isinstance(out, heads.TopKOutput) else out.logits)[n - 1], cache.past
+    if model.prompt_attention:
+        want_row, want = prefill(WHOLE)
+    else:
+        head, want = model.forward(np.array([PROMPT]), np.arange(n)[None],
+                                   np.tril(np.ones((n, n), bool))[None, None], model.empty_past(), topk=topk)
+        want_row = (head[0][0, -1] if topk else head[0, -1])[:topk]
     pass_rows.clear()
-    [out] = score_batch([ScoreCall(cache, nodes, topk=topk, head_from=n - 1)])
+    got_row, got = prefill(7)
     assert max(pass_rows) <= 7 and sum(pass_rows) >= n, pass_rows
-    for (k1, v1), (k7, v7) in zip(want, cache.past):
+    for (k1, v1), (k7, v7) in zip(want, got):
         assert np.array_equal(k1, k7) and np.array_equal(v1, v7)
-    got_row = out.logprobs[n - 1] if topk else out.logits[n - 1]
-    assert np.array_equal(want_row[:topk], got_row)
+    assert np.array_equal(want_row, got_row)
 
 
 @pytest.mark.parametrize("form", FORMS, ids="-".join)
@@ -282,3 +289,60 @@ def test_memory_goes_back_once_idle_after_a_long_prompt(exported, monkeypatch):
     eng.generate(prompt[:20], **kw)
     assert released == []
     assert_same_hypotheses(first, eng.generate(prompt, **kw)[0])
+
+
+@pytest.mark.parametrize("layout", ["whole", "split"])
+def test_a_prompts_unread_rows_run_the_fused_fp32_attention(hf_models, exported, tmp_path, pass_rows, layout):
+    """A graph in double (int8) scores a long prompt's unread rows with its fp32 branch (PROMPT_ATTENTION), alone
+    and before its last token: bit for bit what the same weights exported with --attention fp32 give them, while
+    the rows after keep attention in double (a short prompt's too)."""
+    from export import export
+
+    src, _ = hf_models("llama", std=0.3, seed=3)
+    double = Engine(exported("llama", "int8", layout, "both", std=0.3, seed=3))
+    single = Engine(export(src, tmp_path / "fp32", precision="int8", layout=layout, output="both", quiet=True,
+                           attention="fp32"))
+    assert double.target.prompt_attention and not single.target.prompt_attention
+    caches = []
+    for eng in (double, single):
+        model = eng.target
+        tree = TokenTree()
+        cache = TreeCache(model, tree)
+        nodes = tree.add_chain(PROMPT)
+        pass_rows.clear()
+        score_batch([ScoreCall(cache, nodes[:-1], topk=4, head_from=len(PROMPT) - 1)])
+        caches.append(cache.past)
+    assert pass_rows == [len(PROMPT) - 1]          # the unread rows alone (the fp32 export's one pass)
+    for (k1, v1), (k2, v2) in zip(*caches):
+        assert np.array_equal(k1, k2) and np.array_equal(v1, v2)
+    kw = dict(num_beams=2, max_new_tokens=6, num_return_sequences=2)
+    short = PROMPT[:40]                            # under batch.PROMPT_ROWS: no branch, double throughout
+    [a], [b] = plain(double, short, **kw), plain(single, short, **kw)
+    assert [h.score for h in a.hypotheses] != [h.score for h in b.hypotheses]
+
+
+@pytest.mark.parametrize("layout", ["whole", "split"])
+@pytest.mark.parametrize("K", [1, 4])
+def test_speculative_equals_plain_with_the_prompt_branch(exported, monkeypatch, layout, K):
+    """An int8 target whose prompt rows run in fp32: both searches run the same fp32 passes, over the prompt's
+    unread rows only (speculative search's first pass carries the prompt's last token and a tree, in double), and
+    speculative search is plain search; both equal a run whose prompt is not chunked."""
+    eng = Engine(exported("llama", "int8", layout, "both", std=0.3, seed=3),
+                 draft=exported("llama", std=0.3, seed=11, layers=1))
+    assert eng.target.prompt_attention
+    fp32_passes, run = [], OnnxCausalLM.run
+
+    def spy(self, p):
+        if self is eng.target and p.prompt:
+            fp32_passes.append(p.ids[0].tolist())
+        return run(self, p)
+    monkeypatch.setattr(OnnxCausalLM, "run", spy)
+    spec = SpeculativeConfig(adaptive=False, budget=12, max_depth=4)
+    kw = dict(num_beams=K, max_new_tokens=14, num_return_sequences=K)
+    ref, fast = speculative_equals_plain(chunked(eng, 16), PROMPT, spec, **kw)
+    assert fast.stats.draft_passes > 0
+    half = len(fp32_passes) // 2
+    assert fp32_passes[:half] == fp32_passes[half:] and sum(fp32_passes[:half], []) == PROMPT[:-1]
+    [whole] = plain(chunked(eng, WHOLE), PROMPT, **kw)
+    assert_same_hypotheses(whole, ref, atol=0)
+

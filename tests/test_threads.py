@@ -22,7 +22,7 @@ from specbeam_edge.execution.sessions import threads_shared
 assert share_threads(2) and threads_shared()
 from test_threads import answers
 eng, out = answers(sys.argv[1], sys.argv[2])
-print(json.dumps({"out": out, "layer_sessions": len(getattr(eng.target, "layer_sessions", {}))}))
+print(json.dumps({"out": out, "layer_sessions": len(getattr(eng.target.runner, "layer_sessions", {}))}))
 """
 
 

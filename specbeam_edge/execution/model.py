@@ -78,6 +78,7 @@ class OnnxCausalLM:
                                         placement=placement, **common)
         r = self.runner
         self.needs_key_positions, self.head_rows, self.ahead_input = r.needs_key_positions, r.head_rows, r.ahead_input
+        self.prompt_attention = r.prompt_attention      # its attention in double has an fp32 branch for prompts
         self.arena, self.kv_device, self.kv_dtype, self.kv_resident = r.arena, r.kv_device, r.kv_dtype, r.kv_resident
         self.prefill_chunk = prefill_chunk or prefill_rows(self.streamed_layers())
 

@@ -54,6 +54,7 @@ class LayerPipeline(Runner):
         self._next_streamed = {j: streamed[k + 1] for k, i in enumerate(streamed[:-1])
                                for j in range(i, streamed[k + 1])}
         self._settle(self.layer, LAYER_PAST[0], cfg, folder, kv_resident)
+        self._optional(self.layer)
         self.lock = threading.Lock()
 
     def _check(self, manifest: list[dict], head_io: tuple[list, list]) -> None:
@@ -176,7 +177,8 @@ class LayerPipeline(Runner):
         if store.streamed:
             store.prefetch(store.streamed[0])      # overlaps the embedding lookup
         hidden = self._embed(p.ids)
-        kpos = {KEY_POSITIONS: p.key_positions} if p.key_positions is not None else {}
+        extra = {KEY_POSITIONS: p.key_positions} if p.key_positions is not None else {}
+        extra.update(self.optional_feed(p))
         layer_out = [LAYER_HIDDEN_OUT, *LAYER_PRESENT]
         presents = []
         for i, (k, v) in enumerate(p.past):
@@ -187,7 +189,7 @@ class LayerPipeline(Runner):
                 store.prefetch(self._next_streamed[i])   # the next streamed layer loads while this one computes
             t0 = time.perf_counter()
             feed = {HIDDEN: hidden, "position_ids": p.pos, "attention_mask": mask, LAYER_PAST[0]: k,
-                    LAYER_PAST[1]: v, **kpos}
+                    LAYER_PAST[1]: v, **extra}
             if self.kv_resident:   # hidden state and cache stay on the device between layers and passes
                 hidden, pk, pv = run_bound(sess, {**feed, **weights}, [], layer_out, self.kv_device, runs)
             elif self.device == "cpu":

@@ -9,6 +9,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ..config import ModelConfig, ModelFolderError
+from ..contract import HEAD_FROM, PROMPT_ATTENTION
 from .providers import CUDA
 from .sessions import run_options
 
@@ -17,10 +18,11 @@ class Runner:
     """A layout's runner: `run(p, mask, head_feed, names, min_rows)` gives (the head's outputs over every row of the pass,
     presents per layer). Its facts about the graphs, read once at load: needs_key_positions (the graph takes
     key_position_ids), head_rows (its head can skip a pass's leading rows), ahead_input (a whole graph's lookahead
-    switch), arena, and the KV cache's kv_device, kv_dtype and kv_resident (`_settle`)."""
+    switch), prompt_attention (its attention in double has an fp32 branch for prompts: `_optional`), arena, and the KV cache's kv_device, kv_dtype and kv_resident (`_settle`)."""
     needs_key_positions = False
     head_rows = False
     ahead_input = False
+    prompt_attention = False
     arena = True
 
     def _settle(self, first, past0: str, cfg: ModelConfig, folder: Path, kv_resident: bool | None) -> None:
@@ -37,6 +39,17 @@ class Runner:
         self.kv_resident = (self.kv_device == "cuda") if kv_resident is None else bool(kv_resident)
         # (runs of the model's own sessions, runs of sessions that hold a layer's weights)
         self.runs = run_options(self.arena, self.kv_device), run_options(True, self.kv_device)
+
+    def _optional(self, sess) -> None:
+        """The inputs with defaults (initializers of their names) the runner feeds: HEAD_FROM (whole graphs) and
+        PROMPT_ATTENTION. An input with a default cannot be bound: a resident-KV run feeds neither."""
+        have = {i.name for i in sess.get_overridable_initializers()} if not self.kv_resident else set()
+        self.head_rows = self.head_rows or HEAD_FROM in have
+        self.prompt_attention = PROMPT_ATTENTION in have
+
+    def optional_feed(self, p) -> dict:
+        """The optional inputs of pass p, as `_optional` found them (HEAD_FROM is the runner's own)."""
+        return {PROMPT_ATTENTION: np.array([True])} if p.prompt and self.prompt_attention else {}
 
     def providers(self) -> list[str]:
         """The execution providers the model's layers run on."""

@@ -42,8 +42,6 @@ class WholeGraph(Runner):
         # a graph whose head the config does not name (an attach killed between its two renames) runs with the
         # head off
         self.ahead_input = bool(ahead) or declares(sess, AHEAD_INPUT)
-        # HEAD_FROM is an input with a default (0: every row), so callers may leave it out; older exports lack it
-        self.head_rows = any(i.name == HEAD_FROM for i in sess.get_overridable_initializers())
         head_inputs, all_heads = head_io
         want_in = {*TOKEN_INPUTS, *[n for p in self.past_names for n in p],
                    *([KEY_POSITIONS] if self.needs_key_positions else []), *static_inputs,
@@ -51,13 +49,13 @@ class WholeGraph(Runner):
         check_io(sess, want_in | set(head_inputs), {*all_heads, *self.present_flat,
                                                     *(AHEAD_OUTPUTS if ahead else [])}, cfg.files["model"])
         self._settle(sess, self.past_names[0][0], cfg, folder, kv_resident)
-        if self.kv_resident:    # an input with a default cannot be bound: a resident-KV run scores every row
-            self.head_rows = False
+        self._optional(sess)    # HEAD_FROM: 0 (every row) unless fed; older exports lack it
 
     def run(self, p: PassInput, mask: np.ndarray, head_feed: dict, names: list[str], min_rows: int = 1):
         """One run of the graph; its head on the rows from p.head_from on where it takes that input (at least
         min_rows of them: the model's row floor holds for the head's MatMul too)."""
-        feed = {"input_ids": p.ids, "position_ids": p.pos, "attention_mask": mask, **head_feed, **(p.static or {})}
+        feed = {"input_ids": p.ids, "position_ids": p.pos, "attention_mask": mask, **head_feed, **(p.static or {}),
+                **self.optional_feed(p)}
         if p.key_positions is not None:
             feed[KEY_POSITIONS] = p.key_positions
         skip = max(min(int(p.head_from), p.ids.shape[1] - max(min_rows, 1)), 0) if self.head_rows else 0
