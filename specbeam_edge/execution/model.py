@@ -10,6 +10,7 @@ from ..config import ModelConfig, ModelFolderError
 from ..contract import AHEAD_INPUT, AHEAD_OUTPUTS, LOGITS, TOPK_INPUT, TOPK_OUTPUTS, head_io
 from .pass_input import PassInput
 from .pipeline import LayerPipeline
+from .sessions import trim_heap
 from .whole_graph import WholeGraph
 
 
@@ -143,16 +144,18 @@ class OnnxCausalLM:
         return self.run(PassInput(input_ids, position_ids, tree_mask, past, **kw))
 
     def release_memory(self) -> None:
-        """Give back what onnxruntime's CPU arenas kept from the last runs (a long prompt's chunks: 0.96 GB held
-        after a 5,600-token prompt on SmolLM2-135M, until the next request): the shrinking run option acts at the
-        end of a run, so one pass of min_rows tokens over an empty cache ends with the arenas shrunk (0.52 GB).
-        Without arenas (streamed layers: no run keeps memory, and the pass would read every layer) nothing to do."""
-        if not self.arena or self.kv_device != "cpu" or self.streamed_layers():
+        """Give back what the last runs kept (a long prompt's chunks: 0.96 GB held after a 5,600-token prompt on
+        SmolLM2-135M, until the next request). onnxruntime's CPU arenas: the shrinking run option acts at the end
+        of a run, so one pass of min_rows tokens over an empty cache ends with them shrunk (not without arenas:
+        streamed layers, where the pass would read every layer); then the C heap's free pages (trim_heap)."""
+        if self.kv_device != "cpu":
             return
-        n = max(self.min_rows, 1)
-        ids = np.full(n, self.cfg.bos_token_id or 0, np.int64)
-        self.run(PassInput.over(self, ids, np.arange(n), np.tril(np.ones((n, n), bool)), self.empty_past(),
-                                np.zeros(0, np.int64), topk=1 if self.has_topk else None))
+        if self.arena and not self.streamed_layers():
+            n = max(self.min_rows, 1)
+            ids = np.full(n, self.cfg.bos_token_id or 0, np.int64)
+            self.run(PassInput.over(self, ids, np.arange(n), np.tril(np.ones((n, n), bool)), self.empty_past(),
+                                    np.zeros(0, np.int64), topk=1 if self.has_topk else None))
+        trim_heap()
 
     def streamed_layers(self) -> int:
         """How many of the layers a pass streams (0: all resident, or the whole layout)."""

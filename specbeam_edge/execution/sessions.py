@@ -3,6 +3,8 @@ arena memory back, the check of a graph's inputs and outputs, and a run with its
 (the runners, whole_graph.py and pipeline.py, load and run their graphs with them)."""
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 from pathlib import Path
 
@@ -92,6 +94,24 @@ def run_options(arena: bool, device: str) -> ort.RunOptions | None:
     ro = ort.RunOptions()
     ro.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
     return ro
+
+
+def trim_heap() -> None:
+    """Hand the C heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing): buffers a long
+    prompt's passes freed stay in the process's heap, which glibc returns only from its top (SmolLM2-135M after a
+    2,600-token prompt: 408 MB RSS, 254 MB after the trim, 240 MB loaded; the arena's shrinking alone left it)."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):        # not glibc (macOS, Windows, musl without it)
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC = None
 
 
 def declares(sess: ort.InferenceSession, name: str) -> bool:
