@@ -10,7 +10,7 @@ from ..config import ModelConfig, ModelFolderError
 from ..contract import AHEAD_INPUT, AHEAD_OUTPUTS, LOGITS, TOPK_INPUT, TOPK_OUTPUTS, head_io
 from .pass_input import PassInput
 from .pipeline import LayerPipeline
-from .sessions import trim_heap
+from .sessions import cap_heap_buffers, trim_heap
 from .whole_graph import WholeGraph
 
 
@@ -56,6 +56,7 @@ class OnnxCausalLM:
         layers stream, RSS no budget counts; Engine turns it off for their draft; docs/HISTORY.md "Arenas").
         prefill_chunk: the most new rows a pass scores (batch.score_batch splits a longer call, a long prompt, into
         passes of this many rows; default: `prefill_rows`)."""
+        cap_heap_buffers()                   # before the first session: its buffers go back to the system when freed
         self.cfg = cfg = ModelConfig.load(folder)
         self.folder = Path(folder)
         self.min_rows = (2 if cfg.precision in QUANTIZED_ACTIVATIONS else 1) if min_rows is None else min_rows
