@@ -33,7 +33,7 @@ from pathlib import Path
 
 from . import common
 from .common import save_figure
-from .stream import (PROMPTS, ROOT, Arm, _llama_runner, _ours_runner, hwm_mb, median_ratio, pair_arguments,
+from .stream import (ROOT, Arm, _llama_runner, _ours_runner, hwm_mb, median_ratio, pair_arguments, prompt_set,
                      run_alternated)
 
 ARMS = ("plain K=1", "spec K=1", "plain K=4", "spec K=4", "llama.cpp", "llama.cpp speculative")
@@ -139,11 +139,13 @@ def bench(args) -> dict:
     from specbeam_edge.text.tokenizer import Tokenizer
 
     tok = Tokenizer(args.target)
-    texts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS[:args.prompts]]
+    prompts = prompt_set(args.prompt_set)[:args.prompts]
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
     jobs = [{"ids": tok.encode_prompt(t), "text": t, "max_new": args.max_new} for t in texts]
     names = [a for a in ARMS if a in args.arms]
     arms = {}
-    report = {"machine": common.machine(), "prompts": len(jobs), "max_new": args.max_new, "threads": args.threads,
+    report = {"machine": common.machine(), "prompts": len(jobs), "prompt_set": args.prompt_set, "max_new": args.max_new,
+              "threads": args.threads,
               "target": Path(args.target).name, "draft": Path(args.draft).name}
     try:
         for n in names:
