@@ -169,3 +169,21 @@ def test_a_draft_exported_with_older_settings_is_exported_again_from_the_kept_fi
     pipeline.fetch("qwen2.5-coder-1.5b", quiet=True)
     assert len(data["exports"]) == exports + 1
     assert leftovers() == []
+
+
+def test_a_model_exported_before_its_graphs_prompt_branch_is_exported_again(data, capsys):
+    """A folder whose graphs lack an input this version's exports give them (attention in double without
+    prompt_attention: its long prompts 2.7x slower) is exported again by the next fetch, from the kept GGUF,
+    saying why; once current, it is left alone."""
+    pipeline.fetch("qwen2.5-coder-1.5b", quiet=True)
+    config = fetch.folder("qwen2.5-coder-1.5b") / "specbeam_config.json"
+    config.write_text(json.dumps({"layout": "split", "attention_dtype": "float64",
+                                  "io": {"inputs": ["input_ids", "position_ids", "attention_mask", "topk"]}}))
+    assert pipeline.missing_inputs(config.parent) == ["prompt_attention"]
+    downloads, exports = list(data["downloads"]), len(data["exports"])
+    pipeline.fetch("qwen2.5-coder-1.5b")
+    assert data["downloads"] == downloads and len(data["exports"]) == exports + 1        # the target alone
+    assert data["exports"][-1][1] == JOINED
+    assert "exported before this version's graph inputs prompt_attention" in capsys.readouterr().err
+    pipeline.fetch("qwen2.5-coder-1.5b", quiet=True)
+    assert len(data["exports"]) == exports + 1 and leftovers() == []
