@@ -1,6 +1,7 @@
 """What the two layouts' runners share (whole_graph.WholeGraph: one graph; pipeline.LayerPipeline: embedding,
 layers, head): where and in what dtype the KV cache lives, its shape checked against the config, the run options,
-a head's skipped rows given back as zeros, and a KV tensor read on the host. OnnxCausalLM picks a runner once, when a model loads."""
+the optional inputs, a head's skipped rows given back as zeros, and a KV tensor read on the host. OnnxCausalLM
+picks a runner once, when a model loads."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,10 +16,11 @@ from .sessions import run_options
 
 
 class Runner:
-    """A layout's runner: `run(p, mask, head_feed, names, min_rows)` gives (the head's outputs over every row of the pass,
-    presents per layer). Its facts about the graphs, read once at load: needs_key_positions (the graph takes
+    """A layout's runner: `run(p, mask, head_feed, names, min_rows)` gives (the head's outputs over every row of the
+    pass, presents per layer). Its facts about the graphs, read once at load: needs_key_positions (the graph takes
     key_position_ids), head_rows (its head can skip a pass's leading rows), ahead_input (a whole graph's lookahead
-    switch), prompt_attention (its attention in double has an fp32 branch for prompts: `_optional`), arena, and the KV cache's kv_device, kv_dtype and kv_resident (`_settle`)."""
+    switch), prompt_attention (its attention in double has an fp32 branch for prompts: `_optional`), arena, and the
+    KV cache's kv_device, kv_dtype and kv_resident (`_settle`)."""
     needs_key_positions = False
     head_rows = False
     ahead_input = False
