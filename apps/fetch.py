@@ -196,8 +196,9 @@ def _fetch_one(name: str, *, force: bool, quiet: bool, log, from_file=None) -> P
         remove_stale()
         # (another fetch may have finished it while this one waited)
         stale = is_complete(dst) and not export_is_current(dst, src)
-        if stale and not force and missing_inputs(dst):
-            log(f"{src.name} was exported before this version's graph inputs {', '.join(missing_inputs(dst))} "
+        lacking = missing_inputs(dst) if stale else []
+        if stale and not force and lacking:
+            log(f"{src.name} was exported before this version's graph inputs {', '.join(lacking)} "
                 f"(faster long prompts); exporting it again from the kept GGUF")
         elif stale and not force:
             log(f"{src.name} was exported with other settings than this version's "

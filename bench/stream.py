@@ -34,7 +34,6 @@ from . import common
 from .common import save_figure
 
 ROOT = Path(__file__).resolve().parents[1]
-PROMPTS = json.loads((Path(__file__).parent / "data" / "code_prompts.json").read_text())
 # a second set of 16 coding prompts, written before the changes it measures (issue 64: a set the bench has not seen)
 PROMPT_SETS = {"code": "code_prompts.json", "code2": "code_prompts_2.json"}
 
@@ -42,6 +41,9 @@ PROMPT_SETS = {"code": "code_prompts.json", "code2": "code_prompts_2.json"}
 def prompt_set(name: str) -> list[str]:
     """The coding prompts of `--prompt_set` NAME (PROMPT_SETS)."""
     return json.loads((Path(__file__).parent / "data" / PROMPT_SETS[name]).read_text())
+
+
+PROMPTS = prompt_set("code")
 ARMS = ("plain K=1", "spec K=1", "plain K=4", "spec K=4", "llama.cpp evicted")
 
 

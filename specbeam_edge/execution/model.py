@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
 
 from ..config import ModelConfig, ModelFolderError
 from ..contract import AHEAD_INPUT, AHEAD_OUTPUTS, LOGITS, TOPK_INPUT, TOPK_OUTPUTS, head_io
@@ -30,9 +31,18 @@ def prefill_rows(streamed: int) -> int:
 PREFILL_CHUNK, STREAMED_CHUNK = 256, 512
 
 
+def _runner_fact(name: str) -> property:
+    """A fact the model's runner read from its graphs at load (runner.Runner says what each one means)."""
+    return property(lambda self: getattr(self.runner, name))
+
+
 class OnnxCausalLM:
     """Loads and validates a model folder; `run` scores a pass's new tokens (a PassInput: a tree mask over past KV)
     through the layout's runner (`runner`: WholeGraph or LayerPipeline)."""
+    needs_key_positions, head_rows, ahead_input = (_runner_fact(n) for n in ("needs_key_positions", "head_rows",
+                                                                             "ahead_input"))
+    prompt_attention, arena = _runner_fact("prompt_attention"), _runner_fact("arena")
+    kv_device, kv_dtype, kv_resident = (_runner_fact(n) for n in ("kv_device", "kv_dtype", "kv_resident"))
 
     def __init__(self, folder: str | Path, *, threads: int | None = None, providers=None,
                  max_memory: int | None = None, host_memory: int | None = 0, placement: list[str] | None = None,
@@ -78,10 +88,6 @@ class OnnxCausalLM:
         else:
             self.runner = LayerPipeline(self.folder, cfg, max_memory=max_memory, host_memory=host_memory,
                                         placement=placement, **common)
-        r = self.runner
-        self.needs_key_positions, self.head_rows, self.ahead_input = r.needs_key_positions, r.head_rows, r.ahead_input
-        self.prompt_attention = r.prompt_attention      # its attention in double has an fp32 branch for prompts
-        self.arena, self.kv_device, self.kv_dtype, self.kv_resident = r.arena, r.kv_device, r.kv_dtype, r.kv_resident
         self.prefill_chunk = prefill_chunk or prefill_rows(self.streamed_layers())
 
     def _check_layout(self, max_memory, placement) -> None:
@@ -113,8 +119,6 @@ class OnnxCausalLM:
         session's device."""
         if not self.kv_resident or a.size == 0:   # an empty past stays a host array: bound as it is, no device
             return a                                # allocation of zero bytes
-        import onnxruntime as ort
-
         return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a), self.kv_device, 0)
 
     def additive_mask(self, mask: np.ndarray) -> np.ndarray:

@@ -128,7 +128,7 @@ def cap_heap_buffers() -> None:
     process that sets MALLOC_MMAP_THRESHOLD_ keeps its own). glibc raises the threshold to the largest block freed
     (up to 32 MB), after which a long prompt's chunk buffers (attention scores, MLP rows: 4-32 MB) came from the
     heap, stayed there when freed and added up across layers: Qwen2.5-Coder-1.5B over a 4,000-token prompt peaked
-    at 4.1 GB instead of 2.5 GB (llama.cpp: 2.1 GB), at the same speed. Once per process."""
+    at 4.1 GB instead of 2.6 GB (llama.cpp: 2.1 GB), at the same speed. Once per process."""
     global _CAPPED
     libc = _libc()
     if not _CAPPED and libc and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
