@@ -48,15 +48,18 @@ def kernels() -> str:
     return (info.decode() if isinstance(info, bytes) else str(info)).replace("CPU : ", "").strip(" |")
 
 
-def open_llama(gguf, **kw):
+def open_llama(gguf, repack: bool = True, **kw):
     """llama_cpp.Llama on `gguf`, at full strength (its repacked kernels on). Only a build with llama.cpp's AMX
     kernels on a CPU with AMX runs without its extra buffer types (use_extra_bufts): 0.3.36's AMX kernels crashed
     (SIGSEGV in the first decode) on a virtual machine that reports amx_int8. Build it without them instead
-    (GGML_AMX_*=OFF, bench/README.md) and its repacked AVX-512 kernels run."""
+    (GGML_AMX_*=OFF, bench/README.md) and its repacked AVX-512 kernels run.
+    repack=False: no extra buffer types (llama.cpp's `--no-repack`), so every weight is read from the file's mapping:
+    the repacked kernels copy their tensors into memory of the process at load, which a model larger than memory
+    cannot hold and which no eviction of the file's pages reaches (bench.stream's evicted arm)."""
     from llama_cpp import Llama
     import llama_cpp.llama_cpp as C
 
-    if not (cpu_has_amx() and "AMX" in kernels()):
+    if repack and not (cpu_has_amx() and "AMX" in kernels()):
         return Llama(model_path=str(gguf), **kw)
     orig = C.llama_model_default_params
 
