@@ -86,6 +86,11 @@ def _add_tuning_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--attention", choices=("fp32", "fp64"), default=None,
                     help="attention arithmetic (default: fp64 for int8 and int4, whose int8 activations would turn "
                          "fp32 rounding that depends on the cache layout into different tokens; fp32 otherwise)")
+    ap.add_argument("--kv_cache", choices=("fp32", "fp16"), default=None,
+                    help="the KV cache's storage (default: fp16 with --compute fp16, else fp32). fp16 halves a long "
+                         "prompt's cache, as llama.cpp's default f16 cache does; attention still computes in fp32 "
+                         "or double, with each new key and value rounded to fp16 before its first use, so "
+                         "speculative search stays exact")
     ap.add_argument("--head_tokens", type=int, default=None, metavar="N",
                     help="for a draft: its head scores only the token ids below N and the tokenizer's added tokens "
                          "(a smaller head, a cheaper draft level; the target still scores every token, so output "
@@ -106,7 +111,7 @@ def _run(export, args: argparse.Namespace) -> int:
         out = export(args.input, args.output, precision=args.precision, layout=args.layout,
                      output=args.output_kind, overwrite=args.overwrite, block_size=args.block_size, quiet=args.quiet,
                      compute=args.compute, reduce_range=not args.full_range, attention=args.attention,
-                     head_tokens=args.head_tokens, int4_weights=args.int4_weights)
+                     head_tokens=args.head_tokens, int4_weights=args.int4_weights, kv_cache=args.kv_cache)
     except ExportError as e:
         print(f"specbeam-export: error: {e}", file=sys.stderr)
         return 2

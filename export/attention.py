@@ -120,7 +120,8 @@ def _long_rope_attention(b: Builder, arch: Arch, kind: str, proj: dict, q_short:
     # sequence longer than its tables (context_length rows), and a cache can hold more slots than that (dead
     # draft nodes, K diverging beams) while every position stays inside; the rotation is per element, so the
     # result is the same
-    per_key = b.node("Reshape", [b.node("Transpose", [past_k], [p + "pk_t"], perm=[0, 2, 1, 3]),
+    wide = past_k if b.kv == F32 else b.node("Cast", [past_k], [p + "pk32"], to=F32)
+    per_key = b.node("Reshape", [b.node("Transpose", [wide], [p + "pk_t"], perm=[0, 2, 1, 3]),
                                  b.init(p + "per_key", np.array([-1, arch.kv_heads, 1, arch.head_dim], np.int64))],
                      [p + "pk_keys"])
     key_pos = b.node("Reshape", [past_pos, b.init(p + "key_pos", np.array([-1, 1], np.int64))], [p + "pk_pos"])
@@ -131,6 +132,8 @@ def _long_rope_attention(b: Builder, arch: Arch, kind: str, proj: dict, q_short:
                   [p + "pk_back"], axis=0)
     past_long = b.node("Transpose", [b.node("Reshape", [rotated, back], [p + "pk_bnhd"])], [p + "past_k_long"],
                        perm=[0, 2, 1, 3])
+    if b.kv != F32:          # (rounded to the cache's type again, as a key computed in the pass would be)
+        past_long = b.node("Cast", [past_long], [p + "past_k_long16"], to=b.kv)
     a_long = _attention(b, arch, [q, k, proj["v_proj"], mask, past_long, past_v],
                         [p + "attn_long", p + "pk_long", p + "pv_long"], attrs)[0]
     orig = b.init(p + "orig", np.array(arch.ropes[kind].original_max, np.int64))
@@ -151,12 +154,34 @@ def _attention(b: Builder, arch: Arch, ins: list[str], outs: list[str], attrs: d
     are per element, so fp32 gives them bit for bit; the double sums round back to the same fp32 value whatever
     the layout."""
     if b.attention != "fp64":
-        return b.node("Attention", ins, outs, **attrs)
+        return _fused(b, ins, outs, attrs)
     # every decoder graph in double declares PROMPT_ATTENTION (_common_inputs): it picks the fused fp32 op for a
     # prompt's unread rows (laid out alike in every mode); the presents are past and new concatenated either way
     fused = [o + ".fused" for o in outs]
-    return b.branch(PROMPT_ATTENTION, outs, lambda: b.node("Attention", ins, fused, **attrs),
-                    lambda: _attention_fp64(b, arch, ins, [o + ".double" for o in outs], attrs))
+    return b.branch(PROMPT_ATTENTION, outs, lambda: _fused(b, ins, fused, attrs),
+                    lambda: _attention_fp64(b, arch, ins, [o + ".double" for o in outs], attrs), elem=[F32, b.kv, b.kv])
+
+
+def _fused(b: Builder, ins: list[str], outs: list[str], attrs: dict) -> list[str]:
+    """onnxruntime's fused Attention op. A cache in fp16 (b.kv) is widened for it, and the new rows' keys and
+    values are rounded to fp16 first: a key reads the same in the pass that computes it as from the cache later,
+    so a token scored in a tree pass and the same token scored in a plain step see the same numbers."""
+    if b.kv == F32:
+        return b.node("Attention", ins, outs, **attrs)
+    q, k, v, mask, past_k, past_v = ins
+    out, present_k, present_v = outs
+    widen = lambda x, name: b.node("Cast", [x], [out + name], to=F32)
+    wide = [q, _rounded(b, k, out + ".k"), _rounded(b, v, out + ".v"), mask, widen(past_k, ".past_k32"),
+            widen(past_v, ".past_v32")]
+    b.node("Attention", wide, [out, out + ".present_k32", out + ".present_v32"], **attrs)
+    b.node("Cast", [out + ".present_k32"], [present_k], to=b.kv)
+    b.node("Cast", [out + ".present_v32"], [present_v], to=b.kv)
+    return [out, present_k, present_v]
+
+
+def _rounded(b: Builder, x: str, name: str) -> str:
+    """x (fp32) rounded to the cache's fp16, in fp32."""
+    return b.node("Cast", [b.node("Cast", [x], [name + "16"], to=b.kv)], [name + "_rounded"], to=F32)
 
 
 def _attention_fp64(b: Builder, arch: Arch, ins: list[str], outs: list[str], attrs: dict) -> list[str]:
@@ -168,17 +193,20 @@ def _attention_fp64(b: Builder, arch: Arch, ins: list[str], outs: list[str], att
     F64 = TensorProto.DOUBLE
     c = lambda name, values: b.init(f"{out}.{name}", np.array(values, np.int64))
 
-    def heads(x, n, name):               # [B, S, n * D] -> [B, n, S, D]
-        return b.node("Transpose", [b.node("Reshape", [x, c(name + "_shape", [0, 0, n, D])], [f"{out}.{name}_r"])],
-                      [f"{out}.{name}_t"], perm=[0, 2, 1, 3])
+    def heads(x, n, name):               # [B, S, n * D] -> [B, n, S, D], in the cache's type
+        x = b.node("Transpose", [b.node("Reshape", [x, c(name + "_shape", [0, 0, n, D])], [f"{out}.{name}_r"])],
+                   [f"{out}.{name}_t"], perm=[0, 2, 1, 3])
+        return x if b.kv == F32 else b.node("Cast", [x], [f"{out}.{name}16"], to=b.kv)
+    # an fp16 cache is concatenated as it is stored (the new rows rounded to it) and widened for the arithmetic
     b.node("Concat", [past_k, heads(k, KV, "k")], [present_k], axis=2)
     b.node("Concat", [past_v, heads(v, KV, "v")], [present_v], axis=2)
+    keys = present_k if b.kv == F32 else b.node("Cast", [present_k], [f"{out}.k32"], to=F32)
     # queries grouped by their KV head: [B, S, KV, G, D] -> [B, KV, G, S, D] -> [B, KV, G * S, D]
     q5 = b.node("Transpose", [b.node("Reshape", [q, c("q_shape", [0, 0, KV, G, D])], [f"{out}.q_r"])],
                 [f"{out}.q_t"], perm=[0, 2, 3, 1, 4])
     shape5 = b.node("Shape", [q5], [f"{out}.q5_shape"])
     qg = b.node("Reshape", [q5, c("qg_shape", [0, KV, -1, D])], [f"{out}.qg"])
-    kt = b.node("Transpose", [present_k], [f"{out}.kt"], perm=[0, 1, 3, 2])
+    kt = b.node("Transpose", [keys], [f"{out}.kt"], perm=[0, 1, 3, 2])
     scores = b.node("MatMul", [qg, kt], [f"{out}.scores"])                      # [B, KV, G * S, T]
     shape4 = b.node("Shape", [scores], [f"{out}.shape4"])
     scale = attrs.get("scale", 1.0 / np.sqrt(D))

@@ -28,7 +28,7 @@ def copy_tokenizer(src: Path, tmp: Path, names=TOKENIZER_FILES) -> None:
 
 def write_config(tmp: Path, t0: float, *, family: str, vocab_size: int, shape: dict, layout: str, precision: str,
                  quant: dict | None, compute: str, attention: str, output: str, files: dict, kind: dict, io: dict,
-                 generation: dict, source_name: str) -> None:
+                 generation: dict, source_name: str, kv_cache: str = "fp32") -> None:
     """specbeam_config.json into `tmp` (which holds tokenizer.json). shape: SHAPE_KEYS' values; kind: the model
     kind's own entries, which go between files and io (a decoder's rope and layer kinds, an encoder-decoder's static
     inputs); t0: when the export started (source.export_seconds)."""
@@ -38,6 +38,7 @@ def write_config(tmp: Path, t0: float, *, family: str, vocab_size: int, shape: d
         "layout": layout, "precision": precision, "quantization": quant,
         "compute_dtype": "float16" if compute == "fp16" else "float32",
         "attention_dtype": "float64" if attention == "fp64" else "float16" if compute == "fp16" else "float32",
+        "kv_cache_dtype": "float16" if kv_cache == "fp16" else "float32",
         # the exporter's claim; the engine measures it when it loads a target for exact speculation. int8dyn
         # quantizes activations per tensor: a node's logits depend on the other nodes of the pass (up to 1e-2)
         "batch_invariant": INVARIANT[precision],

@@ -11,6 +11,7 @@ from specbeam_edge.contract import LAYOUTS, OUTPUT_KINDS, graph_io
 
 from . import split, whole
 from .attention import needs_key_positions
+from .builder import KV_CACHE
 from .config_file import TOKENIZER_FILES, copy_tokenizer, write_config
 from .encdec import export_encdec, family_of
 from .gguf_input import is_gguf, unpack
@@ -46,7 +47,7 @@ def _layer_info(arch: Arch) -> dict:
 def export(src: str | Path, dst: str | Path, *, precision: str = "fp32", layout: str = "whole",
            output: str = "logits", overwrite: bool = False, block_size: int = 32, quiet: bool = False,
            compute: str = "fp32", reduce_range: bool = True, attention: str | None = None,
-           head_tokens: int | None = None, int4_weights: str = "file") -> Path:
+           head_tokens: int | None = None, int4_weights: str = "file", kv_cache: str | None = None) -> Path:
     """Export the HF folder `src` into the specbeam model folder `dst`; returns dst.
 
     attention: "fp32" or "fp64" (attention computed in double, so a node's result does not depend on where the
@@ -65,12 +66,13 @@ def export(src: str | Path, dst: str | Path, *, precision: str = "fp32", layout:
     src, dst = Path(src), Path(dst)
     attention = _checked_options(precision, layout, output, block_size, compute, attention, head_tokens,
                                  int4_weights)
+    kv_cache = _checked_kv_cache(kv_cache, compute)
     if not src.exists():
         raise ExportError(f"input {src} does not exist (pass a Hugging Face model folder or a .gguf file)")
     check_output(src, dst, overwrite)      # before the long work: never the input, a file or a link (safety.py)
     opts = dict(precision="fp16" if compute == "fp16" else precision, layout=layout, output=output,
                 block_size=block_size, quiet=quiet, compute=compute, reduce_range=reduce_range, attention=attention,
-                head_tokens=head_tokens, int4_weights=int4_weights)
+                head_tokens=head_tokens, int4_weights=int4_weights, kv_cache=kv_cache)
     if is_gguf(src):             # transformers dequantizes the file; its config and tokenizer go to a side folder
         with tempfile.TemporaryDirectory(prefix="specbeam-gguf-") as side:
             return _export_decoder(Path(side), dst, unpack(src, Path(side), quiet), src.name, **opts)
@@ -82,9 +84,23 @@ def export(src: str | Path, dst: str | Path, *, precision: str = "fp32", layout:
             raise ExportError("compute fp16 is not available for encoder-decoder models yet (export fp32 compute)")
         if head_tokens is not None:
             raise ExportError("head_tokens is for decoder-only drafts, not encoder-decoder models")
+        if kv_cache != "fp32":
+            raise ExportError("kv_cache fp16 is for decoder-only models (an encoder-decoder's cache stays fp32): "
+                              "export without it")
         return export_encdec(src, dst, family_of(src), precision=precision, layout=layout, output=output,
                              overwrite=overwrite, quiet=quiet, reduce_range=reduce_range, attention=attention)
     return _export_decoder(src, dst, None, src.name, **opts)
+
+
+def _checked_kv_cache(kv_cache: str | None, compute: str) -> str:
+    """--kv_cache checked against compute; returns it (None: fp16 with fp16 compute, else fp32)."""
+    if kv_cache is None:
+        return "fp16" if compute == "fp16" else "fp32"
+    if kv_cache not in KV_CACHE:
+        raise ExportError(f"kv_cache {kv_cache!r} is not 'fp32' or 'fp16'")
+    if compute == "fp16" and kv_cache != "fp16":
+        raise ExportError("compute fp16 keeps its KV cache in fp16: export without kv_cache fp32")
+    return kv_cache
 
 
 def _checked_options(precision: str, layout: str, output: str, block_size, compute: str, attention: str | None,
@@ -150,7 +166,7 @@ def _head_tokens(below: int | None, head_ids: np.ndarray | None, arch: Arch) -> 
 def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str, *, precision: str, layout: str,
                     output: str, block_size: int, quiet: bool, compute: str = "fp32",
                     reduce_range: bool = True, attention: str = "fp32", head_tokens: int | None = None,
-                    int4_weights: str = "file") -> Path:
+                    int4_weights: str = "file", kv_cache: str = "fp32") -> Path:
     """A decoder-only model from the HF-style folder `src` (weights: read from it when None). The weights are read a
     tensor at a time (hf.Tensors); the split layout also writes them so (export/split.py)."""
     if not (src / "tokenizer.json").is_file():
@@ -164,12 +180,15 @@ def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str
         head_ids = head_subset(head_ids, arch, src / "tokenizer.json", head_tokens)
     prog = ExportProgress(arch.layers + 3, quiet)
     with staged(dst, prog) as tmp:
+        # fp16 compute builds its graph in fp32 and converts all of it, the KV cache included (whole._to_fp16)
         files, quant = _write_graphs(tmp, weights, arch, head, head_ids, precision, layout, output, attention,
-                                     block_size, reduce_range, compute, int4_weights, prog)
+                                     block_size, reduce_range, compute, int4_weights, prog,
+                                     "fp32" if compute == "fp16" else kv_cache)
         copy_tokenizer(src, tmp, (*TOKENIZER_FILES, "chat_template.jinja"))
         write_config(tmp, t0, family=arch.family, vocab_size=arch.vocab_size, shape=_shape(arch), layout=layout,
                      precision=precision, quant=quant, compute=compute, attention=attention, output=output,
-                     files=files, kind={**_layer_info(arch), **_head_tokens(head_tokens, head_ids, arch)},
+                     kv_cache=kv_cache, files=files,
+                     kind={**_layer_info(arch), **_head_tokens(head_tokens, head_ids, arch)},
                      io=graph_io(output, key_positions=needs_key_positions(arch), head_from=layout == "whole",
                                  prompt_attention=attention == "fp64"),
                      generation=_generation_defaults(src), source_name=source_name)
@@ -179,11 +198,11 @@ def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str
 
 def _write_graphs(tmp: Path, weights, arch: Arch, head, head_ids, precision: str, layout: str, output: str,
                   attention: str, block_size: int, reduce_range: bool, compute: str, int4_weights: str,
-                  prog) -> tuple[dict, dict | None]:
+                  prog, kv_cache: str) -> tuple[dict, dict | None]:
     """The layout's graphs and weight files written into `tmp` by the layout's writer (export/whole.py,
     export/split.py): (the config's files entry, its quantization)."""
     if layout == "whole":
         return whole.write(tmp, weights, arch, head, head_ids, precision, output, attention, block_size,
-                           reduce_range, compute, int4_weights, prog)
+                           reduce_range, compute, int4_weights, prog, kv_cache)
     return split.write_split(tmp, weights, arch, head, head_ids, precision, output, attention, reduce_range,
-                             prog.step)
+                             prog.step, kv_cache)

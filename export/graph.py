@@ -204,10 +204,11 @@ def _head(b: Builder, arch: Arch, x: str, norm, lm_head, output: str, precision:
 
 
 def _kv_io(b: Builder, arch: Arch, i: int, past_names, present_names):
+    """A layer's KV inputs and outputs, in the cache's type (b.kv)."""
     for name in past_names:
-        b.inputs.append(_vi(name, F32, ["batch", arch.kv_heads, "n_past", arch.head_dim]))
+        b.inputs.append(_vi(name, b.kv, ["batch", arch.kv_heads, "n_past", arch.head_dim]))
     for name in present_names:
-        b.outputs.append(_vi(name, F32, ["batch", arch.kv_heads, "n_total", arch.head_dim]))
+        b.outputs.append(_vi(name, b.kv, ["batch", arch.kv_heads, "n_total", arch.head_dim]))
 
 
 def _global_inits(b: Builder, g: dict, precision: str) -> tuple[str, str, str]:
@@ -228,10 +229,11 @@ def head_weight(b: Builder, lm_head, precision: str) -> str:
 
 
 def whole_model(arch: Arch, g: dict, layers: list[dict], precision: str, output: str,
-                attention: str = "fp32") -> onnx.ModelProto:
+                attention: str = "fp32", kv_cache: str = "fp32") -> onnx.ModelProto:
     """Precision here is the storage of weights in the graph: fp32, fp16 or int8w (int8/int4 are applied
-    afterwards by onnxruntime's quantizers on the fp32 graph). attention: "fp32" or "fp64" (attention._attention)."""
-    b = Builder(attention)
+    afterwards by onnxruntime's quantizers on the fp32 graph). attention: "fp32" or "fp64" (attention._attention);
+    kv_cache: the KV cache's type, "fp32" or "fp16" (Builder.kv)."""
+    b = Builder(attention, kv_cache)
     _common_inputs(b, arch, with_ids=True)
     emb, norm, head = _global_inits(b, g, precision)
     x = b.node("Gather", [emb, "input_ids"], ["h0"], axis=0)
@@ -243,16 +245,17 @@ def whole_model(arch: Arch, g: dict, layers: list[dict], precision: str, output:
     return b.model("specbeam_whole")
 
 
-def layer_model(arch: Arch, sample: dict, precision: str, attention: str = "fp32") -> onnx.ModelProto:
+def layer_model(arch: Arch, sample: dict, precision: str, attention: str = "fp32",
+                kv_cache: str = "fp32") -> onnx.ModelProto:
     """The shared decoder-layer graph; its weights are inputs named as in `layer_weight_names`."""
-    b = Builder(attention)
+    b = Builder(attention, kv_cache)
     b.inputs.append(_vi(HIDDEN, F32, ["batch", "n_new", arch.hidden]))
     _common_inputs(b, arch, with_ids=False)
-    b.inputs += [_vi(n, F32, ["batch", arch.kv_heads, "n_past", arch.head_dim]) for n in LAYER_PAST]
+    b.inputs += [_vi(n, b.kv, ["batch", arch.kv_heads, "n_past", arch.head_dim]) for n in LAYER_PAST]
     x = decoder_layer(b, arch, 0, HIDDEN, sample, precision, True, *LAYER_PAST, *LAYER_PRESENT)
     b.node("Identity", [x], [LAYER_HIDDEN_OUT])
     b.outputs += [_vi(LAYER_HIDDEN_OUT, F32, ["batch", "n_new", arch.hidden]),
-                  *[_vi(n, F32, ["batch", arch.kv_heads, "n_total", arch.head_dim]) for n in LAYER_PRESENT]]
+                  *[_vi(n, b.kv, ["batch", arch.kv_heads, "n_total", arch.head_dim]) for n in LAYER_PRESENT]]
     return b.model("specbeam_layer")
 
 

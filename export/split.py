@@ -154,13 +154,13 @@ def write_layers(folder: Path, w, arch: Arch, precision: str, reduce_range: bool
 
 
 def write_split(tmp: Path, w, arch: Arch, head: str, ids, precision: str, output: str, attention: str,
-                reduce_range: bool, step) -> tuple[dict, dict]:
+                reduce_range: bool, step, kv_cache: str = "fp32") -> tuple[dict, dict]:
     """Every file of the split layout into `tmp`; returns (the config's files entry, its quantization entry)."""
     (tmp / "weights").mkdir()
     files: dict = {"embed_table": write_embed_table(tmp, w, arch, precision)}
     step("write embedding table")
     manifest, sums, sample = write_layers(tmp, w, arch, precision, reduce_range, step)
-    layer = graph.layer_model(arch, sample, precision, attention)
+    layer = graph.layer_model(arch, sample, precision, attention, kv_cache)
     del sample
     quant = None
     if precision == "int8":     # the streamed int8 weights and lm_head compute per-row int8 (quant.py)

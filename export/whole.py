@@ -39,17 +39,19 @@ STREAMED = ("fp32", "fp16", "int8w", "int8", "int4")
 
 
 def write(tmp: Path, w, arch: Arch, head: str, head_ids, precision: str, output: str, attention: str,
-          block_size: int, reduce_range: bool, compute: str, int4_weights: str, prog) -> tuple[dict, dict | None]:
+          block_size: int, reduce_range: bool, compute: str, int4_weights: str, prog,
+          kv_cache: str = "fp32") -> tuple[dict, dict | None]:
     """model.onnx and its tensors into `tmp`; returns (the config's files entry, its quantization entry).
     int4_weights "rtn", or int4 blocks other than a GGUF's (BLOCK), quantize every matrix round-to-nearest;
     otherwise the file's own blocks where every piece's weights lie on them (_Quantizer)."""
     if precision in STREAMED and compute == "fp32":
-        quant = _streamed(tmp, w, arch, head, head_ids, precision, output, attention, block_size, reduce_range,
-                          prog.step, int4_weights == "rtn" or block_size != BLOCK)
+        quant = _streamed(tmp, w, arch, head, head_ids, precision, output, (attention, kv_cache), block_size,
+                          reduce_range, prog.step, int4_weights == "rtn" or block_size != BLOCK)
         # fp32 and fp16 record null here, {"method": "none"} elsewhere: the runtime reads both as stored weights
         quant = quant or (INT8W if precision == "int8w" else None)
     else:
-        quant = _in_memory(tmp, w, arch, head_ids, precision, output, attention, reduce_range, compute, prog)
+        quant = _in_memory(tmp, w, arch, head_ids, precision, output, attention, reduce_range, compute, prog,
+                           kv_cache)
         quant = quant or stored_as(precision)
     # the runtime checks the graph against its SHA-256 on load (integrity.py)
     return {"model": "model.onnx", "sha256": graph_sha256(tmp, "model.onnx")}, quant
@@ -169,20 +171,20 @@ def _piece(b: Builder) -> onnx.ModelProto:
                          opset_imports=[oh.make_opsetid("", OPSET)], ir_version=10)
 
 
-def _streamed(tmp: Path, w, arch: Arch, head: str, head_ids, precision: str, output: str, attention: str,
+def _streamed(tmp: Path, w, arch: Arch, head: str, head_ids, precision: str, output: str, arithmetic: tuple,
               block_size: int, reduce_range: bool, step, rtn: bool) -> dict | None:
     """model.onnx and model.onnx.data into `tmp` a piece at a time; returns the config's quantization entry (None:
-    as stored)."""
+    as stored). arithmetic: (attention, kv_cache), the Builder's."""
     try:
-        return _write(tmp, w, arch, head, head_ids, precision, output, attention, block_size, reduce_range, step,
+        return _write(tmp, w, arch, head, head_ids, precision, output, arithmetic, block_size, reduce_range, step,
                       rtn)
     except _OffGrid:
         step("some weights lie on no GGUF block grid: quantizing every weight round-to-nearest")
-        return _write(tmp, w, arch, head, head_ids, precision, output, attention, block_size, reduce_range, step,
+        return _write(tmp, w, arch, head, head_ids, precision, output, arithmetic, block_size, reduce_range, step,
                       True)
 
 
-def _write(tmp, w, arch, head, head_ids, precision, output, attention, block_size, reduce_range, step, rtn):
+def _write(tmp, w, arch, head, head_ids, precision, output, arithmetic, block_size, reduce_range, step, rtn):
     store = "fp32" if precision in ("int8", "int4") else precision        # as whole_model stores weights
     quantize = _Quantizer(precision, block_size, reduce_range, rtn)
     data = DataFile(tmp / "model.onnx.data")
@@ -203,22 +205,22 @@ def _write(tmp, w, arch, head, head_ids, precision, output, attention, block_siz
         outputs.extend(b.outputs)
         domains.update(o.domain for o in piece.opset_import if o.domain)
     try:
-        b = Builder(attention)                     # inputs, rope tables and the embedding
+        b = Builder(*arithmetic)                   # inputs, rope tables and the embedding
         _common_inputs(b, arch, with_ids=True)
         _embedding(b, data, w, arch, precision)
         add(b)
         step("embedding")
         x = "h0"
         for i in range(arch.layers):
-            b = Builder(attention)
+            b = Builder(*arithmetic)
             (pk, pv), (ok, ov) = past_names(i), present_names(i)
             graph._kv_io(b, arch, i, (pk, pv), (ok, ov))
             lw = LayerTensors(w, arch, i)
             x = graph.decoder_layer(b, arch, i, x, {k: lw[k] for k in lw.keys()}, store, False, pk, pv, ok, ov)
             add(b, lambda: ({f"layers.{i}.{k}": lw.blocks(k) for k in graph.MATMULS}, False))
             step(f"layer {i + 1}/{arch.layers}")
-        b, lm_head, known = _head_piece(w, arch, head, head_ids, precision, output, attention, reduce_range, store,
-                                        quantize.mode == "rtn", x)
+        b, lm_head, known = _head_piece(w, arch, head, head_ids, precision, output, arithmetic[0], reduce_range,
+                                        store, quantize.mode == "rtn", x)
         add(b, lambda: ({lm_head: known}, True))
         step("head")
     finally:
@@ -250,7 +252,7 @@ def _head_piece(w, arch, head, head_ids, precision, output, attention, reduce_ra
 
 
 def _in_memory(tmp: Path, weights, arch: Arch, head_ids, precision: str, output: str, attention: str,
-               reduce_range: bool, compute: str, prog) -> dict | None:
+               reduce_range: bool, compute: str, prog, kv_cache: str = "fp32") -> dict | None:
     """model.onnx built whole in memory, for the rewrites that need the whole graph: int8dyn's quantize_dynamic
     (fp32 compute) and fp16 compute's conversion (fp16 weights: core.export passes fp16 compute as precision fp16);
     the graph is built in fp32 either way. Returns the quantization entry (None: as stored)."""
@@ -261,7 +263,7 @@ def _in_memory(tmp: Path, weights, arch: Arch, head_ids, precision: str, output:
     for i in range(arch.layers):
         layers.append(layer_weights(weights, arch, i))
         prog.step(f"read layer {i + 1}/{arch.layers}")
-    model = graph.whole_model(arch, g, layers, "fp32", output, attention)
+    model = graph.whole_model(arch, g, layers, "fp32", output, attention, kv_cache)
     del g, layers
     if compute == "fp16":
         model = _to_fp16(model)

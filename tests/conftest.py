@@ -72,18 +72,19 @@ def hf_models(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def exported(tmp_path_factory, hf_models):
-    """exported(name, precision, layout, output, **model_kwargs) -> specbeam folder (cached per session)."""
+    """exported(name, precision, layout, output, kv_cache=None, **model_kwargs) -> specbeam folder (cached per
+    session)."""
     from export import export
 
     base = tmp_path_factory.mktemp("sb")
     cache = {}
 
-    def get(name, precision="fp32", layout="whole", output="logits", **extra):
-        key = (name, precision, layout, output, tuple(sorted(extra.items())))
+    def get(name, precision="fp32", layout="whole", output="logits", kv_cache=None, **extra):
+        key = (name, precision, layout, output, kv_cache, tuple(sorted(extra.items())))
         if key not in cache:
             src, _ = hf_models(name, **extra)
             cache[key] = export(src, base / f"{name}_{precision}_{layout}_{output}_{len(cache)}",
-                                precision=precision, layout=layout, output=output, quiet=True)
+                                precision=precision, layout=layout, output=output, quiet=True, kv_cache=kv_cache)
         return cache[key]
     return get
 

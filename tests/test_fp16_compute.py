@@ -32,7 +32,7 @@ def fp16c(hf_models, tmp_path_factory):
 def test_fp16_compute_parity_with_torch(fp16c, hf_models, name):
     _, model = hf_models(name)
     cfg = json.loads((fp16c[name] / "specbeam_config.json").read_text())
-    assert cfg["compute_dtype"] == "float16" and cfg["precision"] == "fp16"
+    assert cfg["compute_dtype"] == "float16" and cfg["precision"] == "fp16" and cfg["kv_cache_dtype"] == "float16"
     lm = OnnxCausalLM(fp16c[name])
     assert lm.kv_dtype == np.float16 and lm.empty_past()[0][0].dtype == np.float16
     for ours, paths in tree_scenario(fp16c[name]):
