@@ -87,10 +87,10 @@ def _add_tuning_args(ap: argparse.ArgumentParser) -> None:
                     help="attention arithmetic (default: fp64 for int8 and int4, whose int8 activations would turn "
                          "fp32 rounding that depends on the cache layout into different tokens; fp32 otherwise)")
     ap.add_argument("--kv_cache", choices=("fp32", "fp16"), default=None,
-                    help="the KV cache's storage (default: fp16 with --compute fp16, else fp32). fp16 halves a long "
-                         "prompt's cache, as llama.cpp's default f16 cache does; attention still computes in fp32 "
-                         "or double, with each new key and value rounded to fp16 before its first use, so "
-                         "speculative search stays exact")
+                    help="the KV cache's storage (default: fp16 with --compute fp16, else fp32). fp16 halves a "
+                         "long prompt's cache, as llama.cpp's "
+                         "default f16 cache does; attention still computes in fp32 or double, each new key and "
+                         "value rounded to fp16 before its first use, so speculative search stays exact")
     ap.add_argument("--head_tokens", type=int, default=None, metavar="N",
                     help="for a draft: its head scores only the token ids below N and the tokenizer's added tokens "
                          "(a smaller head, a cheaper draft level; the target still scores every token, so output "

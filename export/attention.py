@@ -154,34 +154,47 @@ def _attention(b: Builder, arch: Arch, ins: list[str], outs: list[str], attrs: d
     are per element, so fp32 gives them bit for bit; the double sums round back to the same fp32 value whatever
     the layout."""
     if b.attention != "fp64":
-        return _fused(b, ins, outs, attrs)
+        return _fused(b, arch, ins, outs, attrs)
     # every decoder graph in double declares PROMPT_ATTENTION (_common_inputs): it picks the fused fp32 op for a
     # prompt's unread rows (laid out alike in every mode); the presents are past and new concatenated either way
     fused = [o + ".fused" for o in outs]
-    return b.branch(PROMPT_ATTENTION, outs, lambda: _fused(b, ins, fused, attrs),
+    return b.branch(PROMPT_ATTENTION, outs, lambda: _fused(b, arch, ins, fused, attrs),
                     lambda: _attention_fp64(b, arch, ins, [o + ".double" for o in outs], attrs), elem=[F32, b.kv, b.kv])
 
 
-def _fused(b: Builder, ins: list[str], outs: list[str], attrs: dict) -> list[str]:
-    """onnxruntime's fused Attention op. A cache in fp16 (b.kv) is widened for it, and the new rows' keys and
-    values are rounded to fp16 first: a key reads the same in the pass that computes it as from the cache later,
-    so a token scored in a tree pass and the same token scored in a plain step see the same numbers."""
+def _fused(b: Builder, arch: Arch, ins: list[str], outs: list[str], attrs: dict) -> list[str]:
+    """onnxruntime's fused Attention op. With a cache in fp16 (b.kv) the cache is concatenated as stored
+    (_cache_concat: the new rows rounded to it first, so a key reads the same in the pass that computes it as from
+    the cache later) and the op attends over it widened, with no past of its own: no fp32 present to convert."""
     if b.kv == F32:
         return b.node("Attention", ins, outs, **attrs)
     q, k, v, mask, past_k, past_v = ins
     out, present_k, present_v = outs
-    widen = lambda x, name: b.node("Cast", [x], [out + name], to=F32)
-    wide = [q, _rounded(b, k, out + ".k"), _rounded(b, v, out + ".v"), mask, widen(past_k, ".past_k32"),
-            widen(past_v, ".past_v32")]
-    b.node("Attention", wide, [out, out + ".present_k32", out + ".present_v32"], **attrs)
-    b.node("Cast", [out + ".present_k32"], [present_k], to=b.kv)
-    b.node("Cast", [out + ".present_v32"], [present_v], to=b.kv)
+    H, D = arch.heads, arch.head_dim
+    keys, values = (b.node("Cast", [x], [f"{out}.{n}32"], to=F32)
+                    for x, n in zip(_cache_concat(b, arch, k, v, past_k, past_v, present_k, present_v, out), "kv"))
+    shape = b.init(f"{out}.q_heads", np.array([0, 0, H, D], np.int64))
+    q4 = b.node("Transpose", [b.node("Reshape", [q, shape], [f"{out}.q_r"])], [f"{out}.q4"], perm=[0, 2, 1, 3])
+    four = {a: attrs[a] for a in ("scale", "softcap") if a in attrs}      # head counts are read from 4D inputs
+    a4 = b.node("Attention", [q4, keys, values, mask], [f"{out}.a4"], **four)           # [B, H, S, D]
+    b.node("Reshape", [b.node("Transpose", [a4], [f"{out}.a_t"], perm=[0, 2, 1, 3]),
+                       b.init(f"{out}.a_shape", np.array([0, 0, H * D], np.int64))], [out])
     return [out, present_k, present_v]
 
 
-def _rounded(b: Builder, x: str, name: str) -> str:
-    """x (fp32) rounded to the cache's fp16, in fp32."""
-    return b.node("Cast", [b.node("Cast", [x], [name + "16"], to=b.kv)], [name + "_rounded"], to=F32)
+def _cache_concat(b: Builder, arch: Arch, k: str, v: str, past_k: str, past_v: str, present_k: str,
+                  present_v: str, out: str) -> tuple[str, str]:
+    """present = past + the new rows' keys and values ([B, S, kv_heads * D] -> [B, kv_heads, S, D]) in the cache's
+    type: an fp16 cache is concatenated as it is stored, the new rows rounded to it. Returns (present_k,
+    present_v)."""
+    def heads(x, name):
+        x = b.node("Transpose", [b.node("Reshape", [x, b.init(f"{out}.{name}_shape", np.array(
+            [0, 0, arch.kv_heads, arch.head_dim], np.int64))], [f"{out}.{name}_r"])], [f"{out}.{name}_t"],
+            perm=[0, 2, 1, 3])
+        return x if b.kv == F32 else b.node("Cast", [x], [f"{out}.{name}16"], to=b.kv)
+    b.node("Concat", [past_k, heads(k, "k")], [present_k], axis=2)
+    b.node("Concat", [past_v, heads(v, "v")], [present_v], axis=2)
+    return present_k, present_v
 
 
 def _attention_fp64(b: Builder, arch: Arch, ins: list[str], outs: list[str], attrs: dict) -> list[str]:
@@ -193,13 +206,7 @@ def _attention_fp64(b: Builder, arch: Arch, ins: list[str], outs: list[str], att
     F64 = TensorProto.DOUBLE
     c = lambda name, values: b.init(f"{out}.{name}", np.array(values, np.int64))
 
-    def heads(x, n, name):               # [B, S, n * D] -> [B, n, S, D], in the cache's type
-        x = b.node("Transpose", [b.node("Reshape", [x, c(name + "_shape", [0, 0, n, D])], [f"{out}.{name}_r"])],
-                   [f"{out}.{name}_t"], perm=[0, 2, 1, 3])
-        return x if b.kv == F32 else b.node("Cast", [x], [f"{out}.{name}16"], to=b.kv)
-    # an fp16 cache is concatenated as it is stored (the new rows rounded to it) and widened for the arithmetic
-    b.node("Concat", [past_k, heads(k, KV, "k")], [present_k], axis=2)
-    b.node("Concat", [past_v, heads(v, KV, "v")], [present_v], axis=2)
+    _cache_concat(b, arch, k, v, past_k, past_v, present_k, present_v, out)    # (widened for the arithmetic)
     keys = present_k if b.kv == F32 else b.node("Cast", [present_k], [f"{out}.k32"], to=F32)
     # queries grouped by their KV head: [B, S, KV, G, D] -> [B, KV, G, S, D] -> [B, KV, G * S, D]
     q5 = b.node("Transpose", [b.node("Reshape", [q, c("q_shape", [0, 0, KV, G, D])], [f"{out}.q_r"])],

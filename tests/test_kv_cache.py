@@ -46,7 +46,7 @@ def test_an_fp16_cache_is_declared_stored_and_half_the_bytes(exported, layout):
     """The graph declares its KV inputs and outputs fp16, the config says so, the runtime keeps the arrays in
     fp16 (half the fp32 cache's bytes) and the answer's best tokens are those of the fp32 cache."""
     half = exported("llama", "int8", layout, "both", kv_cache="fp16", **TARGET)
-    full = exported("llama", "int8", layout, "both", **TARGET)
+    full = exported("llama", "int8", layout, "both", kv_cache="fp32", **TARGET)
     assert json.loads((half / "specbeam_config.json").read_text())["kv_cache_dtype"] == "float16"
     assert json.loads((full / "specbeam_config.json").read_text())["kv_cache_dtype"] == "float32"
     assert OnnxCausalLM(half).kv_dtype == np.float16 and OnnxCausalLM(full).kv_dtype == np.float32
@@ -83,7 +83,7 @@ def test_an_fp16_cache_scores_as_the_fp32_cache_within_the_rounding(exported, pr
     cache's."""
     path = np.random.default_rng(4).integers(3, 250, 12).tolist()
     half = _path_logprobs(exported("llama", precision, "whole", "both", kv_cache="fp16", **TARGET), path)
-    full = _path_logprobs(exported("llama", precision, "whole", "both", **TARGET), path)
+    full = _path_logprobs(exported("llama", precision, "whole", "both", kv_cache="fp32", **TARGET), path)
     assert 0 < np.abs(half - full).max() < TOLERANCE[precision]
 
 
@@ -115,6 +115,19 @@ def test_batched_equals_alone_with_an_fp16_cache(exported, mode):
     for a, b in zip(alone, together):
         assert_same_hypotheses(a, b, atol=0)
     assert max(max(r.stats.batch_sizes) for r in together) > 1
+
+
+def test_the_cache_is_fp32_unless_asked_or_computed_in_fp16(exported, hf_models, tmp_path):
+    """The default is fp32 in every precision and layout (split == whole), fp16 with fp16 compute; an
+    encoder-decoder's cache stays fp32."""
+    def kv(folder):
+        return json.loads((folder / "specbeam_config.json").read_text())["kv_cache_dtype"]
+    assert {kv(exported("llama", p, layout, **TARGET)) for p in ("fp32", "int8") for layout in ("whole", "split")} \
+        == {kv(exported("llama", "int4", **TARGET))} == {"float32"}
+    src, _ = hf_models("llama", **TARGET)
+    assert kv(export(src, tmp_path / "h", compute="fp16", quiet=True)) == "float16"
+    make_encdec_model(tmp_path / "marian", "marian", seed=3)
+    assert kv(export(tmp_path / "marian", tmp_path / "m", precision="int8", quiet=True)) == "float32"
 
 
 def test_kv_cache_refusals(hf_models, tmp_path):
