@@ -206,9 +206,10 @@ def main(argv=None) -> int:
             (rows if arm == "ours" else peers).append(row)
             print(json.dumps({"arm": arm, **{k: v for k, v in row.items() if k not in ("tokens", "score")}}),
                   file=sys.stderr)
-    data = {"model": args.model, "draft": args.draft, "chunk": args.chunk, "max_memory": args.max_memory,
+    name = lambda path: path and Path(path).name       # a folder's or file's name: no path of this machine
+    data = {"model": name(args.model), "draft": name(args.draft), "chunk": args.chunk, "max_memory": args.max_memory,
             "search": args.search, "max_new": args.max_new, "threads": args.threads, "machine": common.machine(),
-            "rows": rows, **({"llama_cpp": {"gguf": args.gguf, "rows": peers}} if args.llama_cpp else {})}
+            "rows": rows, **({"llama_cpp": {"gguf": name(args.gguf), "rows": peers}} if args.llama_cpp else {})}
     if peers:
         data["ratios"] = ratios(rows, peers)
     common.write(args.out, args.tag, data)
