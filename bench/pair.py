@@ -144,9 +144,9 @@ def bench(args) -> dict:
     jobs = [{"ids": tok.encode_prompt(t), "text": t, "max_new": args.max_new} for t in texts]
     names = [a for a in ARMS if a in args.arms]
     arms = {}
-    report = {"machine": common.machine(), "prompts": len(jobs), "prompt_set": args.prompt_set, "max_new": args.max_new,
-              "threads": args.threads,
-              "target": Path(args.target).name, "draft": Path(args.draft).name}
+    report = {"machine": common.machine(), "prompts": len(jobs), "prompt_set": args.prompt_set,
+              "max_new": args.max_new, "threads": args.threads, "target": Path(args.target).name,
+              "draft": Path(args.draft).name}
     try:
         for n in names:
             arms[n] = Arm(n, [sys.executable, "-m", "bench.pair", "--worker", n, "--target", str(args.target),

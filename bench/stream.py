@@ -113,8 +113,8 @@ def _llama_runner(arm: str, target: Path, gguf: Path, threads: int):
     from .llamacpp import generated, kernels, open_llama
 
     evict = "evicted" in arm
-    # evicted: no repacked kernels, whose load copies their tensors into the process (1.8 GB here), which a
-    # machine that cannot hold the model does not have and which no eviction of the file's pages reaches
+    # evicted: no repacked kernels, whose load copies their tensors into the process (1.8 GB resident on the EPYC
+    # run, bench/README), which a machine that cannot hold the model does not have and no eviction reaches
     llm = open_llama(gguf, repack=not evict, n_ctx=2048, n_threads=threads, n_threads_batch=threads, n_batch=512,
                      seed=0, verbose=False, use_mmap=True)
     eos = {llm.token_eos(), *json.loads((target / "specbeam_config.json").read_text())["eos_token_ids"]}

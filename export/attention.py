@@ -171,8 +171,8 @@ def _fused(b: Builder, arch: Arch, ins: list[str], outs: list[str], attrs: dict)
     q, k, v, mask, past_k, past_v = ins
     out, present_k, present_v = outs
     H, D = arch.heads, arch.head_dim
-    keys, values = (b.node("Cast", [x], [f"{out}.{n}32"], to=F32)
-                    for x, n in zip(_cache_concat(b, arch, k, v, past_k, past_v, present_k, present_v, out), "kv"))
+    _cache_concat(b, arch, k, v, past_k, past_v, present_k, present_v, out)
+    keys, values = (b.node("Cast", [x], [f"{out}.{n}32"], to=F32) for x, n in ((present_k, "k"), (present_v, "v")))
     shape = b.init(f"{out}.q_heads", np.array([0, 0, H, D], np.int64))
     q4 = b.node("Transpose", [b.node("Reshape", [q, shape], [f"{out}.q_r"])], [f"{out}.q4"], perm=[0, 2, 1, 3])
     four = {a: attrs[a] for a in ("scale", "softcap") if a in attrs}      # head counts are read from 4D inputs
@@ -183,10 +183,9 @@ def _fused(b: Builder, arch: Arch, ins: list[str], outs: list[str], attrs: dict)
 
 
 def _cache_concat(b: Builder, arch: Arch, k: str, v: str, past_k: str, past_v: str, present_k: str,
-                  present_v: str, out: str) -> tuple[str, str]:
+                  present_v: str, out: str) -> None:
     """present = past + the new rows' keys and values ([B, S, kv_heads * D] -> [B, kv_heads, S, D]) in the cache's
-    type: an fp16 cache is concatenated as it is stored, the new rows rounded to it. Returns (present_k,
-    present_v)."""
+    type: an fp16 cache is concatenated as it is stored, the new rows rounded to it."""
     def heads(x, name):
         x = b.node("Transpose", [b.node("Reshape", [x, b.init(f"{out}.{name}_shape", np.array(
             [0, 0, arch.kv_heads, arch.head_dim], np.int64))], [f"{out}.{name}_r"])], [f"{out}.{name}_t"],

@@ -68,7 +68,7 @@ def export(src: str | Path, dst: str | Path, *, precision: str = "fp32", layout:
     src, dst = Path(src), Path(dst)
     attention = _checked_options(precision, layout, output, block_size, compute, attention, head_tokens,
                                  int4_weights)
-    asked, kv_cache = kv_cache, _checked_kv_cache(kv_cache, compute)
+    kv_cache = _checked_kv_cache(kv_cache, compute)
     if not src.exists():
         raise ExportError(f"input {src} does not exist (pass a Hugging Face model folder or a .gguf file)")
     check_output(src, dst, overwrite)      # before the long work: never the input, a file or a link (safety.py)
@@ -86,7 +86,7 @@ def export(src: str | Path, dst: str | Path, *, precision: str = "fp32", layout:
             raise ExportError("compute fp16 is not available for encoder-decoder models yet (export fp32 compute)")
         if head_tokens is not None:
             raise ExportError("head_tokens is for decoder-only drafts, not encoder-decoder models")
-        if asked not in (None, "fp32"):
+        if kv_cache != "fp32":                    # (compute is fp32 here, so fp16 was asked for)
             raise ExportError("kv_cache fp16 is for decoder-only models (an encoder-decoder's cache stays fp32): "
                               "export without it")
         return export_encdec(src, dst, family_of(src), precision=precision, layout=layout, output=output,
@@ -185,10 +185,8 @@ def _export_decoder(src: Path, dst: Path, weights: dict | None, source_name: str
         head_ids = head_subset(head_ids, arch, src / "tokenizer.json", head_tokens)
     prog = ExportProgress(arch.layers + 3, quiet)
     with staged(dst, prog) as tmp:
-        # fp16 compute builds its graph in fp32 and converts all of it, the KV cache included (whole._to_fp16)
         files, quant = _write_graphs(tmp, weights, arch, head, head_ids, precision, layout, output, attention,
-                                     block_size, reduce_range, compute, int4_weights, prog,
-                                     "fp32" if compute == "fp16" else kv_cache)
+                                     block_size, reduce_range, compute, int4_weights, prog, kv_cache)
         copy_tokenizer(src, tmp, (*TOKENIZER_FILES, "chat_template.jinja"))
         write_config(tmp, t0, family=arch.family, vocab_size=arch.vocab_size, shape=_shape(arch), layout=layout,
                      precision=precision, quant=quant, compute=compute, attention=attention, output=output,

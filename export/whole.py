@@ -45,8 +45,8 @@ def write(tmp: Path, w, arch: Arch, head: str, head_ids, precision: str, output:
     int4_weights "rtn", or int4 blocks other than a GGUF's (BLOCK), quantize every matrix round-to-nearest;
     otherwise the file's own blocks where every piece's weights lie on them (_Quantizer)."""
     if precision in STREAMED and compute == "fp32":
-        quant = _streamed(tmp, w, arch, head, head_ids, precision, output, (attention, kv_cache), block_size,
-                          reduce_range, prog.step, int4_weights == "rtn" or block_size != BLOCK)
+        quant = _streamed(tmp, w, arch, head, head_ids, precision, output, attention, block_size, reduce_range,
+                          prog.step, int4_weights == "rtn" or block_size != BLOCK, kv_cache)
         # fp32 and fp16 record null here, {"method": "none"} elsewhere: the runtime reads both as stored weights
         quant = quant or (INT8W if precision == "int8w" else None)
     else:
@@ -171,20 +171,21 @@ def _piece(b: Builder) -> onnx.ModelProto:
                          opset_imports=[oh.make_opsetid("", OPSET)], ir_version=10)
 
 
-def _streamed(tmp: Path, w, arch: Arch, head: str, head_ids, precision: str, output: str, arithmetic: tuple,
-              block_size: int, reduce_range: bool, step, rtn: bool) -> dict | None:
+def _streamed(tmp: Path, w, arch: Arch, head: str, head_ids, precision: str, output: str, attention: str,
+              block_size: int, reduce_range: bool, step, rtn: bool, kv_cache: str) -> dict | None:
     """model.onnx and model.onnx.data into `tmp` a piece at a time; returns the config's quantization entry (None:
-    as stored). arithmetic: (attention, kv_cache), the Builder's."""
+    as stored)."""
     try:
-        return _write(tmp, w, arch, head, head_ids, precision, output, arithmetic, block_size, reduce_range, step,
-                      rtn)
+        return _write(tmp, w, arch, head, head_ids, precision, output, attention, block_size, reduce_range, step,
+                      rtn, kv_cache)
     except _OffGrid:
         step("some weights lie on no GGUF block grid: quantizing every weight round-to-nearest")
-        return _write(tmp, w, arch, head, head_ids, precision, output, arithmetic, block_size, reduce_range, step,
-                      True)
+        return _write(tmp, w, arch, head, head_ids, precision, output, attention, block_size, reduce_range, step,
+                      True, kv_cache)
 
 
-def _write(tmp, w, arch, head, head_ids, precision, output, arithmetic, block_size, reduce_range, step, rtn):
+def _write(tmp, w, arch, head, head_ids, precision, output, attention, block_size, reduce_range, step, rtn,
+           kv_cache):
     store = "fp32" if precision in ("int8", "int4") else precision        # as whole_model stores weights
     quantize = _Quantizer(precision, block_size, reduce_range, rtn)
     data = DataFile(tmp / "model.onnx.data")
@@ -205,22 +206,22 @@ def _write(tmp, w, arch, head, head_ids, precision, output, arithmetic, block_si
         outputs.extend(b.outputs)
         domains.update(o.domain for o in piece.opset_import if o.domain)
     try:
-        b = Builder(*arithmetic)                   # inputs, rope tables and the embedding
+        b = Builder(attention, kv_cache)           # inputs, rope tables and the embedding
         _common_inputs(b, arch, with_ids=True)
         _embedding(b, data, w, arch, precision)
         add(b)
         step("embedding")
         x = "h0"
         for i in range(arch.layers):
-            b = Builder(*arithmetic)
+            b = Builder(attention, kv_cache)
             (pk, pv), (ok, ov) = past_names(i), present_names(i)
             graph._kv_io(b, arch, i, (pk, pv), (ok, ov))
             lw = LayerTensors(w, arch, i)
             x = graph.decoder_layer(b, arch, i, x, {k: lw[k] for k in lw.keys()}, store, False, pk, pv, ok, ov)
             add(b, lambda: ({f"layers.{i}.{k}": lw.blocks(k) for k in graph.MATMULS}, False))
             step(f"layer {i + 1}/{arch.layers}")
-        b, lm_head, known = _head_piece(w, arch, head, head_ids, precision, output, arithmetic[0], reduce_range,
-                                        store, quantize.mode == "rtn", x)
+        b, lm_head, known = _head_piece(w, arch, head, head_ids, precision, output, attention, reduce_range, store,
+                                        quantize.mode == "rtn", x)
         add(b, lambda: ({lm_head: known}, True))
         step("head")
     finally:
@@ -263,7 +264,8 @@ def _in_memory(tmp: Path, weights, arch: Arch, head_ids, precision: str, output:
     for i in range(arch.layers):
         layers.append(layer_weights(weights, arch, i))
         prog.step(f"read layer {i + 1}/{arch.layers}")
-    model = graph.whole_model(arch, g, layers, "fp32", output, attention, kv_cache)
+    # fp16 compute's conversion (_to_fp16) turns the whole fp32 graph to fp16, its KV cache included
+    model = graph.whole_model(arch, g, layers, "fp32", output, attention, "fp32" if compute == "fp16" else kv_cache)
     del g, layers
     if compute == "fp16":
         model = _to_fp16(model)

@@ -80,9 +80,9 @@ SOURCES = {
         license="Apache-2.0", precision="int8", output="both", download_mb=93, need_mb=1000,
         description="SmolLM2-135M-Instruct (HuggingFaceTB), Q4_1 GGUF: 30 layers x 576, vocabulary 49,152, "
                     "ChatML chat template", draft="smollm2/draft", ahead="smollm2/ahead", ahead_pays=True,
-        # measured: the whole fetch (download, export, draft, head) 20 s, peak RSS 1.24 GB. Its cache in fp16 (the
-        # whole int8 default since; named so a folder exported before is exported again): 5,600 tokens peaked at
-        # 719 instead of 974 MB, decoding as fast (bench/README "Long prompts")
+        # measured: the whole fetch (download, export, draft, head) 20 s, peak RSS 1.24 GB. Its cache in fp16 (not
+        # the exporter's default; named so a folder exported before is exported again): the same export peaked at
+        # 671-719 instead of 974 MB over 5,600 tokens, decoding as fast (bench/README "Long prompts")
         export_time="under a minute", export_gb=1.3, export_options=(("kv_cache", "fp16"),)),
     # Qwen's own Q4_K_M files (the joined files' SHA-256 are the ones public projects pin for Qwen's releases),
     # uploaded by a third party in parts under unrelated package names: only these pinned versions are downloaded,
